@@ -1,0 +1,1 @@
+// Anchor translation unit for the project's shared precompiled header (cmake/shampoo_pch.h).

@@ -1,0 +1,171 @@
+#include "distributor/distributor.h"
+
+#include "distributor/block_assignment.h"
+#include "distributor/process_group.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+
+namespace shampoo::detail {
+namespace {
+
+std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group) {
+  try {
+    return group.getBackend(c10::DeviceType::CPU)->getBackendOptions()->timeout;
+  } catch (const c10::Error&) {
+    return kDefaultProcessGroupTimeout;
+  }
+}
+
+}  // namespace
+
+Distributor::Distributor(DistributorConfig config) : config_(std::move(config)) {
+  if (!config_.process_group) return;
+  auto& parent = config_.process_group;
+  global_rank_ = parent->getRank();
+  global_world_size_ = parent->getSize();
+  const int64_t trainers = config_.num_trainers_per_group == -1 ? global_world_size_
+                                                                 : config_.num_trainers_per_group;
+  TORCH_CHECK(trainers >= 1 && trainers <= global_world_size_ &&
+                  global_world_size_ % trainers == 0,
+              "DistributedOptions.num_trainers_per_group: got ", config_.num_trainers_per_group,
+              ", expected -1 or a divisor of the world size ", global_world_size_);
+  if (trainers == global_world_size_) {
+    group_ = parent;
+  } else {
+    const int first = static_cast<int>(global_rank_ / trainers * trainers);
+    // The split counter advances identically on every rank, so the tag agrees everywhere.
+    const auto tag = std::to_string(parent->incrementSplitCount());
+    group_ = make_subgroup(parent, first, static_cast<int>(trainers), tag, group_timeout(*parent));
+  }
+  rank_ = group_->getRank();
+  world_size_ = group_->getSize();
+}
+
+std::vector<int> Distributor::add_blocks(const std::vector<DistributedBlock>& blocks) {
+  const auto first_new = static_cast<int64_t>(blocks_.size());
+  const int64_t element_size = c10::elementSize(config_.communication_dtype);
+  std::map<int64_t, std::vector<int64_t>> new_by_unit;
+  for (const auto& block : blocks) {
+    new_by_unit[block.unit].push_back(static_cast<int64_t>(blocks_.size()));
+    blocks_.push_back(block);
+  }
+  owners_.resize(blocks_.size(), 0);
+  placements_.resize(blocks_.size());
+  for (auto& [unit_index, indices] : new_by_unit) {
+    if (unit_index >= static_cast<int64_t>(units_.size())) units_.resize(unit_index + 1);
+    auto& unit = units_[unit_index];
+    if (unit.loads.empty()) unit.loads.assign(world_size_, 0);
+    std::vector<int64_t> costs;
+    for (const int64_t b : indices) costs.push_back(block_cost(blocks_[b].numel, element_size));
+    const auto owners = assign_owners(costs, world_size_, unit.loads);
+    for (size_t i = 0; i < indices.size(); ++i) {
+      owners_[indices[i]] = owners[i];
+      unit.blocks.push_back(indices[i]);
+    }
+    if (distributed()) layout_unit(unit);
+  }
+  return {owners_.begin() + first_new, owners_.end()};
+}
+
+void Distributor::layout_unit(Unit& unit) {
+  std::sort(unit.blocks.begin(), unit.blocks.end());
+  std::vector<int64_t> count(world_size_, 0), values(world_size_, 0);
+  for (const int64_t b : unit.blocks) {
+    ++count[owners_[b]];
+    values[owners_[b]] += blocks_[b].numel;
+  }
+  std::vector<int64_t> next_flag(world_size_, 0), next_value(count);
+  for (const int64_t b : unit.blocks) {
+    const int r = owners_[b];
+    placements_[b].flag = next_flag[r]++;
+    placements_[b].offset = next_value[r];
+    next_value[r] += blocks_[b].numel;
+  }
+  unit.segment_size = 0;
+  for (int r = 0; r < world_size_; ++r) {
+    unit.segment_size = std::max(unit.segment_size, count[r] + values[r]);
+  }
+  const auto device = blocks_[unit.blocks.front()].device;
+  for (const int64_t b : unit.blocks) {
+    TORCH_CHECK(blocks_[b].device == device, "DistributedShampoo: all parameters must be on one "
+                "device, found ", blocks_[b].device, " and ", device);
+  }
+  const auto options = at::TensorOptions().dtype(config_.communication_dtype).device(device);
+  unit.send = at::zeros({unit.segment_size}, options);
+  unit.receive = at::zeros({world_size_ * unit.segment_size}, options);
+}
+
+void Distributor::begin_step() {
+  if (!distributed()) return;
+  updated_.assign(blocks_.size(), false);
+}
+
+at::Tensor Distributor::slot(int64_t block) {
+  TORCH_INTERNAL_ASSERT(distributed() && owns(block));
+  auto& unit = units_[blocks_[block].unit];
+  return unit.send.narrow(0, placements_[block].offset, blocks_[block].numel);
+}
+
+void Distributor::mark_updated(int64_t block) {
+  TORCH_INTERNAL_ASSERT(distributed() && owns(block));
+  updated_[block] = true;
+}
+
+int64_t Distributor::exchange() {
+  if (!distributed()) return 0;
+  int64_t collectives = 0;
+  received_updated_.assign(blocks_.size(), false);
+  for (auto& unit : units_) {
+    if (unit.blocks.empty()) continue;
+    // This rank's flags, written with one copy.
+    std::vector<float> flags;
+    for (const int64_t b : unit.blocks) {
+      if (owners_[b] == rank_) flags.push_back(updated_[b] ? 1.0f : 0.0f);
+    }
+    if (!flags.empty()) {
+      const auto n = static_cast<int64_t>(flags.size());
+      unit.send.narrow(0, 0, n).copy_(at::from_blob(flags.data(), {n}, at::kFloat));
+    }
+    const auto device_type = unit.send.device().type();
+    auto backend = group_->getBackend(device_type);
+    backend->_allgather_base(unit.receive, unit.send)->wait();
+    ++collectives;
+    // Every rank's flags, read back with one copy.
+    int64_t max_count = 0;
+    for (const int64_t b : unit.blocks) max_count = std::max(max_count, placements_[b].flag + 1);
+    const auto received_flags = unit.receive.view({world_size_, unit.segment_size})
+                                    .narrow(1, 0, max_count)
+                                    .to(at::kCPU, at::kFloat)
+                                    .contiguous();
+    const float* data = received_flags.data_ptr<float>();
+    for (const int64_t b : unit.blocks) {
+      received_updated_[b] = data[owners_[b] * max_count + placements_[b].flag] != 0.0f;
+    }
+  }
+  return collectives;
+}
+
+bool Distributor::received_updated(int64_t block) const { return received_updated_[block]; }
+
+at::Tensor Distributor::received(int64_t block) const {
+  const auto& unit = units_[blocks_[block].unit];
+  return unit.receive.narrow(0, owners_[block] * unit.segment_size + placements_[block].offset,
+                             blocks_[block].numel);
+}
+
+int64_t Distributor::bytes_sent_per_step() const {
+  int64_t bytes = 0;
+  for (const auto& unit : units_) bytes += unit.send.defined() ? unit.send.nbytes() : 0;
+  return bytes;
+}
+
+int64_t Distributor::bytes_received_per_step() const {
+  int64_t bytes = 0;
+  for (const auto& unit : units_) bytes += unit.receive.defined() ? unit.receive.nbytes() : 0;
+  return bytes;
+}
+
+}  // namespace shampoo::detail

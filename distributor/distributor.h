@@ -1,0 +1,106 @@
+#pragma once
+/// The Distributor: which rank owns (computes) each block, and how the owners' results reach
+/// every rank. Blocks belong to communication units: with merged param groups one unit holds
+/// every block (one AllGather per step); unmerged, one unit per virtual group.
+///
+/// Layout of a unit's AllGather buffer (communication dtype): one segment per rank of the trainer
+/// group, padded to the largest; segment r = [a flag per block owned by r (1 = updated this step)]
+/// followed by those blocks' values, in block order. Owners write their blocks' updates (or
+/// updated parameters) and flags into their segment; the AllGather is issued by every rank every
+/// step, also by a rank with nothing to send, so ranks never wait on each other forever.
+
+#include "distributor/block_plan.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <vector>
+
+namespace shampoo::detail {
+
+struct DistributorConfig {
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group;  ///< null = single process
+  at::ScalarType communication_dtype = at::kFloat;
+  int64_t num_trainers_per_group = -1;
+  bool communicate_params = false;
+};
+
+/// A block as the distributor sees it.
+struct DistributedBlock {
+  BlockId id;
+  int64_t numel = 0;
+  int64_t unit = 0;
+  at::Device device = at::kCPU;
+};
+
+class Distributor {
+ public:
+  explicit Distributor(DistributorConfig config);
+
+  /// True when a process group with more than zero peers is used (even of size 1).
+  bool distributed() const { return static_cast<bool>(group_); }
+  /// Rank and size within this rank's trainer group (0 and 1 for a single process).
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  /// Global rank and size of the whole process group.
+  int global_rank() const { return global_rank_; }
+  int global_world_size() const { return global_world_size_; }
+  bool communicate_params() const { return config_.communicate_params; }
+  at::ScalarType communication_dtype() const { return config_.communication_dtype; }
+
+  /// Registers blocks (in order; indices continue the earlier ones) and assigns their owners,
+  /// continuing the loads of earlier blocks so existing assignments never move. Rebuilds the
+  /// buffer layouts. Returns the owner (trainer-group rank) of each new block.
+  std::vector<int> add_blocks(const std::vector<DistributedBlock>& blocks);
+
+  int owner(int64_t block) const { return owners_[block]; }
+  bool owns(int64_t block) const { return owners_[block] == rank_; }
+  int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
+
+  /// Starts a step: clears this rank's flags. Call before writing slots.
+  void begin_step();
+  /// The slot of an owned block in this rank's segment ([numel], communication dtype).
+  at::Tensor slot(int64_t block);
+  /// Marks an owned block as updated this step.
+  void mark_updated(int64_t block);
+  /// One AllGather per unit. Returns the number of collectives issued.
+  int64_t exchange();
+  /// After exchange(): whether the owner of `block` updated it, and its values ([numel]).
+  bool received_updated(int64_t block) const;
+  at::Tensor received(int64_t block) const;
+
+  /// Bytes this rank sends per step (all units) and receives.
+  int64_t bytes_sent_per_step() const;
+  int64_t bytes_received_per_step() const;
+
+ private:
+  struct Placement {
+    int64_t offset = 0;     // element offset of the values inside the owner's segment
+    int64_t flag = 0;       // element offset of the flag inside the owner's segment
+  };
+  struct Unit {
+    std::vector<int64_t> blocks;  // global block indices, ascending
+    int64_t segment_size = 0;     // elements per rank
+    at::Tensor send;              // [segment_size]
+    at::Tensor receive;           // [world_size * segment_size]
+    std::vector<int64_t> loads;   // per rank, for incremental assignment
+  };
+  void layout_unit(Unit& unit);
+
+  DistributorConfig config_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;  // trainer group (subgroup or the whole group)
+  int rank_ = 0;
+  int world_size_ = 1;
+  int global_rank_ = 0;
+  int global_world_size_ = 1;
+  std::vector<DistributedBlock> blocks_;
+  std::vector<int> owners_;
+  std::vector<Placement> placements_;
+  std::vector<Unit> units_;
+  std::vector<bool> updated_;           // this rank's blocks updated this step
+  std::vector<bool> received_updated_;  // every block, after exchange()
+};
+
+}  // namespace shampoo::detail

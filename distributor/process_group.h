@@ -1,0 +1,59 @@
+#pragma once
+/// Process groups on PyTorch's c10d: a TCPStore rendezvous and a c10d::ProcessGroup with Gloo for
+/// CPU tensors and, when LibTorch has CUDA and a GPU is present, NCCL for CUDA tensors.
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace shampoo {
+
+/// Default timeout of collectives and of the rendezvous.
+inline constexpr std::chrono::milliseconds kDefaultProcessGroupTimeout{std::chrono::minutes(5)};
+
+/// Joins the process group described by torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK,
+/// MASTER_ADDR, MASTER_PORT (and TORCHELASTIC_USE_AGENT_STORE: when "True" the launcher hosts the
+/// store and every rank connects as a client; otherwise rank 0 hosts it). A missing or malformed
+/// variable is an error naming it. `timeout` bounds the rendezvous and every collective: a rank
+/// that dies makes the others fail with a timeout error instead of hanging.
+c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
+    std::chrono::milliseconds timeout = kDefaultProcessGroupTimeout);
+
+/// The LOCAL_RANK of this process (0 when unset), e.g. to pick the CUDA device.
+int local_rank_from_env();
+
+namespace detail {
+
+/// A process group over `store` (prefixed per backend) with Gloo for CPU tensors and, when
+/// `with_nccl`, NCCL for CUDA tensors.
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                          int rank, int size,
+                                                          std::chrono::milliseconds timeout,
+                                                          bool with_nccl);
+
+/// The Gloo backend of c10d (distributor/gloo_backend.cpp, the only file that includes
+/// ProcessGroupGloo.hpp).
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    int rank, int size,
+                                                    std::chrono::milliseconds timeout);
+
+/// The NCCL backend of c10d; an error when this build or LibTorch has no NCCL.
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    int rank, int size,
+                                                    std::chrono::milliseconds timeout);
+
+/// The subgroup of consecutive ranks [first, first + size) that contains this rank, as a new
+/// process group with the parent's backends (every rank of the parent calls this; each gets
+/// its own subgroup). `tag` must be the same on every rank.
+c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(const c10::intrusive_ptr<c10d::ProcessGroup>& parent,
+                                                     int first, int size, const std::string& tag,
+                                                     std::chrono::milliseconds timeout);
+
+/// Whether `group` has a backend for CUDA tensors.
+bool has_cuda_backend(const c10d::ProcessGroup& group);
+
+}  // namespace detail
+}  // namespace shampoo

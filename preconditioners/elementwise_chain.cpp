@@ -1,0 +1,226 @@
+#include "preconditioners/elementwise_chain.h"
+
+#include "shampoo/config.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#if SHAMPOO_WITH_CUDA
+#include "preconditioners/cuda/elementwise_chain_cuda.h"
+#endif
+
+namespace shampoo::detail {
+namespace {
+
+/// A chunk of one block: the unit of parallel work.
+struct WorkItem {
+  int64_t block;
+  int64_t begin;
+  int64_t end;
+};
+
+void check_block(const ChainBlockTensors& b, at::ScalarType dtype, at::Device device) {
+  const int64_t numel = b.grad.numel();
+  auto check = [&](const at::Tensor& t, const char* name) {
+    if (!t.defined()) return;
+    TORCH_CHECK(t.scalar_type() == dtype, "elementwise chain: ", name, " has dtype ",
+                t.scalar_type(), ", expected ", dtype);
+    TORCH_CHECK(t.device() == device, "elementwise chain: ", name, " is on ", t.device(),
+                ", expected ", device);
+    TORCH_CHECK(t.is_contiguous(), "elementwise chain: ", name, " must be contiguous");
+    TORCH_CHECK(t.numel() == numel, "elementwise chain: ", name, " has ", t.numel(),
+                " elements, expected ", numel);
+  };
+  check(b.grad, "grad");
+  check(b.param, "param");
+  check(b.gradient_out, "gradient_out");
+  check(b.filtered_out, "filtered_out");
+  check(b.filter_state, "filter_state");
+  check(b.diagonal_state, "diagonal_state");
+  check(b.preconditioned, "preconditioned");
+  check(b.momentum_state, "momentum_state");
+  check(b.param_out, "param_out");
+  check(b.update_out, "update_out");
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+template <typename T>
+kernels::ChainBlock<T> to_kernel_block(const ChainBlockTensors& b) {
+  kernels::ChainBlock<T> k;
+  k.numel = b.grad.numel();
+  k.grad = ptr<T>(b.grad);
+  k.param = ptr<T>(b.param);
+  k.gradient_out = ptr<T>(b.gradient_out);
+  k.filtered_out = ptr<T>(b.filtered_out);
+  k.filter_state = ptr<T>(b.filter_state);
+  k.diagonal_state = ptr<T>(b.diagonal_state);
+  k.preconditioned = ptr<T>(b.preconditioned);
+  k.momentum_state = ptr<T>(b.momentum_state);
+  k.param_out = ptr<T>(b.param_out);
+  k.update_out = ptr<T>(b.update_out);
+  k.s = b.scalars;
+  return k;
+}
+
+/// Checks every block; returns false when there is nothing to do.
+bool check_all(const std::vector<ChainBlockTensors>& blocks, at::ScalarType& dtype,
+               at::Device& device) {
+  if (blocks.empty()) return false;
+  dtype = blocks.front().grad.scalar_type();
+  device = blocks.front().grad.device();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+              "elementwise chain: dtype ", dtype, " is not supported (Float or Double)");
+  for (const auto& b : blocks) check_block(b, dtype, device);
+  return true;
+}
+
+std::vector<WorkItem> make_work(const std::vector<ChainBlockTensors>& blocks,
+                                const std::vector<bool>* only) {
+  std::vector<WorkItem> items;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (only != nullptr && !(*only)[i]) continue;
+    const int64_t numel = blocks[i].grad.numel();
+    for (int64_t begin = 0; begin < numel; begin += kernels::kChainChunk) {
+      items.push_back({static_cast<int64_t>(i), begin,
+                       std::min(numel, begin + kernels::kChainChunk)});
+    }
+  }
+  return items;
+}
+
+/// Runs fn(item) for every work item, in parallel when there is enough work.
+template <typename Fn>
+void for_each_item(const std::vector<WorkItem>& items, Fn&& fn) {
+  const auto n = static_cast<int64_t>(items.size());
+  if (n <= 1) {
+    for (const auto& item : items) fn(item);
+    return;
+  }
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) fn(items[i]);
+  });
+}
+
+template <typename T>
+std::vector<kernels::ChainBlock<T>> to_kernel_blocks(const std::vector<ChainBlockTensors>& blocks) {
+  std::vector<kernels::ChainBlock<T>> out;
+  out.reserve(blocks.size());
+  for (const auto& b : blocks) out.push_back(to_kernel_block<T>(b));
+  return out;
+}
+
+}  // namespace
+
+bool chain_has_cuda_kernels() { return SHAMPOO_WITH_CUDA != 0; }
+
+void run_chain_pre(const std::vector<ChainBlockTensors>& blocks) {
+  at::ScalarType dtype;
+  at::Device device(at::kCPU);
+  if (!check_all(blocks, dtype, device)) return;
+  for (const auto& b : blocks) {
+    TORCH_INTERNAL_ASSERT(b.filtered_out.defined(), "pre pass needs filtered_out");
+  }
+  AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_pre", [&] {
+    const auto kblocks = to_kernel_blocks<scalar_t>(blocks);
+    if (device.is_cuda()) {
+#if SHAMPOO_WITH_CUDA
+      cuda::chain_pre(kblocks, device.index());
+      return;
+#else
+      TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
+#endif
+    }
+    const auto items = make_work(blocks, nullptr);
+    for_each_item(items, [&](const WorkItem& item) {
+      kernels::chain_pre_range(kblocks[item.block], item.begin, item.end);
+    });
+  });
+}
+
+void run_chain_norms(std::vector<ChainBlockTensors>& blocks) {
+  at::ScalarType dtype;
+  at::Device device(at::kCPU);
+  if (!check_all(blocks, dtype, device)) return;
+  std::vector<bool> needed(blocks.size());
+  bool any = false;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    needed[i] = blocks[i].scalars.direction_mode ==
+                static_cast<int32_t>(kernels::DirectionMode::kGraftNorm);
+    if (needed[i]) {
+      TORCH_INTERNAL_ASSERT(blocks[i].preconditioned.defined());
+      any = true;
+    }
+  }
+  if (!any) return;
+  std::vector<double> preconditioned_sq(blocks.size(), 0.0);
+  std::vector<double> graft_sq(blocks.size(), 0.0);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_norms", [&] {
+    const auto kblocks = to_kernel_blocks<scalar_t>(blocks);
+    if (device.is_cuda()) {
+#if SHAMPOO_WITH_CUDA
+      cuda::chain_norms(kblocks, needed, preconditioned_sq, graft_sq, device.index());
+      return;
+#else
+      TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
+#endif
+    }
+    const auto items = make_work(blocks, &needed);
+    std::vector<double> partial_p(items.size(), 0.0);
+    std::vector<double> partial_g(items.size(), 0.0);
+    const auto n = static_cast<int64_t>(items.size());
+    auto run = [&](int64_t i) {
+      kernels::chain_norm_range(kblocks[items[i].block], items[i].begin, items[i].end,
+                                partial_p[i], partial_g[i]);
+    };
+    if (n <= 1) {
+      for (int64_t i = 0; i < n; ++i) run(i);
+    } else {
+      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) run(i);
+      });
+    }
+    // Combine in chunk order: the sum does not depend on the thread count.
+    for (size_t i = 0; i < items.size(); ++i) {
+      preconditioned_sq[items[i].block] += partial_p[i];
+      graft_sq[items[i].block] += partial_g[i];
+    }
+  });
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (needed[i]) {
+      blocks[i].scalars.graft_ratio = kernels::graft_ratio(preconditioned_sq[i], graft_sq[i]);
+    }
+  }
+}
+
+void run_chain_post(const std::vector<ChainBlockTensors>& blocks) {
+  at::ScalarType dtype;
+  at::Device device(at::kCPU);
+  if (!check_all(blocks, dtype, device)) return;
+  for (const auto& b : blocks) {
+    TORCH_INTERNAL_ASSERT(b.param.defined() && b.filtered_out.defined());
+    TORCH_INTERNAL_ASSERT(b.param_out.defined() != b.update_out.defined(),
+                          "post pass writes either param_out or update_out");
+  }
+  AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_post", [&] {
+    const auto kblocks = to_kernel_blocks<scalar_t>(blocks);
+    if (device.is_cuda()) {
+#if SHAMPOO_WITH_CUDA
+      cuda::chain_post(kblocks, device.index());
+      return;
+#else
+      TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
+#endif
+    }
+    const auto items = make_work(blocks, nullptr);
+    for_each_item(items, [&](const WorkItem& item) {
+      kernels::chain_post_range(kblocks[item.block], item.begin, item.end);
+    });
+  });
+}
+
+}  // namespace shampoo::detail

@@ -1,0 +1,184 @@
+#pragma once
+/// Kernel layer of the elementwise chain of one Shampoo step (no LibTorch here: raw pointers,
+/// sizes and per-block scalars in). The chain runs for all blocks of a virtual group at once, each
+/// block with its own hyperparameters, in three passes:
+///   pre:   L2 weight decay, diagonal (grafting) statistics, β1/β3 filtering   -> G', Ḡ
+///   norms: ‖P‖² and ‖P_graft‖² per block (only for blocks that match norms)
+///   post:  grafting, decoupled weight decay, momentum, × (−lr), apply or write the update
+/// The per-element math is shared by the CPU path (this header) and the CUDA kernels
+/// (preconditioners/cuda/), so both compute the same formulas (NUMERICS.md).
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define SHAMPOO_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define SHAMPOO_HOST_DEVICE inline
+#endif
+
+namespace shampoo::kernels {
+
+/// What the post pass uses as the search direction P of a block.
+enum class DirectionMode : int32_t {
+  kPreconditioned = 0,  ///< P = the matrix-preconditioned Ḡ (or Ḡ itself when none is given)
+  kGraft = 1,           ///< P = P_graft = diagonal(Ḡ) (grafting warm-up before preconditioning)
+  kGraftNorm = 2,       ///< P = preconditioned · ‖P_graft‖ / (‖preconditioned‖ + 1e−16)
+};
+
+/// Diagonal method used for grafting (P_graft) and its statistics V.
+enum class DiagonalKind : int32_t { kNone = 0, kSGD = 1, kAdaGrad = 2, kRMSprop = 3, kAdam = 4 };
+
+/// Per-block scalars of one step, resolved on the host (double; cast to the compute type).
+struct ChainScalars {
+  double l2_weight_decay = 0.0;         ///< G' = G + wd·W (0 = off)
+  double beta1 = 0.0;                   ///< M ← lerp(M, G', 1 − β1) (0 = no filtering)
+  double beta3 = 0.0;                   ///< Ḡ = lerp(M_prev, G', 1 − β3) when separate_beta3
+  int32_t separate_beta3 = 0;           ///< β3 ≠ β1
+  double filter_bias_correction = 1.0;  ///< Ḡ ← Ḡ / this
+  int32_t diagonal_kind = 0;            ///< DiagonalKind
+  double diagonal_beta2 = 1.0;          ///< V ← β2·V + weight·G'²
+  double diagonal_weight = 1.0;
+  double diagonal_bias_correction = 1.0;  ///< P_graft = Ḡ / (sqrt(V / bc2) + ε)
+  double diagonal_epsilon = 0.0;
+  int32_t direction_mode = 0;           ///< DirectionMode
+  double graft_ratio = 1.0;             ///< filled in between the norm and post passes
+  double decoupled_weight_decay = 0.0;  ///< P ← P + wd·W (0 = off)
+  double momentum = 0.0;                ///< B ← μ·B + (1 − dampening)·P (0 = off)
+  double dampening = 0.0;
+  int32_t nesterov = 0;
+  double lr = 0.0;                      ///< U = −lr·P
+  int32_t output_updated_param = 0;     ///< write W + U instead of U (communicate_params)
+};
+
+/// Pointers of one block for the three passes. Rows of stacks or views of parameters; every
+/// pointer addresses `numel` contiguous elements. Null means "not used by this block".
+template <typename T>
+struct ChainBlock {
+  int64_t numel = 0;
+  const T* grad = nullptr;          ///< G (read)
+  const T* param = nullptr;         ///< W (read)
+  T* gradient_out = nullptr;        ///< G' (pre pass)
+  T* filtered_out = nullptr;        ///< Ḡ (pre pass writes, post pass reads); may alias gradient_out
+  T* filter_state = nullptr;        ///< M
+  T* diagonal_state = nullptr;      ///< V
+  const T* preconditioned = nullptr;  ///< matrix-preconditioned Ḡ (post pass)
+  T* momentum_state = nullptr;      ///< B
+  T* param_out = nullptr;           ///< apply W ← W + U in place (single process) ...
+  T* update_out = nullptr;          ///< ... or write U (or W + U) here (distributed)
+  ChainScalars s;
+};
+
+/// torch.lerp's formula (ATen/native/Lerp.h): exact at weight 0 and 1.
+template <typename T>
+SHAMPOO_HOST_DEVICE T lerp(T self, T end, T weight) {
+  return (weight < T(0.5) && weight > T(-0.5)) ? self + weight * (end - self)
+                                                : end - (end - self) * (T(1) - weight);
+}
+
+template <typename T>
+SHAMPOO_HOST_DEVICE T graft_direction(const ChainScalars& s, T filtered, T diagonal) {
+  if (s.diagonal_kind == static_cast<int32_t>(DiagonalKind::kSGD) ||
+      s.diagonal_kind == static_cast<int32_t>(DiagonalKind::kNone)) {
+    return filtered;
+  }
+  using std::sqrt;
+  const T denom = sqrt(diagonal / T(s.diagonal_bias_correction)) + T(s.diagonal_epsilon);
+  return filtered / denom;
+}
+
+/// Pre pass for element i of a block.
+template <typename T>
+SHAMPOO_HOST_DEVICE void chain_pre_element(const ChainBlock<T>& b, int64_t i) {
+  const ChainScalars& s = b.s;
+  T g = b.grad[i];
+  if (s.l2_weight_decay != 0.0) g = g + T(s.l2_weight_decay) * b.param[i];
+  if (b.gradient_out != nullptr) b.gradient_out[i] = g;
+  if (b.diagonal_state != nullptr) {
+    b.diagonal_state[i] = T(s.diagonal_beta2) * b.diagonal_state[i] + T(s.diagonal_weight) * g * g;
+  }
+  T filtered = g;
+  if (b.filter_state != nullptr) {
+    const T m_prev = b.filter_state[i];
+    const T m = lerp<T>(m_prev, g, T(1.0 - s.beta1));
+    b.filter_state[i] = m;
+    filtered = s.separate_beta3 ? lerp<T>(m_prev, g, T(1.0 - s.beta3)) : m;
+    if (s.filter_bias_correction != 1.0) filtered = filtered / T(s.filter_bias_correction);
+  }
+  b.filtered_out[i] = filtered;
+}
+
+/// The search direction of element i before weight decay and momentum.
+template <typename T>
+SHAMPOO_HOST_DEVICE T chain_direction(const ChainBlock<T>& b, int64_t i) {
+  const ChainScalars& s = b.s;
+  const T filtered = b.filtered_out[i];
+  switch (static_cast<DirectionMode>(s.direction_mode)) {
+    case DirectionMode::kGraft:
+      return graft_direction<T>(s, filtered,
+                                b.diagonal_state != nullptr ? b.diagonal_state[i] : T(0));
+    case DirectionMode::kGraftNorm:
+      return b.preconditioned[i] * T(s.graft_ratio);
+    case DirectionMode::kPreconditioned:
+    default:
+      return b.preconditioned != nullptr ? b.preconditioned[i] : filtered;
+  }
+}
+
+/// Norm pass for element i: adds P² and P_graft² (kGraftNorm blocks only).
+template <typename T>
+SHAMPOO_HOST_DEVICE void chain_norm_element(const ChainBlock<T>& b, int64_t i,
+                                            double& preconditioned_sq, double& graft_sq) {
+  const double p = static_cast<double>(b.preconditioned[i]);
+  const double g = static_cast<double>(graft_direction<T>(
+      b.s, b.filtered_out[i], b.diagonal_state != nullptr ? b.diagonal_state[i] : T(0)));
+  preconditioned_sq += p * p;
+  graft_sq += g * g;
+}
+
+/// Post pass for element i.
+template <typename T>
+SHAMPOO_HOST_DEVICE void chain_post_element(const ChainBlock<T>& b, int64_t i) {
+  const ChainScalars& s = b.s;
+  T p = chain_direction<T>(b, i);
+  const T w = b.param[i];
+  if (s.decoupled_weight_decay != 0.0) p = p + T(s.decoupled_weight_decay) * w;
+  if (b.momentum_state != nullptr) {
+    const T one_minus_dampening = T(1.0 - s.dampening);
+    const T buffer = T(s.momentum) * b.momentum_state[i] + one_minus_dampening * p;
+    b.momentum_state[i] = buffer;
+    p = s.nesterov ? one_minus_dampening * p + T(s.momentum) * buffer : buffer;
+  }
+  const T update = T(-s.lr) * p;
+  if (b.param_out != nullptr) {
+    b.param_out[i] = w + update;
+  } else {
+    b.update_out[i] = s.output_updated_param ? w + update : update;
+  }
+}
+
+/// Grafting ratio from the two squared norms (NUMERICS.md step 5).
+inline double graft_ratio(double preconditioned_sq, double graft_sq) {
+  return std::sqrt(graft_sq) / (std::sqrt(preconditioned_sq) + 1e-16);
+}
+
+/// CPU loops over a range of one block's elements (the launcher splits blocks into chunks of
+/// kChainChunk elements and runs chunks in parallel; norms are summed per chunk and combined in
+/// chunk order, so results do not depend on the number of threads).
+inline constexpr int64_t kChainChunk = 1 << 14;
+
+template <typename T>
+void chain_pre_range(const ChainBlock<T>& b, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) chain_pre_element(b, i);
+}
+template <typename T>
+void chain_norm_range(const ChainBlock<T>& b, int64_t begin, int64_t end, double& p_sq,
+                      double& g_sq) {
+  for (int64_t i = begin; i < end; ++i) chain_norm_element(b, i, p_sq, g_sq);
+}
+template <typename T>
+void chain_post_range(const ChainBlock<T>& b, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) chain_post_element(b, i);
+}
+
+}  // namespace shampoo::kernels

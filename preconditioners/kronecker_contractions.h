@@ -1,0 +1,24 @@
+#pragma once
+/// Tensor contractions of Kronecker-factored preconditioners over stacks of equal-shape blocks.
+/// A stack holds n blocks as [n, d_0, ..., d_{k-1}]; matrices acting on block dim j are
+/// [n, d_j, d_j]. Every function treats each block independently (batched matrix products), so
+/// a block's result does not depend on which other blocks share its stack.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace shampoo::detail {
+
+/// The Kronecker factor contribution of every block along block dim `dim`: the block contracted
+/// with itself over every other dim, [n, d_dim, d_dim] (for a matrix block: G·Gᵀ for dim 0,
+/// Gᵀ·G for dim 1; for a vector block: g·gᵀ).
+at::Tensor stacked_outer_product(const at::Tensor& blocks, int64_t dim);
+
+/// Multiplies every block along block dim `dim` by its matrix: with M [n, d_dim, d_dim],
+/// out[..., i, ...] = Σ_j M[i, j] · in[..., j, ...] (or M[j, i] when `transpose`).
+/// For a matrix block: dim 0 gives M·B, dim 1 gives B·Mᵀ.
+at::Tensor stacked_multiply_along_dim(const at::Tensor& blocks, const at::Tensor& matrices,
+                                      int64_t dim, bool transpose = false);
+
+}  // namespace shampoo::detail

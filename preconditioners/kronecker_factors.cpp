@@ -1,0 +1,187 @@
+#include "preconditioners/kronecker_factors.h"
+
+#include "preconditioners/kronecker_contractions.h"
+#include "preconditioners/matrix_functions.h"
+
+#include <c10/util/Exception.h>
+
+#include <numeric>
+
+namespace shampoo::detail {
+
+at::Tensor Rows::index(const at::Device& device) const {
+  return at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
+}
+
+Rows Rows::every(int64_t n) {
+  Rows r;
+  r.rows.resize(n);
+  std::iota(r.rows.begin(), r.rows.end(), 0);
+  r.all = true;
+  return r;
+}
+
+std::pair<Rows, RowScalars> select_rows(const Rows& rows, const RowScalars& scalars,
+                                        const std::vector<bool>& selected) {
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(selected.size()) == rows.size());
+  Rows out_rows;
+  RowScalars out;
+  for (int64_t i = 0; i < rows.size(); ++i) {
+    if (!selected[i]) continue;
+    out_rows.rows.push_back(rows.rows[i]);
+    out.beta2.push_back(scalars.beta2[i]);
+    out.factor_weight.push_back(scalars.factor_weight[i]);
+    out.bias_correction2.push_back(scalars.bias_correction2[i]);
+    out.epsilon.push_back(scalars.epsilon[i]);
+    out.step.push_back(scalars.step[i]);
+  }
+  out_rows.all = rows.all && out_rows.size() == rows.size();
+  return {std::move(out_rows), std::move(out)};
+}
+
+at::Tensor gather_rows(const at::Tensor& stacked, const Rows& rows) {
+  if (rows.all) return stacked;
+  return stacked.index_select(0, rows.index(stacked.device()));
+}
+
+void scatter_rows(at::Tensor& stacked, const Rows& rows, const at::Tensor& values) {
+  if (rows.all) {
+    if (!values.is_same(stacked)) stacked.copy_(values);
+    return;
+  }
+  stacked.index_copy_(0, rows.index(stacked.device()), values);
+}
+
+at::Tensor row_scalars(const std::vector<double>& values, const at::TensorOptions& options,
+                       int64_t dims) {
+  std::vector<int64_t> shape(dims, 1);
+  shape[0] = static_cast<int64_t>(values.size());
+  return at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(options).view(shape);
+}
+
+at::Tensor checked_state(const std::map<std::string, at::Tensor>& in, const std::string& key,
+                         at::IntArrayRef shape, const at::TensorOptions& options,
+                         const std::string& owner) {
+  const auto it = in.find(key);
+  TORCH_CHECK(it != in.end(), "checkpoint: ", owner, " has no entry '", key,
+              "' (the checkpoint was written with other options or for another model)");
+  TORCH_CHECK(it->second.sizes() == shape, "checkpoint: ", owner, " entry '", key,
+              "' has shape ", it->second.sizes(), ", expected ", shape);
+  return it->second.to(options);
+}
+
+KroneckerFactors::KroneckerFactors(std::vector<StackSpec> stacks,
+                                   MatrixPreconditionerSettings settings)
+    : settings_(std::move(settings)) {
+  for (auto& spec : stacks) {
+    Stack s;
+    const auto order = static_cast<int64_t>(spec.block_shape.size());
+    TORCH_INTERNAL_ASSERT(static_cast<int64_t>(spec.dim_exponents.size()) == order);
+    s.factors.resize(order);
+    const auto factor_options = spec.options.dtype(settings_.factor_dtype);
+    for (int64_t k = 0; k < order; ++k) {
+      if (spec.dim_exponents[k] == 0.0) continue;
+      s.dims.push_back(k);
+      const int64_t d = spec.block_shape[k];
+      s.factors[k] = at::zeros({spec.size(), d, d}, factor_options);
+    }
+    s.consecutive_failures.assign(spec.size(), 0);
+    s.warned.assign(spec.size(), false);
+    s.spec = std::move(spec);
+    stacks_.push_back(std::move(s));
+  }
+}
+
+void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
+                              const RowScalars& scalars) {
+  auto& s = stacks_[stack];
+  if (s.dims.empty() || rows.size() == 0) return;
+  const auto options = s.spec.options.dtype(settings_.factor_dtype);
+  const auto g = gradients.to(settings_.factor_dtype);
+  const auto beta2 = row_scalars(scalars.beta2, options, 3);
+  const auto weight = row_scalars(scalars.factor_weight, options, 3);
+  for (const int64_t k : s.dims) {
+    auto outer = stacked_outer_product(g, k);
+    outer.mul_(weight);
+    if (rows.all) {
+      s.factors[k].mul_(beta2).add_(outer);
+    } else {
+      auto sub = gather_rows(s.factors[k], rows);
+      sub.mul_(beta2).add_(outer);
+      scatter_rows(s.factors[k], rows, sub);
+    }
+  }
+}
+
+at::Tensor KroneckerFactors::corrected_factors(int64_t stack, const Rows& rows, int64_t dim,
+                                               const RowScalars& scalars) const {
+  const auto& s = stacks_[stack];
+  const auto& factor = s.factors[dim];
+  TORCH_INTERNAL_ASSERT(factor.defined());
+  const auto bias = row_scalars(scalars.bias_correction2, factor.options(), 3);
+  auto corrected = gather_rows(factor, rows) / bias;
+  const auto finite = stacked_all_finite(corrected);
+  for (int64_t i = 0; i < rows.size(); ++i) {
+    TORCH_CHECK(finite[i], "Shampoo: the Kronecker factor of ", s.spec.names[rows.rows[i]],
+                " along dim ", dim, " has non-finite entries at step ", scalars.step[i],
+                " (a non-finite gradient reached the optimizer)");
+  }
+  return corrected;
+}
+
+bool KroneckerFactors::injected_failure(int64_t stack, int64_t row, int64_t dim) const {
+  return settings_.inject_failure && settings_.inject_failure(stacks_[stack].spec.names[row], dim);
+}
+
+void KroneckerFactors::record_outcome(int64_t stack, int64_t row, bool failed, int64_t step) {
+  auto& s = stacks_[stack];
+  ++counters_.computations;
+  if (!failed) {
+    s.consecutive_failures[row] = 0;
+    return;
+  }
+  ++counters_.failures;
+  const int64_t count = ++s.consecutive_failures[row];
+  if (!s.warned[row]) {
+    s.warned[row] = true;
+    TORCH_WARN("Shampoo: the amortized computation of ", s.spec.names[row], " failed at step ",
+               step, "; keeping its previous preconditioner (warned once per block)");
+  }
+  TORCH_CHECK(count <= settings_.tolerated_failures, "Shampoo: the amortized computation of ",
+              s.spec.names[row], " failed ", count, " times in a row (last at step ", step,
+              "), more than num_tolerated_failed_amortized_computations = ",
+              settings_.tolerated_failures);
+}
+
+void KroneckerFactors::export_member(int64_t stack, int64_t row,
+                                     std::map<std::string, at::Tensor>& out) const {
+  const auto& s = stacks_[stack];
+  for (const int64_t k : s.dims) {
+    out["factor_" + std::to_string(k)] = s.factors[k][row].clone();
+  }
+  out["consecutive_failures"] = at::tensor(s.consecutive_failures[row]);
+}
+
+void KroneckerFactors::import_member(int64_t stack, int64_t row,
+                                     const std::map<std::string, at::Tensor>& in) {
+  auto& s = stacks_[stack];
+  for (const int64_t k : s.dims) {
+    const int64_t d = s.spec.block_shape[k];
+    s.factors[k][row].copy_(checked_state(in, "factor_" + std::to_string(k), {d, d},
+                                          s.factors[k].options(), s.spec.names[row]));
+  }
+  const auto it = in.find("consecutive_failures");
+  s.consecutive_failures[row] = it == in.end() ? 0 : it->second.item<int64_t>();
+}
+
+int64_t KroneckerFactors::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& s : stacks_) {
+    for (const auto& f : s.factors) {
+      if (f.defined()) bytes += f.numel() * static_cast<int64_t>(f.element_size());
+    }
+  }
+  return bytes;
+}
+
+}  // namespace shampoo::detail

@@ -1,0 +1,83 @@
+#pragma once
+/// Kronecker factor statistics shared by the matrix preconditioners (root-inverse Shampoo and
+/// eigenvalue-corrected Shampoo): per stack and per preconditioned block dim, a stack of factor
+/// matrices L [n, d, d] updated as L ← β2·L + w·(G contracted with itself over the other dims),
+/// plus the failure policy of the amortized computations on them.
+
+#include "preconditioners/preconditioner_list.h"
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace shampoo::detail {
+
+class KroneckerFactors {
+ public:
+  KroneckerFactors(std::vector<StackSpec> stacks, MatrixPreconditionerSettings settings);
+
+  int64_t num_stacks() const { return static_cast<int64_t>(stacks_.size()); }
+  const StackSpec& spec(int64_t stack) const { return stacks_[stack].spec; }
+  const MatrixPreconditionerSettings& settings() const { return settings_; }
+  /// Block dims that carry a factor (exponent ≠ 0), ascending.
+  const std::vector<int64_t>& preconditioned_dims(int64_t stack) const {
+    return stacks_[stack].dims;
+  }
+
+  /// L ← β2·L + w·outer(G) for `rows`, every preconditioned dim.
+  void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
+              const RowScalars& scalars);
+
+  /// The factors of `rows` along `dim` divided by their bias corrections, in the factor dtype
+  /// ([rows, d, d], a new tensor). Checks that they are finite: a non-finite factor is an error
+  /// naming the block, the dim and the step.
+  at::Tensor corrected_factors(int64_t stack, const Rows& rows, int64_t dim,
+                               const RowScalars& scalars) const;
+
+  /// The raw factor stack of `dim` ([n, d, d]); undefined for an unpreconditioned dim.
+  const at::Tensor& factor(int64_t stack, int64_t dim) const { return stacks_[stack].factors[dim]; }
+  at::Tensor& factor(int64_t stack, int64_t dim) { return stacks_[stack].factors[dim]; }
+
+  /// Whether the failure injector asks (block, dim) to fail.
+  bool injected_failure(int64_t stack, int64_t row, int64_t dim) const;
+
+  /// Records the outcome of one amortized computation of a member (failed = some dim failed):
+  /// counts it, warns once per member, resets the consecutive count on success and raises when a
+  /// member has failed more than `tolerated_failures` times in a row.
+  void record_outcome(int64_t stack, int64_t row, bool failed, int64_t step);
+
+  const AmortizedCounters& counters() const { return counters_; }
+
+  void export_member(int64_t stack, int64_t row, std::map<std::string, at::Tensor>& out) const;
+  void import_member(int64_t stack, int64_t row, const std::map<std::string, at::Tensor>& in);
+  int64_t state_bytes() const;
+
+ private:
+  struct Stack {
+    StackSpec spec;
+    std::vector<int64_t> dims;
+    std::vector<at::Tensor> factors;  // per block dim; undefined when not preconditioned
+    std::vector<int64_t> consecutive_failures;
+    std::vector<bool> warned;
+  };
+  std::vector<Stack> stacks_;
+  MatrixPreconditionerSettings settings_;
+  AmortizedCounters counters_;
+};
+
+/// The rows (and their scalars) whose flag is set: the sub-selection of a call.
+std::pair<Rows, RowScalars> select_rows(const Rows& rows, const RowScalars& scalars,
+                                        const std::vector<bool>& selected);
+/// Gathers `rows` of a stacked tensor (no copy when rows.all).
+at::Tensor gather_rows(const at::Tensor& stacked, const Rows& rows);
+/// Writes `values` back into `rows` of a stacked tensor (in place when rows.all).
+void scatter_rows(at::Tensor& stacked, const Rows& rows, const at::Tensor& values);
+/// Per-row scalars as a [rows, 1, ..., 1] tensor broadcasting against [rows, ...] of `dims` dims.
+at::Tensor row_scalars(const std::vector<double>& values, const at::TensorOptions& options,
+                       int64_t dims);
+/// Checks that an imported tensor exists and has the expected shape; returns it converted.
+at::Tensor checked_state(const std::map<std::string, at::Tensor>& in, const std::string& key,
+                         at::IntArrayRef shape, const at::TensorOptions& options,
+                         const std::string& owner);
+
+}  // namespace shampoo::detail

@@ -1,0 +1,92 @@
+#pragma once
+/// The preconditioner-list interface: the state of one preconditioning method for all blocks of a
+/// virtual group owned by this rank, organised in stacks of equal-shape blocks so the matrix work
+/// runs batched. Concrete lists: ShampooPreconditionerList (root inverse) and
+/// EigenvalueCorrectedPreconditionerList (SOAP) here; the diagonal methods live in grafting/.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace shampoo::detail {
+
+/// Blocks of one shape and dtype, in a fixed member order (rows of every stacked state tensor).
+struct StackSpec {
+  std::vector<int64_t> block_shape;
+  at::TensorOptions options;        ///< dtype and device of the blocks
+  std::vector<std::string> names;   ///< per member, for messages ("parameter 3 block 1")
+  /// Per block dim: exponent e of the root-inverse preconditioner A^(−e); 0 = the dim is not
+  /// preconditioned (no factor is kept for it).
+  std::vector<double> dim_exponents;
+
+  int64_t size() const { return static_cast<int64_t>(names.size()); }
+};
+
+/// Members of a stack taking part in a call: rows into the stack, ascending.
+struct Rows {
+  std::vector<int64_t> rows;
+  bool all = false;  ///< rows == 0..size-1 (no gather/scatter needed)
+
+  int64_t size() const { return static_cast<int64_t>(rows.size()); }
+  /// rows as an int64 index tensor on `device`.
+  at::Tensor index(const at::Device& device) const;
+  static Rows every(int64_t n);
+};
+
+/// Per-row scalars of the statistics and preconditioning of one call (aligned with Rows).
+struct RowScalars {
+  std::vector<double> beta2;             ///< factor EMA coefficient
+  std::vector<double> factor_weight;     ///< 1 − β2, or 1 when β2 = 1
+  std::vector<double> bias_correction2;  ///< 1 − β2^t, or 1 (no bias correction or β2 = 1)
+  std::vector<double> epsilon;
+  std::vector<int64_t> step;
+};
+
+/// Counters of amortized computations (root inverses, eigenbases).
+struct AmortizedCounters {
+  int64_t computations = 0;
+  int64_t failures = 0;
+};
+
+/// Test seam: return true to make the amortized computation of (block name, dim) fail.
+using FailureInjector = std::function<bool(const std::string& block, int64_t dim)>;
+
+/// Settings common to the matrix preconditioner lists.
+struct MatrixPreconditionerSettings {
+  at::ScalarType factor_dtype = at::kFloat;
+  bool retry_double_precision = true;
+  int64_t tolerated_failures = 3;
+  FailureInjector inject_failure;
+};
+
+class PreconditionerList {
+ public:
+  virtual ~PreconditionerList() = default;
+
+  /// Updates the statistics of `rows` of stack `stack` with the gradients `gradients`
+  /// [rows, block_shape] (after L2 weight decay) and, for the rows with `amortize[i]`, recomputes
+  /// the amortized quantities (roots, eigenbases) from the updated statistics, applying the
+  /// failure policy (keep the previous result, warn once, raise after too many consecutive
+  /// failures).
+  virtual void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
+                      const RowScalars& scalars, const std::vector<bool>& amortize) = 0;
+  /// Preconditions the filtered gradients [rows, block_shape] of `rows`; returns a new tensor.
+  virtual at::Tensor precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
+                                  const RowScalars& scalars) const = 0;
+
+  /// Per-member state for checkpoints and for rebuilding stacks: name -> tensor (copies).
+  virtual std::map<std::string, at::Tensor> export_member(int64_t stack, int64_t row) const = 0;
+  /// Restores what export_member produced; throws naming the missing or mismatched entry.
+  virtual void import_member(int64_t stack, int64_t row,
+                             const std::map<std::string, at::Tensor>& state) = 0;
+
+  virtual const AmortizedCounters& counters() const = 0;
+  /// Bytes of state held (factors, roots, ...), for the state-size benchmarks.
+  virtual int64_t state_bytes() const = 0;
+};
+
+}  // namespace shampoo::detail

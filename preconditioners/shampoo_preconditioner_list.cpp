@@ -1,0 +1,106 @@
+#include "preconditioners/shampoo_preconditioner_list.h"
+
+#include "preconditioners/kronecker_contractions.h"
+#include "preconditioners/matrix_functions.h"
+
+namespace shampoo::detail {
+
+ShampooPreconditionerList::ShampooPreconditionerList(std::vector<StackSpec> stacks,
+                                                     MatrixPreconditionerSettings settings)
+    : factors_(std::move(stacks), std::move(settings)) {
+  roots_.resize(factors_.num_stacks());
+  for (int64_t s = 0; s < factors_.num_stacks(); ++s) {
+    const auto& spec = factors_.spec(s);
+    roots_[s].resize(spec.block_shape.size());
+    const auto options = spec.options.dtype(factors_.settings().factor_dtype);
+    for (const int64_t k : factors_.preconditioned_dims(s)) {
+      const int64_t d = spec.block_shape[k];
+      // Inverse roots start as the identity (NUMERICS.md).
+      roots_[s][k] = at::eye(d, options).expand({spec.size(), d, d}).contiguous();
+    }
+  }
+}
+
+void ShampooPreconditionerList::update(int64_t stack, const Rows& rows,
+                                       const at::Tensor& gradients, const RowScalars& scalars,
+                                       const std::vector<bool>& amortize) {
+  factors_.update(stack, rows, gradients, scalars);
+  const auto [due, due_scalars] = select_rows(rows, scalars, amortize);
+  compute_roots(stack, due, due_scalars);
+}
+
+void ShampooPreconditionerList::compute_roots(int64_t stack, const Rows& rows,
+                                              const RowScalars& scalars) {
+  if (rows.size() == 0) return;
+  const auto& spec = factors_.spec(stack);
+  std::vector<bool> member_failed(rows.size(), false);
+  for (const int64_t k : factors_.preconditioned_dims(stack)) {
+    const auto corrected = factors_.corrected_factors(stack, rows, k, scalars);
+    const std::vector<double> exponents(rows.size(), spec.dim_exponents[k]);
+    auto result = stacked_inverse_root(corrected, scalars.epsilon, exponents,
+                                       factors_.settings().retry_double_precision);
+    for (int64_t i = 0; i < rows.size(); ++i) {
+      if (factors_.injected_failure(stack, rows.rows[i], k)) result.failed[i] = true;
+    }
+    const auto finite = stacked_all_finite(result.values);
+    for (int64_t i = 0; i < rows.size(); ++i) {
+      const int64_t row = rows.rows[i];
+      if (result.failed[i]) {
+        member_failed[i] = true;
+        continue;  // keep the previous root
+      }
+      TORCH_CHECK(finite[i], "Shampoo: the inverse root of ", spec.names[row], " along dim ", k,
+                  " is not finite at step ", scalars.step[i],
+                  " (epsilon = ", scalars.epsilon[i], " is too small for this factor)");
+      roots_[stack][k][row].copy_(result.values[i]);
+    }
+  }
+  for (int64_t i = 0; i < rows.size(); ++i) {
+    factors_.record_outcome(stack, rows.rows[i], member_failed[i], scalars.step[i]);
+  }
+}
+
+at::Tensor ShampooPreconditionerList::precondition(int64_t stack, const Rows& rows,
+                                                   const at::Tensor& filtered,
+                                                   const RowScalars& /*scalars*/) const {
+  auto out = filtered;
+  const auto dtype = filtered.scalar_type();
+  for (const int64_t k : factors_.preconditioned_dims(stack)) {
+    const auto roots = gather_rows(roots_[stack][k], rows).to(dtype);
+    out = stacked_multiply_along_dim(out, roots, k);
+  }
+  return out.is_same(filtered) ? filtered.clone() : out;
+}
+
+std::map<std::string, at::Tensor> ShampooPreconditionerList::export_member(int64_t stack,
+                                                                           int64_t row) const {
+  std::map<std::string, at::Tensor> out;
+  factors_.export_member(stack, row, out);
+  for (const int64_t k : factors_.preconditioned_dims(stack)) {
+    out["root_" + std::to_string(k)] = roots_[stack][k][row].clone();
+  }
+  return out;
+}
+
+void ShampooPreconditionerList::import_member(int64_t stack, int64_t row,
+                                              const std::map<std::string, at::Tensor>& state) {
+  factors_.import_member(stack, row, state);
+  const auto& spec = factors_.spec(stack);
+  for (const int64_t k : factors_.preconditioned_dims(stack)) {
+    const int64_t d = spec.block_shape[k];
+    roots_[stack][k][row].copy_(checked_state(state, "root_" + std::to_string(k), {d, d},
+                                              roots_[stack][k].options(), spec.names[row]));
+  }
+}
+
+int64_t ShampooPreconditionerList::state_bytes() const {
+  int64_t bytes = factors_.state_bytes();
+  for (const auto& stack : roots_) {
+    for (const auto& r : stack) {
+      if (r.defined()) bytes += r.numel() * static_cast<int64_t>(r.element_size());
+    }
+  }
+  return bytes;
+}
+
+}  // namespace shampoo::detail

@@ -1,0 +1,34 @@
+#pragma once
+/// Root-inverse Shampoo: each block is multiplied along every preconditioned dim k by
+/// X_k = (L_k / bc + ε·I)^(−e_k), the roots recomputed at amortized steps and identity until then.
+
+#include "preconditioners/kronecker_factors.h"
+#include "preconditioners/preconditioner_list.h"
+
+namespace shampoo::detail {
+
+class ShampooPreconditionerList final : public PreconditionerList {
+ public:
+  ShampooPreconditionerList(std::vector<StackSpec> stacks, MatrixPreconditionerSettings settings);
+
+  void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
+              const RowScalars& scalars, const std::vector<bool>& amortize) override;
+  at::Tensor precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
+                          const RowScalars& scalars) const override;
+  std::map<std::string, at::Tensor> export_member(int64_t stack, int64_t row) const override;
+  void import_member(int64_t stack, int64_t row,
+                     const std::map<std::string, at::Tensor>& state) override;
+  const AmortizedCounters& counters() const override { return factors_.counters(); }
+  int64_t state_bytes() const override;
+
+  /// The current inverse roots of stack `stack` along `dim` ([n, d, d]); for tests.
+  const at::Tensor& roots(int64_t stack, int64_t dim) const { return roots_[stack][dim]; }
+
+ private:
+  void compute_roots(int64_t stack, const Rows& rows, const RowScalars& scalars);
+
+  KroneckerFactors factors_;
+  std::vector<std::vector<at::Tensor>> roots_;  // [stack][dim] -> [n, d, d]
+};
+
+}  // namespace shampoo::detail

@@ -1,0 +1,165 @@
+// Checkpoints of DistributedShampoo: torch::save(optimizer, path) / torch::load(optimizer, path).
+//
+// Layout (torch::serialize archive):
+//   format_version, world_size, rank          ints (trainer-group world size and rank)
+//   params/num_params, params/shape_<i>       the model the state belongs to
+//   groups/num_groups, groups/group_<g>/...   each group's options, step count, size
+//   blocks/<p>_b<b>/<name>                    state of every block this rank owns, keyed by
+//                                             block id (so merged and unmerged runs read each
+//                                             other's checkpoints)
+// Loading validates everything against the optimizer first and swaps the new state in only when
+// every block was read: a failed load leaves the optimizer as it was.
+#include "shampoo/shampoo_engine.h"
+
+#include <c10/util/Exception.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+namespace shampoo::detail {
+namespace {
+
+constexpr int64_t kFormatVersion = 1;
+
+int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value) && value.isInt(), "checkpoint: entry '", key,
+              "' is missing; this is not a DistributedShampoo checkpoint");
+  return value.toInt();
+}
+
+void copy_float_options(const ShampooOptions& from, ShampooOptions& to) {
+  to.lr(from.lr());
+  to.betas(from.betas());
+  to.beta3(from.beta3());
+  to.epsilon(from.epsilon());
+  to.weight_decay(from.weight_decay());
+  to.momentum(from.momentum());
+  to.dampening(from.dampening());
+  to.grafting(from.grafting());
+}
+
+}  // namespace
+
+void ShampooEngine::save(torch::serialize::OutputArchive& archive,
+                         const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+  archive.write("format_version", c10::IValue(kFormatVersion));
+  archive.write("world_size", c10::IValue(static_cast<int64_t>(distributor_->world_size())));
+  archive.write("rank", c10::IValue(static_cast<int64_t>(distributor_->rank())));
+
+  torch::serialize::OutputArchive model;
+  model.write("num_params", c10::IValue(static_cast<int64_t>(params_.size())));
+  for (size_t p = 0; p < params_.size(); ++p) {
+    model.write("shape_" + std::to_string(p),
+                at::tensor(params_[p].param.sizes().vec(), at::TensorOptions().dtype(at::kLong)),
+                /*is_buffer=*/true);
+  }
+  archive.write("params", model);
+
+  torch::serialize::OutputArchive all_groups;
+  all_groups.write("num_groups", c10::IValue(static_cast<int64_t>(groups.size())));
+  for (size_t g = 0; g < groups.size(); ++g) {
+    torch::serialize::OutputArchive group;
+    options_of(groups[g], g).serialize(group);
+    group.write("step", c10::IValue(group_steps_[g]));
+    group.write("num_params", c10::IValue(group_sizes_[g]));
+    all_groups.write("group_" + std::to_string(g), group);
+  }
+  archive.write("groups", all_groups);
+
+  torch::serialize::OutputArchive blocks;
+  for (const auto& [id, state] : export_states()) {
+    torch::serialize::OutputArchive block;
+    for (const auto& [name, tensor] : state) block.write(name, tensor, /*is_buffer=*/true);
+    blocks.write(id.key(), block);
+  }
+  archive.write("blocks", blocks);
+}
+
+void ShampooEngine::load(torch::serialize::InputArchive& archive,
+                         std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  check_groups(groups);
+  const int64_t version = read_int(archive, "format_version");
+  TORCH_CHECK(version == kFormatVersion, "checkpoint: format version ", version,
+              " is not supported (expected ", kFormatVersion, ")");
+  const int64_t world_size = read_int(archive, "world_size");
+  TORCH_CHECK(world_size == distributor_->world_size(), "checkpoint: written by a trainer group "
+              "of ", world_size, " ranks, this run has ", distributor_->world_size(),
+              "; loading at a different world size is not supported (each rank's file holds "
+              "the blocks that rank owned)");
+  const int64_t rank = read_int(archive, "rank");
+  TORCH_CHECK(rank == distributor_->rank(), "checkpoint: written by rank ", rank,
+              ", loaded by rank ", distributor_->rank(), "; every rank loads its own file");
+
+  torch::serialize::InputArchive model;
+  TORCH_CHECK(archive.try_read("params", model), "checkpoint: no parameter list");
+  const int64_t num_params = read_int(model, "num_params");
+  TORCH_CHECK(num_params == static_cast<int64_t>(params_.size()), "checkpoint: written for a "
+              "model with ", num_params, " parameters, this optimizer has ", params_.size());
+  for (size_t p = 0; p < params_.size(); ++p) {
+    at::Tensor shape;
+    TORCH_CHECK(model.try_read("shape_" + std::to_string(p), shape, /*is_buffer=*/true),
+                "checkpoint: no shape for parameter ", p);
+    const auto expected = params_[p].param.sizes().vec();
+    const std::vector<int64_t> got(shape.data_ptr<int64_t>(),
+                                   shape.data_ptr<int64_t>() + shape.numel());
+    TORCH_CHECK(got == expected, "checkpoint: written for a different model: parameter ", p,
+                " has shape ", at::IntArrayRef(got), " there and ", at::IntArrayRef(expected),
+                " here");
+  }
+
+  torch::serialize::InputArchive all_groups;
+  TORCH_CHECK(archive.try_read("groups", all_groups), "checkpoint: no param groups");
+  const int64_t num_groups = read_int(all_groups, "num_groups");
+  TORCH_CHECK(num_groups == static_cast<int64_t>(groups.size()), "checkpoint: ", num_groups,
+              " param groups there, ", groups.size(), " here");
+  std::vector<ShampooOptions> saved_options(groups.size());
+  std::vector<int64_t> saved_steps(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    torch::serialize::InputArchive group;
+    TORCH_CHECK(all_groups.try_read("group_" + std::to_string(g), group),
+                "checkpoint: no entry for param group ", g);
+    const int64_t size = read_int(group, "num_params");
+    TORCH_CHECK(size == group_sizes_[g], "checkpoint: param group ", g, " has ", size,
+                " parameters there, ", group_sizes_[g], " here");
+    // Structural fields not kept in checkpoints (preconditioner kind, overrides) come from here.
+    saved_options[g] = options_of(groups[g], g);
+    saved_options[g].serialize(group);
+    TORCH_CHECK(structurally_equal(saved_options[g], options_of(groups[g], g)),
+                "checkpoint: param group ", g, " was saved with different structural options "
+                "(block size, schedule, grafting kind, dtypes, bias correction, Nesterov or "
+                "weight decay type)");
+    saved_steps[g] = read_int(group, "step");
+  }
+
+  torch::serialize::InputArchive blocks;
+  TORCH_CHECK(archive.try_read("blocks", blocks), "checkpoint: no block states");
+  std::map<BlockId, BlockState> states;
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks_.size()); ++b) {
+    if (!distributor_->owns(b)) continue;
+    const auto& id = blocks_[b].id;
+    torch::serialize::InputArchive block;
+    TORCH_CHECK(blocks.try_read(id.key(), block), "checkpoint: no state for ", id.to_string(),
+                " (written for another model or another rank layout)");
+    BlockState state;
+    for (const auto& name : block.keys()) {
+      at::Tensor tensor;
+      if (block.try_read(name, tensor, /*is_buffer=*/true)) state[name] = tensor;
+    }
+    states[id] = std::move(state);
+  }
+
+  // Build and fill new virtual groups; the current ones stay in place if anything throws.
+  auto rebuilt = build_virtual_groups(groups);
+  for (auto& vg : rebuilt) vg->import_states(states, /*require_all=*/true);
+  for (const auto& vg : virtual_groups_) {
+    retired_counters_.computations += vg->counters().computations;
+    retired_counters_.failures += vg->counters().failures;
+  }
+  virtual_groups_ = std::move(rebuilt);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    copy_float_options(saved_options[g], options_of(groups[g], g));
+    group_steps_[g] = saved_steps[g];
+  }
+}
+
+}  // namespace shampoo::detail

@@ -1,0 +1,76 @@
+#include "shampoo/distributed_shampoo.h"
+
+#include "shampoo/shampoo_engine.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/core/GradMode.h>
+
+namespace shampoo {
+
+DistributedShampoo::DistributedShampoo(std::vector<torch::Tensor> params, ShampooOptions defaults,
+                                       DistributedOptions distributed)
+    : DistributedShampoo(std::vector<torch::optim::OptimizerParamGroup>{
+                             torch::optim::OptimizerParamGroup(std::move(params))},
+                         std::move(defaults), std::move(distributed)) {}
+
+DistributedShampoo::DistributedShampoo(
+    std::vector<torch::optim::OptimizerParamGroup> param_groups, ShampooOptions defaults,
+    DistributedOptions distributed)
+    // The base constructor gets no groups: its add_param_group would drop each group's options.
+    : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
+                              std::make_unique<ShampooOptions>(defaults)),
+      engine_(std::make_unique<detail::ShampooEngine>(defaults, std::move(distributed))) {
+  for (const auto& group : param_groups) add_param_group(group);
+}
+
+DistributedShampoo::~DistributedShampoo() = default;
+DistributedShampoo::DistributedShampoo(DistributedShampoo&&) noexcept = default;
+DistributedShampoo& DistributedShampoo::operator=(DistributedShampoo&&) noexcept = default;
+
+void DistributedShampoo::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  engine_->add_group(param_group, param_groups_);
+}
+
+torch::Tensor DistributedShampoo::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    c10::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  c10::NoGradGuard no_grad;
+  engine_->step(param_groups_);
+  return loss;
+}
+
+void DistributedShampoo::save(torch::serialize::OutputArchive& archive) const {
+  engine_->save(archive, param_groups_);
+}
+
+void DistributedShampoo::load(torch::serialize::InputArchive& archive) {
+  engine_->load(archive, param_groups_);
+}
+
+ShampooStats DistributedShampoo::stats() const { return engine_->stats(); }
+
+ShampooOptions& DistributedShampoo::group_options(size_t group) {
+  TORCH_CHECK(group < param_groups_.size(), "group_options: group ", group, " out of range (",
+              param_groups_.size(), " groups)");
+  return detail::options_of(param_groups_[group], group);
+}
+
+int64_t DistributedShampoo::group_step(size_t group) const {
+  TORCH_CHECK(group < param_groups_.size(), "group_step: group ", group, " out of range (",
+              param_groups_.size(), " groups)");
+  return engine_->group_step(group);
+}
+
+const DistributedOptions& DistributedShampoo::distributed_options() const {
+  return engine_->distributed_options();
+}
+
+void DistributedShampoo::set_failure_injector_for_testing(
+    std::function<bool(const std::string&, int64_t)> fn) {
+  engine_->set_failure_injector(std::move(fn), param_groups_);
+}
+
+}  // namespace shampoo

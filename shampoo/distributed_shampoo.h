@@ -1,0 +1,89 @@
+#pragma once
+/// DistributedShampoo: the Shampoo optimizer as a torch::optim::Optimizer.
+///
+///   shampoo::DistributedShampoo opt(model->parameters(), shampoo::ShampooOptions(1e-3)
+///                                      .betas({0.9, 0.999}).epsilon(1e-12)
+///                                      .grafting(shampoo::AdamGraftingConfig{}));
+///   loss.backward(); opt.step(); opt.zero_grad();
+///
+/// Param groups may differ in any option; groups that differ only in float hyperparameters run
+/// as one virtual group (DistributedOptions::merge_param_groups). With a process group, blocks
+/// are owned by ranks and one AllGather per step shares the results (DistributedOptions).
+
+#include "shampoo/shampoo_options.h"
+
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace shampoo {
+
+namespace detail {
+class ShampooEngine;
+}
+
+/// Counters of the optimizer on this rank.
+struct ShampooStats {
+  /// Virtual groups (param groups after merging).
+  int64_t virtual_groups = 0;
+  /// Collectives issued by the last step (0 for a single process).
+  int64_t collectives_last_step = 0;
+  /// Amortized computations (root inverses or eigenbases, one per block) so far on this rank.
+  int64_t amortized_computations = 0;
+  int64_t failed_amortized_computations = 0;
+  /// Blocks in total and owned (computed) by this rank.
+  int64_t total_blocks = 0;
+  int64_t owned_blocks = 0;
+  /// Bytes of optimizer state held by this rank.
+  int64_t state_bytes = 0;
+  /// Bytes of the AllGather send and receive buffers of one step (0 for a single process).
+  int64_t bytes_sent_per_step = 0;
+  int64_t bytes_received_per_step = 0;
+};
+
+class DistributedShampoo : public torch::optim::Optimizer {
+ public:
+  explicit DistributedShampoo(std::vector<torch::Tensor> params, ShampooOptions defaults = {},
+                              DistributedOptions distributed = {});
+  explicit DistributedShampoo(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                              ShampooOptions defaults = {}, DistributedOptions distributed = {});
+  ~DistributedShampoo() override;
+  DistributedShampoo(DistributedShampoo&&) noexcept;
+  DistributedShampoo& operator=(DistributedShampoo&&) noexcept;
+
+  /// One step for every parameter with a gradient. The closure, when given, is evaluated with
+  /// gradients enabled first and its loss returned.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  /// Adds a group with its own ShampooOptions (the defaults when it has none). Groups added later
+  /// keep their own step count. Hides torch::optim::Optimizer::add_param_group, which would
+  /// replace the options of a non-builtin optimizer with the defaults.
+  void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
+
+  /// Checkpoints: torch::save(optimizer, path) / torch::load(optimizer, path). Each rank writes
+  /// the state of the blocks it owns; loading requires the same model, structural options and
+  /// world size (clear error otherwise) and restores the groups' float options and step counts.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  ShampooStats stats() const;
+
+  /// The options of param group `group` (a ShampooOptions).
+  ShampooOptions& group_options(size_t group);
+  /// Step count of param group `group`.
+  int64_t group_step(size_t group) const;
+  const DistributedOptions& distributed_options() const;
+
+  /// Test seam: makes the amortized computation of (block, dim) fail whenever the function
+  /// returns true; block names are "parameter P block B".
+  void set_failure_injector_for_testing(std::function<bool(const std::string&, int64_t)> fn);
+
+ private:
+  std::unique_ptr<detail::ShampooEngine> engine_;
+};
+
+}  // namespace shampoo

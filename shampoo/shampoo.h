@@ -1,0 +1,9 @@
+#pragma once
+/// Umbrella header of DistributedShampoo for LibTorch.
+///   #include <shampoo/shampoo.h>
+///   CMake: find_package(DistributedShampoo) -> DistributedShampoo::shampoo
+
+#include "distributor/process_group.h"
+#include "shampoo/config.h"
+#include "shampoo/distributed_shampoo.h"
+#include "shampoo/shampoo_options.h"

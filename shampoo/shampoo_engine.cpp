@@ -1,0 +1,307 @@
+#include "shampoo/shampoo_engine.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/generated/variable_factories.h>
+
+#include <cmath>
+#include <unordered_map>
+
+namespace shampoo::detail {
+
+ShampooOptions& options_of(torch::optim::OptimizerParamGroup& group, size_t index) {
+  auto* options = dynamic_cast<ShampooOptions*>(&group.options());
+  TORCH_CHECK(options != nullptr, "param group ", index,
+              ": options must be shampoo::ShampooOptions");
+  return *options;
+}
+
+const ShampooOptions& options_of(const torch::optim::OptimizerParamGroup& group, size_t index) {
+  const auto* options = dynamic_cast<const ShampooOptions*>(&group.options());
+  TORCH_CHECK(options != nullptr, "param group ", index,
+              ": options must be shampoo::ShampooOptions");
+  return *options;
+}
+
+ShampooEngine::ShampooEngine(const ShampooOptions& defaults, DistributedOptions distributed)
+    : defaults_(defaults), distributed_(std::move(distributed)) {
+  defaults_.validate();
+  distributed_.validate();
+  DistributorConfig config;
+  config.process_group = distributed_.process_group();
+  config.communication_dtype = distributed_.communication_dtype();
+  config.num_trainers_per_group = distributed_.num_trainers_per_group();
+  config.communicate_params = distributed_.communicate_params();
+  distributor_ = std::make_unique<Distributor>(std::move(config));
+}
+
+void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
+                              std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  const size_t index = groups.size();
+  std::unique_ptr<torch::optim::OptimizerOptions> options;
+  if (group.has_options()) {
+    const auto* shampoo_options = dynamic_cast<const ShampooOptions*>(&group.options());
+    TORCH_CHECK(shampoo_options != nullptr, "param group ", index,
+                ": options must be shampoo::ShampooOptions (got another optimizer's options)");
+    options = std::make_unique<ShampooOptions>(*shampoo_options);
+  } else {
+    options = std::make_unique<ShampooOptions>(defaults_);
+  }
+  const auto& shampoo_options = static_cast<const ShampooOptions&>(*options);
+  try {
+    shampoo_options.validate();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "param group ", index, ": ", e.msg());
+  }
+
+  // Validate every parameter before registering anything.
+  std::unordered_map<const void*, size_t> seen;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    seen.emplace(params_[i].param.unsafeGetTensorImpl(), static_cast<size_t>(params_[i].group));
+  }
+  const auto& params = group.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    TORCH_CHECK(p.defined(), "param group ", index, ": parameter ", i, " is undefined");
+    TORCH_CHECK(p.is_floating_point(), "param group ", index, ": parameter ", i, " has dtype ",
+                p.scalar_type(), ", expected a floating-point tensor");
+    TORCH_CHECK(p.layout() == at::kStrided, "param group ", index, ": parameter ", i,
+                " is sparse (layout ", p.layout(), "); DistributedShampoo needs dense parameters");
+    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble, "param group ",
+                index, ": parameter ", i, " has dtype ", p.scalar_type(),
+                ", expected Float or Double");
+    TORCH_CHECK(p.is_leaf(), "param group ", index, ": parameter ", i,
+                " is not a leaf tensor (can't optimize a non-leaf Tensor)");
+    TORCH_CHECK(p.is_contiguous(), "param group ", index, ": parameter ", i,
+                " is not contiguous; make it contiguous before building the optimizer");
+    if (!params_.empty() || i > 0) {
+      const auto& device = params_.empty() ? params[0].device() : params_[0].param.device();
+      TORCH_CHECK(p.device() == device, "param group ", index, ": parameter ", i, " is on ",
+                  p.device(), " but other parameters are on ", device,
+                  "; DistributedShampoo needs all parameters on one device");
+    }
+    const auto [it, inserted] = seen.emplace(p.unsafeGetTensorImpl(), index);
+    TORCH_CHECK(inserted, "param group ", index, ": parameter ", i, " is already in param group ",
+                it->second, " (a tensor may belong to one group only)");
+  }
+
+  const auto group_index = static_cast<int64_t>(index);
+  groups.emplace_back(params, std::move(options));
+  group_steps_.push_back(0);
+  group_sizes_.push_back(static_cast<int64_t>(params.size()));
+  std::vector<DistributedBlock> new_blocks;
+  for (const auto& p : params) {
+    ParamEntry entry;
+    entry.param = p;
+    entry.group = group_index;
+    entry.plan = make_block_plan(p.sizes(), shampoo_options.max_preconditioner_dim(),
+                                 shampoo_options.use_merge_dims());
+    entry.first_block = static_cast<int64_t>(blocks_.size());
+    const auto param_index = static_cast<int64_t>(params_.size());
+    for (size_t b = 0; b < entry.plan.blocks.size(); ++b) {
+      BlockEntry block;
+      block.id = BlockId{param_index, static_cast<int64_t>(b)};
+      block.param = param_index;
+      block.shape = entry.plan.blocks[b].sizes;
+      block.numel = entry.plan.blocks[b].numel;
+      blocks_.push_back(block);
+    }
+    params_.push_back(std::move(entry));
+  }
+  rebuild(groups, /*require_all=*/false);
+}
+
+void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                            bool require_all) {
+  auto states = export_states();
+  for (const auto& vg : virtual_groups_) {
+    retired_counters_.computations += vg->counters().computations;
+    retired_counters_.failures += vg->counters().failures;
+  }
+  virtual_groups_ = build_virtual_groups(groups);
+  for (auto& vg : virtual_groups_) vg->import_states(states, require_all);
+}
+
+std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  // Front end: param group -> virtual group (first structurally equal one when merging).
+  std::vector<ShampooOptions> structures;
+  std::vector<std::vector<int64_t>> members;
+  group_virtual_.assign(groups.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& options = options_of(groups[g], g);
+    int64_t vg = -1;
+    if (distributed_.merge_param_groups()) {
+      for (size_t k = 0; k < structures.size(); ++k) {
+        if (structurally_equal(structures[k], options)) {
+          vg = static_cast<int64_t>(k);
+          break;
+        }
+      }
+    }
+    if (vg == -1) {
+      vg = static_cast<int64_t>(structures.size());
+      structures.push_back(options);
+      members.emplace_back();
+    }
+    members[vg].push_back(static_cast<int64_t>(g));
+    group_virtual_[g] = vg;
+  }
+  for (auto& block : blocks_) block.virtual_group = group_virtual_[params_[block.param].group];
+
+  // Owners of blocks not yet known to the distributor. Communication units: one for everything
+  // when merging (one AllGather per step), one per virtual group otherwise.
+  const int64_t known = distributor_->num_blocks();
+  std::vector<DistributedBlock> fresh;
+  for (int64_t b = known; b < static_cast<int64_t>(blocks_.size()); ++b) {
+    DistributedBlock d;
+    d.id = blocks_[b].id;
+    d.numel = blocks_[b].numel;
+    d.unit = distributed_.merge_param_groups() ? 0 : blocks_[b].virtual_group;
+    d.device = params_[blocks_[b].param].param.device();
+    fresh.push_back(d);
+  }
+  const auto owners = distributor_->add_blocks(fresh);
+  for (size_t i = 0; i < owners.size(); ++i) blocks_[known + i].owner = owners[i];
+
+  std::vector<std::unique_ptr<VirtualGroup>> built;
+  for (size_t k = 0; k < structures.size(); ++k) {
+    std::vector<int64_t> owned;
+    for (int64_t b = 0; b < static_cast<int64_t>(blocks_.size()); ++b) {
+      if (blocks_[b].virtual_group == static_cast<int64_t>(k) && distributor_->owns(b)) {
+        owned.push_back(b);
+      }
+    }
+    built.push_back(std::make_unique<VirtualGroup>(structures[k], members[k], std::move(owned),
+                                                   blocks_, params_, inject_failure_));
+  }
+  return built;
+}
+
+std::map<BlockId, BlockState> ShampooEngine::export_states() const {
+  std::map<BlockId, BlockState> states;
+  for (const auto& vg : virtual_groups_) vg->export_states(states);
+  return states;
+}
+
+void ShampooEngine::check_groups(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+  TORCH_CHECK(groups.size() == group_steps_.size(), "DistributedShampoo: ", groups.size(),
+              " param groups, but ", group_steps_.size(), " were registered; add groups with "
+              "DistributedShampoo::add_param_group (torch::optim::Optimizer::add_param_group "
+              "would replace their ShampooOptions with the defaults)");
+  for (size_t g = 0; g < groups.size(); ++g) {
+    TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == group_sizes_[g],
+                "DistributedShampoo: param group ", g, " has ", groups[g].params().size(),
+                " parameters, but ", group_sizes_[g], " were registered; use add_param_group "
+                "to add parameters");
+    const auto& options = options_of(groups[g], g);
+    TORCH_CHECK(structurally_equal(options, virtual_groups_[group_virtual_[g]]->structure()),
+                "DistributedShampoo: param group ", g, " changed a structural option (block "
+                "size, preconditioning schedule, grafting kind, preconditioner, dtypes, bias "
+                "correction, Nesterov, weight decay type) after construction; only lr, betas, "
+                "beta3, epsilon, weight_decay, momentum, dampening and grafting floats may "
+                "change. Build a new optimizer instead");
+    try {
+      options.validate();
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "param group ", g, ": ", e.msg());
+    }
+  }
+}
+
+void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  check_groups(groups);
+  const auto num_params = params_.size();
+  std::vector<std::vector<at::Tensor>> grad_blocks(num_params), param_blocks(num_params);
+  std::vector<at::Tensor> grads;
+  std::vector<int64_t> grad_owner;
+  for (size_t p = 0; p < num_params; ++p) {
+    const auto& param = params_[p].param;
+    const auto& grad = param.grad();
+    param_blocks[p] = block_views(param, params_[p].plan);
+    if (!grad.defined() || param.numel() == 0) continue;
+    TORCH_CHECK(grad.sizes() == param.sizes() && grad.scalar_type() == param.scalar_type() &&
+                    grad.device() == param.device() && grad.layout() == at::kStrided,
+                "parameter ", p, " (group ", params_[p].group, "): its gradient (", grad.sizes(),
+                ", ", grad.scalar_type(), ", ", grad.device(), ", ", grad.layout(),
+                ") does not match the parameter (", param.sizes(), ", ", param.scalar_type(), ", ",
+                param.device(), ", dense)");
+    grad_blocks[p] = block_views(grad, params_[p].plan);
+    grads.push_back(grad);
+    grad_owner.push_back(static_cast<int64_t>(p));
+  }
+  // A non-finite gradient is an error before anything changes (never NaN parameters). The
+  // max-abs norm is NaN or inf exactly when some entry is.
+  if (!grads.empty()) {
+    const auto norms = at::stack(at::_foreach_norm(grads, INFINITY));
+    const auto finite = at::isfinite(norms).to(at::kCPU);
+    if (!finite.all().item<bool>()) {
+      const auto* ok = finite.data_ptr<bool>();
+      for (size_t i = 0; i < grads.size(); ++i) {
+        const auto p = grad_owner[i];
+        TORCH_CHECK(ok[i], "DistributedShampoo: the gradient of parameter ", p, " (group ",
+                    params_[p].group, ", shape ", params_[p].param.sizes(),
+                    ") has non-finite values (NaN or inf) at step ",
+                    group_steps_[params_[p].group] + 1, "; the step was not applied");
+      }
+    }
+  }
+
+  std::vector<const ShampooOptions*> group_options(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    group_options[g] = &options_of(groups[g], g);
+    ++group_steps_[g];
+  }
+  distributor_->begin_step();
+  const StepInputs inputs{params_,       blocks_,      group_options, group_steps_,
+                          grad_blocks,   param_blocks, *distributor_};
+  for (auto& vg : virtual_groups_) vg->step(inputs);
+  collectives_last_step_ = distributor_->exchange();
+  if (!distributor_->distributed()) return;
+
+  // Every rank applies every updated block from the gathered buffer (owners included, so all
+  // ranks hold the same values, also with a lossy communication dtype).
+  std::vector<at::Tensor> add_to, add_from;
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks_.size()); ++b) {
+    if (!distributor_->received_updated(b)) continue;
+    const auto& block = blocks_[b];
+    auto view = param_blocks[block.param][block.id.block];
+    auto received = distributor_->received(b).view(view.sizes());
+    if (distributor_->communicate_params()) {
+      view.copy_(received);
+    } else {
+      add_to.push_back(view);
+      add_from.push_back(received.scalar_type() == view.scalar_type()
+                             ? received
+                             : received.to(view.scalar_type()));
+    }
+  }
+  if (!add_to.empty()) at::_foreach_add_(add_to, add_from);
+}
+
+ShampooStats ShampooEngine::stats() const {
+  ShampooStats s;
+  s.virtual_groups = static_cast<int64_t>(virtual_groups_.size());
+  s.collectives_last_step = collectives_last_step_;
+  s.total_blocks = static_cast<int64_t>(blocks_.size());
+  s.amortized_computations = retired_counters_.computations;
+  s.failed_amortized_computations = retired_counters_.failures;
+  for (const auto& vg : virtual_groups_) {
+    const auto c = vg->counters();
+    s.amortized_computations += c.computations;
+    s.failed_amortized_computations += c.failures;
+    s.owned_blocks += vg->owned_blocks();
+    s.state_bytes += vg->state_bytes();
+  }
+  s.bytes_sent_per_step = distributor_->bytes_sent_per_step();
+  s.bytes_received_per_step = distributor_->bytes_received_per_step();
+  return s;
+}
+
+void ShampooEngine::set_failure_injector(FailureInjector fn,
+                                         std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  inject_failure_ = std::move(fn);
+  rebuild(groups, /*require_all=*/true);
+}
+
+}  // namespace shampoo::detail

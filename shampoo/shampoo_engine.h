@@ -1,0 +1,66 @@
+#pragma once
+/// The engine behind DistributedShampoo: the parameter and block registry, the group-merging
+/// front end (param groups -> virtual groups), the Distributor, and checkpoints. It holds no
+/// pointer to the optimizer object (which may be moved); the optimizer passes its param groups.
+
+#include "distributor/distributor.h"
+#include "shampoo/distributed_shampoo.h"
+#include "shampoo/virtual_group.h"
+
+#include <memory>
+#include <vector>
+
+namespace shampoo::detail {
+
+class ShampooEngine {
+ public:
+  ShampooEngine(const ShampooOptions& defaults, DistributedOptions distributed);
+
+  /// Validates and appends a param group (to `groups` too), registers its parameters and blocks
+  /// and rebuilds the virtual groups, keeping the state of existing blocks.
+  void add_group(const torch::optim::OptimizerParamGroup& group,
+                 std::vector<torch::optim::OptimizerParamGroup>& groups);
+
+  void step(std::vector<torch::optim::OptimizerParamGroup>& groups);
+
+  void save(torch::serialize::OutputArchive& archive,
+            const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
+  void load(torch::serialize::InputArchive& archive,
+            std::vector<torch::optim::OptimizerParamGroup>& groups);
+
+  ShampooStats stats() const;
+  int64_t group_step(size_t group) const { return group_steps_.at(group); }
+  const DistributedOptions& distributed_options() const { return distributed_; }
+  void set_failure_injector(FailureInjector fn, std::vector<torch::optim::OptimizerParamGroup>& groups);
+
+ private:
+  /// Builds the virtual groups for the current registry (owners of new blocks are assigned
+  /// first) and moves `states` into them.
+  std::vector<std::unique_ptr<VirtualGroup>> build_virtual_groups(
+      const std::vector<torch::optim::OptimizerParamGroup>& groups);
+  std::map<BlockId, BlockState> export_states() const;
+  /// Replaces the virtual groups by freshly built ones holding the current states (after a
+  /// registry change); counters of the old ones are kept.
+  void rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups, bool require_all);
+  /// Checks that the param groups were not changed behind the optimizer's back.
+  void check_groups(const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
+
+  ShampooOptions defaults_;
+  DistributedOptions distributed_;
+  std::unique_ptr<Distributor> distributor_;
+  std::vector<ParamEntry> params_;
+  std::vector<BlockEntry> blocks_;
+  std::vector<int64_t> group_steps_;
+  std::vector<int64_t> group_sizes_;
+  std::vector<int64_t> group_virtual_;  // virtual group of each param group
+  std::vector<std::unique_ptr<VirtualGroup>> virtual_groups_;
+  FailureInjector inject_failure_;
+  int64_t collectives_last_step_ = 0;
+  AmortizedCounters retired_counters_;  // of virtual groups replaced by rebuilds
+};
+
+/// The ShampooOptions of a param group (an error naming the group when it has another type).
+ShampooOptions& options_of(torch::optim::OptimizerParamGroup& group, size_t index);
+const ShampooOptions& options_of(const torch::optim::OptimizerParamGroup& group, size_t index);
+
+}  // namespace shampoo::detail

@@ -1,0 +1,162 @@
+#pragma once
+/// Options of DistributedShampoo: the per-group ShampooOptions (TORCH_ARG fluent setters, like
+/// LibTorch's own optimizers) and the process-wide DistributedOptions. Defaults and meanings
+/// follow the reference Python implementation; the math is in shared/NUMERICS.md.
+
+#include <c10/core/ScalarType.h>
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <string>
+#include <tuple>
+#include <variant>
+
+namespace shampoo {
+
+/// Grafting: a diagonal method whose per-block step size (Frobenius norm) the Shampoo direction
+/// takes, and which runs alone until `start_preconditioning_step`.
+struct SGDGraftingConfig {
+  bool operator==(const SGDGraftingConfig&) const = default;
+};
+/// AdaGrad grafting: V += G², P = Ḡ / (sqrt(V) + epsilon).
+struct AdaGradGraftingConfig {
+  double epsilon = 1e-10;
+  bool operator==(const AdaGradGraftingConfig&) const = default;
+};
+/// RMSprop grafting: V = beta2·V + (1 − beta2)·G², P = Ḡ / (sqrt(V) + epsilon).
+struct RMSpropGraftingConfig {
+  double beta2 = 0.99;
+  double epsilon = 1e-10;
+  bool operator==(const RMSpropGraftingConfig&) const = default;
+};
+/// Adam grafting: as RMSprop with the bias correction 1 − beta2^t (always on).
+struct AdamGraftingConfig {
+  double beta2 = 0.999;
+  double epsilon = 1e-10;
+  bool operator==(const AdamGraftingConfig&) const = default;
+};
+/// std::monostate = no grafting.
+using GraftingConfig = std::variant<std::monostate, SGDGraftingConfig, AdaGradGraftingConfig,
+                                    RMSpropGraftingConfig, AdamGraftingConfig>;
+
+/// Root-inverse Shampoo (the default): each block is preconditioned by A_k^(−e_k) along every dim
+/// k, A_k the Kronecker factor, the root computed every `precondition_frequency` steps through a
+/// symmetric eigendecomposition, retried in float64 when it fails in the factor dtype.
+struct RootInvShampooConfig {
+  bool retry_double_precision = true;
+  bool operator==(const RootInvShampooConfig&) const = default;
+};
+
+/// How the eigenbases of eigenvalue-corrected Shampoo are recomputed at amortized steps.
+enum class EigenbasisMethod {
+  kEigh,  ///< full symmetric eigendecomposition (float64 retry on failure)
+  kQR,    ///< one step of QR (subspace) iteration warm-started from the previous basis
+};
+
+/// Eigenvalue-corrected Shampoo (SOAP): an Adam-style second moment kept in the eigenbases of the
+/// Kronecker factors. `epsilon` and betas[1] of ShampooOptions apply to the corrected eigenvalues.
+struct EigenvalueCorrectedShampooConfig {
+  EigenbasisMethod eigenbasis_method = EigenbasisMethod::kEigh;
+  bool retry_double_precision = true;
+  bool operator==(const EigenvalueCorrectedShampooConfig&) const = default;
+};
+
+using PreconditionerConfig = std::variant<RootInvShampooConfig, EigenvalueCorrectedShampooConfig>;
+
+enum class WeightDecayType {
+  kL2,         ///< G ← G + wd·W before everything else
+  kDecoupled,  ///< P ← P + wd·W after preconditioning (AdamW-style)
+};
+
+/// Exponent overrides for root-inverse Shampoo, keyed by the order of the block (number of dims)
+/// and then by dim; dim kAllDims applies to every dim of that order not named explicitly. The
+/// factor along that dim is raised to −exponent; exponent 0 leaves the dim unpreconditioned.
+/// Default exponent: 1 / (2·order).
+using InverseExponentOverride = std::map<int64_t, std::map<int64_t, double>>;
+inline constexpr int64_t kAllDims = -1;
+
+/// Never start preconditioning: with grafting this is the pure diagonal method.
+inline constexpr int64_t kNeverStartPreconditioning = std::numeric_limits<int64_t>::max();
+
+/// (beta1, beta2), as torch::optim::AdamOptions::betas.
+using Betas = std::tuple<double, double>;
+
+/// Options of one parameter group. Float fields (lr, betas, beta3, epsilon, weight_decay,
+/// momentum, dampening, the grafting betas and epsilons) may differ between groups that are still
+/// merged into one virtual group; the other fields are structural.
+struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOptions> {
+  ShampooOptions() = default;
+  explicit ShampooOptions(double lr) : lr_(lr) {}
+
+  /// Learning rate (≥ 0).
+  TORCH_ARG(double, lr) = 1e-2;
+  /// (beta1, beta2): beta1 filters the gradient (0 = off), beta2 the Kronecker factors
+  /// (1 = AdaGrad-style sum).
+  TORCH_ARG(Betas, betas) = std::make_tuple(0.9, 1.0);
+  /// Filter coefficient of the gradient used in the step; −1 means beta1.
+  TORCH_ARG(double, beta3) = -1.0;
+  /// Added to the factors before the root (> 0).
+  TORCH_ARG(double, epsilon) = 1e-12;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(WeightDecayType, weight_decay_type) = WeightDecayType::kDecoupled;
+  TORCH_ARG(double, momentum) = 0.0;
+  TORCH_ARG(double, dampening) = 0.0;
+  TORCH_ARG(bool, use_nesterov) = false;
+  /// Largest block size along any dim (≥ 1); larger dims are split into blocks.
+  TORCH_ARG(int64_t, max_preconditioner_dim) = 1024;
+  /// Merge small trailing dims while their product stays ≤ max_preconditioner_dim.
+  TORCH_ARG(bool, use_merge_dims) = true;
+  /// Recompute roots every this many steps (≥ 1).
+  TORCH_ARG(int64_t, precondition_frequency) = 1;
+  /// First step that preconditions; −1 = precondition_frequency; kNeverStartPreconditioning.
+  TORCH_ARG(int64_t, start_preconditioning_step) = -1;
+  TORCH_ARG(bool, use_bias_correction) = true;
+  TORCH_ARG(GraftingConfig, grafting) = std::monostate{};
+  /// dtype of the Kronecker factors and roots (Float or Double).
+  TORCH_ARG(c10::ScalarType, factor_matrix_dtype) = c10::ScalarType::Float;
+  TORCH_ARG(PreconditionerConfig, preconditioner) = RootInvShampooConfig{};
+  TORCH_ARG(InverseExponentOverride, inverse_exponent_override) = {};
+  /// Consecutive failed root computations of a block tolerated before the step raises (≥ 0).
+  TORCH_ARG(int64_t, num_tolerated_failed_amortized_computations) = 3;
+
+ public:
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+
+  /// beta3 with −1 resolved to beta1.
+  double resolved_beta3() const;
+  /// start_preconditioning_step with −1 resolved to precondition_frequency.
+  int64_t resolved_start_preconditioning_step() const;
+
+  /// Throws c10::Error naming the field, the value and what is allowed.
+  void validate() const;
+};
+
+/// True when `a` and `b` can live in one virtual group: every structural field is equal (they may
+/// differ in lr, betas, beta3, epsilon, weight decay, momentum, dampening and the grafting floats).
+bool structurally_equal(const ShampooOptions& a, const ShampooOptions& b);
+
+/// Options of the distributed engine (the same for every group).
+struct DistributedOptions {
+  /// Process group to distribute over; null = single process.
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group) = {};
+  /// dtype of the AllGather buffer: Float, BFloat16 or Half.
+  TORCH_ARG(c10::ScalarType, communication_dtype) = c10::ScalarType::Float;
+  /// Ranks that share the blocks of one model copy (consecutive ranks); −1 = all ranks.
+  TORCH_ARG(int64_t, num_trainers_per_group) = -1;
+  /// AllGather the updated parameters instead of the updates.
+  TORCH_ARG(bool, communicate_params) = false;
+  /// Fold groups that differ only in float hyperparameters into one virtual group.
+  TORCH_ARG(bool, merge_param_groups) = true;
+
+ public:
+  void validate() const;
+};
+
+}  // namespace shampoo

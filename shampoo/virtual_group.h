@@ -1,0 +1,103 @@
+#pragma once
+/// A virtual group: the param groups whose structural options are equal, run as one unit. Its
+/// blocks owned by this rank are arranged in stacks of equal shape and dtype; the float
+/// hyperparameters of every block are read from its own param group's live options each step.
+
+#include "distributor/block_plan.h"
+#include "distributor/distributor.h"
+#include "grafting/diagonal_preconditioner_list.h"
+#include "preconditioners/elementwise_chain.h"
+#include "preconditioners/preconditioner_list.h"
+#include "shampoo/shampoo_options.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace shampoo::detail {
+
+/// A registered parameter.
+struct ParamEntry {
+  at::Tensor param;
+  int64_t group = 0;
+  BlockPlan plan;
+  int64_t first_block = 0;  ///< index of its first block in the engine's block list
+};
+
+/// A registered block.
+struct BlockEntry {
+  BlockId id;
+  int64_t param = 0;  ///< index into the parameter list
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int owner = 0;
+  int64_t virtual_group = 0;
+};
+
+/// State of one block for checkpoints and rebuilds: name -> tensor.
+using BlockState = std::map<std::string, at::Tensor>;
+
+/// What a virtual group needs to read during a step.
+struct StepInputs {
+  const std::vector<ParamEntry>& params;
+  const std::vector<BlockEntry>& blocks;
+  const std::vector<const ShampooOptions*>& group_options;  ///< per param group, live
+  const std::vector<int64_t>& group_steps;                   ///< per param group, this step
+  /// Per parameter: block views of its gradient (empty when it has no gradient this step).
+  const std::vector<std::vector<at::Tensor>>& grad_blocks;
+  /// Per parameter: block views of the parameter.
+  const std::vector<std::vector<at::Tensor>>& param_blocks;
+  Distributor& distributor;
+};
+
+class VirtualGroup {
+ public:
+  /// `owned`: indices of the blocks of this group that this rank computes (ascending).
+  VirtualGroup(const ShampooOptions& structure, std::vector<int64_t> user_groups,
+               std::vector<int64_t> owned, const std::vector<BlockEntry>& blocks,
+               const std::vector<ParamEntry>& params, FailureInjector inject_failure);
+
+  const ShampooOptions& structure() const { return structure_; }
+  const std::vector<int64_t>& user_groups() const { return user_groups_; }
+  int64_t owned_blocks() const { return static_cast<int64_t>(owned_.size()); }
+
+  /// Computes the step of every owned block with a gradient: applies it in place (single
+  /// process) or writes it into the distributor's slot and marks it (distributed).
+  void step(const StepInputs& in);
+
+  void export_states(std::map<BlockId, BlockState>& out) const;
+  /// Restores the states of the owned blocks found in `states` (missing ones keep their fresh
+  /// state when `require_all` is false; otherwise an error names the first missing block).
+  void import_states(const std::map<BlockId, BlockState>& states, bool require_all);
+
+  AmortizedCounters counters() const;
+  int64_t state_bytes() const;
+
+ private:
+  struct Stack {
+    StackSpec spec;
+    std::vector<int64_t> blocks;  // engine block indices, one per member (row)
+    std::vector<BlockId> ids;     // their ids
+  };
+  /// Stacked elementwise state (filter M, momentum B), allocated on first use.
+  at::Tensor& lazy_state(std::vector<at::Tensor>& states, int64_t stack);
+
+  ShampooOptions structure_;
+  std::vector<int64_t> user_groups_;
+  std::vector<int64_t> owned_;
+  std::vector<Stack> stacks_;
+  DiagonalMethod diagonal_method_ = DiagonalMethod::kNone;
+  std::unique_ptr<PreconditionerList> preconditioner_;
+  std::unique_ptr<DiagonalPreconditionerList> diagonal_;
+  std::vector<at::Tensor> filter_state_;
+  std::vector<at::Tensor> momentum_state_;
+};
+
+/// Exponent of the root-inverse preconditioner along each dim of a block of order `order`
+/// (1 / (2·order), or the override; 0 = not preconditioned).
+std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order);
+
+}  // namespace shampoo::detail

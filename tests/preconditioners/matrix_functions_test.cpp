@@ -1,0 +1,119 @@
+// Inverse roots and eigenbases of stacks of symmetric matrices (NUMERICS.md step 3).
+#include "support/test_support.h"
+
+#include "preconditioners/matrix_functions.h"
+
+#include <cmath>
+
+namespace {
+
+using shampoo::detail::stacked_eigenbasis;
+using shampoo::detail::stacked_eigenbasis_qr;
+using shampoo::detail::stacked_inverse_root;
+using shampoo::testing::all_close;
+using shampoo::testing::bit_equal;
+
+at::Tensor random_spd(int64_t n, int64_t d, uint64_t seed, at::ScalarType dtype = at::kFloat) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto g = at::randn({n, d, 2 * d}, gen, at::TensorOptions().dtype(at::kDouble));
+  return (at::bmm(g, g.transpose(1, 2)) / (2.0 * d)).to(dtype);
+}
+
+TEST(InverseRoot, DiagonalClosedForm) {
+  const auto a = at::diag(at::tensor({1.0, 4.0, 9.0, 16.0})).unsqueeze(0).to(at::kFloat);
+  const auto r = stacked_inverse_root(a, {1e-12}, {0.5}, true);
+  ASSERT_FALSE(r.failed[0]);
+  const auto expected = at::diag(at::tensor({1.0, 0.5, 1.0 / 3.0, 0.25})).to(at::kFloat);
+  EXPECT_TRUE(all_close(r.values[0], expected));
+  const auto quarter = stacked_inverse_root(a, {1e-12}, {0.25}, true);
+  EXPECT_TRUE(all_close(quarter.values[0],
+                        at::diag(at::tensor({1.0, 1 / std::sqrt(2.0), 1 / std::sqrt(3.0), 0.5}))
+                            .to(at::kFloat)));
+}
+
+TEST(InverseRoot, PowerOfTheRootGivesBackTheRegularizedMatrix) {
+  // Independent check: X = (A + eps I)^(-1/4)  =>  X^4 (A + eps I) = I.
+  const double eps = 1e-6;
+  const auto a = random_spd(3, 12, 1, at::kDouble);
+  const auto r = stacked_inverse_root(a, {eps, eps, eps}, {0.25, 0.25, 0.25}, true);
+  for (int64_t i = 0; i < 3; ++i) {
+    const auto x = r.values[i];
+    const auto x4 = at::matmul(at::matmul(x, x), at::matmul(x, x));
+    const auto id = at::matmul(x4, a[i] + eps * at::eye(12, at::kDouble));
+    EXPECT_TRUE(all_close(id, at::eye(12, at::kDouble), {1e-8, 1e-8})) << "matrix " << i;
+  }
+}
+
+TEST(InverseRoot, ShiftsSmallEigenvalues) {
+  // Eigenvalues -2, 0.5, 3 with epsilon 0.1: -2 + 0.1 < 0.1, so every eigenvalue of A + eps I
+  // moves by -lambda_min + eps = 2.0 -> 0.1, 2.6, 5.1.
+  const auto q = std::get<0>(at::linalg_qr(at::randn({3, 3}, at::kDouble)));
+  const auto a = at::matmul(at::matmul(q, at::diag(at::tensor({-2.0, 0.5, 3.0}))), q.t());
+  const auto r = stacked_inverse_root(a.unsqueeze(0), {0.1}, {0.5}, true);
+  const auto expected =
+      at::matmul(at::matmul(q, at::diag(at::tensor({0.1, 2.6, 5.1}).pow(-0.5))), q.t());
+  EXPECT_TRUE(all_close(r.values[0], expected, {1e-9, 1e-9}));
+  // No shift when every eigenvalue of A + eps I is at least eps.
+  const auto b = at::matmul(at::matmul(q, at::diag(at::tensor({1.0, 2.0, 3.0}))), q.t());
+  const auto s = stacked_inverse_root(b.unsqueeze(0), {0.1}, {1.0}, true);
+  EXPECT_TRUE(all_close(s.values[0], at::inverse(b + 0.1 * at::eye(3, at::kDouble)),
+                        {1e-9, 1e-9}));
+}
+
+TEST(InverseRoot, EachMatrixIndependentOfItsStack) {
+  const auto a = random_spd(5, 16, 2);
+  const std::vector<double> eps(5, 1e-8), exps(5, 0.25);
+  const auto all = stacked_inverse_root(a, eps, exps, true);
+  for (int64_t i = 0; i < 5; ++i) {
+    const auto one = stacked_inverse_root(a.narrow(0, i, 1), {1e-8}, {0.25}, true);
+    EXPECT_TRUE(bit_equal(one.values[0], all.values[i])) << "matrix " << i;
+  }
+}
+
+TEST(InverseRoot, PerMatrixEpsilonAndExponent) {
+  const auto a = random_spd(2, 6, 3, at::kDouble);
+  const auto r = stacked_inverse_root(a, {1e-3, 1e-1}, {0.5, 0.0}, true);
+  const auto first = stacked_inverse_root(a.narrow(0, 0, 1), {1e-3}, {0.5}, true);
+  EXPECT_TRUE(all_close(r.values[0], first.values[0]));
+  EXPECT_TRUE(bit_equal(r.values[1], at::eye(6, at::kDouble)));  // exponent 0: identity
+}
+
+TEST(InverseRoot, NonFiniteInputIsAnError) {
+  auto a = random_spd(2, 4, 4);
+  a[1][0][0] = NAN;
+  EXPECT_THROW(stacked_inverse_root(a, {1e-6, 1e-6}, {0.5, 0.5}, true), c10::Error);
+}
+
+TEST(Eigenbasis, DiagonalizesTheMatrix) {
+  const auto a = random_spd(3, 10, 5, at::kDouble);
+  const auto r = stacked_eigenbasis(a, true);
+  for (int64_t i = 0; i < 3; ++i) {
+    const auto q = r.values[i];
+    const auto d = at::matmul(at::matmul(q.t(), a[i]), q);
+    EXPECT_TRUE(all_close(d - at::diag(d.diagonal()), at::zeros_like(d), {1e-9, 1e-9}));
+    EXPECT_TRUE(all_close(at::matmul(q.t(), q), at::eye(10, at::kDouble), {1e-9, 1e-9}));
+  }
+}
+
+TEST(Eigenbasis, QrStepFromTheExactBasisKeepsIt) {
+  const auto a = random_spd(2, 8, 6, at::kDouble);
+  const auto exact = stacked_eigenbasis(a, true).values;
+  const auto r = stacked_eigenbasis_qr(a, exact);
+  for (int64_t i = 0; i < 2; ++i) {
+    // Same columns up to sign.
+    const auto overlap = at::matmul(r.values[i].t(), exact[i]).abs();
+    EXPECT_TRUE(all_close(overlap, at::eye(8, at::kDouble), {1e-7, 1e-7}));
+  }
+}
+
+TEST(Eigenbasis, QrIterationsConvergeToTheEigenbasis) {
+  const auto q0 = std::get<0>(at::linalg_qr(at::randn({6, 6}, at::kDouble)));
+  const auto a = at::matmul(at::matmul(q0, at::diag(at::tensor({1., 2., 4., 8., 16., 32.}))),
+                            q0.t()).unsqueeze(0);
+  auto basis = at::eye(6, at::kDouble).unsqueeze(0);
+  for (int i = 0; i < 200; ++i) basis = stacked_eigenbasis_qr(a, basis).values;
+  const auto d = at::matmul(at::matmul(basis[0].t(), a[0]), basis[0]);
+  EXPECT_TRUE(all_close(d.diagonal(), at::tensor({1., 2., 4., 8., 16., 32.}), {1e-6, 1e-6}));
+}
+
+}  // namespace

@@ -1,0 +1,189 @@
+// Construction-time checks (field, value, allowed range), per-group options kept (the
+// add_param_group pitfall of LibTorch's base class), lr()/set_lr() and LibTorch's LR schedulers.
+#include "support/test_support.h"
+
+#include <shampoo/shampoo.h>
+#include <torch/optim/schedulers/step_lr.h>
+#include <torch/optim/sgd.h>
+
+#include <regex>
+
+namespace {
+
+using shampoo::DistributedShampoo;
+using shampoo::ShampooOptions;
+
+/// Runs `fn`, expects a c10::Error whose message contains every fragment.
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    for (const auto& f : fragments) {
+      EXPECT_NE(message.find(f), std::string::npos) << "message '" << message
+                                                    << "' lacks '" << f << "'";
+    }
+    return;
+  }
+  ADD_FAILURE() << "no error thrown; expected one mentioning " << fragments.front();
+}
+
+std::vector<at::Tensor> params() {
+  return {at::randn({4, 3}).requires_grad_(), at::randn({3}).requires_grad_()};
+}
+
+TEST(OptionsValidation, BadValuesNameFieldValueAndRange) {
+  auto build = [](ShampooOptions o) { return [o] { DistributedShampoo opt(params(), o); }; };
+  expect_error(build(ShampooOptions(-0.1)), {"lr", "-0.1", ">= 0"});
+  expect_error(build(ShampooOptions().betas({1.0, 0.9})), {"betas[0]", "1", "[0, 1)"});
+  expect_error(build(ShampooOptions().betas({0.9, 0.0})), {"betas[1]", "0", "(0, 1]"});
+  expect_error(build(ShampooOptions().betas({0.9, 1.5})), {"betas[1]", "1.5"});
+  expect_error(build(ShampooOptions().beta3(1.2)), {"beta3", "1.2"});
+  expect_error(build(ShampooOptions().epsilon(0.0)), {"epsilon", "0", "> 0"});
+  expect_error(build(ShampooOptions().epsilon(-1e-12)), {"epsilon", "> 0"});
+  expect_error(build(ShampooOptions().max_preconditioner_dim(0)),
+               {"max_preconditioner_dim", "0", ">= 1"});
+  expect_error(build(ShampooOptions().precondition_frequency(0)),
+               {"precondition_frequency", "0", ">= 1"});
+  expect_error(build(ShampooOptions().start_preconditioning_step(-2)),
+               {"start_preconditioning_step", "-2"});
+  expect_error(build(ShampooOptions().weight_decay(-1.0)), {"weight_decay", "-1"});
+  expect_error(build(ShampooOptions().momentum(1.0)), {"momentum", "1"});
+  expect_error(build(ShampooOptions().factor_matrix_dtype(at::kHalf)),
+               {"factor_matrix_dtype", "Half", "Float or Double"});
+  expect_error(build(ShampooOptions().grafting(shampoo::AdamGraftingConfig{0.999, 0.0})),
+               {"grafting (Adam).epsilon", "> 0"});
+  expect_error(build(ShampooOptions().inverse_exponent_override({{2, {{5, 0.5}}}})),
+               {"inverse_exponent_override", "dim 5"});
+  expect_error(build(ShampooOptions().num_tolerated_failed_amortized_computations(-1)),
+               {"num_tolerated_failed_amortized_computations", "-1"});
+}
+
+TEST(OptionsValidation, BadDistributedOptions) {
+  expect_error([] { DistributedShampoo opt(params(), {}, shampoo::DistributedOptions()
+                                                             .communication_dtype(at::kDouble)); },
+               {"communication_dtype", "Double", "Float, BFloat16 or Half"});
+  expect_error([] { DistributedShampoo opt(params(), {}, shampoo::DistributedOptions()
+                                                             .num_trainers_per_group(0)); },
+               {"num_trainers_per_group", "0"});
+}
+
+TEST(OptionsValidation, BadParameters) {
+  expect_error([] { DistributedShampoo opt({at::ones({3}, at::kLong)}); },
+               {"parameter 0", "Long", "floating-point"});
+  expect_error([] { DistributedShampoo opt({at::ones({3}, at::kHalf)}); },
+               {"parameter 0", "Half", "Float or Double"});
+  expect_error(
+      [] {
+        auto sparse = at::eye(3).to_sparse();
+        DistributedShampoo opt({sparse});
+      },
+      {"sparse"});
+  expect_error(
+      [] {
+        auto p = at::randn({3}).requires_grad_();
+        std::vector<torch::optim::OptimizerParamGroup> groups;
+        groups.emplace_back(std::vector<at::Tensor>{p});
+        groups.emplace_back(std::vector<at::Tensor>{at::randn({2}), p});
+        DistributedShampoo opt(groups);
+      },
+      {"param group 1", "parameter 1", "already in param group 0"});
+  expect_error(
+      [] {
+        auto p = at::randn({3}).requires_grad_();
+        DistributedShampoo opt({p, p});
+      },
+      {"already in param group 0"});
+  expect_error([] { DistributedShampoo opt({at::randn({4, 4}).t()}); }, {"not contiguous"});
+}
+
+TEST(OptionsValidation, GroupsOfAnotherOptimizerAreRejected) {
+  expect_error(
+      [] {
+        std::vector<torch::optim::OptimizerParamGroup> groups;
+        groups.emplace_back(std::vector<at::Tensor>{at::randn({3}).requires_grad_()},
+                            std::make_unique<torch::optim::SGDOptions>(0.1));
+        DistributedShampoo opt(groups);
+      },
+      {"param group 0", "shampoo::ShampooOptions"});
+}
+
+TEST(GroupOptions, EachGroupKeepsItsOwnOptions) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{at::randn({3}).requires_grad_()},
+                      std::make_unique<ShampooOptions>(ShampooOptions(0.5).epsilon(1e-6)));
+  groups.emplace_back(std::vector<at::Tensor>{at::randn({3}).requires_grad_()});
+  DistributedShampoo opt(groups, ShampooOptions(0.01));
+  opt.add_param_group(torch::optim::OptimizerParamGroup(
+      {at::randn({2}).requires_grad_()},
+      std::make_unique<ShampooOptions>(ShampooOptions(0.25).momentum(0.5))));
+  ASSERT_EQ(opt.param_groups().size(), 3u);
+  EXPECT_EQ(opt.group_options(0).lr(), 0.5);
+  EXPECT_EQ(opt.group_options(0).epsilon(), 1e-6);
+  EXPECT_EQ(opt.group_options(1).lr(), 0.01);  // no options: the defaults
+  EXPECT_EQ(opt.group_options(2).lr(), 0.25);
+  EXPECT_EQ(opt.group_options(2).momentum(), 0.5);
+  EXPECT_EQ(opt.param_groups()[2].options().get_lr(), 0.25);
+}
+
+TEST(GroupOptions, GroupsAddedThroughTheBaseClassAreReported) {
+  DistributedShampoo opt(params());
+  auto& base = static_cast<torch::optim::Optimizer&>(opt);
+  base.add_param_group(torch::optim::OptimizerParamGroup({at::randn({2}).requires_grad_()}));
+  expect_error([&] { opt.step(); }, {"DistributedShampoo::add_param_group"});
+}
+
+TEST(GroupOptions, SetLrChangesTheStep) {
+  // One SGD-grafted step never preconditioned: p -= lr * g exactly.
+  auto p = at::ones({3}).requires_grad_();
+  DistributedShampoo opt({p}, ShampooOptions(0.1)
+                                  .betas({0.0, 1.0})
+                                  .start_preconditioning_step(shampoo::kNeverStartPreconditioning)
+                                  .grafting(shampoo::SGDGraftingConfig{}));
+  p.mutable_grad() = at::full({3}, 2.0);
+  opt.step();
+  EXPECT_TRUE(at::allclose(p.detach(), at::full({3}, 0.8)));
+  opt.param_groups()[0].options().set_lr(0.01);
+  EXPECT_EQ(opt.group_options(0).lr(), 0.01);
+  opt.step();
+  EXPECT_TRUE(at::allclose(p.detach(), at::full({3}, 0.78)));
+}
+
+TEST(GroupOptions, StepLRSchedulerDrivesTheLearningRate) {
+  auto p = at::ones({2}).requires_grad_();
+  DistributedShampoo opt({p}, ShampooOptions(1.0)
+                                  .betas({0.0, 1.0})
+                                  .start_preconditioning_step(shampoo::kNeverStartPreconditioning)
+                                  .grafting(shampoo::SGDGraftingConfig{}));
+  torch::optim::StepLR scheduler(opt, /*step_size=*/2, /*gamma=*/0.5);
+  std::vector<double> lrs;
+  for (int i = 0; i < 5; ++i) {
+    p.mutable_grad() = at::ones({2});
+    opt.step();
+    lrs.push_back(opt.group_options(0).lr());
+    scheduler.step();
+  }
+  // LibTorch's StepLR decays on the call after step_size calls (its first call is a no-op).
+  EXPECT_EQ(lrs, (std::vector<double>{1.0, 1.0, 1.0, 0.5, 0.5}));
+  // Parameters moved by the sum of the learning rates used.
+  EXPECT_TRUE(at::allclose(p.detach(), at::full({2}, 1.0 - 4.0)));
+}
+
+TEST(GroupOptions, StructuralChangeAfterConstructionIsAnError) {
+  auto p = at::ones({2}).requires_grad_();
+  DistributedShampoo opt({p});
+  opt.group_options(0).max_preconditioner_dim(1);
+  p.mutable_grad() = at::ones({2});
+  expect_error([&] { opt.step(); }, {"param group 0", "structural option"});
+}
+
+TEST(GroupOptions, InvalidFloatChangeAfterConstructionIsAnError) {
+  auto p = at::ones({2}).requires_grad_();
+  DistributedShampoo opt({p});
+  opt.group_options(0).lr(-1.0);
+  p.mutable_grad() = at::ones({2});
+  expect_error([&] { opt.step(); }, {"param group 0", "lr"});
+  EXPECT_TRUE(at::equal(p.detach(), at::ones({2})));
+}
+
+}  // namespace

@@ -1,0 +1,54 @@
+#pragma once
+/// Helpers shared by the test suites: the tolerances of NUMERICS.md (one helper, messages with
+/// the largest errors and where), small deterministic models and data.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <string>
+#include <vector>
+
+namespace shampoo::testing {
+
+/// rtol/atol of torch.testing for a dtype (NUMERICS.md "Tolerances").
+struct Tolerance {
+  double rtol;
+  double atol;
+};
+Tolerance tolerance_for(at::ScalarType dtype);
+
+/// |actual − expected| ≤ atol + rtol·|expected| everywhere; the failure message gives the
+/// largest absolute and relative errors and the index where they occur.
+::testing::AssertionResult all_close(const at::Tensor& actual, const at::Tensor& expected,
+                                     Tolerance tolerance);
+::testing::AssertionResult all_close(const at::Tensor& actual, const at::Tensor& expected);
+/// Bit-for-bit equality (same dtype, shape and bytes); the message says where they differ.
+::testing::AssertionResult bit_equal(const at::Tensor& actual, const at::Tensor& expected);
+::testing::AssertionResult bit_equal(const std::vector<at::Tensor>& actual,
+                                     const std::vector<at::Tensor>& expected);
+
+/// Deep copies of tensors (detached, with requires_grad as in the source).
+std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params);
+
+/// A small MLP (in -> hidden -> hidden -> classes, tanh) with a fixed seed.
+torch::nn::Sequential make_mlp(int64_t in, int64_t hidden, int64_t classes, uint64_t seed);
+
+/// A fixed synthetic classification task: `n` points in `dims` dims, `classes` Gaussian blobs.
+struct Dataset {
+  at::Tensor inputs;
+  at::Tensor labels;
+};
+Dataset make_blobs(int64_t n, int64_t dims, int64_t classes, uint64_t seed);
+
+/// Cross-entropy of a model on a batch; backward() already called when `backward` is set.
+at::Tensor classification_loss(torch::nn::Sequential& model, const Dataset& data, bool backward);
+
+/// Fraction of correctly classified points.
+double accuracy(torch::nn::Sequential& model, const Dataset& data);
+
+/// A temporary file path unique to the test (removed by the caller or at exit).
+std::string temp_path(const std::string& name);
+
+}  // namespace shampoo::testing

@@ -1,18 +1,15 @@
 #include "distributor/block_plan.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 
 namespace shampoo {
 
-std::string BlockId::to_string() const {
-  return "parameter " + std::to_string(param) + " block " + std::to_string(block);
-}
+std::string BlockId::to_string() const { return c10::str("parameter ", param, " block ", block); }
 
-std::string BlockId::key() const {
-  return "p" + std::to_string(param) + "_b" + std::to_string(block);
-}
+std::string BlockId::key() const { return c10::str("p", param, "_b", block); }
 
 }  // namespace shampoo
 

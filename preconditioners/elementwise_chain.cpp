@@ -8,6 +8,12 @@
 
 #if SHAMPOO_WITH_CUDA
 #include "preconditioners/cuda/elementwise_chain_cuda.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstring>
 #endif
 
 namespace shampoo::detail {
@@ -106,6 +112,46 @@ void for_each_item(const std::vector<WorkItem>& items, Fn&& fn) {
   });
 }
 
+#if SHAMPOO_WITH_CUDA
+/// Thin CUDA launcher: copies the block table and the work items to the device (pinned staging,
+/// asynchronous on the current stream) and converts launch errors into c10::Error.
+template <typename T>
+struct DeviceTables {
+  at::Tensor blocks;
+  at::Tensor items;
+  int64_t num_items = 0;
+};
+
+at::Tensor to_device_bytes(const void* data, size_t bytes, const at::Device& device) {
+  auto host = at::empty({static_cast<int64_t>(bytes)},
+                        at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), data, bytes);
+  return host.to(device, /*non_blocking=*/true);
+}
+
+template <typename T>
+DeviceTables<T> upload(const std::vector<kernels::ChainBlock<T>>& kblocks,
+                       const std::vector<WorkItem>& items, const at::Device& device) {
+  DeviceTables<T> t;
+  std::vector<kernels::cuda::ChainWorkItem> work;
+  work.reserve(items.size());
+  for (const auto& item : items) work.push_back({item.block, item.begin, item.end});
+  t.blocks = to_device_bytes(kblocks.data(), kblocks.size() * sizeof(kblocks[0]), device);
+  t.items = to_device_bytes(work.data(), work.size() * sizeof(work[0]), device);
+  t.num_items = static_cast<int64_t>(work.size());
+  return t;
+}
+
+template <typename T>
+const kernels::ChainBlock<T>* block_table(const DeviceTables<T>& t) {
+  return reinterpret_cast<const kernels::ChainBlock<T>*>(t.blocks.data_ptr());
+}
+template <typename T>
+const kernels::cuda::ChainWorkItem* item_table(const DeviceTables<T>& t) {
+  return reinterpret_cast<const kernels::cuda::ChainWorkItem*>(t.items.data_ptr());
+}
+#endif
+
 template <typename T>
 std::vector<kernels::ChainBlock<T>> to_kernel_blocks(const std::vector<ChainBlockTensors>& blocks) {
   std::vector<kernels::ChainBlock<T>> out;
@@ -129,7 +175,11 @@ void run_chain_pre(const std::vector<ChainBlockTensors>& blocks) {
     const auto kblocks = to_kernel_blocks<scalar_t>(blocks);
     if (device.is_cuda()) {
 #if SHAMPOO_WITH_CUDA
-      cuda::chain_pre(kblocks, device.index());
+      const c10::cuda::CUDAGuard guard(device);
+      const auto tables = upload(kblocks, make_work(blocks, nullptr), device);
+      C10_CUDA_CHECK(kernels::cuda::launch_chain_pre(block_table(tables), item_table(tables),
+                                                     tables.num_items,
+                                                     c10::cuda::getCurrentCUDAStream()));
       return;
 #else
       TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
@@ -163,7 +213,22 @@ void run_chain_norms(std::vector<ChainBlockTensors>& blocks) {
     const auto kblocks = to_kernel_blocks<scalar_t>(blocks);
     if (device.is_cuda()) {
 #if SHAMPOO_WITH_CUDA
-      cuda::chain_norms(kblocks, needed, preconditioned_sq, graft_sq, device.index());
+      const c10::cuda::CUDAGuard guard(device);
+      const auto items = make_work(blocks, &needed);
+      const auto tables = upload(kblocks, items, device);
+      auto partials = at::empty({2 * tables.num_items},
+                                at::TensorOptions().dtype(at::kDouble).device(device));
+      C10_CUDA_CHECK(kernels::cuda::launch_chain_norms(block_table(tables), item_table(tables),
+                                                       tables.num_items,
+                                                       partials.data_ptr<double>(),
+                                                       c10::cuda::getCurrentCUDAStream()));
+      const auto host = partials.cpu();
+      const double* data = host.data_ptr<double>();
+      // Combined in chunk order, as on the CPU.
+      for (size_t i = 0; i < items.size(); ++i) {
+        preconditioned_sq[items[i].block] += data[2 * i];
+        graft_sq[items[i].block] += data[2 * i + 1];
+      }
       return;
 #else
       TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
@@ -210,7 +275,11 @@ void run_chain_post(const std::vector<ChainBlockTensors>& blocks) {
     const auto kblocks = to_kernel_blocks<scalar_t>(blocks);
     if (device.is_cuda()) {
 #if SHAMPOO_WITH_CUDA
-      cuda::chain_post(kblocks, device.index());
+      const c10::cuda::CUDAGuard guard(device);
+      const auto tables = upload(kblocks, make_work(blocks, nullptr), device);
+      C10_CUDA_CHECK(kernels::cuda::launch_chain_post(block_table(tables), item_table(tables),
+                                                      tables.num_items,
+                                                      c10::cuda::getCurrentCUDAStream()));
       return;
 #else
       TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");

@@ -53,6 +53,7 @@ class DiagonalPreconditionerList final : public PreconditionerList {
   std::map<std::string, at::Tensor> export_member(int64_t stack, int64_t row) const override;
   void import_member(int64_t stack, int64_t row,
                      const std::map<std::string, at::Tensor>& state) override;
+  bool identity_before_amortization() const override { return false; }
   const AmortizedCounters& counters() const override { return counters_; }
   int64_t state_bytes() const override;
 

@@ -25,6 +25,7 @@ class EigenvalueCorrectedPreconditionerList final : public PreconditionerList {
   std::map<std::string, at::Tensor> export_member(int64_t stack, int64_t row) const override;
   void import_member(int64_t stack, int64_t row,
                      const std::map<std::string, at::Tensor>& state) override;
+  bool identity_before_amortization() const override { return false; }
   const AmortizedCounters& counters() const override { return factors_.counters(); }
   int64_t state_bytes() const override;
 

@@ -2,30 +2,46 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdint>
+
 namespace shampoo::detail {
 namespace {
 
-/// View of the stack as [n, d_dim, rest] with block dim `dim` second (a copy only for a middle
-/// dim of a block with three or more dims).
-at::Tensor as_dim_major(const at::Tensor& blocks, int64_t dim) {
-  const int64_t n = blocks.size(0);
-  const int64_t d = blocks.size(dim + 1);
-  return blocks.movedim(dim + 1, 1).reshape({n, d, -1});
+/// Matrix [d_dim, rest] of one block with block dim `dim` first (a copy only for a middle dim).
+at::Tensor dim_major(const at::Tensor& block, int64_t dim) {
+  const int64_t d = block.size(dim);
+  return block.movedim(dim, 0).reshape({d, -1});
 }
 
 }  // namespace
+
+at::Tensor aligned_matrix_operand(const at::Tensor& t) {
+  // CPU BLAS and LAPACK take alignment-dependent code paths: the same matrix at another address
+  // can round differently. Operands start on a 64-byte boundary, as fresh allocations do, so a
+  // block's result depends on its values only, not on its position in a stack.
+  const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
+  if (t.is_contiguous() && address % 64 == 0) return t;
+  return t.clone(at::MemoryFormat::Contiguous);
+}
 
 at::Tensor stacked_outer_product(const at::Tensor& blocks, int64_t dim) {
   const int64_t order = blocks.dim() - 1;
   TORCH_INTERNAL_ASSERT(dim >= 0 && dim < order, "dim ", dim, " out of range for order ", order);
   const int64_t n = blocks.size(0);
-  if (order >= 2 && dim == order - 1) {
-    // Last dim: [n, rest, d] -> Xᵀ·X without moving data.
-    const auto x = blocks.reshape({n, -1, blocks.size(-1)});
-    return at::bmm(x.transpose(1, 2), x);
+  const int64_t d = blocks.size(dim + 1);
+  auto out = at::empty({n, d, d}, blocks.options());
+  for (int64_t i = 0; i < n; ++i) {
+    const auto block = aligned_matrix_operand(blocks[i]);
+    if (order >= 2 && dim == order - 1) {
+      // Last dim: [rest, d] -> Xᵀ·X without moving data.
+      const auto x = block.reshape({-1, d});
+      out[i].copy_(at::mm(x.t(), x));
+    } else {
+      const auto x = aligned_matrix_operand(dim_major(block, dim));
+      out[i].copy_(at::mm(x, x.t()));
+    }
   }
-  const auto x = as_dim_major(blocks, dim);
-  return at::bmm(x, x.transpose(1, 2));
+  return out;
 }
 
 at::Tensor stacked_multiply_along_dim(const at::Tensor& blocks, const at::Tensor& matrices,
@@ -33,21 +49,24 @@ at::Tensor stacked_multiply_along_dim(const at::Tensor& blocks, const at::Tensor
   const int64_t order = blocks.dim() - 1;
   TORCH_INTERNAL_ASSERT(dim >= 0 && dim < order, "dim ", dim, " out of range for order ", order);
   const int64_t n = blocks.size(0);
-  const auto m = transpose ? matrices.transpose(1, 2) : matrices;
-  if (dim == 0) {
-    // [n, d0, rest]: M·B.
-    const auto x = blocks.reshape({n, blocks.size(1), -1});
-    return at::bmm(m, x).view(blocks.sizes());
+  const int64_t d = blocks.size(dim + 1);
+  auto out = at::empty_like(blocks, at::MemoryFormat::Contiguous);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto block = aligned_matrix_operand(blocks[i]);
+    const auto matrix = aligned_matrix_operand(matrices[i]);
+    const auto m = transpose ? matrix.t() : matrix;
+    if (dim == 0) {
+      out[i].copy_(at::mm(m, block.reshape({d, -1})).view(block.sizes()));
+    } else if (dim == order - 1) {
+      out[i].copy_(at::mm(block.reshape({-1, d}), m.t()).view(block.sizes()));
+    } else {
+      // Middle dim of a block with three or more dims: move it first, multiply, move it back.
+      const auto moved_sizes = block.movedim(dim, 0).sizes().vec();
+      const auto x = aligned_matrix_operand(dim_major(block, dim));
+      out[i].copy_(at::mm(m, x).view(moved_sizes).movedim(0, dim));
+    }
   }
-  if (dim == order - 1) {
-    // [n, rest, d]: B·Mᵀ.
-    const auto x = blocks.reshape({n, -1, blocks.size(-1)});
-    return at::bmm(x, m.transpose(1, 2)).view(blocks.sizes());
-  }
-  // Middle dim of a block with three or more dims: move it first, multiply, move it back.
-  auto moved_sizes = blocks.movedim(dim + 1, 1).sizes().vec();
-  const auto x = as_dim_major(blocks, dim);
-  return at::bmm(m, x).view(moved_sizes).movedim(1, dim + 1).contiguous();
+  return out;
 }
 
 }  // namespace shampoo::detail

@@ -1,14 +1,19 @@
 #pragma once
 /// Tensor contractions of Kronecker-factored preconditioners over stacks of equal-shape blocks.
 /// A stack holds n blocks as [n, d_0, ..., d_{k-1}]; matrices acting on block dim j are
-/// [n, d_j, d_j]. Every function treats each block independently (batched matrix products), so
-/// a block's result does not depend on which other blocks share its stack.
+/// [n, d_j, d_j]. Every block is computed on its own, from 64-byte-aligned operands: batched
+/// BLAS/LAPACK calls on this CPU round differently depending on the batch (its size, the
+/// alignment of each matrix), which would break "merged ≡ unmerged" and "distributed ≡ single
+/// process" bit for bit. A block's result depends on its values only.
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
 
 namespace shampoo::detail {
+
+/// `t` itself when it is contiguous and starts on a 64-byte boundary, else a fresh (aligned) copy.
+at::Tensor aligned_matrix_operand(const at::Tensor& t);
 
 /// The Kronecker factor contribution of every block along block dim `dim`: the block contracted
 /// with itself over every other dim, [n, d_dim, d_dim] (for a matrix block: G·Gᵀ for dim 0,

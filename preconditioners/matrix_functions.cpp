@@ -1,5 +1,7 @@
 #include "preconditioners/matrix_functions.h"
 
+#include "preconditioners/kronecker_contractions.h"
+
 #include <c10/util/Exception.h>
 
 #include <tuple>
@@ -25,11 +27,11 @@ bool try_eigh(const at::Tensor& matrix, at::Tensor& eigenvalues, at::Tensor& eig
          at::isfinite(eigenvectors).all().item<bool>();
 }
 
-/// Decomposes every matrix of `stack`: batched first (the common case: one call), falling back
-/// to one matrix at a time, each retried in float64 when allowed, when the batch fails.
-/// Returns eigenvalues [n, d] and eigenvectors [n, d, d]; rows of failed matrices are left as is.
-/// Matrices decomposed in float64 keep float64 values in `*_double` so callers can finish their
-/// computation in float64 before casting back.
+/// Decomposes every matrix of `stack` one at a time (LAPACK's batched results depend on the
+/// batch; see kronecker_contractions.h), from an aligned copy, retried in float64 when allowed.
+/// Returns eigenvalues [n, d] and eigenvectors [n, d, d]; rows of failed matrices are left as
+/// is. Matrices decomposed in float64 keep float64 values in `*_double` so callers can finish
+/// their computation in float64 before casting back.
 struct Decomposition {
   at::Tensor eigenvalues;
   at::Tensor eigenvectors;
@@ -47,31 +49,19 @@ Decomposition decompose(const at::Tensor& stack, bool retry_double_precision) {
   out.in_double.assign(n, false);
   out.eigenvalues_double.resize(n);
   out.eigenvectors_double.resize(n);
-  bool batch_ok = false;
-  try {
-    std::tie(out.eigenvalues, out.eigenvectors) = at::linalg_eigh(stack);
-    const auto finite = at::logical_and(at::isfinite(out.eigenvalues).all(1),
-                                        at::isfinite(out.eigenvectors).flatten(1).all(1));
-    batch_ok = finite.all().item<bool>();
-  } catch (const c10::Error&) {
-    batch_ok = false;
-  }
-  if (batch_ok) return out;
-
-  // Slow path: isolate the failing matrices. eigh of one matrix equals its row of the batched
-  // result (LAPACK runs per matrix), so the healthy matrices get the same values either way.
   out.eigenvalues = at::empty({n, stack.size(1)}, stack.options());
   out.eigenvectors = at::empty_like(stack);
   for (int64_t i = 0; i < n; ++i) {
+    const auto matrix = aligned_matrix_operand(stack[i]);
     at::Tensor values, vectors;
-    if (try_eigh(stack[i], values, vectors)) {
+    if (try_eigh(matrix, values, vectors)) {
       out.eigenvalues[i].copy_(values);
       out.eigenvectors[i].copy_(vectors);
       continue;
     }
     if (retry_double_precision && stack.scalar_type() != at::kDouble) {
       ++out.retried;
-      if (try_eigh(stack[i].to(at::kDouble), values, vectors)) {
+      if (try_eigh(matrix.to(at::kDouble), values, vectors)) {
         out.in_double[i] = true;
         out.eigenvalues_double[i] = values;
         out.eigenvectors_double[i] = vectors;
@@ -83,9 +73,11 @@ Decomposition decompose(const at::Tensor& stack, bool retry_double_precision) {
   return out;
 }
 
-/// Q·diag(f(λ))·Qᵀ for one stack; `powers` [n, d].
+/// Q·diag(f(λ))·Qᵀ of one matrix; `powers` [d].
 at::Tensor reconstruct(const at::Tensor& eigenvectors, const at::Tensor& powers) {
-  return at::matmul(eigenvectors * powers.unsqueeze(-2), eigenvectors.transpose(-2, -1));
+  const auto scaled = (eigenvectors * powers.unsqueeze(0)).contiguous();
+  const auto q = aligned_matrix_operand(eigenvectors);
+  return at::mm(scaled, q.t());
 }
 
 /// λ ← λ + (ε − λ_min) where λ_min < ε, then λ^(−e). λ ascending, so λ_min = λ[..., 0].
@@ -136,21 +128,22 @@ StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<
 
   const auto eps_row = eps.view({n, 1});
   const auto exponent_row = per_matrix_scalars(exponents, A).view({n, 1});
-  result.values =
-      reconstruct(decomposition.eigenvectors,
-                  shifted_powers(decomposition.eigenvalues, eps_row, exponent_row));
+  result.values = at::empty_like(A);
   for (int64_t i = 0; i < n; ++i) {
-    if (decomposition.in_double[i]) {
+    if (result.failed[i]) continue;
+    if (exponents[i] == 0.0) {
+      result.values[i].copy_(eye);
+    } else if (decomposition.in_double[i]) {
       const auto eps_d = eps_row[i].to(at::kDouble);
       const auto exp_d = exponent_row[i].to(at::kDouble);
-      const auto powers =
-          shifted_powers(decomposition.eigenvalues_double[i].unsqueeze(0), eps_d.unsqueeze(0),
-                         exp_d.unsqueeze(0));
-      result.values[i].copy_(reconstruct(decomposition.eigenvectors_double[i].unsqueeze(0), powers)
-                                 .squeeze(0));
-    }
-    if (exponents[i] == 0.0 && !result.failed[i]) {
-      result.values[i].copy_(eye);
+      const auto powers_d = shifted_powers(decomposition.eigenvalues_double[i], eps_d, exp_d);
+      result.values[i].copy_(reconstruct(decomposition.eigenvectors_double[i], powers_d));
+    } else {
+      // Per matrix: vectorized pow and its scalar tail round differently, so the powers of a
+      // matrix must not depend on where its eigenvalues sit in a larger tensor.
+      const auto powers = shifted_powers(decomposition.eigenvalues[i].clone(), eps_row[i],
+                                         exponent_row[i]);
+      result.values[i].copy_(reconstruct(decomposition.eigenvectors[i], powers));
     }
   }
   return result;
@@ -192,15 +185,19 @@ StackedMatrixResult stacked_eigenbasis_qr(const at::Tensor& A, const at::Tensor&
   }
   // Orthogonal iteration needs the columns by descending eigenvalue (Gram-Schmidt keeps the
   // dominant directions first); the stored bases are ascending, as eigh returns them.
-  const auto power = at::bmm(A, previous_basis.flip(-1));
-  auto [q, r] = at::linalg_qr(power);
-  // Order the columns by their Rayleigh quotients (ascending), as eigh orders eigenvalues.
-  const auto rayleigh = at::bmm(q.transpose(1, 2), at::bmm(A, q)).diagonal(0, 1, 2);
-  const auto order = rayleigh.argsort(/*stable=*/true, /*dim=*/1);
-  q = at::gather(q, 2, order.unsqueeze(1).expand_as(q));
-  const auto ok = stacked_all_finite(q);
+  result.values = at::empty_like(A);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto a = aligned_matrix_operand(A[i]);
+    const auto previous = aligned_matrix_operand(previous_basis[i].flip(-1));
+    const auto [q, r] = at::linalg_qr(at::mm(a, previous));
+    // Order the columns by their Rayleigh quotients (ascending), as eigh orders eigenvalues.
+    const auto aligned_q = aligned_matrix_operand(q);
+    const auto rayleigh = (aligned_q * at::mm(a, aligned_q)).sum(0);
+    const auto order = rayleigh.argsort(/*stable=*/true, /*dim=*/0);
+    result.values[i].copy_(aligned_q.index_select(1, order));
+  }
+  const auto ok = stacked_all_finite(result.values);
   for (int64_t i = 0; i < n; ++i) result.failed[i] = !ok[i];
-  result.values = q;
   return result;
 }
 

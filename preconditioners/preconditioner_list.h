@@ -78,6 +78,11 @@ class PreconditionerList {
   virtual at::Tensor precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
                                   const RowScalars& scalars) const = 0;
 
+  /// True when the preconditioner is the identity until its first amortized computation (root
+  /// inverse: roots start as I), so callers may skip precondition() before then. Eigenvalue-
+  /// corrected Shampoo divides by its second moment from the first step on: false.
+  virtual bool identity_before_amortization() const = 0;
+
   /// Per-member state for checkpoints and for rebuilding stacks: name -> tensor (copies).
   virtual std::map<std::string, at::Tensor> export_member(int64_t stack, int64_t row) const = 0;
   /// Restores what export_member produced; throws naming the missing or mismatched entry.

@@ -184,7 +184,10 @@ void VirtualGroup::step(const StepInputs& in) {
       st.scalars.epsilon.push_back(options.epsilon());
       st.scalars.step.push_back(t);
       st.amortize.push_back((t % frequency == 0 && t > start) || t == start);
-      st.preconditioned.push_back(t >= start);
+      // Before start: the grafting method alone, or (without grafting) the preconditioner, which
+      // for root-inverse Shampoo is still the identity and is skipped.
+      st.preconditioned.push_back(
+          t >= start || (!grafting && !preconditioner_->identity_before_amortization()));
 
       ChainBlockTensors c;
       const auto& param_view = in.param_blocks[block.param][block.id.block];

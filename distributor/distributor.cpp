@@ -36,8 +36,11 @@ Distributor::Distributor(DistributorConfig config) : config_(std::move(config)) 
     group_ = parent;
   } else {
     const int first = static_cast<int>(global_rank_ / trainers * trainers);
-    // The split counter advances identically on every rank, so the tag agrees everywhere.
-    const auto tag = std::to_string(parent->incrementSplitCount());
+    // A tag unique to this construction and equal on every rank: rank 0 draws a ticket from the
+    // store and everyone receives it with one small AllGather.
+    const int64_t ticket =
+        global_rank_ == 0 ? parent->getStore()->add("shampoo_subgroup_ticket", 1) : 0;
+    const auto tag = std::to_string(gather_from_all_ranks({ticket})[0][0]);
     group_ = make_subgroup(parent, first, static_cast<int>(trainers), tag, group_timeout(*parent));
   }
   rank_ = group_->getRank();
@@ -130,8 +133,13 @@ int64_t Distributor::exchange() {
       unit.send.narrow(0, 0, n).copy_(at::from_blob(flags.data(), {n}, at::kFloat));
     }
     const auto device_type = unit.send.device().type();
-    auto backend = group_->getBackend(device_type);
-    backend->_allgather_base(unit.receive, unit.send)->wait();
+    try {
+      group_->getBackend(device_type)->_allgather_base(unit.receive, unit.send)->wait();
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "DistributedShampoo: the AllGather of this step failed on rank ",
+                  global_rank_, " (another rank died, hung, or called step() a different number "
+                  "of times): ", e.what());
+    }
     ++collectives;
     // Every rank's flags, read back with one copy.
     int64_t max_count = 0;
@@ -154,6 +162,19 @@ at::Tensor Distributor::received(int64_t block) const {
   const auto& unit = units_[blocks_[block].unit];
   return unit.receive.narrow(0, owners_[block] * unit.segment_size + placements_[block].offset,
                              blocks_[block].numel);
+}
+
+std::vector<std::vector<int64_t>> Distributor::gather_from_all_ranks(
+    const std::vector<int64_t>& values) {
+  const auto n = static_cast<int64_t>(values.size());
+  if (!config_.process_group) return {values};
+  auto send = at::tensor(values, at::TensorOptions().dtype(at::kLong));
+  auto receive = at::empty({global_world_size_ * n}, send.options());
+  config_.process_group->getBackend(c10::DeviceType::CPU)->_allgather_base(receive, send)->wait();
+  std::vector<std::vector<int64_t>> out(global_world_size_);
+  const auto* data = receive.data_ptr<int64_t>();
+  for (int r = 0; r < global_world_size_; ++r) out[r].assign(data + r * n, data + (r + 1) * n);
+  return out;
 }
 
 int64_t Distributor::bytes_sent_per_step() const {

@@ -71,6 +71,10 @@ class Distributor {
   bool received_updated(int64_t block) const;
   at::Tensor received(int64_t block) const;
 
+  /// AllGathers a few int64 values from every rank of the whole process group (not only the
+  /// trainer group): result[r] = ranks r's values. All ranks must pass the same count.
+  std::vector<std::vector<int64_t>> gather_from_all_ranks(const std::vector<int64_t>& values);
+
   /// Bytes this rank sends per step (all units) and receives.
   int64_t bytes_sent_per_step() const;
   int64_t bytes_received_per_step() const;

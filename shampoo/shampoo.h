@@ -3,6 +3,7 @@
 ///   #include <shampoo/shampoo.h>
 ///   CMake: find_package(DistributedShampoo) -> DistributedShampoo::shampoo
 
+#include "distributor/gradient_synchronizer.h"
 #include "distributor/process_group.h"
 #include "shampoo/config.h"
 #include "shampoo/distributed_shampoo.h"

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/generated/variable_factories.h>
 
 #include <cmath>
+#include <sstream>
 #include <unordered_map>
 
 namespace shampoo::detail {
@@ -107,7 +108,58 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
     }
     params_.push_back(std::move(entry));
   }
+  check_ranks_agree(groups);
   rebuild(groups, /*require_all=*/false);
+}
+
+void ShampooEngine::check_ranks_agree(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  if (!distributor_->distributed()) return;
+  // FNV-1a over the structure that every rank must share.
+  uint64_t hash = 1469598103934665603ULL;
+  auto mix = [&](int64_t v) {
+    for (int byte = 0; byte < 8; ++byte) {
+      hash ^= static_cast<uint64_t>(v >> (8 * byte)) & 0xffu;
+      hash *= 1099511628211ULL;
+    }
+  };
+  int64_t numel = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& o = options_of(groups[g], g);
+    for (const int64_t v :
+         {o.max_preconditioner_dim(), o.precondition_frequency(),
+          o.resolved_start_preconditioning_step(), static_cast<int64_t>(o.grafting().index()),
+          static_cast<int64_t>(o.preconditioner().index()),
+          static_cast<int64_t>(o.factor_matrix_dtype()), static_cast<int64_t>(o.use_merge_dims()),
+          static_cast<int64_t>(o.weight_decay_type()), group_sizes_[g]}) {
+      mix(v);
+    }
+  }
+  for (const auto& p : params_) {
+    mix(p.group);
+    mix(static_cast<int64_t>(p.param.scalar_type()));
+    for (const int64_t d : p.param.sizes()) mix(d);
+    mix(-1);
+    numel += p.param.numel();
+  }
+  const std::vector<int64_t> mine{static_cast<int64_t>(hash), static_cast<int64_t>(params_.size()),
+                                  numel, static_cast<int64_t>(groups.size())};
+  const auto all = distributor_->gather_from_all_ranks(mine);
+  std::ostringstream differing;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r] != all[0]) {
+      differing << " rank " << r << " has " << all[r][1] << " parameters (" << all[r][2]
+                << " elements) in " << all[r][3] << " groups, rank 0 has " << all[0][1] << " ("
+                << all[0][2] << " elements) in " << all[0][3] << " groups"
+                << (all[r][1] == all[0][1] && all[r][2] == all[0][2]
+                        ? " with other shapes, dtypes or structural options"
+                        : "")
+                << ";";
+    }
+  }
+  TORCH_CHECK(differing.str().empty(), "DistributedShampoo: the ranks registered different "
+              "parameters or structural options:", differing.str(),
+              " every rank must build the same model and param groups");
 }
 
 void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups,

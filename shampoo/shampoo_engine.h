@@ -42,6 +42,9 @@ class ShampooEngine {
   /// Replaces the virtual groups by freshly built ones holding the current states (after a
   /// registry change); counters of the old ones are kept.
   void rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups, bool require_all);
+  /// Distributed: every rank must register the same parameters and structure. One small
+  /// AllGather of a fingerprint; a mismatch is an error on every rank (never a hang later).
+  void check_ranks_agree(const std::vector<torch::optim::OptimizerParamGroup>& groups);
   /// Checks that the param groups were not changed behind the optimizer's back.
   void check_groups(const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
 

@@ -7,6 +7,10 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -47,6 +51,13 @@ at::Tensor classification_loss(torch::nn::Sequential& model, const Dataset& data
 
 /// Fraction of correctly classified points.
 double accuracy(torch::nn::Sequential& model, const Dataset& data);
+
+/// Runs fn(rank, group) on `world` threads, each with its own Gloo process group over one shared
+/// in-memory store (ranks as threads, one process). Waits for all; rethrows the first failure
+/// with its rank. `timeout` bounds every collective.
+using RankFunction = std::function<void(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>&)>;
+void run_ranks(int world, const RankFunction& fn,
+               std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
 /// A temporary file path unique to the test (removed by the caller or at exit).
 std::string temp_path(const std::string& name);

@@ -1,0 +1,28 @@
+#pragma once
+/// Cosine annealing of the learning rate, as PyTorch's torch.optim.lr_scheduler.CosineAnnealingLR
+/// without restarts: lr_t = min_lr + (base_lr − min_lr)·(1 + cos(π·t / total_steps)) / 2, where
+/// base_lr is each param group's lr when the scheduler is made. After total_steps it stays at
+/// min_lr. Call step() once after each optimizer step.
+
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace shampoo::examples {
+
+class CosineAnnealingLr : public torch::optim::LRScheduler {
+ public:
+  /// total_steps ≥ 1; min_lr ≥ 0.
+  CosineAnnealingLr(torch::optim::Optimizer& optimizer, int64_t total_steps, double min_lr = 0.0);
+
+ private:
+  std::vector<double> get_lrs() override;
+
+  std::vector<double> base_lrs_;
+  int64_t total_steps_;
+  double min_lr_;
+};
+
+}  // namespace shampoo::examples

@@ -1,0 +1,366 @@
+// Data-parallel DistributedShampoo on c10d/Gloo, ranks as threads of one process: equal to a
+// single process bit for bit in float32, one AllGather per step however many groups, lossy
+// communication within tolerance, subgroups, uneven ownership, clear errors instead of hangs.
+#include "support/test_support.h"
+
+#include <shampoo/shampoo.h>
+#include <torch/serialize.h>
+
+#include <chrono>
+#include <filesystem>
+#include <mutex>
+#include <thread>
+
+namespace {
+
+using shampoo::DistributedOptions;
+using shampoo::DistributedShampoo;
+using shampoo::ShampooOptions;
+using shampoo::testing::bit_equal;
+using shampoo::testing::run_ranks;
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+/// Parameters of several shapes: blocked, odd-sized, 1-D, 3-D.
+std::vector<at::Tensor> make_params(uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::vector<at::Tensor> params;
+  for (const auto& shape : std::vector<std::vector<int64_t>>{
+           {9, 7}, {13}, {4, 3, 5}, {20, 11}, {6}, {5, 5}, {3, 17}, {1, 8}}) {
+    params.push_back(at::randn(shape, gen).requires_grad_());
+  }
+  return params;
+}
+
+void set_grads(const std::vector<at::Tensor>& params, int step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(900 + step);
+  for (const auto& p : params) p.mutable_grad() = at::randn(p.sizes(), gen);
+}
+
+std::vector<at::Tensor> values(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone());
+  return out;
+}
+
+/// Two groups with different floats (one virtual group when merged).
+std::vector<torch::optim::OptimizerParamGroup> make_groups(const std::vector<at::Tensor>& params,
+                                                           const ShampooOptions& base) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  const auto half = static_cast<long>(params.size() / 2);
+  groups.emplace_back(std::vector<at::Tensor>(params.begin(), params.begin() + half),
+                      std::make_unique<ShampooOptions>(base));
+  groups.emplace_back(std::vector<at::Tensor>(params.begin() + half, params.end()),
+                      std::make_unique<ShampooOptions>(ShampooOptions(base).lr(base.lr() * 0.5)));
+  return groups;
+}
+
+/// The single-process trajectory: parameters after every step.
+std::vector<std::vector<at::Tensor>> single_process(const ShampooOptions& base, int steps) {
+  auto params = make_params(1);
+  DistributedShampoo opt(make_groups(params, base), base);
+  std::vector<std::vector<at::Tensor>> trajectory;
+  for (int step = 1; step <= steps; ++step) {
+    set_grads(params, step);
+    opt.step();
+    trajectory.push_back(values(params));
+  }
+  return trajectory;
+}
+
+struct DistributedCase {
+  std::string name;
+  ShampooOptions options;
+};
+
+std::vector<DistributedCase> cases() {
+  const auto base = ShampooOptions(0.02).betas({0.9, 0.99}).epsilon(1e-6)
+                        .precondition_frequency(2).max_preconditioner_dim(8);
+  return {
+      {"root_inverse", base},
+      {"adam_grafting_decoupled_momentum",
+       ShampooOptions(base).grafting(shampoo::AdamGraftingConfig{0.99, 1e-8}).weight_decay(1e-3)
+           .momentum(0.9)},
+      {"l2_nesterov_sgd_grafting",
+       ShampooOptions(base).grafting(shampoo::SGDGraftingConfig{}).weight_decay(1e-2)
+           .weight_decay_type(shampoo::WeightDecayType::kL2).momentum(0.5).use_nesterov(true)},
+      {"eigenvalue_corrected",
+       ShampooOptions(base).preconditioner(shampoo::EigenvalueCorrectedShampooConfig{})},
+  };
+}
+
+class WorldEqualsSingle
+    : public ::testing::TestWithParam<std::tuple<DistributedCase, int, int64_t>> {};
+
+TEST_P(WorldEqualsSingle, BitForBitInFloat32) {
+  const auto [c, world, trainers] = GetParam();
+  if (trainers != -1 && world % trainers != 0) GTEST_SKIP();
+  constexpr int kSteps = 6;
+  const auto expected = single_process(c.options, kSteps);
+  std::mutex mutex;
+  int64_t owned_total = 0, blocks = 0;
+  run_ranks(world, [&](int rank, const Group& group) {
+    auto params = make_params(1);
+    DistributedShampoo opt(make_groups(params, c.options), c.options,
+                           DistributedOptions().process_group(group).num_trainers_per_group(trainers));
+    for (int step = 1; step <= kSteps; ++step) {
+      set_grads(params, step);
+      opt.step();
+      ASSERT_TRUE(bit_equal(values(params), expected[step - 1]))
+          << c.name << " rank " << rank << " step " << step;
+      ASSERT_EQ(opt.stats().collectives_last_step, 1);
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    owned_total += opt.stats().owned_blocks;
+    blocks = opt.stats().total_blocks;
+  });
+  // Every block is computed by exactly one rank of each trainer group.
+  const int64_t copies = trainers == -1 ? 1 : world / trainers;
+  EXPECT_EQ(owned_total, blocks * copies);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Worlds, WorldEqualsSingle,
+    ::testing::Combine(::testing::ValuesIn(cases()), ::testing::Values(2, 4),
+                       ::testing::Values(int64_t{-1})),
+    [](const auto& info) {
+      return std::get<0>(info.param).name + "_world" + std::to_string(std::get<1>(info.param));
+    });
+
+INSTANTIATE_TEST_SUITE_P(
+    TrainersPerGroup, WorldEqualsSingle,
+    ::testing::Combine(::testing::Values(cases()[1]), ::testing::Values(4),
+                       ::testing::Values(int64_t{1}, int64_t{2}, int64_t{-1})),
+    [](const auto& info) {
+      const auto trainers = std::get<2>(info.param);
+      return "trainers_" + (trainers == -1 ? std::string("all") : std::to_string(trainers));
+    });
+
+class LossyCommunication : public ::testing::TestWithParam<at::ScalarType> {};
+
+TEST_P(LossyCommunication, WithinTwiceBf16ToleranceAndRanksAgree) {
+  const auto dtype = GetParam();
+  const auto options = cases()[1].options;
+  const auto expected = single_process(options, 4);
+  std::mutex mutex;
+  std::vector<std::vector<at::Tensor>> finals(2);
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params(1);
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().process_group(group).communication_dtype(dtype));
+    for (int step = 1; step <= 4; ++step) {
+      set_grads(params, step);
+      opt.step();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    finals[rank] = values(params);
+  });
+  const auto bf16 = shampoo::testing::tolerance_for(at::kBFloat16);
+  for (size_t i = 0; i < finals[0].size(); ++i) {
+    EXPECT_TRUE(bit_equal(finals[0][i], finals[1][i])) << "ranks disagree on parameter " << i;
+    EXPECT_TRUE(shampoo::testing::all_close(finals[0][i], expected.back()[i],
+                                            {2 * bf16.rtol, 2 * bf16.atol}))
+        << "parameter " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, LossyCommunication,
+                         ::testing::Values(at::kBFloat16, at::kHalf));
+
+TEST(Distributed, CommunicateParamsEqualsSingle) {
+  const auto options = cases()[0].options;
+  const auto expected = single_process(options, 4);
+  run_ranks(2, [&](int, const Group& group) {
+    auto params = make_params(1);
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().process_group(group).communicate_params(true));
+    for (int step = 1; step <= 4; ++step) {
+      set_grads(params, step);
+      opt.step();
+      ASSERT_TRUE(bit_equal(values(params), expected[step - 1])) << "step " << step;
+    }
+  });
+}
+
+TEST(Distributed, MoreRanksThanBlocks) {
+  const auto options = ShampooOptions(0.05).epsilon(1e-6).grafting(shampoo::AdamGraftingConfig{});
+  auto reference = at::randn({3, 4}).requires_grad_();
+  const auto initial = reference.detach().clone();
+  DistributedShampoo single({reference}, options);
+  const auto grad = at::randn({3, 4});
+  reference.mutable_grad() = grad;
+  single.step();
+  std::mutex mutex;
+  int64_t owners = 0;
+  run_ranks(4, [&](int, const Group& group) {
+    auto p = initial.clone().requires_grad_();
+    DistributedShampoo opt({p}, options, DistributedOptions().process_group(group));
+    p.mutable_grad() = grad.clone();
+    opt.step();
+    EXPECT_TRUE(bit_equal(p.detach(), reference.detach()));
+    std::lock_guard<std::mutex> lock(mutex);
+    owners += opt.stats().owned_blocks;
+  });
+  EXPECT_EQ(owners, 1);  // one block, three ranks own nothing and still take part
+}
+
+TEST(Distributed, RankWithoutGradientsNeverHangs) {
+  const auto options = ShampooOptions(0.05).epsilon(1e-6);
+  std::mutex mutex;
+  std::vector<std::vector<at::Tensor>> finals(2);
+  std::vector<std::vector<int64_t>> owned(2);
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params(3);
+    const auto before = values(params);
+    DistributedShampoo opt(params, options, DistributedOptions().process_group(group));
+    for (int step = 1; step <= 3; ++step) {
+      if (rank == 0) set_grads(params, step);  // rank 1 never has gradients
+      opt.step();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    finals[rank] = values(params);
+    // Which parameters changed: exactly those with at least one block owned by rank 0.
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!at::equal(finals[rank][i], before[i])) owned[rank].push_back(static_cast<int64_t>(i));
+    }
+  });
+  EXPECT_TRUE(bit_equal(finals[0], finals[1]));  // ranks stay identical
+  EXPECT_EQ(owned[0], owned[1]);
+  EXPECT_FALSE(owned[0].empty());                    // rank 0's blocks moved
+  EXPECT_LT(owned[0].size(), make_params(3).size());  // rank 1's blocks could not
+}
+
+TEST(Distributed, OneCollectivePerStepMergedOnePerVirtualGroupUnmerged) {
+  for (const bool merge : {true, false}) {
+    run_ranks(2, [&](int, const Group& group) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+      std::vector<at::Tensor> params;
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      for (int g = 0; g < 64; ++g) {
+        params.push_back(at::randn({4, 3}, gen).requires_grad_());
+        groups.emplace_back(std::vector<at::Tensor>{params.back()},
+                            std::make_unique<ShampooOptions>(ShampooOptions(0.001 * (g + 1))));
+      }
+      DistributedShampoo opt(groups, ShampooOptions(),
+                             DistributedOptions().process_group(group).merge_param_groups(merge));
+      set_grads(params, 1);
+      opt.step();
+      EXPECT_EQ(opt.stats().virtual_groups, merge ? 1 : 64);
+      EXPECT_EQ(opt.stats().collectives_last_step, merge ? 1 : 64);
+    });
+  }
+}
+
+TEST(Distributed, DifferentParametersOnRanksAreAnErrorNotAHang) {
+  std::mutex mutex;
+  std::vector<std::string> messages(2);
+  const auto start = std::chrono::steady_clock::now();
+  run_ranks(2, [&](int rank, const Group& group) {
+    std::vector<at::Tensor> params{at::randn({4, rank == 0 ? 3 : 5}).requires_grad_()};
+    try {
+      DistributedShampoo opt(params, ShampooOptions(), DistributedOptions().process_group(group));
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      messages[rank] = e.what_without_backtrace();
+    }
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  for (const auto& m : messages) {
+    EXPECT_NE(m.find("ranks registered different parameters"), std::string::npos) << m;
+    EXPECT_NE(m.find("rank 1 has 1 parameters (20 elements)"), std::string::npos) << m;
+  }
+}
+
+/// Rank 1 stops taking part after construction: it exits (its sockets close) or hangs (alive,
+/// never calling step()). Rank 0's step must fail with a clear error, never wait forever.
+void expect_live_rank_fails(bool hang, std::chrono::milliseconds timeout, const std::string& what,
+                            std::chrono::milliseconds at_most) {
+  std::string message;
+  std::chrono::steady_clock::duration waited{};
+  run_ranks(
+      2,
+      [&](int rank, const Group& group) {
+        auto params = make_params(1);
+        DistributedShampoo opt(params, ShampooOptions(), DistributedOptions().process_group(group));
+        if (rank == 1) {
+          if (hang) std::this_thread::sleep_for(timeout + std::chrono::seconds(3));
+          return;
+        }
+        set_grads(params, 1);
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          opt.step();
+        } catch (const std::exception& e) {
+          message = e.what();
+        }
+        waited = std::chrono::steady_clock::now() - start;
+      },
+      timeout);
+  EXPECT_NE(message.find("DistributedShampoo: the AllGather of this step failed"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find(what), std::string::npos) << message;
+  EXPECT_LT(waited, at_most);
+}
+
+TEST(Distributed, DeadRankMakesTheOthersFail) {
+  // The peer's sockets close: "Connection reset by peer" or "Connection closed by peer".
+  expect_live_rank_fails(/*hang=*/false, std::chrono::seconds(30), "by peer",
+                         std::chrono::seconds(10));
+}
+
+TEST(Distributed, HungRankMakesTheOthersTimeOut) {
+  const std::chrono::milliseconds timeout = std::chrono::seconds(3);
+  expect_live_rank_fails(/*hang=*/true, timeout, "imed out", timeout + std::chrono::seconds(5));
+}
+
+TEST(Distributed, CheckpointsResumeAtTheSameWorldSize) {
+  const auto options = cases()[1].options;
+  const auto expected = single_process(options, 8);
+  const auto dir = shampoo::testing::temp_path("ckpt");
+  run_ranks(2, [&](int rank, const Group& group) {
+    const auto path = dir + "_rank" + std::to_string(rank) + ".pt";
+    std::vector<at::Tensor> saved;
+    {
+      auto params = make_params(1);
+      DistributedShampoo opt(make_groups(params, options), options,
+                             DistributedOptions().process_group(group));
+      for (int step = 1; step <= 4; ++step) {
+        set_grads(params, step);
+        opt.step();
+      }
+      torch::save(opt, path);
+      saved = values(params);
+    }
+    auto params = make_params(1);
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(saved[i]);
+    }
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().process_group(group));
+    torch::load(opt, path);
+    for (int step = 5; step <= 8; ++step) {
+      set_grads(params, step);
+      opt.step();
+    }
+    EXPECT_TRUE(bit_equal(values(params), expected.back())) << "rank " << rank;
+  });
+  // The same files at another world size: refused with a clear error.
+  run_ranks(4, [&](int rank, const Group& group) {
+    auto params = make_params(1);
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().process_group(group));
+    try {
+      torch::load(opt, dir + "_rank" + std::to_string(rank % 2) + ".pt");
+      ADD_FAILURE() << "loading a world-2 checkpoint at world 4 should fail";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("different world size"),
+                std::string::npos);
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    std::filesystem::remove(dir + "_rank" + std::to_string(rank) + ".pt");
+  }
+}
+
+}  // namespace

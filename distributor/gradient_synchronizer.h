@@ -58,6 +58,11 @@ class GradientSynchronizer {
     bool previous_;
   };
 
+  /// Disabled, backward passes only accumulate locally and synchronize() does nothing (what
+  /// NoSync does for a scope; optimizer-in-backward sets it per pass for gradient accumulation).
+  void set_enabled(bool enabled) { enabled_ = enabled; }
+  bool enabled() const { return enabled_; }
+
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   /// Buckets whose all-reduce was started from a gradient hook (during backward) in the last
   /// synchronized iteration.

@@ -32,6 +32,8 @@ void DistributedShampoo::add_param_group(const torch::optim::OptimizerParamGroup
 }
 
 torch::Tensor DistributedShampoo::step(LossClosure closure) {
+  TORCH_CHECK(!in_backward_, "DistributedShampoo::step(): this optimizer runs in backward "
+              "(apply_optimizer_in_backward); its steps happen during loss.backward()");
   torch::Tensor loss;
   if (closure) {
     c10::AutoGradMode enable_grad(true);
@@ -40,6 +42,30 @@ torch::Tensor DistributedShampoo::step(LossClosure closure) {
   c10::NoGradGuard no_grad;
   engine_->step(param_groups_);
   return loss;
+}
+
+bool DistributedShampoo::backward_step_open() const { return engine_->step_open(); }
+
+void DistributedShampoo::begin_backward_step() {
+  c10::NoGradGuard no_grad;
+  engine_->begin_step(param_groups_);
+}
+
+void DistributedShampoo::step_parameters(const std::vector<torch::Tensor>& params) {
+  c10::NoGradGuard no_grad;
+  std::vector<int64_t> indices;
+  for (const auto& p : params) {
+    const int64_t index = engine_->param_index(p);
+    TORCH_CHECK(index >= 0, "DistributedShampoo: a parameter given to step_parameters is not "
+                "registered with this optimizer");
+    indices.push_back(index);
+  }
+  engine_->compute_params(param_groups_, indices);
+}
+
+void DistributedShampoo::finish_backward_step() {
+  c10::NoGradGuard no_grad;
+  engine_->finish_step();
 }
 
 void DistributedShampoo::save(torch::serialize::OutputArchive& archive) const {

@@ -25,6 +25,7 @@ namespace shampoo {
 namespace detail {
 class ShampooEngine;
 }
+class InBackwardOptimizer;
 
 /// Counters of the optimizer on this rank.
 struct ShampooStats {
@@ -83,7 +84,17 @@ class DistributedShampoo : public torch::optim::Optimizer {
   void set_failure_injector_for_testing(std::function<bool(const std::string&, int64_t)> fn);
 
  private:
+  friend class InBackwardOptimizer;
+  /// Optimizer-in-backward: the step split into begin, per-parameter block work as gradients
+  /// arrive, and finish (the one AllGather). While `in_backward` is set, step() is an error.
+  void set_in_backward(bool in_backward) { in_backward_ = in_backward; }
+  bool backward_step_open() const;
+  void begin_backward_step();
+  void step_parameters(const std::vector<torch::Tensor>& params);
+  void finish_backward_step();
+
   std::unique_ptr<detail::ShampooEngine> engine_;
+  bool in_backward_ = false;
 };
 
 }  // namespace shampoo

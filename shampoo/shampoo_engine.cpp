@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/generated/variable_factories.h>
 
 #include <cmath>
+#include <numeric>
 #include <sstream>
 #include <unordered_map>
 
@@ -98,6 +99,7 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
                                  shampoo_options.use_merge_dims());
     entry.first_block = static_cast<int64_t>(blocks_.size());
     const auto param_index = static_cast<int64_t>(params_.size());
+    param_lookup_[p.unsafeGetTensorImpl()] = param_index;
     for (size_t b = 0; b < entry.plan.blocks.size(); ++b) {
       BlockEntry block;
       block.id = BlockId{param_index, static_cast<int64_t>(b)};
@@ -261,16 +263,13 @@ void ShampooEngine::check_groups(
   }
 }
 
-void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  check_groups(groups);
-  const auto num_params = params_.size();
-  std::vector<std::vector<at::Tensor>> grad_blocks(num_params), param_blocks(num_params);
+void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
+                                      std::vector<std::vector<at::Tensor>>& grad_blocks) const {
   std::vector<at::Tensor> grads;
   std::vector<int64_t> grad_owner;
-  for (size_t p = 0; p < num_params; ++p) {
+  for (const int64_t p : params) {
     const auto& param = params_[p].param;
     const auto& grad = param.grad();
-    param_blocks[p] = block_views(param, params_[p].plan);
     if (!grad.defined() || param.numel() == 0) continue;
     TORCH_CHECK(grad.sizes() == param.sizes() && grad.scalar_type() == param.scalar_type() &&
                     grad.device() == param.device() && grad.layout() == at::kStrided,
@@ -280,44 +279,71 @@ void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups)
                 param.device(), ", dense)");
     grad_blocks[p] = block_views(grad, params_[p].plan);
     grads.push_back(grad);
-    grad_owner.push_back(static_cast<int64_t>(p));
+    grad_owner.push_back(p);
   }
   // A non-finite gradient is an error before anything changes (never NaN parameters). The
   // max-abs norm is NaN or inf exactly when some entry is.
-  if (!grads.empty()) {
-    const auto norms = at::stack(at::_foreach_norm(grads, INFINITY));
-    const auto finite = at::isfinite(norms).to(at::kCPU);
-    if (!finite.all().item<bool>()) {
-      const auto* ok = finite.data_ptr<bool>();
-      for (size_t i = 0; i < grads.size(); ++i) {
-        const auto p = grad_owner[i];
-        TORCH_CHECK(ok[i], "DistributedShampoo: the gradient of parameter ", p, " (group ",
-                    params_[p].group, ", shape ", params_[p].param.sizes(),
-                    ") has non-finite values (NaN or inf) at step ",
-                    group_steps_[params_[p].group] + 1, "; the step was not applied");
-      }
-    }
+  if (grads.empty()) return;
+  const auto norms = at::stack(at::_foreach_norm(grads, INFINITY));
+  const auto finite = at::isfinite(norms).to(at::kCPU);
+  if (finite.all().item<bool>()) return;
+  const auto* ok = finite.data_ptr<bool>();
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const auto p = grad_owner[i];
+    const int64_t step = group_steps_[params_[p].group] + (step_open_ ? 0 : 1);
+    TORCH_CHECK(ok[i], "DistributedShampoo: the gradient of parameter ", p, " (group ",
+                params_[p].group, ", shape ", params_[p].param.sizes(),
+                ") has non-finite values (NaN or inf) at step ", step,
+                "; the step was not applied");
   }
+}
 
-  std::vector<const ShampooOptions*> group_options(groups.size());
-  for (size_t g = 0; g < groups.size(); ++g) {
-    group_options[g] = &options_of(groups[g], g);
-    ++group_steps_[g];
-  }
+void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  TORCH_CHECK(!step_open_, "DistributedShampoo: a step is already open (begin without finish)");
+  check_groups(groups);
+  for (auto& steps : group_steps_) ++steps;
   distributor_->begin_step();
+  step_open_ = true;
+}
+
+void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                            const std::vector<int64_t>& params,
+                            std::vector<std::vector<at::Tensor>> grad_blocks) {
+  TORCH_INTERNAL_ASSERT(step_open_);
+  std::vector<std::vector<at::Tensor>> param_blocks(params_.size());
+  for (const int64_t p : params) param_blocks[p] = block_views(params_[p].param, params_[p].plan);
+  std::vector<const ShampooOptions*> group_options(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) group_options[g] = &options_of(groups[g], g);
   const StepInputs inputs{params_,       blocks_,      group_options, group_steps_,
                           grad_blocks,   param_blocks, *distributor_};
   for (auto& vg : virtual_groups_) vg->step(inputs);
+}
+
+void ShampooEngine::compute_params(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                   const std::vector<int64_t>& params) {
+  std::vector<std::vector<at::Tensor>> grad_blocks(params_.size());
+  collect_gradients(params, grad_blocks);
+  compute(groups, params, std::move(grad_blocks));
+}
+
+void ShampooEngine::finish_step() {
+  TORCH_INTERNAL_ASSERT(step_open_);
+  step_open_ = false;
   collectives_last_step_ = distributor_->exchange();
   if (!distributor_->distributed()) return;
 
   // Every rank applies every updated block from the gathered buffer (owners included, so all
   // ranks hold the same values, also with a lossy communication dtype).
   std::vector<at::Tensor> add_to, add_from;
+  std::vector<std::vector<at::Tensor>> views(params_.size());
   for (int64_t b = 0; b < static_cast<int64_t>(blocks_.size()); ++b) {
     if (!distributor_->received_updated(b)) continue;
     const auto& block = blocks_[b];
-    auto view = param_blocks[block.param][block.id.block];
+    auto& param_views = views[block.param];
+    if (param_views.empty()) {
+      param_views = block_views(params_[block.param].param, params_[block.param].plan);
+    }
+    auto view = param_views[block.id.block];
     auto received = distributor_->received(b).view(view.sizes());
     if (distributor_->communicate_params()) {
       view.copy_(received);
@@ -329,6 +355,23 @@ void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups)
     }
   }
   if (!add_to.empty()) at::_foreach_add_(add_to, add_from);
+}
+
+void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  check_groups(groups);
+  std::vector<int64_t> all(params_.size());
+  std::iota(all.begin(), all.end(), 0);
+  // Gradients are checked before anything changes.
+  std::vector<std::vector<at::Tensor>> grad_blocks(params_.size());
+  collect_gradients(all, grad_blocks);
+  begin_step(groups);
+  compute(groups, all, std::move(grad_blocks));
+  finish_step();
+}
+
+int64_t ShampooEngine::param_index(const at::Tensor& param) const {
+  const auto it = param_lookup_.find(param.unsafeGetTensorImpl());
+  return it == param_lookup_.end() ? -1 : it->second;
 }
 
 ShampooStats ShampooEngine::stats() const {

@@ -8,6 +8,7 @@
 #include "shampoo/virtual_group.h"
 
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 namespace shampoo::detail {
@@ -22,6 +23,18 @@ class ShampooEngine {
                  std::vector<torch::optim::OptimizerParamGroup>& groups);
 
   void step(std::vector<torch::optim::OptimizerParamGroup>& groups);
+
+  /// A step in three phases, for optimizer-in-backward: begin (advance the step counts, open the
+  /// communication buffer), compute the blocks of some parameters as their gradients arrive
+  /// (applied in place in a single process, written for the AllGather otherwise), finish (the
+  /// one AllGather and the application of every block).
+  void begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups);
+  void compute_params(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                      const std::vector<int64_t>& params);
+  void finish_step();
+  bool step_open() const { return step_open_; }
+  /// Index of `param` among the registered parameters, or -1.
+  int64_t param_index(const at::Tensor& param) const;
 
   void save(torch::serialize::OutputArchive& archive,
             const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
@@ -39,6 +52,12 @@ class ShampooEngine {
   std::vector<std::unique_ptr<VirtualGroup>> build_virtual_groups(
       const std::vector<torch::optim::OptimizerParamGroup>& groups);
   std::map<BlockId, BlockState> export_states() const;
+  /// Block views of the gradients of `params` (checked: shape, dtype, finite values).
+  void collect_gradients(const std::vector<int64_t>& params,
+                         std::vector<std::vector<at::Tensor>>& grad_blocks) const;
+  void compute(std::vector<torch::optim::OptimizerParamGroup>& groups,
+               const std::vector<int64_t>& params,
+               std::vector<std::vector<at::Tensor>> grad_blocks);
   /// Replaces the virtual groups by freshly built ones holding the current states (after a
   /// registry change); counters of the old ones are kept.
   void rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups, bool require_all);
@@ -52,6 +71,7 @@ class ShampooEngine {
   DistributedOptions distributed_;
   std::unique_ptr<Distributor> distributor_;
   std::vector<ParamEntry> params_;
+  std::unordered_map<const void*, int64_t> param_lookup_;  // TensorImpl -> index in params_
   std::vector<BlockEntry> blocks_;
   std::vector<int64_t> group_steps_;
   std::vector<int64_t> group_sizes_;
@@ -59,6 +79,7 @@ class ShampooEngine {
   std::vector<std::unique_ptr<VirtualGroup>> virtual_groups_;
   FailureInjector inject_failure_;
   int64_t collectives_last_step_ = 0;
+  bool step_open_ = false;
   AmortizedCounters retired_counters_;  // of virtual groups replaced by rebuilds
 };
 

@@ -1,0 +1,132 @@
+#include "distributor/sharded_optimizer.h"
+
+#include "distributor/block_assignment.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+namespace shampoo {
+namespace {
+
+/// Options of the wrapper's own (single) param group; hyperparameters live in the local
+/// optimizer.
+struct WrapperOptions : torch::optim::OptimizerCloneableOptions<WrapperOptions> {};
+
+}  // namespace
+
+ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
+                                   const OptimizerFactory& factory,
+                                   c10::intrusive_ptr<c10d::ProcessGroup> group)
+    : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{
+                                  torch::optim::OptimizerParamGroup(params)},
+                              std::make_unique<WrapperOptions>()),
+      params_(std::move(params)),
+      group_(std::move(group)) {
+  TORCH_CHECK(group_, "ShardedOptimizer: process group is null");
+  TORCH_CHECK(factory, "ShardedOptimizer: the optimizer factory is empty");
+  TORCH_CHECK(!params_.empty(), "ShardedOptimizer: no parameters");
+  const auto dtype = params_.front().scalar_type();
+  const auto device = params_.front().device();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(params_[i].scalar_type() == dtype && params_[i].device() == device,
+                "ShardedOptimizer: parameter ", i, " is ", params_[i].scalar_type(), " on ",
+                params_[i].device(), ", parameter 0 is ", dtype, " on ", device,
+                "; all parameters must share one dtype and device (one AllGather buffer)");
+    TORCH_CHECK(params_[i].is_contiguous(), "ShardedOptimizer: parameter ", i,
+                " is not contiguous");
+  }
+  const int world = group_->getSize();
+  const int rank = group_->getRank();
+  // Whole parameters, balanced by size (greedy longest-processing-time, the same on every rank).
+  std::vector<int64_t> costs;
+  for (const auto& p : params_) {
+    costs.push_back(detail::block_cost(p.numel(), static_cast<int64_t>(p.element_size())));
+  }
+  std::vector<int64_t> loads(world, 0);
+  owners_ = detail::assign_owners(costs, world, loads);
+  std::vector<int64_t> used(world, 0);
+  offsets_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    offsets_[i] = used[owners_[i]];
+    used[owners_[i]] += params_[i].numel();
+  }
+  segment_size_ = *std::max_element(used.begin(), used.end());
+  const auto options = params_.front().options().requires_grad(false);
+  send_ = at::empty({segment_size_}, options);
+  receive_ = at::empty({world * segment_size_}, options);
+
+  // Every rank must shard the same parameters: compare (count, elements) across ranks.
+  std::vector<int64_t> mine{static_cast<int64_t>(params_.size()), 0};
+  for (const auto& p : params_) mine[1] += p.numel();
+  auto send = at::tensor(mine, at::TensorOptions().dtype(at::kLong));
+  auto all = at::empty({2 * world}, send.options());
+  group_->getBackend(c10::DeviceType::CPU)->_allgather_base(all, send)->wait();
+  for (int r = 0; r < world; ++r) {
+    TORCH_CHECK(all[2 * r].item<int64_t>() == mine[0] && all[2 * r + 1].item<int64_t>() == mine[1],
+                "ShardedOptimizer: rank ", r, " has ", all[2 * r].item<int64_t>(),
+                " parameters with ", all[2 * r + 1].item<int64_t>(), " elements, rank ", rank,
+                " has ", mine[0], " with ", mine[1], "; every rank must pass the same parameters");
+  }
+
+  std::vector<torch::Tensor> own;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (owners_[i] == rank) own.push_back(params_[i]);
+  }
+  local_ = factory(own);
+  TORCH_CHECK(local_ != nullptr, "ShardedOptimizer: the factory returned null");
+}
+
+torch::Tensor ShardedOptimizer::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    c10::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  local_->step();
+  c10::NoGradGuard no_grad;
+  const int rank = group_->getRank();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (owners_[i] != rank) continue;
+    send_.narrow(0, offsets_[i], params_[i].numel()).copy_(params_[i].detach().reshape(-1));
+  }
+  group_->getBackend(send_.device().type())->_allgather_base(receive_, send_)->wait();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (owners_[i] == rank) continue;
+    const auto segment = receive_.narrow(0, owners_[i] * segment_size_ + offsets_[i],
+                                         params_[i].numel());
+    params_[i].detach().copy_(segment.view(params_[i].sizes()));
+  }
+  return loss;
+}
+
+void ShardedOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("world_size", c10::IValue(static_cast<int64_t>(group_->getSize())));
+  archive.write("rank", c10::IValue(static_cast<int64_t>(group_->getRank())));
+  archive.write("num_params", c10::IValue(static_cast<int64_t>(params_.size())));
+  torch::serialize::OutputArchive inner;
+  local_->save(inner);
+  archive.write("local", inner);
+}
+
+void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read("world_size", value) && value.isInt(),
+              "ShardedOptimizer::load: not a ShardedOptimizer checkpoint");
+  TORCH_CHECK(value.toInt() == group_->getSize(), "ShardedOptimizer::load: written at world size ",
+              value.toInt(), ", this run has ", group_->getSize(),
+              "; loading at a different world size is not supported");
+  archive.read("rank", value);
+  TORCH_CHECK(value.toInt() == group_->getRank(), "ShardedOptimizer::load: written by rank ",
+              value.toInt(), ", loaded by rank ", group_->getRank());
+  archive.read("num_params", value);
+  TORCH_CHECK(value.toInt() == static_cast<int64_t>(params_.size()),
+              "ShardedOptimizer::load: written for ", value.toInt(), " parameters, this one has ",
+              params_.size());
+  torch::serialize::InputArchive inner;
+  archive.read("local", inner);
+  local_->load(inner);
+}
+
+}  // namespace shampoo

@@ -1,0 +1,260 @@
+#include "shampoo/in_backward.h"
+
+#include "distributor/grad_ready_hooks.h"
+#include "shampoo/distributed_shampoo.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace shampoo {
+
+struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
+  struct Set {
+    std::unique_ptr<torch::optim::Optimizer> optimizer;
+    DistributedShampoo* shampoo = nullptr;  // when the optimizer is a DistributedShampoo
+    std::vector<at::Tensor> params;
+  };
+  struct Entry {
+    at::Tensor param;
+    size_t set = 0;
+    int64_t hook = 0;
+  };
+
+  std::vector<Set> sets;
+  std::vector<Entry> entries;
+  std::unordered_map<const void*, size_t> entry_of;  // TensorImpl -> entry
+  int64_t accumulation_steps = 1;
+  int64_t passes = 0;
+  int64_t steps = 0;
+  int no_step = 0;
+  bool pass_open = false;
+  bool stepping = false;
+  GradientSynchronizer* sync = nullptr;
+
+  bool next_pass_steps() const { return no_step == 0 && (passes + 1) % accumulation_steps == 0; }
+
+  void update_sync() {
+    if (sync != nullptr) sync->set_enabled(next_pass_steps());
+  }
+
+  void open_pass() {
+    if (pass_open) return;
+    pass_open = true;
+    stepping = next_pass_steps();
+    // Runs once the whole backward pass is done: finish what is left and close the pass.
+    std::weak_ptr<State> weak = shared_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto self = weak.lock()) self->close_pass();
+    });
+  }
+
+  void on_grad_ready(size_t entry) {
+    open_pass();
+    if (!stepping || sync != nullptr) return;  // accumulating, or the synchronizer drives steps
+    step_params({entries[entry].param});
+  }
+
+  /// Steps `params` (all registered) with their optimizers and releases their gradients.
+  void step_params(const std::vector<at::Tensor>& params) {
+    c10::NoGradGuard no_grad;
+    std::unordered_map<size_t, std::vector<at::Tensor>> by_set;
+    for (const auto& p : params) {
+      const auto it = entry_of.find(p.unsafeGetTensorImpl());
+      if (it != entry_of.end()) by_set[entries[it->second].set].push_back(p);
+    }
+    for (auto& [index, ready] : by_set) {
+      auto& set = sets[index];
+      if (set.shampoo != nullptr) {
+        if (!set.shampoo->backward_step_open()) set.shampoo->begin_backward_step();
+        set.shampoo->step_parameters(ready);
+      } else {
+        // A torch::optim optimizer steps every parameter with a gradient: hide the gradients of
+        // the set's other parameters (still accumulating, or not produced yet) meanwhile.
+        std::unordered_set<const void*> stepping_now;
+        for (const auto& p : ready) stepping_now.insert(p.unsafeGetTensorImpl());
+        std::vector<std::pair<at::Tensor, at::Tensor>> hidden;
+        for (auto& q : set.params) {
+          if (stepping_now.count(q.unsafeGetTensorImpl()) == 0 && q.grad().defined()) {
+            hidden.emplace_back(q, q.grad());
+            q.mutable_grad().reset();
+          }
+        }
+        try {
+          set.optimizer->step();
+        } catch (...) {
+          for (auto& [q, g] : hidden) q.mutable_grad() = g;
+          throw;
+        }
+        for (auto& [q, g] : hidden) q.mutable_grad() = g;
+      }
+      for (auto& p : ready) p.mutable_grad().reset();  // released right after its step
+    }
+  }
+
+  void close_pass() {
+    if (stepping) {
+      if (sync != nullptr) sync->synchronize();  // the remaining buckets step via the callback
+      // One AllGather per DistributedShampoo per step, on every rank, also if no gradient of
+      // its parameters arrived here.
+      for (auto& set : sets) {
+        if (set.shampoo == nullptr) continue;
+        if (!set.shampoo->backward_step_open()) set.shampoo->begin_backward_step();
+        set.shampoo->finish_backward_step();
+      }
+      ++steps;
+    }
+    ++passes;
+    pass_open = false;
+    stepping = false;
+    update_sync();
+  }
+};
+
+InBackwardOptimizer::InBackwardOptimizer()
+    : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
+                              std::make_unique<torch::optim::OptimizerOptions>()),
+      state_(std::make_shared<State>()) {}
+
+InBackwardOptimizer::~InBackwardOptimizer() {
+  if (!state_) return;
+  for (const auto& entry : state_->entries) {
+    detail::remove_grad_ready_callback(entry.param, entry.hook);
+  }
+  for (auto& set : state_->sets) {
+    if (set.shampoo != nullptr) set.shampoo->set_in_backward(false);
+  }
+  if (state_->sync != nullptr) state_->sync->set_bucket_ready_callback(nullptr);
+}
+
+InBackwardOptimizer::InBackwardOptimizer(InBackwardOptimizer&&) noexcept = default;
+InBackwardOptimizer& InBackwardOptimizer::operator=(InBackwardOptimizer&&) noexcept = default;
+
+torch::optim::Optimizer& InBackwardOptimizer::add(std::vector<torch::Tensor> params,
+                                                  OptimizerFactory factory) {
+  TORCH_CHECK(factory, "apply_optimizer_in_backward: the optimizer factory is empty");
+  TORCH_CHECK(!params.empty(), "apply_optimizer_in_backward: no parameters given");
+  std::unordered_set<const void*> seen;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    TORCH_CHECK(p.defined() && p.requires_grad(), "apply_optimizer_in_backward: parameter ", i,
+                " does not require grad, so it would never step");
+    TORCH_CHECK(p.is_leaf(), "apply_optimizer_in_backward: parameter ", i,
+                " is not a leaf tensor");
+    TORCH_CHECK(state_->entry_of.count(p.unsafeGetTensorImpl()) == 0 &&
+                    seen.insert(p.unsafeGetTensorImpl()).second,
+                "apply_optimizer_in_backward: parameter ", i,
+                " is registered twice (a parameter may have one in-backward optimizer only)");
+  }
+  State::Set set;
+  set.optimizer = factory(params);
+  TORCH_CHECK(set.optimizer != nullptr, "apply_optimizer_in_backward: the factory returned null");
+  set.shampoo = dynamic_cast<DistributedShampoo*>(set.optimizer.get());
+  if (set.shampoo != nullptr) set.shampoo->set_in_backward(true);
+  set.params = params;
+  const size_t set_index = state_->sets.size();
+  state_->sets.push_back(std::move(set));
+  std::weak_ptr<State> weak = state_;
+  for (auto& p : params) {
+    const size_t entry = state_->entries.size();
+    State::Entry e;
+    e.param = p;
+    e.set = set_index;
+    e.hook = detail::add_grad_ready_callback(p, [weak, entry](const at::Tensor&) {
+      if (auto self = weak.lock()) self->on_grad_ready(entry);
+    });
+    state_->entry_of[p.unsafeGetTensorImpl()] = entry;
+    state_->entries.push_back(std::move(e));
+  }
+  return *state_->sets.back().optimizer;
+}
+
+torch::Tensor InBackwardOptimizer::step(LossClosure /*closure*/) {
+  TORCH_CHECK(false, "InBackwardOptimizer::step(): the optimizers step during loss.backward() "
+              "(apply_optimizer_in_backward); do not call step() by hand");
+}
+
+size_t InBackwardOptimizer::num_optimizers() const { return state_->sets.size(); }
+
+torch::optim::Optimizer& InBackwardOptimizer::optimizer(size_t index) {
+  TORCH_CHECK(index < state_->sets.size(), "InBackwardOptimizer::optimizer: index ", index,
+              " out of range (", state_->sets.size(), " optimizers)");
+  return *state_->sets[index].optimizer;
+}
+
+void InBackwardOptimizer::set_accumulation_steps(int64_t k) {
+  TORCH_CHECK(k >= 1, "InBackwardOptimizer::set_accumulation_steps: got ", k, ", expected >= 1");
+  TORCH_CHECK(!state_->pass_open, "set_accumulation_steps during a backward pass");
+  state_->accumulation_steps = k;
+  state_->update_sync();
+}
+
+InBackwardOptimizer::NoStep::NoStep(InBackwardOptimizer& owner) : owner_(owner) {
+  ++owner_.state_->no_step;
+  owner_.state_->update_sync();
+}
+
+InBackwardOptimizer::NoStep::~NoStep() {
+  --owner_.state_->no_step;
+  owner_.state_->update_sync();
+}
+
+void InBackwardOptimizer::attach(GradientSynchronizer& sync) {
+  state_->sync = &sync;
+  std::weak_ptr<State> weak = state_;
+  sync.set_bucket_ready_callback([weak](const std::vector<at::Tensor>& params) {
+    if (auto self = weak.lock()) {
+      self->open_pass();  // the synchronizer's hook may run before ours in this pass
+      if (self->stepping) self->step_params(params);
+    }
+  });
+  state_->update_sync();
+}
+
+int64_t InBackwardOptimizer::backward_passes() const { return state_->passes; }
+int64_t InBackwardOptimizer::steps_taken() const { return state_->steps; }
+
+void InBackwardOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("num_optimizers", c10::IValue(static_cast<int64_t>(state_->sets.size())));
+  archive.write("backward_passes", c10::IValue(state_->passes));
+  archive.write("steps_taken", c10::IValue(state_->steps));
+  for (size_t i = 0; i < state_->sets.size(); ++i) {
+    torch::serialize::OutputArchive inner;
+    state_->sets[i].optimizer->save(inner);
+    archive.write("optimizer_" + std::to_string(i), inner);
+  }
+}
+
+void InBackwardOptimizer::load(torch::serialize::InputArchive& archive) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read("num_optimizers", value) && value.isInt(),
+              "InBackwardOptimizer::load: not a checkpoint of an InBackwardOptimizer");
+  TORCH_CHECK(value.toInt() == static_cast<int64_t>(state_->sets.size()),
+              "InBackwardOptimizer::load: the checkpoint holds ", value.toInt(),
+              " optimizers, this one has ", state_->sets.size());
+  for (size_t i = 0; i < state_->sets.size(); ++i) {
+    torch::serialize::InputArchive inner;
+    TORCH_CHECK(archive.try_read("optimizer_" + std::to_string(i), inner),
+                "InBackwardOptimizer::load: no state for optimizer ", i);
+    state_->sets[i].optimizer->load(inner);
+  }
+  archive.read("backward_passes", value);
+  state_->passes = value.toInt();
+  archive.read("steps_taken", value);
+  state_->steps = value.toInt();
+  state_->update_sync();
+}
+
+InBackwardOptimizer apply_optimizer_in_backward(std::vector<torch::Tensor> params,
+                                                OptimizerFactory factory) {
+  InBackwardOptimizer optimizer;
+  optimizer.add(std::move(params), std::move(factory));
+  return optimizer;
+}
+
+}  // namespace shampoo

@@ -1,0 +1,80 @@
+#pragma once
+/// Optimizer-in-backward: each parameter's optimizer steps as soon as its gradient has been
+/// accumulated during loss.backward(), and the gradient is released right after, so gradients
+/// never all live at once. Works for torch::optim's SGD, Adam, AdamW, Adagrad, RMSprop (any
+/// optimizer that steps the parameters with a gradient) and for DistributedShampoo, whose local
+/// block work then happens during backward and whose one AllGather runs at the end of backward.
+///
+///   auto opt = shampoo::apply_optimizer_in_backward(embedding_a, [](std::vector<torch::Tensor> p) {
+///     return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.02)); });
+///   opt.add(dense, [](std::vector<torch::Tensor> p) {
+///     return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(0.006)); });
+///   loss.backward();   // steps happen here; no opt.step()
+
+#include "distributor/gradient_synchronizer.h"
+#include "distributor/optimizer_factory.h"
+
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace shampoo {
+
+class InBackwardOptimizer : public torch::optim::Optimizer {
+ public:
+  InBackwardOptimizer();
+  ~InBackwardOptimizer() override;
+  InBackwardOptimizer(InBackwardOptimizer&&) noexcept;
+  InBackwardOptimizer& operator=(InBackwardOptimizer&&) noexcept;
+
+  /// Registers `params` with the optimizer factory(params) and returns it. Errors: a parameter
+  /// already registered (here or twice in `params`), one that does not require grad or is not a
+  /// leaf.
+  torch::optim::Optimizer& add(std::vector<torch::Tensor> params, OptimizerFactory factory);
+
+  /// Always an error: the steps run during backward.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  /// The optimizers, in the order the sets were added (change lr, attach schedulers here).
+  size_t num_optimizers() const;
+  torch::optim::Optimizer& optimizer(size_t index);
+
+  /// Gradient accumulation: step on every k-th backward pass (k micro-batches), equal to an
+  /// ordinary step on the accumulated gradients.
+  void set_accumulation_steps(int64_t k);
+  /// While alive, backward passes only accumulate gradients (no step, gradients kept).
+  class NoStep {
+   public:
+    explicit NoStep(InBackwardOptimizer& owner);
+    ~NoStep();
+
+   private:
+    InBackwardOptimizer& owner_;
+  };
+
+  /// Data-parallel training: gradients are averaged by `sync` and each bucket's parameters step
+  /// as soon as that bucket's all-reduce has finished, overlapping the rest of backward; the
+  /// remaining buckets finish at the end of backward. The synchronizer must outlive this.
+  void attach(GradientSynchronizer& sync);
+
+  /// Backward passes seen, and those that stepped.
+  int64_t backward_passes() const;
+  int64_t steps_taken() const;
+
+  /// Saves / loads every optimizer (torch::save(opt, path) and torch::load(opt, path) work).
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+/// An InBackwardOptimizer holding one set: `params` with the optimizer factory(params).
+InBackwardOptimizer apply_optimizer_in_backward(std::vector<torch::Tensor> params,
+                                                OptimizerFactory factory);
+
+}  // namespace shampoo

@@ -1,0 +1,270 @@
+// Optimizer-in-backward: steps during backward equal ordinary steps bit for bit (LibTorch's
+// optimizers and DistributedShampoo, single process and data-parallel), gradients are released,
+// per-parameter-set optimizers, accumulation, checkpoints, and misuse errors.
+#include "support/test_support.h"
+
+#include <shampoo/shampoo.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/schedulers/step_lr.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize.h>
+
+#include <filesystem>
+
+namespace {
+
+using shampoo::OptimizerFactory;
+using shampoo::testing::bit_equal;
+
+struct FactoryCase {
+  std::string name;
+  OptimizerFactory factory;
+};
+
+std::vector<FactoryCase> factories() {
+  return {
+      {"sgd_momentum",
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::SGD>(
+             p, torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3));
+       }},
+      {"adam",
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
+       }},
+      {"adamw",
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::AdamW>(
+             p, torch::optim::AdamWOptions(0.01).weight_decay(0.01));
+       }},
+      {"adagrad",
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(0.05));
+       }},
+      {"rmsprop",
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(0.01));
+       }},
+      {"distributed_shampoo",
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<shampoo::DistributedShampoo>(
+             p, shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2)
+                    .grafting(shampoo::AdamGraftingConfig{}).momentum(0.5));
+       }},
+  };
+}
+
+std::vector<at::Tensor> values(torch::nn::Sequential& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+shampoo::testing::Dataset batch(int step) {
+  return shampoo::testing::make_blobs(32, 6, 3, /*seed=*/50 + step);
+}
+
+class InBackward : public ::testing::TestWithParam<FactoryCase> {};
+
+TEST_P(InBackward, EqualsOrdinaryStepAndReleasesGradients) {
+  const auto& c = GetParam();
+  auto ordinary_model = shampoo::testing::make_mlp(6, 12, 3, 1);
+  auto in_backward_model = shampoo::testing::make_mlp(6, 12, 3, 1);
+  auto ordinary = c.factory(ordinary_model->parameters());
+  auto in_backward = shampoo::apply_optimizer_in_backward(in_backward_model->parameters(), c.factory);
+  for (int step = 1; step <= 6; ++step) {
+    ordinary->zero_grad();
+    shampoo::testing::classification_loss(ordinary_model, batch(step), true);
+    ordinary->step();
+    shampoo::testing::classification_loss(in_backward_model, batch(step), true);
+    for (const auto& p : in_backward_model->parameters()) {
+      ASSERT_FALSE(p.grad().defined()) << "gradient kept after its step";
+    }
+    ASSERT_TRUE(bit_equal(values(in_backward_model), values(ordinary_model)))
+        << c.name << " step " << step;
+  }
+  EXPECT_EQ(in_backward.steps_taken(), 6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, InBackward, ::testing::ValuesIn(factories()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(InBackwardSets, DifferentOptimizersPerParameterSet) {
+  auto ordinary_model = shampoo::testing::make_mlp(6, 12, 3, 2);
+  auto model = shampoo::testing::make_mlp(6, 12, 3, 2);
+  auto split = [](torch::nn::Sequential& m) {
+    const auto p = m->parameters();  // weight, bias of three linear layers
+    return std::vector<std::vector<at::Tensor>>{{p[0], p[1]}, {p[2], p[3]}, {p[4], p[5]}};
+  };
+  const std::vector<OptimizerFactory> makers{
+      [](std::vector<torch::Tensor> p) {
+        return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.02));
+      },
+      [](std::vector<torch::Tensor> p) {
+        return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.04));
+      },
+      [](std::vector<torch::Tensor> p) {
+        return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(0.006));
+      }};
+  std::vector<std::unique_ptr<torch::optim::Optimizer>> ordinary;
+  const auto ordinary_sets = split(ordinary_model);
+  const auto sets = split(model);
+  shampoo::InBackwardOptimizer in_backward;
+  for (size_t i = 0; i < 3; ++i) {
+    ordinary.push_back(makers[i](ordinary_sets[i]));
+    in_backward.add(sets[i], makers[i]);
+  }
+  ASSERT_EQ(in_backward.num_optimizers(), 3u);
+  EXPECT_NE(dynamic_cast<torch::optim::Adam*>(&in_backward.optimizer(1)), nullptr);
+  // A scheduler on one of them, mirrored on the ordinary run.
+  torch::optim::StepLR ordinary_scheduler(*ordinary[1], 2, 0.5);
+  torch::optim::StepLR scheduler(in_backward.optimizer(1), 2, 0.5);
+  for (int step = 1; step <= 6; ++step) {
+    for (auto& o : ordinary) o->zero_grad();
+    shampoo::testing::classification_loss(ordinary_model, batch(step), true);
+    for (auto& o : ordinary) o->step();
+    shampoo::testing::classification_loss(model, batch(step), true);
+    ordinary_scheduler.step();
+    scheduler.step();
+    ASSERT_TRUE(bit_equal(values(model), values(ordinary_model))) << "step " << step;
+  }
+  EXPECT_EQ(in_backward.optimizer(1).param_groups()[0].options().get_lr(), 0.04 * 0.25);
+}
+
+TEST(InBackwardAccumulation, EveryKthBackwardStepsOnTheSum) {
+  for (const auto& c : {factories()[1], factories()[5]}) {
+    auto ordinary_model = shampoo::testing::make_mlp(6, 12, 3, 3);
+    auto model = shampoo::testing::make_mlp(6, 12, 3, 3);
+    auto ordinary = c.factory(ordinary_model->parameters());
+    auto in_backward = shampoo::apply_optimizer_in_backward(model->parameters(), c.factory);
+    in_backward.set_accumulation_steps(3);
+    for (int step = 1; step <= 4; ++step) {
+      ordinary->zero_grad();
+      for (int micro = 0; micro < 3; ++micro) {
+        shampoo::testing::classification_loss(ordinary_model, batch(10 * step + micro), true);
+        shampoo::testing::classification_loss(model, batch(10 * step + micro), true);
+        const bool last = micro == 2;
+        for (const auto& p : model->parameters()) {
+          ASSERT_EQ(p.grad().defined(), !last) << "micro-batch " << micro;
+        }
+      }
+      ordinary->step();
+      ASSERT_TRUE(bit_equal(values(model), values(ordinary_model))) << c.name << " step " << step;
+    }
+    EXPECT_EQ(in_backward.backward_passes(), 12);
+    EXPECT_EQ(in_backward.steps_taken(), 4);
+  }
+}
+
+TEST(InBackwardAccumulation, NoStepScope) {
+  auto model = shampoo::testing::make_mlp(6, 12, 3, 4);
+  auto in_backward = shampoo::apply_optimizer_in_backward(model->parameters(), factories()[1].factory);
+  const auto before = values(model);
+  {
+    shampoo::InBackwardOptimizer::NoStep no_step(in_backward);
+    shampoo::testing::classification_loss(model, batch(1), true);
+  }
+  EXPECT_TRUE(bit_equal(values(model), before));
+  EXPECT_TRUE(model->parameters()[0].grad().defined());  // kept for the next pass
+  shampoo::testing::classification_loss(model, batch(2), true);
+  EXPECT_FALSE(bit_equal(values(model)[0], before[0]));
+  EXPECT_EQ(in_backward.steps_taken(), 1);
+}
+
+TEST(InBackwardCheckpoint, ResumeEqualsUninterrupted) {
+  for (const auto& c : {factories()[1], factories()[5]}) {
+    auto reference = shampoo::testing::make_mlp(6, 12, 3, 5);
+    auto reference_opt = shampoo::apply_optimizer_in_backward(reference->parameters(), c.factory);
+    for (int step = 1; step <= 6; ++step) {
+      shampoo::testing::classification_loss(reference, batch(step), true);
+    }
+    auto first = shampoo::testing::make_mlp(6, 12, 3, 5);
+    const auto path = shampoo::testing::temp_path(c.name + ".pt");
+    std::vector<at::Tensor> saved;
+    {
+      auto opt = shampoo::apply_optimizer_in_backward(first->parameters(), c.factory);
+      for (int step = 1; step <= 3; ++step) {
+        shampoo::testing::classification_loss(first, batch(step), true);
+      }
+      torch::save(opt, path);
+      saved = values(first);
+    }
+    auto resumed = shampoo::testing::make_mlp(6, 12, 3, 5);
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < saved.size(); ++i) resumed->parameters()[i].copy_(saved[i]);
+    }
+    auto opt = shampoo::apply_optimizer_in_backward(resumed->parameters(), c.factory);
+    torch::load(opt, path);
+    for (int step = 4; step <= 6; ++step) {
+      shampoo::testing::classification_loss(resumed, batch(step), true);
+    }
+    EXPECT_TRUE(bit_equal(values(resumed), values(reference))) << c.name;
+    std::filesystem::remove(path);
+  }
+}
+
+void expect_error(const std::function<void()>& fn, const std::string& fragment) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error mentioning '" << fragment << "'";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find(fragment), std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+TEST(InBackwardMisuse, ClearErrors) {
+  auto model = shampoo::testing::make_mlp(6, 12, 3, 6);
+  auto params = model->parameters();
+  auto opt = shampoo::apply_optimizer_in_backward({params[0], params[1]}, factories()[1].factory);
+  expect_error([&] { opt.add({params[1]}, factories()[0].factory); }, "registered twice");
+  expect_error([&] { opt.add({params[2], params[2]}, factories()[0].factory); },
+               "registered twice");
+  expect_error([&] { opt.add({at::ones({3})}, factories()[0].factory); }, "does not require grad");
+  expect_error([&] { opt.step(); }, "do not call step() by hand");
+  auto& shampoo_opt = opt.add({params[4]}, factories()[5].factory);
+  expect_error([&] { shampoo_opt.step(); }, "runs in backward");
+}
+
+TEST(InBackwardDistributed, EqualsDistributedOrdinaryStep) {
+  for (const bool shampoo_optimizer : {true, false}) {
+    shampoo::testing::run_ranks(2, [&](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+      const auto shard = shampoo::testing::make_blobs(64, 6, 3, 70 + rank);
+      OptimizerFactory factory = [&](std::vector<torch::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+        if (shampoo_optimizer) {
+          return std::make_unique<shampoo::DistributedShampoo>(
+              p, shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2)
+                     .grafting(shampoo::AdamGraftingConfig{}),
+              shampoo::DistributedOptions().process_group(group));
+        }
+        return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
+      };
+      auto ordinary_model = shampoo::testing::make_mlp(6, 12, 3, 8);
+      shampoo::GradientSynchronizer ordinary_sync(ordinary_model->parameters(), group,
+                                                  shampoo::GradientSynchronizerOptions().bucket_cap_bytes(256));
+      auto ordinary = factory(ordinary_model->parameters());
+      auto model = shampoo::testing::make_mlp(6, 12, 3, 8);
+      shampoo::GradientSynchronizer sync(model->parameters(), group,
+                                         shampoo::GradientSynchronizerOptions().bucket_cap_bytes(256));
+      auto in_backward = shampoo::apply_optimizer_in_backward(model->parameters(), factory);
+      in_backward.attach(sync);
+      for (int step = 1; step <= 4; ++step) {
+        ordinary->zero_grad();
+        shampoo::testing::classification_loss(ordinary_model, shard, true);
+        ordinary_sync.synchronize();
+        ordinary->step();
+        shampoo::testing::classification_loss(model, shard, true);  // steps inside backward
+        for (const auto& p : model->parameters()) ASSERT_FALSE(p.grad().defined());
+        ASSERT_TRUE(bit_equal(values(model), values(ordinary_model)))
+            << (shampoo_optimizer ? "shampoo" : "adam") << " rank " << rank << " step " << step;
+      }
+      EXPECT_GT(sync.buckets_started_in_backward(), 0);
+    });
+  }
+}
+
+}  // namespace

@@ -24,9 +24,43 @@ at::Tensor aligned_matrix_operand(const at::Tensor& t) {
   return t.clone(at::MemoryFormat::Contiguous);
 }
 
+namespace {
+
+/// CUDA: one batched product for the whole stack (GPU runs are compared within tolerance, not
+/// bit for bit, so the batch may round as cuBLAS likes).
+at::Tensor batched_outer_product(const at::Tensor& blocks, int64_t dim) {
+  const int64_t order = blocks.dim() - 1;
+  const int64_t n = blocks.size(0);
+  const int64_t d = blocks.size(dim + 1);
+  if (order >= 2 && dim == order - 1) {
+    const auto x = blocks.reshape({n, -1, d});
+    return at::bmm(x.transpose(1, 2), x);
+  }
+  const auto x = blocks.movedim(dim + 1, 1).reshape({n, d, -1});
+  return at::bmm(x, x.transpose(1, 2));
+}
+
+at::Tensor batched_multiply_along_dim(const at::Tensor& blocks, const at::Tensor& matrices,
+                                      int64_t dim, bool transpose) {
+  const int64_t order = blocks.dim() - 1;
+  const int64_t n = blocks.size(0);
+  const int64_t d = blocks.size(dim + 1);
+  const auto m = transpose ? matrices.transpose(1, 2) : matrices;
+  if (dim == 0) return at::bmm(m, blocks.reshape({n, d, -1})).view(blocks.sizes());
+  if (dim == order - 1) {
+    return at::bmm(blocks.reshape({n, -1, d}), m.transpose(1, 2)).view(blocks.sizes());
+  }
+  const auto moved_sizes = blocks.movedim(dim + 1, 1).sizes().vec();
+  const auto x = blocks.movedim(dim + 1, 1).reshape({n, d, -1});
+  return at::bmm(m, x).view(moved_sizes).movedim(1, dim + 1).contiguous();
+}
+
+}  // namespace
+
 at::Tensor stacked_outer_product(const at::Tensor& blocks, int64_t dim) {
   const int64_t order = blocks.dim() - 1;
   TORCH_INTERNAL_ASSERT(dim >= 0 && dim < order, "dim ", dim, " out of range for order ", order);
+  if (blocks.is_cuda()) return batched_outer_product(blocks, dim);
   const int64_t n = blocks.size(0);
   const int64_t d = blocks.size(dim + 1);
   auto out = at::empty({n, d, d}, blocks.options());
@@ -48,6 +82,7 @@ at::Tensor stacked_multiply_along_dim(const at::Tensor& blocks, const at::Tensor
                                       int64_t dim, bool transpose) {
   const int64_t order = blocks.dim() - 1;
   TORCH_INTERNAL_ASSERT(dim >= 0 && dim < order, "dim ", dim, " out of range for order ", order);
+  if (blocks.is_cuda()) return batched_multiply_along_dim(blocks, matrices, dim, transpose);
   const int64_t n = blocks.size(0);
   const int64_t d = blocks.size(dim + 1);
   auto out = at::empty_like(blocks, at::MemoryFormat::Contiguous);

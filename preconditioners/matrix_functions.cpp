@@ -1,6 +1,11 @@
 #include "preconditioners/matrix_functions.h"
 
 #include "preconditioners/kronecker_contractions.h"
+#include "shampoo/config.h"
+
+#if SHAMPOO_WITH_CUDA
+#include "preconditioners/cuda_eigh.h"
+#endif
 
 #include <c10/util/Exception.h>
 
@@ -42,7 +47,44 @@ struct Decomposition {
   int64_t retried = 0;
 };
 
+#if SHAMPOO_WITH_CUDA
+/// CUDA: cuSOLVER on the whole stack (batched Jacobi for small blocks), then a float64 retry of
+/// the matrices that did not converge or came out non-finite.
+Decomposition decompose_cuda(const at::Tensor& stack, bool retry_double_precision) {
+  const int64_t n = stack.size(0);
+  Decomposition out;
+  out.failed.assign(n, false);
+  out.in_double.assign(n, false);
+  out.eigenvalues_double.resize(n);
+  out.eigenvectors_double.resize(n);
+  auto first = cuda_eigh(stack);
+  const auto finite = at::logical_and(at::isfinite(first.eigenvalues).all(1),
+                                      at::isfinite(first.eigenvectors).flatten(1).all(1))
+                          .cpu();
+  out.eigenvalues = first.eigenvalues;
+  out.eigenvectors = first.eigenvectors;
+  for (int64_t i = 0; i < n; ++i) {
+    if (first.converged[i] && finite[i].item<bool>()) continue;
+    if (retry_double_precision && stack.scalar_type() != at::kDouble) {
+      ++out.retried;
+      auto retry = cuda_eigh(stack.narrow(0, i, 1).to(at::kDouble), /*batched_jacobi=*/false);
+      if (retry.converged[0] && at::isfinite(retry.eigenvectors).all().item<bool>()) {
+        out.in_double[i] = true;
+        out.eigenvalues_double[i] = retry.eigenvalues[0];
+        out.eigenvectors_double[i] = retry.eigenvectors[0];
+        continue;
+      }
+    }
+    out.failed[i] = true;
+  }
+  return out;
+}
+#endif
+
 Decomposition decompose(const at::Tensor& stack, bool retry_double_precision) {
+#if SHAMPOO_WITH_CUDA
+  if (stack.is_cuda()) return decompose_cuda(stack, retry_double_precision);
+#endif
   const int64_t n = stack.size(0);
   Decomposition out;
   out.failed.assign(n, false);

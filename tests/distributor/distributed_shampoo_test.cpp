@@ -17,6 +17,7 @@ using shampoo::DistributedOptions;
 using shampoo::DistributedShampoo;
 using shampoo::ShampooOptions;
 using shampoo::testing::bit_equal;
+using shampoo::testing::snapshot;
 using shampoo::testing::run_ranks;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
@@ -32,14 +33,7 @@ std::vector<at::Tensor> make_params(uint64_t seed) {
 }
 
 void set_grads(const std::vector<at::Tensor>& params, int step) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(900 + step);
-  for (const auto& p : params) p.mutable_grad() = at::randn(p.sizes(), gen);
-}
-
-std::vector<at::Tensor> values(const std::vector<at::Tensor>& params) {
-  std::vector<at::Tensor> out;
-  for (const auto& p : params) out.push_back(p.detach().clone());
-  return out;
+  shampoo::testing::set_random_grads(params, 900 + step);
 }
 
 /// Two groups with different floats (one virtual group when merged).
@@ -62,7 +56,7 @@ std::vector<std::vector<at::Tensor>> single_process(const ShampooOptions& base, 
   for (int step = 1; step <= steps; ++step) {
     set_grads(params, step);
     opt.step();
-    trajectory.push_back(values(params));
+    trajectory.push_back(snapshot(params));
   }
   return trajectory;
 }
@@ -105,7 +99,7 @@ TEST_P(WorldEqualsSingle, BitForBitInFloat32) {
     for (int step = 1; step <= kSteps; ++step) {
       set_grads(params, step);
       opt.step();
-      ASSERT_TRUE(bit_equal(values(params), expected[step - 1]))
+      ASSERT_TRUE(bit_equal(snapshot(params), expected[step - 1]))
           << c.name << " rank " << rank << " step " << step;
       ASSERT_EQ(opt.stats().collectives_last_step, 1);
     }
@@ -152,7 +146,7 @@ TEST_P(LossyCommunication, WithinTwiceBf16ToleranceAndRanksAgree) {
       opt.step();
     }
     std::lock_guard<std::mutex> lock(mutex);
-    finals[rank] = values(params);
+    finals[rank] = snapshot(params);
   });
   const auto bf16 = shampoo::testing::tolerance_for(at::kBFloat16);
   for (size_t i = 0; i < finals[0].size(); ++i) {
@@ -176,7 +170,7 @@ TEST(Distributed, CommunicateParamsEqualsSingle) {
     for (int step = 1; step <= 4; ++step) {
       set_grads(params, step);
       opt.step();
-      ASSERT_TRUE(bit_equal(values(params), expected[step - 1])) << "step " << step;
+      ASSERT_TRUE(bit_equal(snapshot(params), expected[step - 1])) << "step " << step;
     }
   });
 }
@@ -210,14 +204,14 @@ TEST(Distributed, RankWithoutGradientsNeverHangs) {
   std::vector<std::vector<int64_t>> owned(2);
   run_ranks(2, [&](int rank, const Group& group) {
     auto params = make_params(3);
-    const auto before = values(params);
+    const auto before = snapshot(params);
     DistributedShampoo opt(params, options, DistributedOptions().process_group(group));
     for (int step = 1; step <= 3; ++step) {
       if (rank == 0) set_grads(params, step);  // rank 1 never has gradients
       opt.step();
     }
     std::lock_guard<std::mutex> lock(mutex);
-    finals[rank] = values(params);
+    finals[rank] = snapshot(params);
     // Which parameters changed: exactly those with at least one block owned by rank 0.
     for (size_t i = 0; i < params.size(); ++i) {
       if (!at::equal(finals[rank][i], before[i])) owned[rank].push_back(static_cast<int64_t>(i));
@@ -329,7 +323,7 @@ TEST(Distributed, CheckpointsResumeAtTheSameWorldSize) {
         opt.step();
       }
       torch::save(opt, path);
-      saved = values(params);
+      saved = snapshot(params);
     }
     auto params = make_params(1);
     {
@@ -343,7 +337,7 @@ TEST(Distributed, CheckpointsResumeAtTheSameWorldSize) {
       set_grads(params, step);
       opt.step();
     }
-    EXPECT_TRUE(bit_equal(values(params), expected.back())) << "rank " << rank;
+    EXPECT_TRUE(bit_equal(snapshot(params), expected.back())) << "rank " << rank;
   });
   // The same files at another world size: refused with a clear error.
   run_ranks(4, [&](int rank, const Group& group) {

@@ -16,6 +16,7 @@ namespace {
 using shampoo::OptimizerFactory;
 using shampoo::ShardedOptimizer;
 using shampoo::testing::bit_equal;
+using shampoo::testing::snapshot;
 using shampoo::testing::run_ranks;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
@@ -30,14 +31,7 @@ std::vector<at::Tensor> make_params() {
 }
 
 void set_grads(const std::vector<at::Tensor>& params, int step) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(40 + step);
-  for (const auto& p : params) p.mutable_grad() = at::randn(p.sizes(), gen);
-}
-
-std::vector<at::Tensor> values(const std::vector<at::Tensor>& params) {
-  std::vector<at::Tensor> out;
-  for (const auto& p : params) out.push_back(p.detach().clone());
-  return out;
+  shampoo::testing::set_random_grads(params, 40 + step);
 }
 
 struct Case {
@@ -70,7 +64,7 @@ TEST_P(Sharded, EqualsUnshardedBitForBit) {
   for (int step = 1; step <= 5; ++step) {
     set_grads(reference, step);
     unsharded->step();
-    trajectory.push_back(values(reference));
+    trajectory.push_back(snapshot(reference));
   }
   const int64_t total_state = shampoo::optimizer_state_bytes(*unsharded);
   std::mutex mutex;
@@ -81,7 +75,7 @@ TEST_P(Sharded, EqualsUnshardedBitForBit) {
     for (int step = 1; step <= 5; ++step) {
       set_grads(params, step);
       sharded.step();
-      ASSERT_TRUE(bit_equal(values(params), trajectory[step - 1])) << "rank " << rank << " step "
+      ASSERT_TRUE(bit_equal(snapshot(params), trajectory[step - 1])) << "rank " << rank << " step "
                                                                    << step;
     }
     std::lock_guard<std::mutex> lock(mutex);
@@ -122,7 +116,7 @@ TEST(ShardedCheckpoint, ResumeEqualsUninterrupted) {
         opt.step();
       }
       torch::save(opt, path);
-      saved = values(params);
+      saved = snapshot(params);
     }
     auto resumed = make_params();
     {
@@ -135,7 +129,7 @@ TEST(ShardedCheckpoint, ResumeEqualsUninterrupted) {
       set_grads(resumed, step);
       opt.step();
     }
-    EXPECT_TRUE(bit_equal(values(resumed), values(reference))) << "rank " << rank;
+    EXPECT_TRUE(bit_equal(snapshot(resumed), snapshot(reference))) << "rank " << rank;
     std::filesystem::remove(path);
   });
 }

@@ -15,6 +15,7 @@ using shampoo::DistributedOptions;
 using shampoo::DistributedShampoo;
 using shampoo::ShampooOptions;
 using shampoo::testing::bit_equal;
+using shampoo::testing::snapshot;
 
 constexpr int kGroups = 32;
 
@@ -57,14 +58,7 @@ std::vector<torch::optim::OptimizerParamGroup> make_groups(const std::vector<at:
 }
 
 void set_grads(const std::vector<at::Tensor>& params, int step) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + step);
-  for (const auto& p : params) p.mutable_grad() = at::randn(p.sizes(), gen);
-}
-
-std::vector<at::Tensor> values(const std::vector<at::Tensor>& params) {
-  std::vector<at::Tensor> out;
-  for (const auto& p : params) out.push_back(p.detach().clone());
-  return out;
+  shampoo::testing::set_random_grads(params, 500 + step);
 }
 
 TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithLiveLearningRates) {
@@ -88,7 +82,7 @@ TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithLiveLearningRates) {
     unmerged.step();
     merged_scheduler.step();
     unmerged_scheduler.step();
-    ASSERT_TRUE(bit_equal(values(merged_params), values(unmerged_params))) << "step " << step;
+    ASSERT_TRUE(bit_equal(snapshot(merged_params), snapshot(unmerged_params))) << "step " << step;
   }
   EXPECT_GT(merged.stats().amortized_computations, 0);
   EXPECT_EQ(merged.stats().amortized_computations, unmerged.stats().amortized_computations);
@@ -164,7 +158,7 @@ TEST(VirtualGroups, GroupAddedLaterKeepsItsOwnStepCount) {
     set_grads(unmerged_active, step);
     merged.step();
     unmerged.step();
-    ASSERT_TRUE(bit_equal(values(merged_active), values(unmerged_active))) << "step " << step;
+    ASSERT_TRUE(bit_equal(snapshot(merged_active), snapshot(unmerged_active))) << "step " << step;
   }
   EXPECT_EQ(merged.group_step(0), 12);
   EXPECT_EQ(merged.group_step(8), 7);
@@ -191,7 +185,7 @@ TEST(VirtualGroups, GroupAddedLaterKeepsItsOwnStepCount) {
   std::vector<at::Tensor> fresh_pair{fresh_params[16], fresh_params[17]};
   set_grads(fresh_pair, 99);
   fresh.step();
-  EXPECT_TRUE(bit_equal(values(late_pair), values(fresh_pair)));
+  EXPECT_TRUE(bit_equal(snapshot(late_pair), snapshot(fresh_pair)));
 }
 
 /// Losses of an MLP trained with the parameters assigned round-robin to groups of `lrs`.
@@ -255,7 +249,7 @@ TEST(VirtualGroups, CheckpointsCrossBetweenMergedAndUnmerged) {
     }
     std::vector<at::Tensor> used(reference_params.begin(), reference_params.begin() + 32);
     std::vector<at::Tensor> resumed(second_params.begin(), second_params.begin() + 32);
-    EXPECT_TRUE(bit_equal(values(resumed), values(used))) << "saved merged: " << save_merged;
+    EXPECT_TRUE(bit_equal(snapshot(resumed), snapshot(used))) << "saved merged: " << save_merged;
     std::filesystem::remove(path);
   }
 }

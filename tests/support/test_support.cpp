@@ -92,6 +92,20 @@ Tolerance tolerance_for(at::ScalarType dtype) {
   return ::testing::AssertionSuccess();
 }
 
+void set_random_grads(const std::vector<at::Tensor>& params, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (const auto& p : params) {
+    p.mutable_grad() = at::randn(p.sizes(), gen, p.options().requires_grad(false));
+  }
+}
+
+std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(t.detach().clone());
+  return out;
+}
+
 std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> out;
   for (const auto& p : params) {

@@ -33,6 +33,12 @@ Tolerance tolerance_for(at::ScalarType dtype);
 ::testing::AssertionResult bit_equal(const std::vector<at::Tensor>& actual,
                                      const std::vector<at::Tensor>& expected);
 
+/// Sets every parameter's gradient to fixed random values drawn from `seed`.
+void set_random_grads(const std::vector<at::Tensor>& params, uint64_t seed);
+
+/// Detached copies of the tensors' current values.
+std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& tensors);
+
 /// Deep copies of tensors (detached, with requires_grad as in the source).
 std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params);
 

@@ -1,7 +1,7 @@
 # Distributed Shampoo for LibTorch. Two commands on a fresh machine:
 #   make demo   install what is missing, build, train a CNN on Fashion-MNIST with Shampoo
 #   make test   install what is missing, build, run every test
-# Other targets: deps, build, bench, install PREFIX=..., clean.
+# Other targets: deps, build, bench, install PREFIX=..., sanitize, clean.
 # Overrides: TORCH_VERSION=2.11.0 (the torch wheel from PyPI), TORCH_DIR=<torch root holding
 # share/cmake/Torch> (use an existing LibTorch), BUILD_DIR, JOBS, CMAKE_ARGS.
 
@@ -19,7 +19,7 @@ export CCACHE_MAXSIZE ?= 5G
 DEPS_STAMP := $(BUILD_DIR)/.deps-$(TORCH_VERSION)
 CONFIG_STAMP := $(BUILD_DIR)/CMakeCache.txt
 
-.PHONY: all deps configure build test demo bench install clean
+.PHONY: all deps configure build test demo bench install sanitize clean
 
 all: build
 
@@ -45,11 +45,23 @@ build: $(CONFIG_STAMP)
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
+# Fashion-MNIST with Distributed Shampoo on 2 CPU ranks under torchrun, then the plot of its
+# metrics (examples/run_demo.sh.in; DEMO_DIR and DEMO_RANKS override).
 demo: build
-	$(BUILD_DIR)/examples/fashion_mnist_demo
+	$(BUILD_DIR)/examples/run_demo.sh
 
 bench: build
 	bash benchmarks/run_all.sh $(BUILD_DIR)
+
+# The multi-rank suites (Gloo route included) under AddressSanitizer and UBSan, in build-asan/.
+# LibTorch itself is not instrumented; its process-lifetime allocations are not leak-checked.
+sanitize: $(DEPS_STAMP)
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHAMPOO_SANITIZE=address,undefined \
+	  -DSHAMPOO_BUILD_EXAMPLES=OFF -DSHAMPOO_BUILD_BENCHMARKS=OFF \
+	  -DTorch_DIR="$$(cat $(BUILD_DIR)/.torch-cmake-dir)" $(CMAKE_ARGS)
+	cmake --build build-asan -j $(JOBS)
+	cd build-asan && ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest -L multirank --output-on-failure
 
 install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)

@@ -115,6 +115,10 @@ std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params) {
 }
 
 torch::nn::Sequential make_mlp(int64_t in, int64_t hidden, int64_t classes, uint64_t seed) {
+  // Module initialization draws from the global generator: ranks running as threads must not
+  // interleave their draws, or "the same seed" gives different weights.
+  static std::mutex global_generator;
+  std::lock_guard<std::mutex> lock(global_generator);
   torch::manual_seed(seed);
   return torch::nn::Sequential(torch::nn::Linear(in, hidden), torch::nn::Tanh(),
                                torch::nn::Linear(hidden, hidden), torch::nn::Tanh(),

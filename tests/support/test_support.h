@@ -42,7 +42,7 @@ std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& tensors);
 /// Deep copies of tensors (detached, with requires_grad as in the source).
 std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params);
 
-/// A small MLP (in -> hidden -> hidden -> classes, tanh) with a fixed seed.
+/// A small MLP (in -> hidden -> hidden -> classes, tanh) with a fixed seed (thread-safe).
 torch::nn::Sequential make_mlp(int64_t in, int64_t hidden, int64_t classes, uint64_t seed);
 
 /// A fixed synthetic classification task: `n` points in `dims` dims, `classes` Gaussian blobs.

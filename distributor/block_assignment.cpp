@@ -24,8 +24,8 @@ std::vector<int> assign_owners(const std::vector<int64_t>& costs, int world_size
   std::vector<int> owners(costs.size(), 0);
   for (const size_t block : order) {
     // min_element returns the first (lowest) rank among equal loads.
-    const auto rank = static_cast<int>(
-        std::min_element(loads.begin(), loads.end()) - loads.begin());
+    const auto rank =
+        static_cast<int>(std::min_element(loads.begin(), loads.end()) - loads.begin());
     owners[block] = rank;
     loads[rank] += costs[block];
   }

@@ -1,12 +1,12 @@
 #include "distributor/distributor.h"
 
-#include "distributor/block_assignment.h"
-#include "distributor/process_group.h"
-
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <map>
+
+#include "distributor/block_assignment.h"
+#include "distributor/process_group.h"
 
 namespace shampoo::detail {
 namespace {
@@ -26,10 +26,9 @@ Distributor::Distributor(DistributorConfig config) : config_(std::move(config)) 
   auto& parent = config_.process_group;
   global_rank_ = parent->getRank();
   global_world_size_ = parent->getSize();
-  const int64_t trainers = config_.num_trainers_per_group == -1 ? global_world_size_
-                                                                 : config_.num_trainers_per_group;
-  TORCH_CHECK(trainers >= 1 && trainers <= global_world_size_ &&
-                  global_world_size_ % trainers == 0,
+  const int64_t trainers =
+      config_.num_trainers_per_group == -1 ? global_world_size_ : config_.num_trainers_per_group;
+  TORCH_CHECK(trainers >= 1 && trainers <= global_world_size_ && global_world_size_ % trainers == 0,
               "DistributedOptions.num_trainers_per_group: got ", config_.num_trainers_per_group,
               ", expected -1 or a divisor of the world size ", global_world_size_);
   if (trainers == global_world_size_) {
@@ -93,8 +92,10 @@ void Distributor::layout_unit(Unit& unit) {
   }
   const auto device = blocks_[unit.blocks.front()].device;
   for (const int64_t b : unit.blocks) {
-    TORCH_CHECK(blocks_[b].device == device, "DistributedShampoo: all parameters must be on one "
-                "device, found ", blocks_[b].device, " and ", device);
+    TORCH_CHECK(blocks_[b].device == device,
+                "DistributedShampoo: all parameters must be on one "
+                "device, found ",
+                blocks_[b].device, " and ", device);
   }
   const auto options = at::TensorOptions().dtype(config_.communication_dtype).device(device);
   unit.send = at::zeros({unit.segment_size}, options);
@@ -137,8 +138,10 @@ int64_t Distributor::exchange() {
       group_->getBackend(device_type)->_allgather_base(unit.receive, unit.send)->wait();
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "DistributedShampoo: the AllGather of this step failed on rank ",
-                  global_rank_, " (another rank died, hung, or called step() a different number "
-                  "of times): ", e.what());
+                  global_rank_,
+                  " (another rank died, hung, or called step() a different number "
+                  "of times): ",
+                  e.what());
     }
     ++collectives;
     // Every rank's flags, read back with one copy.

@@ -9,13 +9,13 @@
 /// updated parameters) and flags into their segment; the AllGather is issued by every rank every
 /// step, also by a rank with nothing to send, so ranks never wait on each other forever.
 
-#include "distributor/block_plan.h"
-
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
+
+#include "distributor/block_plan.h"
 
 namespace shampoo::detail {
 
@@ -81,8 +81,8 @@ class Distributor {
 
  private:
   struct Placement {
-    int64_t offset = 0;     // element offset of the values inside the owner's segment
-    int64_t flag = 0;       // element offset of the flag inside the owner's segment
+    int64_t offset = 0;  // element offset of the values inside the owner's segment
+    int64_t flag = 0;    // element offset of the flag inside the owner's segment
   };
   struct Unit {
     std::vector<int64_t> blocks;  // global block indices, ascending

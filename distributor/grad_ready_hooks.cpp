@@ -32,8 +32,10 @@ int64_t add_grad_ready_callback(const at::Tensor& param, GradReadyCallback callb
   if (!slot) {
     torch::autograd::impl::set_post_acc_grad_hooks(param, std::make_unique<MultiplexedHook>());
   }
-  auto* hook = dynamic_cast<MultiplexedHook*>(torch::autograd::impl::post_acc_grad_hooks(param).get());
-  TORCH_CHECK(hook != nullptr, "this tensor already has a post-accumulate-grad hook of another "
+  auto* hook =
+      dynamic_cast<MultiplexedHook*>(torch::autograd::impl::post_acc_grad_hooks(param).get());
+  TORCH_CHECK(hook != nullptr,
+              "this tensor already has a post-accumulate-grad hook of another "
               "kind (a Python hook?); DistributedShampoo cannot add its own");
   const int64_t handle = next_handle++;
   hook->callbacks_.emplace_back(handle, std::move(callback));

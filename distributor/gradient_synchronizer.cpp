@@ -1,12 +1,12 @@
 #include "distributor/gradient_synchronizer.h"
 
-#include "distributor/grad_ready_hooks.h"
-
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <map>
 #include <tuple>
+
+#include "distributor/grad_ready_hooks.h"
 
 namespace shampoo {
 namespace {
@@ -29,10 +29,14 @@ GradientSynchronizer::GradientSynchronizer(std::vector<at::Tensor> params,
               options_.bucket_cap_bytes(), ", expected > 0");
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
-    TORCH_CHECK(p.defined() && p.is_leaf() && p.requires_grad(), "GradientSynchronizer: "
-                "parameter ", i, " must be a leaf tensor that requires grad");
-    TORCH_CHECK(p.is_floating_point() && p.layout() == at::kStrided, "GradientSynchronizer: "
-                "parameter ", i, " must be a dense floating-point tensor");
+    TORCH_CHECK(p.defined() && p.is_leaf() && p.requires_grad(),
+                "GradientSynchronizer: "
+                "parameter ",
+                i, " must be a leaf tensor that requires grad");
+    TORCH_CHECK(p.is_floating_point() && p.layout() == at::kStrided,
+                "GradientSynchronizer: "
+                "parameter ",
+                i, " must be a dense floating-point tensor");
   }
 
   if (options_.broadcast_parameters()) {
@@ -130,8 +134,8 @@ void GradientSynchronizer::on_grad_ready(int64_t param) {
 void GradientSynchronizer::launch_ready_buckets(bool from_hook) {
   // Buckets start in index order on every rank, so the collectives always match up.
   while (next_to_launch_ < num_buckets() &&
-         buckets_[next_to_launch_].ready == static_cast<int64_t>(
-                                                buckets_[next_to_launch_].params.size())) {
+         buckets_[next_to_launch_].ready ==
+             static_cast<int64_t>(buckets_[next_to_launch_].params.size())) {
     launch(buckets_[next_to_launch_++]);
     if (from_hook) ++started_this_iteration_;
   }
@@ -173,7 +177,8 @@ void GradientSynchronizer::finish(Bucket& bucket) {
   for (int64_t k = 0; k < count; ++k) {
     auto& p = params_[bucket.params[k]];
     if (present[k] == 0.0) continue;  // no rank had a gradient
-    const auto average = bucket.buffer.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes()) / world;
+    const auto average =
+        bucket.buffer.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes()) / world;
     if (p.grad().defined()) {
       p.mutable_grad().copy_(average);
     } else {

@@ -10,12 +10,12 @@
 
 #include <ATen/ATen.h>
 #include <torch/arg.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 namespace shampoo {
@@ -29,8 +29,7 @@ struct GradientSynchronizerOptions {
 
 class GradientSynchronizer {
  public:
-  GradientSynchronizer(std::vector<at::Tensor> params,
-                       c10::intrusive_ptr<c10d::ProcessGroup> group,
+  GradientSynchronizer(std::vector<at::Tensor> params, c10::intrusive_ptr<c10d::ProcessGroup> group,
                        GradientSynchronizerOptions options = {});
   ~GradientSynchronizer();
   GradientSynchronizer(const GradientSynchronizer&) = delete;
@@ -87,9 +86,9 @@ class GradientSynchronizer {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   GradientSynchronizerOptions options_;
   std::vector<Bucket> buckets_;
-  std::vector<int64_t> bucket_of_;       // per param
-  std::vector<int64_t> hook_handles_;    // per param
-  std::vector<bool> arrived_;            // per param, this iteration
+  std::vector<int64_t> bucket_of_;     // per param
+  std::vector<int64_t> hook_handles_;  // per param
+  std::vector<bool> arrived_;          // per param, this iteration
   int64_t next_to_launch_ = 0;
   int64_t next_to_finish_ = 0;
   int64_t started_in_backward_ = 0;

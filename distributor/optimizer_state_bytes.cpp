@@ -1,10 +1,10 @@
-#include "distributor/optimizer_factory.h"
-
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
+
+#include "distributor/optimizer_factory.h"
 
 namespace shampoo {
 namespace {

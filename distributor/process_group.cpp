@@ -1,23 +1,26 @@
 #include "distributor/process_group.h"
 
-#include "shampoo/config.h"
-
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cerrno>
 #include <cstdlib>
 #include <string>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "shampoo/config.h"
 
 namespace shampoo {
 namespace {
 
 std::string required_env(const char* name, const char* meaning) {
   const char* value = std::getenv(name);
-  TORCH_CHECK(value != nullptr && *value != '\0', "init_process_group_from_env: environment "
-              "variable ", name, " (", meaning, ") is not set; launch with torchrun --no-python "
+  TORCH_CHECK(value != nullptr && *value != '\0',
+              "init_process_group_from_env: environment "
+              "variable ",
+              name, " (", meaning,
+              ") is not set; launch with torchrun --no-python "
               "or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT");
   return value;
 }
@@ -44,16 +47,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
     std::chrono::milliseconds timeout) {
   TORCH_CHECK(timeout.count() > 0, "init_process_group_from_env: timeout must be positive, got ",
               timeout.count(), " ms");
-  const auto world_size =
-      static_cast<int>(parse_int(required_env("WORLD_SIZE", "number of processes"), "WORLD_SIZE",
-                                 1, 1 << 20));
+  const auto world_size = static_cast<int>(
+      parse_int(required_env("WORLD_SIZE", "number of processes"), "WORLD_SIZE", 1, 1 << 20));
   const auto rank = static_cast<int>(
       parse_int(required_env("RANK", "global rank of this process"), "RANK", 0, world_size - 1));
   local_rank_from_env();  // validates LOCAL_RANK when set
   const auto host = required_env("MASTER_ADDR", "address of the rendezvous store");
-  const auto port = static_cast<uint16_t>(
-      parse_int(required_env("MASTER_PORT", "port of the rendezvous store"), "MASTER_PORT", 1,
-                65535));
+  const auto port = static_cast<uint16_t>(parse_int(
+      required_env("MASTER_PORT", "port of the rendezvous store"), "MASTER_PORT", 1, 65535));
   const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const bool launcher_hosts_store = agent_store != nullptr && std::string(agent_store) == "True";
 
@@ -68,8 +69,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
     store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "init_process_group_from_env: cannot reach the rendezvous store at ", host,
-                ":", port, " (MASTER_ADDR/MASTER_PORT) within ", timeout.count(), " ms: ",
-                e.what());
+                ":", port, " (MASTER_ADDR/MASTER_PORT) within ", timeout.count(),
+                " ms: ", e.what());
   }
   // The process group's collectives use their own prefix, so the launcher's keys never clash.
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("shampoo", store);
@@ -79,18 +80,17 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
 
 namespace detail {
 
-c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                          int rank, int size,
-                                                          std::chrono::milliseconds timeout,
-                                                          bool with_nccl) {
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, bool with_nccl) {
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   using BackendType = c10d::ProcessGroup::BackendType;
-  auto gloo = make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, size,
-                                timeout);
+  auto gloo =
+      make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, size, timeout);
   group->setBackend(c10::DeviceType::CPU, BackendType::GLOO, gloo);
   if (with_nccl) {
-    auto nccl = make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank,
-                                  size, timeout);
+    auto nccl = make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank, size,
+                                  timeout);
     group->setBackend(c10::DeviceType::CUDA, BackendType::NCCL, nccl);
   }
   group->setDefaultBackend(BackendType::GLOO);
@@ -104,13 +104,14 @@ bool has_cuda_backend(const c10d::ProcessGroup& group) {
   return false;
 }
 
-c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(const c10::intrusive_ptr<c10d::ProcessGroup>& parent,
-                                                     int first, int size, const std::string& tag,
-                                                     std::chrono::milliseconds timeout) {
+c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& parent, int first, int size,
+    const std::string& tag, std::chrono::milliseconds timeout) {
   const int rank = parent->getRank();
   TORCH_INTERNAL_ASSERT(rank >= first && rank < first + size);
   const auto parent_store = parent->getStore();
-  TORCH_CHECK(parent_store, "subgroups need a process group made with a store "
+  TORCH_CHECK(parent_store,
+              "subgroups need a process group made with a store "
               "(init_process_group_from_env or shampoo::detail::make_process_group)");
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       "subgroup_" + tag + "_" + std::to_string(first), parent_store);

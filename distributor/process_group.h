@@ -2,11 +2,10 @@
 /// Process groups on PyTorch's c10d: a TCPStore rendezvous and a c10d::ProcessGroup with Gloo for
 /// CPU tensors and, when LibTorch has CUDA and a GPU is present, NCCL for CUDA tensors.
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
 #include <chrono>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
 namespace shampoo {
@@ -29,10 +28,9 @@ namespace detail {
 
 /// A process group over `store` (prefixed per backend) with Gloo for CPU tensors and, when
 /// `with_nccl`, NCCL for CUDA tensors.
-c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                          int rank, int size,
-                                                          std::chrono::milliseconds timeout,
-                                                          bool with_nccl);
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, bool with_nccl);
 
 /// The Gloo backend of c10d (distributor/gloo_backend.cpp, the only file that includes
 /// ProcessGroupGloo.hpp).
@@ -48,9 +46,9 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
 /// The subgroup of consecutive ranks [first, first + size) that contains this rank, as a new
 /// process group with the parent's backends (every rank of the parent calls this; each gets
 /// its own subgroup). `tag` must be the same on every rank.
-c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(const c10::intrusive_ptr<c10d::ProcessGroup>& parent,
-                                                     int first, int size, const std::string& tag,
-                                                     std::chrono::milliseconds timeout);
+c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& parent, int first, int size,
+    const std::string& tag, std::chrono::milliseconds timeout);
 
 /// Whether `group` has a backend for CUDA tensors.
 bool has_cuda_backend(const c10d::ProcessGroup& group);

@@ -1,11 +1,11 @@
 #include "distributor/sharded_optimizer.h"
 
-#include "distributor/block_assignment.h"
-
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+
+#include "distributor/block_assignment.h"
 
 namespace shampoo {
 namespace {
@@ -19,9 +19,9 @@ struct WrapperOptions : torch::optim::OptimizerCloneableOptions<WrapperOptions> 
 ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
                                    const OptimizerFactory& factory,
                                    c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{
-                                  torch::optim::OptimizerParamGroup(params)},
-                              std::make_unique<WrapperOptions>()),
+    : torch::optim::Optimizer(
+          std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(params)},
+          std::make_unique<WrapperOptions>()),
       params_(std::move(params)),
       group_(std::move(group)) {
   TORCH_CHECK(group_, "ShardedOptimizer: process group is null");
@@ -94,8 +94,8 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
   group_->getBackend(send_.device().type())->_allgather_base(receive_, send_)->wait();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (owners_[i] == rank) continue;
-    const auto segment = receive_.narrow(0, owners_[i] * segment_size_ + offsets_[i],
-                                         params_[i].numel());
+    const auto segment =
+        receive_.narrow(0, owners_[i] * segment_size_ + offsets_[i], params_[i].numel());
     params_[i].detach().copy_(segment.view(params_[i].sizes()));
   }
   return loss;

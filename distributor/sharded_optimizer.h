@@ -7,14 +7,14 @@
 ///   shampoo::ShardedOptimizer opt(model->parameters(), [](std::vector<torch::Tensor> p) {
 ///     return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3)); }, group);
 
-#include "distributor/optimizer_factory.h"
-
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
 #include <memory>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
+
+#include "distributor/optimizer_factory.h"
 
 namespace shampoo {
 

@@ -1,10 +1,10 @@
 #include "grafting/diagonal_preconditioner_list.h"
 
-#include "preconditioners/kronecker_factors.h"
-
 #include <c10/util/Exception.h>
 
 #include <cmath>
+
+#include "preconditioners/kronecker_factors.h"
 
 namespace shampoo::detail {
 
@@ -90,8 +90,8 @@ at::Tensor DiagonalPreconditionerList::precondition(int64_t stack, const Rows& r
   }
   const auto dims = filtered.dim();
   const auto v = gather_rows(state_[stack], rows);
-  return filtered / ((v / row_scalars(bc2, v.options(), dims)).sqrt() +
-                     row_scalars(eps, v.options(), dims));
+  return filtered /
+         ((v / row_scalars(bc2, v.options(), dims)).sqrt() + row_scalars(eps, v.options(), dims));
 }
 
 std::map<std::string, at::Tensor> DiagonalPreconditionerList::export_member(int64_t stack,

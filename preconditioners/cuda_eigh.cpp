@@ -1,19 +1,19 @@
 #include "preconditioners/cuda_eigh.h"
 
-#include "preconditioners/cuda/cusolver_eigh.h"
-
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
 #include <unordered_map>
 
+#include "preconditioners/cuda/cusolver_eigh.h"
+
 namespace shampoo::detail {
 namespace {
 
 void check(cusolverStatus_t status, const char* what) {
-  TORCH_CHECK(status == CUSOLVER_STATUS_SUCCESS, "cuSOLVER ", what, " failed: ",
-              kernels::cuda::cusolver_status_name(status));
+  TORCH_CHECK(status == CUSOLVER_STATUS_SUCCESS, "cuSOLVER ", what,
+              " failed: ", kernels::cuda::cusolver_status_name(status));
 }
 
 /// This thread's cuSOLVER handle for the current device, bound to the current stream. Handles

@@ -91,9 +91,8 @@ at::Tensor EigenvalueCorrectedPreconditionerList::precondition(int64_t stack, co
   const auto dims = rotated.dim();
   const auto d = gather_rows(corrections_[stack], rows);
   // ε outside the square root, as torch's Adam.
-  const auto denominator =
-      (d / row_scalars(scalars.bias_correction2, d.options(), dims)).sqrt() +
-      row_scalars(scalars.epsilon, d.options(), dims);
+  const auto denominator = (d / row_scalars(scalars.bias_correction2, d.options(), dims)).sqrt() +
+                           row_scalars(scalars.epsilon, d.options(), dims);
   return rotate(stack, rows, rotated / denominator, /*back=*/true);
 }
 

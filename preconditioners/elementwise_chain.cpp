@@ -1,19 +1,19 @@
 #include "preconditioners/elementwise_chain.h"
 
-#include "shampoo/config.h"
-
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#if SHAMPOO_WITH_CUDA
-#include "preconditioners/cuda/elementwise_chain_cuda.h"
+#include "shampoo/config.h"
 
+#if SHAMPOO_WITH_CUDA
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstring>
+
+#include "preconditioners/cuda/elementwise_chain_cuda.h"
 #endif
 
 namespace shampoo::detail {
@@ -79,8 +79,8 @@ bool check_all(const std::vector<ChainBlockTensors>& blocks, at::ScalarType& dty
   if (blocks.empty()) return false;
   dtype = blocks.front().grad.scalar_type();
   device = blocks.front().grad.device();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
-              "elementwise chain: dtype ", dtype, " is not supported (Float or Double)");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "elementwise chain: dtype ", dtype,
+              " is not supported (Float or Double)");
   for (const auto& b : blocks) check_block(b, dtype, device);
   return true;
 }
@@ -92,8 +92,8 @@ std::vector<WorkItem> make_work(const std::vector<ChainBlockTensors>& blocks,
     if (only != nullptr && !(*only)[i]) continue;
     const int64_t numel = blocks[i].grad.numel();
     for (int64_t begin = 0; begin < numel; begin += kernels::kChainChunk) {
-      items.push_back({static_cast<int64_t>(i), begin,
-                       std::min(numel, begin + kernels::kChainChunk)});
+      items.push_back(
+          {static_cast<int64_t>(i), begin, std::min(numel, begin + kernels::kChainChunk)});
     }
   }
   return items;
@@ -216,12 +216,11 @@ void run_chain_norms(std::vector<ChainBlockTensors>& blocks) {
       const c10::cuda::CUDAGuard guard(device);
       const auto items = make_work(blocks, &needed);
       const auto tables = upload(kblocks, items, device);
-      auto partials = at::empty({2 * tables.num_items},
-                                at::TensorOptions().dtype(at::kDouble).device(device));
-      C10_CUDA_CHECK(kernels::cuda::launch_chain_norms(block_table(tables), item_table(tables),
-                                                       tables.num_items,
-                                                       partials.data_ptr<double>(),
-                                                       c10::cuda::getCurrentCUDAStream()));
+      auto partials =
+          at::empty({2 * tables.num_items}, at::TensorOptions().dtype(at::kDouble).device(device));
+      C10_CUDA_CHECK(kernels::cuda::launch_chain_norms(
+          block_table(tables), item_table(tables), tables.num_items, partials.data_ptr<double>(),
+          c10::cuda::getCurrentCUDAStream()));
       const auto host = partials.cpu();
       const double* data = host.data_ptr<double>();
       // Combined in chunk order, as on the CPU.
@@ -239,8 +238,8 @@ void run_chain_norms(std::vector<ChainBlockTensors>& blocks) {
     std::vector<double> partial_g(items.size(), 0.0);
     const auto n = static_cast<int64_t>(items.size());
     auto run = [&](int64_t i) {
-      kernels::chain_norm_range(kblocks[items[i].block], items[i].begin, items[i].end,
-                                partial_p[i], partial_g[i]);
+      kernels::chain_norm_range(kblocks[items[i].block], items[i].begin, items[i].end, partial_p[i],
+                                partial_g[i]);
     };
     if (n <= 1) {
       for (int64_t i = 0; i < n; ++i) run(i);

@@ -3,11 +3,11 @@
 /// block, then runs one pass for all blocks of a virtual group at once, on the CPU (chunks in
 /// parallel) or on CUDA (one launch per pass), by the device of the tensors.
 
-#include "preconditioners/elementwise_chain_kernels.h"
-
 #include <ATen/ATen.h>
 
 #include <vector>
+
+#include "preconditioners/elementwise_chain_kernels.h"
 
 namespace shampoo::detail {
 

@@ -47,8 +47,8 @@ struct ChainScalars {
   double momentum = 0.0;                ///< B ← μ·B + (1 − dampening)·P (0 = off)
   double dampening = 0.0;
   int32_t nesterov = 0;
-  double lr = 0.0;                      ///< U = −lr·P
-  int32_t output_updated_param = 0;     ///< write W + U instead of U (communicate_params)
+  double lr = 0.0;                   ///< U = −lr·P
+  int32_t output_updated_param = 0;  ///< write W + U instead of U (communicate_params)
 };
 
 /// Pointers of one block for the three passes. Rows of stacks or views of parameters; every
@@ -56,16 +56,16 @@ struct ChainScalars {
 template <typename T>
 struct ChainBlock {
   int64_t numel = 0;
-  const T* grad = nullptr;          ///< G (read)
-  const T* param = nullptr;         ///< W (read)
-  T* gradient_out = nullptr;        ///< G' (pre pass)
-  T* filtered_out = nullptr;        ///< Ḡ (pre pass writes, post pass reads); may alias gradient_out
-  T* filter_state = nullptr;        ///< M
-  T* diagonal_state = nullptr;      ///< V
+  const T* grad = nullptr;      ///< G (read)
+  const T* param = nullptr;     ///< W (read)
+  T* gradient_out = nullptr;    ///< G' (pre pass)
+  T* filtered_out = nullptr;    ///< Ḡ (pre pass writes, post pass reads); may alias gradient_out
+  T* filter_state = nullptr;    ///< M
+  T* diagonal_state = nullptr;  ///< V
   const T* preconditioned = nullptr;  ///< matrix-preconditioned Ḡ (post pass)
-  T* momentum_state = nullptr;      ///< B
-  T* param_out = nullptr;           ///< apply W ← W + U in place (single process) ...
-  T* update_out = nullptr;          ///< ... or write U (or W + U) here (distributed)
+  T* momentum_state = nullptr;        ///< B
+  T* param_out = nullptr;             ///< apply W ← W + U in place (single process) ...
+  T* update_out = nullptr;            ///< ... or write U (or W + U) here (distributed)
   ChainScalars s;
 };
 
@@ -73,7 +73,7 @@ struct ChainBlock {
 template <typename T>
 SHAMPOO_HOST_DEVICE T lerp(T self, T end, T weight) {
   return (weight < T(0.5) && weight > T(-0.5)) ? self + weight * (end - self)
-                                                : end - (end - self) * (T(1) - weight);
+                                               : end - (end - self) * (T(1) - weight);
 }
 
 template <typename T>

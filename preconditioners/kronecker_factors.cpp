@@ -1,11 +1,11 @@
 #include "preconditioners/kronecker_factors.h"
 
-#include "preconditioners/kronecker_contractions.h"
-#include "preconditioners/matrix_functions.h"
-
 #include <c10/util/Exception.h>
 
 #include <numeric>
+
+#include "preconditioners/kronecker_contractions.h"
+#include "preconditioners/matrix_functions.h"
 
 namespace shampoo::detail {
 
@@ -65,8 +65,8 @@ at::Tensor checked_state(const std::map<std::string, at::Tensor>& in, const std:
   const auto it = in.find(key);
   TORCH_CHECK(it != in.end(), "checkpoint: ", owner, " has no entry '", key,
               "' (the checkpoint was written with other options or for another model)");
-  TORCH_CHECK(it->second.sizes() == shape, "checkpoint: ", owner, " entry '", key,
-              "' has shape ", it->second.sizes(), ", expected ", shape);
+  TORCH_CHECK(it->second.sizes() == shape, "checkpoint: ", owner, " entry '", key, "' has shape ",
+              it->second.sizes(), ", expected ", shape);
   return it->second.to(options);
 }
 
@@ -147,10 +147,10 @@ void KroneckerFactors::record_outcome(int64_t stack, int64_t row, bool failed, i
     TORCH_WARN("Shampoo: the amortized computation of ", s.spec.names[row], " failed at step ",
                step, "; keeping its previous preconditioner (warned once per block)");
   }
-  TORCH_CHECK(count <= settings_.tolerated_failures, "Shampoo: the amortized computation of ",
-              s.spec.names[row], " failed ", count, " times in a row (last at step ", step,
-              "), more than num_tolerated_failed_amortized_computations = ",
-              settings_.tolerated_failures);
+  TORCH_CHECK(
+      count <= settings_.tolerated_failures, "Shampoo: the amortized computation of ",
+      s.spec.names[row], " failed ", count, " times in a row (last at step ", step,
+      "), more than num_tolerated_failed_amortized_computations = ", settings_.tolerated_failures);
 }
 
 void KroneckerFactors::export_member(int64_t stack, int64_t row,

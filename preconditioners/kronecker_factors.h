@@ -4,11 +4,11 @@
 /// matrices L [n, d, d] updated as L ← β2·L + w·(G contracted with itself over the other dims),
 /// plus the failure policy of the amortized computations on them.
 
-#include "preconditioners/preconditioner_list.h"
-
 #include <ATen/ATen.h>
 
 #include <vector>
+
+#include "preconditioners/preconditioner_list.h"
 
 namespace shampoo::detail {
 

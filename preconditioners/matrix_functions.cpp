@@ -126,8 +126,8 @@ at::Tensor reconstruct(const at::Tensor& eigenvectors, const at::Tensor& powers)
 at::Tensor shifted_powers(const at::Tensor& eigenvalues, const at::Tensor& epsilons,
                           const at::Tensor& exponents) {
   const auto lambda_min = eigenvalues.narrow(-1, 0, 1);
-  const auto shift = at::where(lambda_min < epsilons, epsilons - lambda_min,
-                               at::zeros_like(lambda_min));
+  const auto shift =
+      at::where(lambda_min < epsilons, epsilons - lambda_min, at::zeros_like(lambda_min));
   return at::pow(eigenvalues + shift, -exponents);
 }
 
@@ -183,8 +183,8 @@ StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<
     } else {
       // Per matrix: vectorized pow and its scalar tail round differently, so the powers of a
       // matrix must not depend on where its eigenvalues sit in a larger tensor.
-      const auto powers = shifted_powers(decomposition.eigenvalues[i].clone(), eps_row[i],
-                                         exponent_row[i]);
+      const auto powers =
+          shifted_powers(decomposition.eigenvalues[i].clone(), eps_row[i], exponent_row[i]);
       result.values[i].copy_(reconstruct(decomposition.eigenvectors[i], powers));
     }
   }

@@ -17,8 +17,8 @@ namespace shampoo::detail {
 /// Blocks of one shape and dtype, in a fixed member order (rows of every stacked state tensor).
 struct StackSpec {
   std::vector<int64_t> block_shape;
-  at::TensorOptions options;        ///< dtype and device of the blocks
-  std::vector<std::string> names;   ///< per member, for messages ("parameter 3 block 1")
+  at::TensorOptions options;       ///< dtype and device of the blocks
+  std::vector<std::string> names;  ///< per member, for messages ("parameter 3 block 1")
   /// Per block dim: exponent e of the root-inverse preconditioner A^(−e); 0 = the dim is not
   /// preconditioned (no factor is kept for it).
   std::vector<double> dim_exponents;

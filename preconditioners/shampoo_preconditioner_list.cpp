@@ -21,8 +21,8 @@ ShampooPreconditionerList::ShampooPreconditionerList(std::vector<StackSpec> stac
   }
 }
 
-void ShampooPreconditionerList::update(int64_t stack, const Rows& rows,
-                                       const at::Tensor& gradients, const RowScalars& scalars,
+void ShampooPreconditionerList::update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
+                                       const RowScalars& scalars,
                                        const std::vector<bool>& amortize) {
   factors_.update(stack, rows, gradients, scalars);
   const auto [due, due_scalars] = select_rows(rows, scalars, amortize);
@@ -50,8 +50,8 @@ void ShampooPreconditionerList::compute_roots(int64_t stack, const Rows& rows,
         continue;  // keep the previous root
       }
       TORCH_CHECK(finite[i], "Shampoo: the inverse root of ", spec.names[row], " along dim ", k,
-                  " is not finite at step ", scalars.step[i],
-                  " (epsilon = ", scalars.epsilon[i], " is too small for this factor)");
+                  " is not finite at step ", scalars.step[i], " (epsilon = ", scalars.epsilon[i],
+                  " is too small for this factor)");
       roots_[stack][k][row].copy_(result.values[i]);
     }
   }

@@ -9,11 +9,11 @@
 //                                             other's checkpoints)
 // Loading validates everything against the optimizer first and swaps the new state in only when
 // every block was read: a failed load leaves the optimizer as it was.
-#include "shampoo/shampoo_engine.h"
-
 #include <c10/util/Exception.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+
+#include "shampoo/shampoo_engine.h"
 
 namespace shampoo::detail {
 namespace {
@@ -82,8 +82,10 @@ void ShampooEngine::load(torch::serialize::InputArchive& archive,
   TORCH_CHECK(version == kFormatVersion, "checkpoint: format version ", version,
               " is not supported (expected ", kFormatVersion, ")");
   const int64_t world_size = read_int(archive, "world_size");
-  TORCH_CHECK(world_size == distributor_->world_size(), "checkpoint: written by a trainer group "
-              "of ", world_size, " ranks, this run has ", distributor_->world_size(),
+  TORCH_CHECK(world_size == distributor_->world_size(),
+              "checkpoint: written by a trainer group "
+              "of ",
+              world_size, " ranks, this run has ", distributor_->world_size(),
               "; loading at a different world size is not supported (each rank's file holds "
               "the blocks that rank owned)");
   const int64_t rank = read_int(archive, "rank");
@@ -93,8 +95,10 @@ void ShampooEngine::load(torch::serialize::InputArchive& archive,
   torch::serialize::InputArchive model;
   TORCH_CHECK(archive.try_read("params", model), "checkpoint: no parameter list");
   const int64_t num_params = read_int(model, "num_params");
-  TORCH_CHECK(num_params == static_cast<int64_t>(params_.size()), "checkpoint: written for a "
-              "model with ", num_params, " parameters, this optimizer has ", params_.size());
+  TORCH_CHECK(num_params == static_cast<int64_t>(params_.size()),
+              "checkpoint: written for a "
+              "model with ",
+              num_params, " parameters, this optimizer has ", params_.size());
   for (size_t p = 0; p < params_.size(); ++p) {
     at::Tensor shape;
     TORCH_CHECK(model.try_read("shape_" + std::to_string(p), shape, /*is_buffer=*/true),
@@ -125,7 +129,8 @@ void ShampooEngine::load(torch::serialize::InputArchive& archive,
     saved_options[g] = options_of(groups[g], g);
     saved_options[g].serialize(group);
     TORCH_CHECK(structurally_equal(saved_options[g], options_of(groups[g], g)),
-                "checkpoint: param group ", g, " was saved with different structural options "
+                "checkpoint: param group ", g,
+                " was saved with different structural options "
                 "(block size, schedule, grafting kind, dtypes, bias correction, Nesterov or "
                 "weight decay type)");
     saved_steps[g] = read_int(group, "step");

@@ -1,21 +1,21 @@
 #include "shampoo/distributed_shampoo.h"
 
-#include "shampoo/shampoo_engine.h"
-
 #include <ATen/core/grad_mode.h>
 #include <c10/core/GradMode.h>
+
+#include "shampoo/shampoo_engine.h"
 
 namespace shampoo {
 
 DistributedShampoo::DistributedShampoo(std::vector<torch::Tensor> params, ShampooOptions defaults,
                                        DistributedOptions distributed)
-    : DistributedShampoo(std::vector<torch::optim::OptimizerParamGroup>{
-                             torch::optim::OptimizerParamGroup(std::move(params))},
-                         std::move(defaults), std::move(distributed)) {}
+    : DistributedShampoo(
+          std::vector<torch::optim::OptimizerParamGroup>{
+              torch::optim::OptimizerParamGroup(std::move(params))},
+          std::move(defaults), std::move(distributed)) {}
 
-DistributedShampoo::DistributedShampoo(
-    std::vector<torch::optim::OptimizerParamGroup> param_groups, ShampooOptions defaults,
-    DistributedOptions distributed)
+DistributedShampoo::DistributedShampoo(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                                       ShampooOptions defaults, DistributedOptions distributed)
     // The base constructor gets no groups: its add_param_group would drop each group's options.
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<ShampooOptions>(defaults)),
@@ -32,7 +32,8 @@ void DistributedShampoo::add_param_group(const torch::optim::OptimizerParamGroup
 }
 
 torch::Tensor DistributedShampoo::step(LossClosure closure) {
-  TORCH_CHECK(!in_backward_, "DistributedShampoo::step(): this optimizer runs in backward "
+  TORCH_CHECK(!in_backward_,
+              "DistributedShampoo::step(): this optimizer runs in backward "
               "(apply_optimizer_in_backward); its steps happen during loss.backward()");
   torch::Tensor loss;
   if (closure) {
@@ -56,7 +57,8 @@ void DistributedShampoo::step_parameters(const std::vector<torch::Tensor>& param
   std::vector<int64_t> indices;
   for (const auto& p : params) {
     const int64_t index = engine_->param_index(p);
-    TORCH_CHECK(index >= 0, "DistributedShampoo: a parameter given to step_parameters is not "
+    TORCH_CHECK(index >= 0,
+                "DistributedShampoo: a parameter given to step_parameters is not "
                 "registered with this optimizer");
     indices.push_back(index);
   }

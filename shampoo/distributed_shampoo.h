@@ -10,8 +10,6 @@
 /// as one virtual group (DistributedOptions::merge_param_groups). With a process group, blocks
 /// are owned by ranks and one AllGather per step shares the results (DistributedOptions).
 
-#include "shampoo/shampoo_options.h"
-
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
@@ -19,6 +17,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "shampoo/shampoo_options.h"
 
 namespace shampoo {
 

@@ -1,8 +1,5 @@
 #include "shampoo/in_backward.h"
 
-#include "distributor/grad_ready_hooks.h"
-#include "shampoo/distributed_shampoo.h"
-
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -11,6 +8,9 @@
 
 #include <unordered_map>
 #include <unordered_set>
+
+#include "distributor/grad_ready_hooks.h"
+#include "shampoo/distributed_shampoo.h"
 
 namespace shampoo {
 
@@ -144,8 +144,7 @@ torch::optim::Optimizer& InBackwardOptimizer::add(std::vector<torch::Tensor> par
     const auto& p = params[i];
     TORCH_CHECK(p.defined() && p.requires_grad(), "apply_optimizer_in_backward: parameter ", i,
                 " does not require grad, so it would never step");
-    TORCH_CHECK(p.is_leaf(), "apply_optimizer_in_backward: parameter ", i,
-                " is not a leaf tensor");
+    TORCH_CHECK(p.is_leaf(), "apply_optimizer_in_backward: parameter ", i, " is not a leaf tensor");
     TORCH_CHECK(state_->entry_of.count(p.unsafeGetTensorImpl()) == 0 &&
                     seen.insert(p.unsafeGetTensorImpl()).second,
                 "apply_optimizer_in_backward: parameter ", i,
@@ -175,7 +174,8 @@ torch::optim::Optimizer& InBackwardOptimizer::add(std::vector<torch::Tensor> par
 }
 
 torch::Tensor InBackwardOptimizer::step(LossClosure /*closure*/) {
-  TORCH_CHECK(false, "InBackwardOptimizer::step(): the optimizers step during loss.backward() "
+  TORCH_CHECK(false,
+              "InBackwardOptimizer::step(): the optimizers step during loss.backward() "
               "(apply_optimizer_in_backward); do not call step() by hand");
 }
 

@@ -5,14 +5,12 @@
 /// optimizer that steps the parameters with a gradient) and for DistributedShampoo, whose local
 /// block work then happens during backward and whose one AllGather runs at the end of backward.
 ///
-///   auto opt = shampoo::apply_optimizer_in_backward(embedding_a, [](std::vector<torch::Tensor> p) {
+///   auto opt = shampoo::apply_optimizer_in_backward(embedding_a, [](std::vector<torch::Tensor> p)
+///   {
 ///     return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.02)); });
 ///   opt.add(dense, [](std::vector<torch::Tensor> p) {
 ///     return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(0.006)); });
 ///   loss.backward();   // steps happen here; no opt.step()
-
-#include "distributor/gradient_synchronizer.h"
-#include "distributor/optimizer_factory.h"
 
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
@@ -20,6 +18,9 @@
 #include <functional>
 #include <memory>
 #include <vector>
+
+#include "distributor/gradient_synchronizer.h"
+#include "distributor/optimizer_factory.h"
 
 namespace shampoo {
 

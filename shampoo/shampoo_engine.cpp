@@ -159,9 +159,10 @@ void ShampooEngine::check_ranks_agree(
                 << ";";
     }
   }
-  TORCH_CHECK(differing.str().empty(), "DistributedShampoo: the ranks registered different "
-              "parameters or structural options:", differing.str(),
-              " every rank must build the same model and param groups");
+  TORCH_CHECK(differing.str().empty(),
+              "DistributedShampoo: the ranks registered different "
+              "parameters or structural options:",
+              differing.str(), " every rank must build the same model and param groups");
 }
 
 void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -240,17 +241,20 @@ std::map<BlockId, BlockState> ShampooEngine::export_states() const {
 void ShampooEngine::check_groups(
     const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
   TORCH_CHECK(groups.size() == group_steps_.size(), "DistributedShampoo: ", groups.size(),
-              " param groups, but ", group_steps_.size(), " were registered; add groups with "
+              " param groups, but ", group_steps_.size(),
+              " were registered; add groups with "
               "DistributedShampoo::add_param_group (torch::optim::Optimizer::add_param_group "
               "would replace their ShampooOptions with the defaults)");
   for (size_t g = 0; g < groups.size(); ++g) {
     TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == group_sizes_[g],
                 "DistributedShampoo: param group ", g, " has ", groups[g].params().size(),
-                " parameters, but ", group_sizes_[g], " were registered; use add_param_group "
+                " parameters, but ", group_sizes_[g],
+                " were registered; use add_param_group "
                 "to add parameters");
     const auto& options = options_of(groups[g], g);
     TORCH_CHECK(structurally_equal(options, virtual_groups_[group_virtual_[g]]->structure()),
-                "DistributedShampoo: param group ", g, " changed a structural option (block "
+                "DistributedShampoo: param group ", g,
+                " changed a structural option (block "
                 "size, preconditioning schedule, grafting kind, preconditioner, dtypes, bias "
                 "correction, Nesterov, weight decay type) after construction; only lr, betas, "
                 "beta3, epsilon, weight_decay, momentum, dampening and grafting floats may "
@@ -314,8 +318,8 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
   for (const int64_t p : params) param_blocks[p] = block_views(params_[p].param, params_[p].plan);
   std::vector<const ShampooOptions*> group_options(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) group_options[g] = &options_of(groups[g], g);
-  const StepInputs inputs{params_,       blocks_,      group_options, group_steps_,
-                          grad_blocks,   param_blocks, *distributor_};
+  const StepInputs inputs{params_,     blocks_,      group_options, group_steps_,
+                          grad_blocks, param_blocks, *distributor_};
   for (auto& vg : virtual_groups_) vg->step(inputs);
 }
 

@@ -3,13 +3,13 @@
 /// front end (param groups -> virtual groups), the Distributor, and checkpoints. It holds no
 /// pointer to the optimizer object (which may be moved); the optimizer passes its param groups.
 
-#include "distributor/distributor.h"
-#include "shampoo/distributed_shampoo.h"
-#include "shampoo/virtual_group.h"
-
 #include <memory>
 #include <unordered_map>
 #include <vector>
+
+#include "distributor/distributor.h"
+#include "shampoo/distributed_shampoo.h"
+#include "shampoo/virtual_group.h"
 
 namespace shampoo::detail {
 
@@ -44,7 +44,8 @@ class ShampooEngine {
   ShampooStats stats() const;
   int64_t group_step(size_t group) const { return group_steps_.at(group); }
   const DistributedOptions& distributed_options() const { return distributed_; }
-  void set_failure_injector(FailureInjector fn, std::vector<torch::optim::OptimizerParamGroup>& groups);
+  void set_failure_injector(FailureInjector fn,
+                            std::vector<torch::optim::OptimizerParamGroup>& groups);
 
  private:
   /// Builds the virtual groups for the current registry (owners of new blocks are assigned

@@ -20,8 +20,8 @@ void check_grafting(const GraftingConfig& grafting) {
       [](const auto& g) {
         using G = std::decay_t<decltype(g)>;
         if constexpr (std::is_same_v<G, AdaGradGraftingConfig>) {
-          TORCH_CHECK(g.epsilon > 0.0, "ShampooOptions.grafting (AdaGrad).epsilon: got ",
-                      g.epsilon, ", expected > 0");
+          TORCH_CHECK(g.epsilon > 0.0, "ShampooOptions.grafting (AdaGrad).epsilon: got ", g.epsilon,
+                      ", expected > 0");
         } else if constexpr (std::is_same_v<G, RMSpropGraftingConfig> ||
                              std::is_same_v<G, AdamGraftingConfig>) {
           const char* name = std::is_same_v<G, AdamGraftingConfig> ? "Adam" : "RMSprop";
@@ -53,7 +53,8 @@ void ShampooOptions::validate() const {
   TORCH_CHECK(std::isfinite(beta2) && beta2 > 0.0 && beta2 <= 1.0,
               "ShampooOptions.betas[1] (beta2): got ", beta2, ", expected a value in (0, 1]");
   TORCH_CHECK(beta3() == -1.0 || (std::isfinite(beta3()) && beta3() >= 0.0 && beta3() < 1.0),
-              "ShampooOptions.beta3: got ", beta3(), ", expected -1 (= beta1) or a value in [0, 1)");
+              "ShampooOptions.beta3: got ", beta3(),
+              ", expected -1 (= beta1) or a value in [0, 1)");
   TORCH_CHECK(std::isfinite(epsilon()) && epsilon() > 0.0, "ShampooOptions.epsilon: got ",
               epsilon(), ", expected epsilon > 0");
   TORCH_CHECK(std::isfinite(weight_decay()) && weight_decay() >= 0.0,
@@ -64,8 +65,8 @@ void ShampooOptions::validate() const {
               max_preconditioner_dim(), ", expected >= 1");
   TORCH_CHECK(precondition_frequency() >= 1, "ShampooOptions.precondition_frequency: got ",
               precondition_frequency(), ", expected >= 1");
-  TORCH_CHECK(start_preconditioning_step() >= -1,
-              "ShampooOptions.start_preconditioning_step: got ", start_preconditioning_step(),
+  TORCH_CHECK(start_preconditioning_step() >= -1, "ShampooOptions.start_preconditioning_step: got ",
+              start_preconditioning_step(),
               ", expected -1 (= precondition_frequency), a step >= 0, or "
               "kNeverStartPreconditioning");
   TORCH_CHECK(num_tolerated_failed_amortized_computations() >= 0,
@@ -92,8 +93,7 @@ void ShampooOptions::validate() const {
 
 bool structurally_equal(const ShampooOptions& a, const ShampooOptions& b) {
   auto grafting_kind = [](const GraftingConfig& g) { return g.index(); };
-  return a.weight_decay_type() == b.weight_decay_type() &&
-         a.use_nesterov() == b.use_nesterov() &&
+  return a.weight_decay_type() == b.weight_decay_type() && a.use_nesterov() == b.use_nesterov() &&
          a.max_preconditioner_dim() == b.max_preconditioner_dim() &&
          a.use_merge_dims() == b.use_merge_dims() &&
          a.precondition_frequency() == b.precondition_frequency() &&

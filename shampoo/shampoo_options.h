@@ -5,13 +5,13 @@
 
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <limits>
 #include <map>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <tuple>
 #include <variant>
 

@@ -1,12 +1,12 @@
 #include "shampoo/virtual_group.h"
 
-#include "preconditioners/eigenvalue_corrected_preconditioner_list.h"
-#include "preconditioners/kronecker_factors.h"
-#include "preconditioners/shampoo_preconditioner_list.h"
-
 #include <c10/util/Exception.h>
 
 #include <cmath>
+
+#include "preconditioners/eigenvalue_corrected_preconditioner_list.h"
+#include "preconditioners/kronecker_factors.h"
+#include "preconditioners/shampoo_preconditioner_list.h"
 
 namespace shampoo::detail {
 namespace {
@@ -55,8 +55,8 @@ std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& st
           const auto method = config.eigenbasis_method == EigenbasisMethod::kQR
                                   ? EigenbasisUpdate::kQR
                                   : EigenbasisUpdate::kEigh;
-          return std::make_unique<EigenvalueCorrectedPreconditionerList>(std::move(specs),
-                                                                         settings, method);
+          return std::make_unique<EigenvalueCorrectedPreconditionerList>(std::move(specs), settings,
+                                                                         method);
         } else {
           return std::make_unique<ShampooPreconditionerList>(std::move(specs), settings);
         }
@@ -66,13 +66,13 @@ std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& st
 
 /// Per-step bookkeeping of one stack.
 struct StackStep {
-  Rows rows;                    // members with a gradient this step
-  RowScalars scalars;           // aligned with rows
-  std::vector<bool> amortize;   // aligned with rows
+  Rows rows;                         // members with a gradient this step
+  RowScalars scalars;                // aligned with rows
+  std::vector<bool> amortize;        // aligned with rows
   std::vector<bool> preconditioned;  // aligned with rows: matrix preconditioning needed
-  std::vector<size_t> chain;    // aligned with rows: index into the chain
-  at::Tensor gradients;         // [rows, block_shape]: G' (after L2 weight decay)
-  at::Tensor filtered;          // [rows, block_shape]: Ḡ (aliases gradients without filtering)
+  std::vector<size_t> chain;         // aligned with rows: index into the chain
+  at::Tensor gradients;              // [rows, block_shape]: G' (after L2 weight decay)
+  at::Tensor filtered;  // [rows, block_shape]: Ḡ (aliases gradients without filtering)
 };
 
 }  // namespace
@@ -186,8 +186,8 @@ void VirtualGroup::step(const StepInputs& in) {
       st.amortize.push_back((t % frequency == 0 && t > start) || t == start);
       // Before start: the grafting method alone, or (without grafting) the preconditioner, which
       // for root-inverse Shampoo is still the identity and is skipped.
-      st.preconditioned.push_back(
-          t >= start || (!grafting && !preconditioner_->identity_before_amortization()));
+      st.preconditioned.push_back(t >= start ||
+                                  (!grafting && !preconditioner_->identity_before_amortization()));
 
       ChainBlockTensors c;
       const auto& param_view = in.param_blocks[block.param][block.id.block];
@@ -207,18 +207,17 @@ void VirtualGroup::step(const StepInputs& in) {
       k.beta1 = beta1;
       k.beta3 = options.resolved_beta3();
       k.separate_beta3 = beta1 != 0.0 && k.beta3 != beta1;
-      k.filter_bias_correction =
-          options.use_bias_correction() && beta1 != 0.0
-              ? 1.0 - k.beta3 * std::pow(beta1, static_cast<double>(t - 1))
-              : 1.0;
+      k.filter_bias_correction = options.use_bias_correction() && beta1 != 0.0
+                                     ? 1.0 - k.beta3 * std::pow(beta1, static_cast<double>(t - 1))
+                                     : 1.0;
       if (grafting) {
         fill_chain_scalars(diagonal_method_, diagonal_hyperparams_of(options.grafting()), t, k);
       }
-      k.direction_mode = static_cast<int32_t>(
-          t < start ? (grafting ? kernels::DirectionMode::kGraft
-                                : kernels::DirectionMode::kPreconditioned)
-                    : (grafting ? kernels::DirectionMode::kGraftNorm
-                                : kernels::DirectionMode::kPreconditioned));
+      k.direction_mode =
+          static_cast<int32_t>(t < start ? (grafting ? kernels::DirectionMode::kGraft
+                                                     : kernels::DirectionMode::kPreconditioned)
+                                         : (grafting ? kernels::DirectionMode::kGraftNorm
+                                                     : kernels::DirectionMode::kPreconditioned));
       k.momentum = options.momentum();
       k.dampening = options.dampening();
       k.nesterov = options.use_nesterov() ? 1 : 0;

@@ -3,19 +3,19 @@
 /// blocks owned by this rank are arranged in stacks of equal shape and dtype; the float
 /// hyperparameters of every block are read from its own param group's live options each step.
 
-#include "distributor/block_plan.h"
-#include "distributor/distributor.h"
-#include "grafting/diagonal_preconditioner_list.h"
-#include "preconditioners/elementwise_chain.h"
-#include "preconditioners/preconditioner_list.h"
-#include "shampoo/shampoo_options.h"
-
 #include <ATen/ATen.h>
 
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "distributor/block_plan.h"
+#include "distributor/distributor.h"
+#include "grafting/diagonal_preconditioner_list.h"
+#include "preconditioners/elementwise_chain.h"
+#include "preconditioners/preconditioner_list.h"
+#include "shampoo/shampoo_options.h"
 
 namespace shampoo::detail {
 
@@ -45,7 +45,7 @@ struct StepInputs {
   const std::vector<ParamEntry>& params;
   const std::vector<BlockEntry>& blocks;
   const std::vector<const ShampooOptions*>& group_options;  ///< per param group, live
-  const std::vector<int64_t>& group_steps;                   ///< per param group, this step
+  const std::vector<int64_t>& group_steps;                  ///< per param group, this step
   /// Per parameter: block views of its gradient (empty when it has no gradient this step).
   const std::vector<std::vector<at::Tensor>>& grad_blocks;
   /// Per parameter: block views of the parameter.

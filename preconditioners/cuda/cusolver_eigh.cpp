@@ -9,8 +9,7 @@ constexpr auto kFill = CUBLAS_FILL_MODE_LOWER;
 cusolverStatus_t syevd_size(cusolverDnHandle_t h, int d, const float* a, const float* w, int* l) {
   return cusolverDnSsyevd_bufferSize(h, kJob, kFill, d, a, d, w, l);
 }
-cusolverStatus_t syevd_size(cusolverDnHandle_t h, int d, const double* a, const double* w,
-                            int* l) {
+cusolverStatus_t syevd_size(cusolverDnHandle_t h, int d, const double* a, const double* w, int* l) {
   return cusolverDnDsyevd_bufferSize(h, kJob, kFill, d, a, d, w, l);
 }
 cusolverStatus_t syevd(cusolverDnHandle_t h, int d, float* a, float* w, float* work, int l,
@@ -25,8 +24,8 @@ cusolverStatus_t syevj_size(cusolverDnHandle_t h, int d, const float* a, const f
                             syevjInfo_t p, int batch) {
   return cusolverDnSsyevjBatched_bufferSize(h, kJob, kFill, d, a, d, w, l, p, batch);
 }
-cusolverStatus_t syevj_size(cusolverDnHandle_t h, int d, const double* a, const double* w,
-                            int* l, syevjInfo_t p, int batch) {
+cusolverStatus_t syevj_size(cusolverDnHandle_t h, int d, const double* a, const double* w, int* l,
+                            syevjInfo_t p, int batch) {
   return cusolverDnDsyevjBatched_bufferSize(h, kJob, kFill, d, a, d, w, l, p, batch);
 }
 cusolverStatus_t syevj(cusolverDnHandle_t h, int d, float* a, float* w, float* work, int l,
@@ -62,8 +61,8 @@ cusolverStatus_t eigh_stack(cusolverDnHandle_t handle, T* matrices, T* eigenvalu
   }
   const long long stride = static_cast<long long>(d) * d;
   for (int i = 0; i < batch; ++i) {
-    const auto status = syevd(handle, d, matrices + i * stride, eigenvalues + static_cast<long long>(i) * d,
-                              work, lwork, info + i);
+    const auto status = syevd(handle, d, matrices + i * stride,
+                              eigenvalues + static_cast<long long>(i) * d, work, lwork, info + i);
     if (status != CUSOLVER_STATUS_SUCCESS) return status;
   }
   return CUSOLVER_STATUS_SUCCESS;
@@ -71,15 +70,24 @@ cusolverStatus_t eigh_stack(cusolverDnHandle_t handle, T* matrices, T* eigenvalu
 
 const char* cusolver_status_name(cusolverStatus_t status) {
   switch (status) {
-    case CUSOLVER_STATUS_SUCCESS: return "CUSOLVER_STATUS_SUCCESS";
-    case CUSOLVER_STATUS_NOT_INITIALIZED: return "CUSOLVER_STATUS_NOT_INITIALIZED";
-    case CUSOLVER_STATUS_ALLOC_FAILED: return "CUSOLVER_STATUS_ALLOC_FAILED";
-    case CUSOLVER_STATUS_INVALID_VALUE: return "CUSOLVER_STATUS_INVALID_VALUE";
-    case CUSOLVER_STATUS_ARCH_MISMATCH: return "CUSOLVER_STATUS_ARCH_MISMATCH";
-    case CUSOLVER_STATUS_EXECUTION_FAILED: return "CUSOLVER_STATUS_EXECUTION_FAILED";
-    case CUSOLVER_STATUS_INTERNAL_ERROR: return "CUSOLVER_STATUS_INTERNAL_ERROR";
-    case CUSOLVER_STATUS_NOT_SUPPORTED: return "CUSOLVER_STATUS_NOT_SUPPORTED";
-    default: return "cusolver error";
+    case CUSOLVER_STATUS_SUCCESS:
+      return "CUSOLVER_STATUS_SUCCESS";
+    case CUSOLVER_STATUS_NOT_INITIALIZED:
+      return "CUSOLVER_STATUS_NOT_INITIALIZED";
+    case CUSOLVER_STATUS_ALLOC_FAILED:
+      return "CUSOLVER_STATUS_ALLOC_FAILED";
+    case CUSOLVER_STATUS_INVALID_VALUE:
+      return "CUSOLVER_STATUS_INVALID_VALUE";
+    case CUSOLVER_STATUS_ARCH_MISMATCH:
+      return "CUSOLVER_STATUS_ARCH_MISMATCH";
+    case CUSOLVER_STATUS_EXECUTION_FAILED:
+      return "CUSOLVER_STATUS_EXECUTION_FAILED";
+    case CUSOLVER_STATUS_INTERNAL_ERROR:
+      return "CUSOLVER_STATUS_INTERNAL_ERROR";
+    case CUSOLVER_STATUS_NOT_SUPPORTED:
+      return "CUSOLVER_STATUS_NOT_SUPPORTED";
+    default:
+      return "cusolver error";
   }
 }
 

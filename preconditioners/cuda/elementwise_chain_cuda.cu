@@ -87,13 +87,13 @@ cudaError_t launch_chain_post(const ChainBlock<T>* blocks, const ChainWorkItem* 
   return cudaGetLastError();
 }
 
-#define SHAMPOO_INSTANTIATE(T)                                                              \
-  template cudaError_t launch_chain_pre<T>(const ChainBlock<T>*, const ChainWorkItem*,      \
-                                           int64_t, cudaStream_t);                          \
-  template cudaError_t launch_chain_norms<T>(const ChainBlock<T>*, const ChainWorkItem*,    \
-                                             int64_t, double*, cudaStream_t);               \
-  template cudaError_t launch_chain_post<T>(const ChainBlock<T>*, const ChainWorkItem*,     \
-                                            int64_t, cudaStream_t);
+#define SHAMPOO_INSTANTIATE(T)                                                                    \
+  template cudaError_t launch_chain_pre<T>(const ChainBlock<T>*, const ChainWorkItem*, int64_t,   \
+                                           cudaStream_t);                                         \
+  template cudaError_t launch_chain_norms<T>(const ChainBlock<T>*, const ChainWorkItem*, int64_t, \
+                                             double*, cudaStream_t);                              \
+  template cudaError_t launch_chain_post<T>(const ChainBlock<T>*, const ChainWorkItem*, int64_t,  \
+                                            cudaStream_t);
 SHAMPOO_INSTANTIATE(float)
 SHAMPOO_INSTANTIATE(double)
 #undef SHAMPOO_INSTANTIATE

@@ -3,11 +3,11 @@
 /// device memory, one launch per pass for all blocks of a virtual group. Per-element math is the
 /// same inline code as the CPU path (preconditioners/elementwise_chain_kernels.h).
 
-#include "preconditioners/elementwise_chain_kernels.h"
-
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+#include "preconditioners/elementwise_chain_kernels.h"
 
 namespace shampoo::kernels::cuda {
 

@@ -1,7 +1,7 @@
 // Owner assignment (NUMERICS.md "Distribution"): LPT by cost, ties to the lowest rank.
-#include "support/test_support.h"
-
 #include "distributor/block_assignment.h"
+
+#include "support/test_support.h"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // Blocking (NUMERICS.md): squeeze, merge small dims, split; blocks are views of the parameter.
-#include "support/test_support.h"
-
 #include "distributor/block_plan.h"
+
+#include "support/test_support.h"
 
 namespace {
 

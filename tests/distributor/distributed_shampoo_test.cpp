@@ -1,8 +1,6 @@
 // Data-parallel DistributedShampoo on c10d/Gloo, ranks as threads of one process: equal to a
 // single process bit for bit in float32, one AllGather per step however many groups, lossy
 // communication within tolerance, subgroups, uneven ownership, clear errors instead of hangs.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
 #include <torch/serialize.h>
 
@@ -11,14 +9,16 @@
 #include <mutex>
 #include <thread>
 
+#include "support/test_support.h"
+
 namespace {
 
 using shampoo::DistributedOptions;
 using shampoo::DistributedShampoo;
 using shampoo::ShampooOptions;
 using shampoo::testing::bit_equal;
-using shampoo::testing::snapshot;
 using shampoo::testing::run_ranks;
+using shampoo::testing::snapshot;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 /// Parameters of several shapes: blocked, odd-sized, 1-D, 3-D.
@@ -67,16 +67,23 @@ struct DistributedCase {
 };
 
 std::vector<DistributedCase> cases() {
-  const auto base = ShampooOptions(0.02).betas({0.9, 0.99}).epsilon(1e-6)
-                        .precondition_frequency(2).max_preconditioner_dim(8);
+  const auto base = ShampooOptions(0.02)
+                        .betas({0.9, 0.99})
+                        .epsilon(1e-6)
+                        .precondition_frequency(2)
+                        .max_preconditioner_dim(8);
   return {
       {"root_inverse", base},
-      {"adam_grafting_decoupled_momentum",
-       ShampooOptions(base).grafting(shampoo::AdamGraftingConfig{0.99, 1e-8}).weight_decay(1e-3)
-           .momentum(0.9)},
-      {"l2_nesterov_sgd_grafting",
-       ShampooOptions(base).grafting(shampoo::SGDGraftingConfig{}).weight_decay(1e-2)
-           .weight_decay_type(shampoo::WeightDecayType::kL2).momentum(0.5).use_nesterov(true)},
+      {"adam_grafting_decoupled_momentum", ShampooOptions(base)
+                                               .grafting(shampoo::AdamGraftingConfig{0.99, 1e-8})
+                                               .weight_decay(1e-3)
+                                               .momentum(0.9)},
+      {"l2_nesterov_sgd_grafting", ShampooOptions(base)
+                                       .grafting(shampoo::SGDGraftingConfig{})
+                                       .weight_decay(1e-2)
+                                       .weight_decay_type(shampoo::WeightDecayType::kL2)
+                                       .momentum(0.5)
+                                       .use_nesterov(true)},
       {"eigenvalue_corrected",
        ShampooOptions(base).preconditioner(shampoo::EigenvalueCorrectedShampooConfig{})},
   };
@@ -94,8 +101,9 @@ TEST_P(WorldEqualsSingle, BitForBitInFloat32) {
   int64_t owned_total = 0, blocks = 0;
   run_ranks(world, [&](int rank, const Group& group) {
     auto params = make_params(1);
-    DistributedShampoo opt(make_groups(params, c.options), c.options,
-                           DistributedOptions().process_group(group).num_trainers_per_group(trainers));
+    DistributedShampoo opt(
+        make_groups(params, c.options), c.options,
+        DistributedOptions().process_group(group).num_trainers_per_group(trainers));
     for (int step = 1; step <= kSteps; ++step) {
       set_grads(params, step);
       opt.step();
@@ -112,22 +120,22 @@ TEST_P(WorldEqualsSingle, BitForBitInFloat32) {
   EXPECT_EQ(owned_total, blocks * copies);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Worlds, WorldEqualsSingle,
-    ::testing::Combine(::testing::ValuesIn(cases()), ::testing::Values(2, 4),
-                       ::testing::Values(int64_t{-1})),
-    [](const auto& info) {
-      return std::get<0>(info.param).name + "_world" + std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Worlds, WorldEqualsSingle,
+                         ::testing::Combine(::testing::ValuesIn(cases()), ::testing::Values(2, 4),
+                                            ::testing::Values(int64_t{-1})),
+                         [](const auto& info) {
+                           return std::get<0>(info.param).name + "_world" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
-INSTANTIATE_TEST_SUITE_P(
-    TrainersPerGroup, WorldEqualsSingle,
-    ::testing::Combine(::testing::Values(cases()[1]), ::testing::Values(4),
-                       ::testing::Values(int64_t{1}, int64_t{2}, int64_t{-1})),
-    [](const auto& info) {
-      const auto trainers = std::get<2>(info.param);
-      return "trainers_" + (trainers == -1 ? std::string("all") : std::to_string(trainers));
-    });
+INSTANTIATE_TEST_SUITE_P(TrainersPerGroup, WorldEqualsSingle,
+                         ::testing::Combine(::testing::Values(cases()[1]), ::testing::Values(4),
+                                            ::testing::Values(int64_t{1}, int64_t{2}, int64_t{-1})),
+                         [](const auto& info) {
+                           const auto trainers = std::get<2>(info.param);
+                           return "trainers_" +
+                                  (trainers == -1 ? std::string("all") : std::to_string(trainers));
+                         });
 
 class LossyCommunication : public ::testing::TestWithParam<at::ScalarType> {};
 
@@ -157,8 +165,7 @@ TEST_P(LossyCommunication, WithinTwiceBf16ToleranceAndRanksAgree) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, LossyCommunication,
-                         ::testing::Values(at::kBFloat16, at::kHalf));
+INSTANTIATE_TEST_SUITE_P(Dtypes, LossyCommunication, ::testing::Values(at::kBFloat16, at::kHalf));
 
 TEST(Distributed, CommunicateParamsEqualsSingle) {
   const auto options = cases()[0].options;
@@ -219,7 +226,7 @@ TEST(Distributed, RankWithoutGradientsNeverHangs) {
   });
   EXPECT_TRUE(bit_equal(finals[0], finals[1]));  // ranks stay identical
   EXPECT_EQ(owned[0], owned[1]);
-  EXPECT_FALSE(owned[0].empty());                    // rank 0's blocks moved
+  EXPECT_FALSE(owned[0].empty());                     // rank 0's blocks moved
   EXPECT_LT(owned[0].size(), make_params(3).size());  // rank 1's blocks could not
 }
 

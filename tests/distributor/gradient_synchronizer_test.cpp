@@ -1,12 +1,12 @@
 // The data-parallel gradient synchronizer: rank 0's parameters everywhere, averaged gradients,
 // buckets started from autograd hooks during backward, parameters without gradients, and
 // gradient accumulation.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
 #include <torch/nn/functional/loss.h>
 
 #include <mutex>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -50,8 +50,10 @@ TEST(GradientSynchronizer, AveragesGradientsWithBucketsStartedDuringBackward) {
     shampoo::testing::classification_loss(model, shard(rank, kWorld), true);
     const auto params = model->parameters();
     for (size_t i = 0; i < params.size(); ++i) {
-      if (rank == 0) expected.push_back(params[i].grad().clone() / kWorld);
-      else expected[i] += params[i].grad() / kWorld;
+      if (rank == 0)
+        expected.push_back(params[i].grad().clone() / kWorld);
+      else
+        expected[i] += params[i].grad() / kWorld;
     }
   }
   run_ranks(kWorld, [&](int rank, const Group& group) {
@@ -83,8 +85,8 @@ TEST(GradientSynchronizer, ParametersWithoutGradients) {
     if (rank == 0) loss = loss + (rank0_only * 2.0).sum();
     loss.backward();
     sync.synchronize();
-    EXPECT_TRUE(all_close(used.grad(), at::full({3}, 1.5)));       // (1 + 2) / 2
-    EXPECT_FALSE(unused.grad().defined());                           // nobody had one
+    EXPECT_TRUE(all_close(used.grad(), at::full({3}, 1.5)));        // (1 + 2) / 2
+    EXPECT_FALSE(unused.grad().defined());                          // nobody had one
     EXPECT_TRUE(all_close(rank0_only.grad(), at::full({4}, 1.0)));  // (2 + 0) / 2
   });
 }
@@ -109,8 +111,9 @@ TEST(GradientSynchronizer, DataParallelShampooTrainsLikeFullBatch) {
   // Full batch in one process vs two ranks on half batches with averaged gradients: the same
   // mathematical step (up to the rounding of the average).
   auto reference = shampoo::testing::make_mlp(6, 8, 3, 9);
-  const auto options = shampoo::ShampooOptions(0.02).epsilon(1e-3).precondition_frequency(2)
-                           .grafting(shampoo::AdamGraftingConfig{});
+  const auto options =
+      shampoo::ShampooOptions(0.02).epsilon(1e-3).precondition_frequency(2).grafting(
+          shampoo::AdamGraftingConfig{});
   shampoo::DistributedShampoo single(reference->parameters(), options);
   const auto full = shampoo::testing::make_blobs(64, 6, 3, 4);
   for (int step = 0; step < 5; ++step) {

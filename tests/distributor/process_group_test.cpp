@@ -1,11 +1,11 @@
 // init_process_group_from_env: clear errors for missing or malformed launcher variables, and a
 // working one-rank group on loopback.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
+#include <unistd.h>
 
 #include <cstdlib>
-#include <unistd.h>
+
+#include "support/test_support.h"
 
 namespace {
 

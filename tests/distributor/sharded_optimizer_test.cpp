@@ -1,7 +1,5 @@
 // ShardedOptimizer (ZeRO-1 / OSS): equal to the unsharded optimizer bit for bit at world 2 and 4,
 // state split across the ranks, checkpoints per rank, clear errors.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -11,20 +9,22 @@
 #include <filesystem>
 #include <mutex>
 
+#include "support/test_support.h"
+
 namespace {
 
 using shampoo::OptimizerFactory;
 using shampoo::ShardedOptimizer;
 using shampoo::testing::bit_equal;
-using shampoo::testing::snapshot;
 using shampoo::testing::run_ranks;
+using shampoo::testing::snapshot;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 std::vector<at::Tensor> make_params() {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   std::vector<at::Tensor> params;
-  for (const auto& shape : std::vector<std::vector<int64_t>>{
-           {64, 32}, {32}, {16, 16}, {7}, {3, 5, 2}, {128}, {9, 9}}) {
+  for (const auto& shape :
+       std::vector<std::vector<int64_t>>{{64, 32}, {32}, {16, 16}, {7}, {3, 5, 2}, {128}, {9, 9}}) {
     params.push_back(at::randn(shape, gen).requires_grad_());
   }
   return params;
@@ -50,7 +50,8 @@ std::vector<Case> cases() {
                  p, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
            }},
           {"sgd_momentum", [](std::vector<torch::Tensor> p) {
-             return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9));
+             return std::make_unique<torch::optim::SGD>(
+                 p, torch::optim::SGDOptions(0.1).momentum(0.9));
            }}};
 }
 
@@ -75,8 +76,8 @@ TEST_P(Sharded, EqualsUnshardedBitForBit) {
     for (int step = 1; step <= 5; ++step) {
       set_grads(params, step);
       sharded.step();
-      ASSERT_TRUE(bit_equal(snapshot(params), trajectory[step - 1])) << "rank " << rank << " step "
-                                                                   << step;
+      ASSERT_TRUE(bit_equal(snapshot(params), trajectory[step - 1]))
+          << "rank " << rank << " step " << step;
     }
     std::lock_guard<std::mutex> lock(mutex);
     state[rank] = sharded.state_bytes();
@@ -146,7 +147,8 @@ TEST(ShardedErrors, DifferentParametersOnRanks) {
       messages[rank] = e.what_without_backtrace();
     }
   });
-  for (const auto& m : messages) EXPECT_NE(m.find("every rank must pass the same"), std::string::npos) << m;
+  for (const auto& m : messages)
+    EXPECT_NE(m.find("every rank must pass the same"), std::string::npos) << m;
 }
 
 }  // namespace

@@ -21,8 +21,8 @@ int main() {
     shampoo::GradientSynchronizer sync(model->parameters(), group);
     shampoo::DistributedShampoo optimizer(
         model->parameters(),
-        shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2)
-            .grafting(shampoo::AdamGraftingConfig{}),
+        shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
+            shampoo::AdamGraftingConfig{}),
         shampoo::DistributedOptions().process_group(group));
 
     auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -48,7 +48,8 @@ int main() {
     auto all = at::empty({world * mine.numel()}, mine.options());
     group->getBackend(c10::DeviceType::CPU)->_allgather_base(all, mine)->wait();
     bool identical = true;
-    for (int r = 0; r < world; ++r) identical &= at::equal(all.narrow(0, r * mine.numel(), mine.numel()), mine);
+    for (int r = 0; r < world; ++r)
+      identical &= at::equal(all.narrow(0, r * mine.numel(), mine.numel()), mine);
     const auto stats = optimizer.stats();
     std::cout << "rank " << rank << "/" << world << ": local loss " << first << " -> " << last
               << ", owned blocks " << stats.owned_blocks << "/" << stats.total_blocks

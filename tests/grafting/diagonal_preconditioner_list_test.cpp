@@ -1,10 +1,10 @@
 // The diagonal methods: the ATen formulation of DiagonalPreconditionerList against closed forms,
 // and the coefficients the fused chain reads from it.
-#include "support/test_support.h"
-
 #include "grafting/diagonal_preconditioner_list.h"
 
 #include <cmath>
+
+#include "support/test_support.h"
 
 namespace {
 

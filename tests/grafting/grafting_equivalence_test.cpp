@@ -1,8 +1,6 @@
 // Grafting equivalence: with preconditioning never started, DistributedShampoo with a grafting
 // method is that diagonal method, so it must follow LibTorch's own optimizer step for step
 // (NUMERICS.md "Grafting / diagonal methods"), within float32 tolerance.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -13,6 +11,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -60,58 +60,60 @@ std::vector<EquivalenceCase> cases() {
                            .weight_decay(wd)
                            .weight_decay_type(type)
                            .grafting(shampoo::AdaGradGraftingConfig{1e-10})});
-        out.push_back({"rmsprop" + suffix,
-                       [=](std::vector<at::Tensor> p) {
-                         return std::make_unique<torch::optim::RMSprop>(
-                             p, torch::optim::RMSpropOptions(0.01).alpha(0.95).eps(1e-8)
-                                    .weight_decay(wd));
-                       },
-                       never_preconditioned(0.01)
-                           .betas({0.0, 1.0})
-                           .weight_decay(wd)
-                           .weight_decay_type(type)
-                           .grafting(shampoo::RMSpropGraftingConfig{0.95, 1e-8})});
-        out.push_back({"adam" + suffix,
-                       [=](std::vector<at::Tensor> p) {
-                         return std::make_unique<torch::optim::Adam>(
-                             p, torch::optim::AdamOptions(0.01).betas({0.9, 0.999}).eps(1e-8)
-                                    .weight_decay(wd));
-                       },
-                       never_preconditioned(0.01)
-                           .betas({0.9, 0.999})
-                           .weight_decay(wd)
-                           .weight_decay_type(type)
-                           .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8})});
+        out.push_back(
+            {"rmsprop" + suffix,
+             [=](std::vector<at::Tensor> p) {
+               return std::make_unique<torch::optim::RMSprop>(
+                   p, torch::optim::RMSpropOptions(0.01).alpha(0.95).eps(1e-8).weight_decay(wd));
+             },
+             never_preconditioned(0.01)
+                 .betas({0.0, 1.0})
+                 .weight_decay(wd)
+                 .weight_decay_type(type)
+                 .grafting(shampoo::RMSpropGraftingConfig{0.95, 1e-8})});
+        out.push_back(
+            {"adam" + suffix,
+             [=](std::vector<at::Tensor> p) {
+               return std::make_unique<torch::optim::Adam>(
+                   p,
+                   torch::optim::AdamOptions(0.01).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
+             },
+             never_preconditioned(0.01)
+                 .betas({0.9, 0.999})
+                 .weight_decay(wd)
+                 .weight_decay_type(type)
+                 .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8})});
       } else if (wd != 0.0) {
-        out.push_back({"adamw" + suffix,
-                       [=](std::vector<at::Tensor> p) {
-                         return std::make_unique<torch::optim::AdamW>(
-                             p, torch::optim::AdamWOptions(0.01).betas({0.9, 0.999}).eps(1e-8)
-                                    .weight_decay(wd));
-                       },
-                       never_preconditioned(0.01)
-                           .betas({0.9, 0.999})
-                           .weight_decay(wd)
-                           .weight_decay_type(type)
-                           .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8})});
+        out.push_back(
+            {"adamw" + suffix,
+             [=](std::vector<at::Tensor> p) {
+               return std::make_unique<torch::optim::AdamW>(
+                   p,
+                   torch::optim::AdamWOptions(0.01).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
+             },
+             never_preconditioned(0.01)
+                 .betas({0.9, 0.999})
+                 .weight_decay(wd)
+                 .weight_decay_type(type)
+                 .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8})});
       }
     }
   }
   for (const bool nesterov : {false, true}) {
     const std::string name = nesterov ? "sgd_nesterov" : "sgd_momentum";
-    out.push_back({name,
-                   [=](std::vector<at::Tensor> p) {
-                     return std::make_unique<torch::optim::SGD>(
-                         p, torch::optim::SGDOptions(lr).momentum(0.9).nesterov(nesterov)
-                                .weight_decay(1e-3));
-                   },
-                   never_preconditioned(lr)
-                       .betas({0.0, 1.0})
-                       .momentum(0.9)
-                       .use_nesterov(nesterov)
-                       .weight_decay(1e-3)
-                       .weight_decay_type(shampoo::WeightDecayType::kL2)
-                       .grafting(shampoo::SGDGraftingConfig{})});
+    out.push_back(
+        {name,
+         [=](std::vector<at::Tensor> p) {
+           return std::make_unique<torch::optim::SGD>(
+               p, torch::optim::SGDOptions(lr).momentum(0.9).nesterov(nesterov).weight_decay(1e-3));
+         },
+         never_preconditioned(lr)
+             .betas({0.0, 1.0})
+             .momentum(0.9)
+             .use_nesterov(nesterov)
+             .weight_decay(1e-3)
+             .weight_decay_type(shampoo::WeightDecayType::kL2)
+             .grafting(shampoo::SGDGraftingConfig{})});
   }
   return out;
 }
@@ -137,8 +139,8 @@ TEST_P(GraftingEquivalence, MatchesLibTorchOptimizerStepForStep) {
     const auto expected = reference_model->parameters();
     const auto actual = shampoo_model->parameters();
     for (size_t i = 0; i < expected.size(); ++i) {
-      ASSERT_TRUE(all_close(actual[i], expected[i])) << c.name << ", step " << step
-                                                     << ", parameter " << i;
+      ASSERT_TRUE(all_close(actual[i], expected[i]))
+          << c.name << ", step " << step << ", parameter " << i;
     }
   }
   // The run moved the parameters (the comparison is not between two untouched models).

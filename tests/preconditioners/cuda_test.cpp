@@ -1,9 +1,9 @@
 // The CUDA path against the CPU path (skipped without a GPU): cuSOLVER eigendecompositions
 // against torch::linalg_eigh, inverse roots, the whole optimizer on CUDA parameters.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
 #include <torch/cuda.h>
+
+#include "support/test_support.h"
 
 #if SHAMPOO_WITH_CUDA
 #include "preconditioners/cuda_eigh.h"
@@ -65,8 +65,11 @@ TEST(CudaOptimizer, MatchesCpuWithinTolerance) {
   auto cpu_model = shampoo::testing::make_mlp(6, 16, 3, 1);
   auto gpu_model = shampoo::testing::make_mlp(6, 16, 3, 1);
   gpu_model->to(torch::kCUDA);
-  const auto options = shampoo::ShampooOptions(0.01).epsilon(1e-4).precondition_frequency(2)
-                           .grafting(shampoo::AdamGraftingConfig{}).momentum(0.5);
+  const auto options = shampoo::ShampooOptions(0.01)
+                           .epsilon(1e-4)
+                           .precondition_frequency(2)
+                           .grafting(shampoo::AdamGraftingConfig{})
+                           .momentum(0.5);
   shampoo::DistributedShampoo cpu_opt(cpu_model->parameters(), options);
   shampoo::DistributedShampoo gpu_opt(gpu_model->parameters(), options);
   const auto data = shampoo::testing::make_blobs(64, 6, 3, 2);

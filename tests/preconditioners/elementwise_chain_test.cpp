@@ -1,13 +1,13 @@
 // The fused elementwise chain against a plain ATen formulation of NUMERICS.md steps 1, 2 (the
 // diagonal statistics), 4 and 5-8, for every direction mode, with per-block scalars; on CUDA the
 // kernels against the CPU path.
-#include "support/test_support.h"
-
 #include "preconditioners/elementwise_chain.h"
 
 #include <ATen/Context.h>
 
 #include <cmath>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -202,18 +202,17 @@ TEST_P(ElementwiseChain, CudaKernelsMatchCpu) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Modes, ElementwiseChain,
-    ::testing::Values(ChainCase{at::kFloat, DirectionMode::kPreconditioned},
-                      ChainCase{at::kFloat, DirectionMode::kGraft},
-                      ChainCase{at::kFloat, DirectionMode::kGraftNorm},
-                      ChainCase{at::kDouble, DirectionMode::kPreconditioned},
-                      ChainCase{at::kDouble, DirectionMode::kGraft},
-                      ChainCase{at::kDouble, DirectionMode::kGraftNorm}),
-    [](const auto& info) {
-      return std::string(info.param.dtype == at::kFloat ? "Float" : "Double") + "_mode" +
-             std::to_string(static_cast<int>(info.param.mode));
-    });
+INSTANTIATE_TEST_SUITE_P(Modes, ElementwiseChain,
+                         ::testing::Values(ChainCase{at::kFloat, DirectionMode::kPreconditioned},
+                                           ChainCase{at::kFloat, DirectionMode::kGraft},
+                                           ChainCase{at::kFloat, DirectionMode::kGraftNorm},
+                                           ChainCase{at::kDouble, DirectionMode::kPreconditioned},
+                                           ChainCase{at::kDouble, DirectionMode::kGraft},
+                                           ChainCase{at::kDouble, DirectionMode::kGraftNorm}),
+                         [](const auto& info) {
+                           return std::string(info.param.dtype == at::kFloat ? "Float" : "Double") +
+                                  "_mode" + std::to_string(static_cast<int>(info.param.mode));
+                         });
 
 TEST(ElementwiseChainChecks, RejectsMismatchedTensors) {
   ChainBlockTensors c;

@@ -1,7 +1,7 @@
 // Stacked Kronecker contractions against an einsum reference in float64.
-#include "support/test_support.h"
-
 #include "preconditioners/kronecker_contractions.h"
+
+#include "support/test_support.h"
 
 namespace {
 

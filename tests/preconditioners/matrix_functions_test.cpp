@@ -1,9 +1,9 @@
 // Inverse roots and eigenbases of stacks of symmetric matrices (NUMERICS.md step 3).
-#include "support/test_support.h"
-
 #include "preconditioners/matrix_functions.h"
 
 #include <cmath>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -26,9 +26,9 @@ TEST(InverseRoot, DiagonalClosedForm) {
   const auto expected = at::diag(at::tensor({1.0, 0.5, 1.0 / 3.0, 0.25})).to(at::kFloat);
   EXPECT_TRUE(all_close(r.values[0], expected));
   const auto quarter = stacked_inverse_root(a, {1e-12}, {0.25}, true);
-  EXPECT_TRUE(all_close(quarter.values[0],
-                        at::diag(at::tensor({1.0, 1 / std::sqrt(2.0), 1 / std::sqrt(3.0), 0.5}))
-                            .to(at::kFloat)));
+  EXPECT_TRUE(all_close(
+      quarter.values[0],
+      at::diag(at::tensor({1.0, 1 / std::sqrt(2.0), 1 / std::sqrt(3.0), 0.5})).to(at::kFloat)));
 }
 
 TEST(InverseRoot, PowerOfTheRootGivesBackTheRegularizedMatrix) {
@@ -56,8 +56,7 @@ TEST(InverseRoot, ShiftsSmallEigenvalues) {
   // No shift when every eigenvalue of A + eps I is at least eps.
   const auto b = at::matmul(at::matmul(q, at::diag(at::tensor({1.0, 2.0, 3.0}))), q.t());
   const auto s = stacked_inverse_root(b.unsqueeze(0), {0.1}, {1.0}, true);
-  EXPECT_TRUE(all_close(s.values[0], at::inverse(b + 0.1 * at::eye(3, at::kDouble)),
-                        {1e-9, 1e-9}));
+  EXPECT_TRUE(all_close(s.values[0], at::inverse(b + 0.1 * at::eye(3, at::kDouble)), {1e-9, 1e-9}));
 }
 
 TEST(InverseRoot, EachMatrixIndependentOfItsStack) {
@@ -73,8 +72,8 @@ TEST(InverseRoot, EachMatrixIndependentOfItsStack) {
         const auto part = stacked_inverse_root(a.narrow(0, first, 5 - first), e, x, true);
         const auto part_basis = stacked_eigenbasis(a.narrow(0, first, 5 - first), true);
         for (int64_t i = first; i < 5; ++i) {
-          EXPECT_TRUE(bit_equal(part.values[i - first], all.values[i])) << "d " << d << " matrix "
-                                                                        << i;
+          EXPECT_TRUE(bit_equal(part.values[i - first], all.values[i]))
+              << "d " << d << " matrix " << i;
           EXPECT_TRUE(bit_equal(part_basis.values[i - first], basis.values[i]));
         }
       }
@@ -120,8 +119,9 @@ TEST(Eigenbasis, QrStepFromTheExactBasisKeepsIt) {
 
 TEST(Eigenbasis, QrIterationsConvergeToTheEigenbasis) {
   const auto q0 = std::get<0>(at::linalg_qr(at::randn({6, 6}, at::kDouble)));
-  const auto a = at::matmul(at::matmul(q0, at::diag(at::tensor({1., 2., 4., 8., 16., 32.}))),
-                            q0.t()).unsqueeze(0);
+  const auto a =
+      at::matmul(at::matmul(q0, at::diag(at::tensor({1., 2., 4., 8., 16., 32.}))), q0.t())
+          .unsqueeze(0);
   auto basis = at::eye(6, at::kDouble).unsqueeze(0);
   for (int i = 0; i < 200; ++i) basis = stacked_eigenbasis_qr(a, basis).values;
   const auto d = at::matmul(at::matmul(basis[0].t(), a[0]), basis[0]);

@@ -1,11 +1,11 @@
 // Checkpoints: torch::save / torch::load resume bit-identically; a checkpoint of another model
 // or other structural options is refused with a clear error and leaves the optimizer untouched.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
 #include <torch/serialize.h>
 
 #include <filesystem>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -27,8 +27,9 @@ Run make_run(const ShampooOptions& base, uint64_t seed) {
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<at::Tensor>{run.params[0], run.params[1]},
                       std::make_unique<ShampooOptions>(ShampooOptions(base).lr(0.02)));
-  groups.emplace_back(std::vector<at::Tensor>{run.params[2], run.params[3]},
-                      std::make_unique<ShampooOptions>(ShampooOptions(base).lr(0.01).momentum(0.5)));
+  groups.emplace_back(
+      std::vector<at::Tensor>{run.params[2], run.params[3]},
+      std::make_unique<ShampooOptions>(ShampooOptions(base).lr(0.01).momentum(0.5)));
   run.optimizer = std::make_unique<DistributedShampoo>(groups, base);
   return run;
 }
@@ -46,8 +47,12 @@ std::vector<at::Tensor> values(const Run& run) {
 }
 
 ShampooOptions base_options() {
-  return ShampooOptions(0.01).betas({0.9, 0.99}).epsilon(1e-8).precondition_frequency(3)
-      .start_preconditioning_step(2).max_preconditioner_dim(6)
+  return ShampooOptions(0.01)
+      .betas({0.9, 0.99})
+      .epsilon(1e-8)
+      .precondition_frequency(3)
+      .start_preconditioning_step(2)
+      .max_preconditioner_dim(6)
       .grafting(shampoo::AdamGraftingConfig{0.99, 1e-8});
 }
 
@@ -56,8 +61,12 @@ class Resume : public ::testing::TestWithParam<int> {};
 TEST_P(Resume, ResumedRunEqualsUninterruptedBitForBit) {
   auto options = base_options();
   if (GetParam() == 1) options.preconditioner(shampoo::EigenvalueCorrectedShampooConfig{});
-  if (GetParam() == 2) options.weight_decay(1e-3).weight_decay_type(shampoo::WeightDecayType::kL2)
-      .use_nesterov(true).momentum(0.9).beta3(0.5);
+  if (GetParam() == 2)
+    options.weight_decay(1e-3)
+        .weight_decay_type(shampoo::WeightDecayType::kL2)
+        .use_nesterov(true)
+        .momentum(0.9)
+        .beta3(0.5);
   auto uninterrupted = make_run(options, 1);
   for (int t = 1; t <= 10; ++t) step(uninterrupted, t);
 
@@ -119,10 +128,9 @@ TEST(CheckpointErrors, OtherModelOrStructureIsRefusedAndNothingChanges) {
   torch::save(*source.optimizer, path);
 
   // A model with another shape.
-  auto other_params = std::vector<at::Tensor>{at::randn({6, 5}).requires_grad_(),
-                                              at::randn({9, 3}).requires_grad_(),
-                                              at::randn({3, 4, 2}).requires_grad_(),
-                                              at::randn({5}).requires_grad_()};
+  auto other_params = std::vector<at::Tensor>{
+      at::randn({6, 5}).requires_grad_(), at::randn({9, 3}).requires_grad_(),
+      at::randn({3, 4, 2}).requires_grad_(), at::randn({5}).requires_grad_()};
   DistributedShampoo other(other_params, base_options());
   expect_load_error(other, path, "different model: parameter 1");
 

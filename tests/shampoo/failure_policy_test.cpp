@@ -1,13 +1,12 @@
 // Failure policy (NUMERICS.md step 3): a failed amortized computation keeps the previous root and
 // warns once; more than num_tolerated_failed_amortized_computations consecutive failures raise;
 // a non-finite gradient or factor is an immediate, clear error and never reaches the parameters.
-#include "support/test_support.h"
-
+#include <c10/util/Exception.h>
 #include <shampoo/shampoo.h>
 
-#include <c10/util/Exception.h>
-
 #include <atomic>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -23,8 +22,12 @@ class WarningCollector : public c10::WarningHandler {
 };
 
 ShampooOptions options() {
-  return ShampooOptions(0.05).betas({0.0, 1.0}).epsilon(1e-6).precondition_frequency(1)
-      .start_preconditioning_step(1).num_tolerated_failed_amortized_computations(3);
+  return ShampooOptions(0.05)
+      .betas({0.0, 1.0})
+      .epsilon(1e-6)
+      .precondition_frequency(1)
+      .start_preconditioning_step(1)
+      .num_tolerated_failed_amortized_computations(3);
 }
 
 at::Tensor gradient(int step) {
@@ -82,9 +85,8 @@ TEST(FailurePolicy, SuccessResetsTheConsecutiveCount) {
   DistributedShampoo opt({p}, options());
   int step = 0;
   // Step 1 succeeds, 2-4 fail, 5 succeeds, 6-8 fail: never more than 3 in a row.
-  opt.set_failure_injector_for_testing([&](const std::string&, int64_t) {
-    return step != 1 && step != 5;
-  });
+  opt.set_failure_injector_for_testing(
+      [&](const std::string&, int64_t) { return step != 1 && step != 5; });
   for (step = 1; step <= 8; ++step) {
     p.mutable_grad() = at::randn({4, 3});
     EXPECT_NO_THROW(opt.step()) << "step " << step;

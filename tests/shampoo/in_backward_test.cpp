@@ -1,8 +1,6 @@
 // Optimizer-in-backward: steps during backward equal ordinary steps bit for bit (LibTorch's
 // optimizers and DistributedShampoo, single process and data-parallel), gradients are released,
 // per-parameter-set optimizers, accumulation, checkpoints, and misuse errors.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -13,6 +11,8 @@
 #include <torch/serialize.h>
 
 #include <filesystem>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -51,8 +51,11 @@ std::vector<FactoryCase> factories() {
       {"distributed_shampoo",
        [](std::vector<torch::Tensor> p) {
          return std::make_unique<shampoo::DistributedShampoo>(
-             p, shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2)
-                    .grafting(shampoo::AdamGraftingConfig{}).momentum(0.5));
+             p, shampoo::ShampooOptions(0.02)
+                    .epsilon(1e-6)
+                    .precondition_frequency(2)
+                    .grafting(shampoo::AdamGraftingConfig{})
+                    .momentum(0.5));
        }},
   };
 }
@@ -74,7 +77,8 @@ TEST_P(InBackward, EqualsOrdinaryStepAndReleasesGradients) {
   auto ordinary_model = shampoo::testing::make_mlp(6, 12, 3, 1);
   auto in_backward_model = shampoo::testing::make_mlp(6, 12, 3, 1);
   auto ordinary = c.factory(ordinary_model->parameters());
-  auto in_backward = shampoo::apply_optimizer_in_backward(in_backward_model->parameters(), c.factory);
+  auto in_backward =
+      shampoo::apply_optimizer_in_backward(in_backward_model->parameters(), c.factory);
   for (int step = 1; step <= 6; ++step) {
     ordinary->zero_grad();
     shampoo::testing::classification_loss(ordinary_model, batch(step), true);
@@ -161,7 +165,8 @@ TEST(InBackwardAccumulation, EveryKthBackwardStepsOnTheSum) {
 
 TEST(InBackwardAccumulation, NoStepScope) {
   auto model = shampoo::testing::make_mlp(6, 12, 3, 4);
-  auto in_backward = shampoo::apply_optimizer_in_backward(model->parameters(), factories()[1].factory);
+  auto in_backward =
+      shampoo::apply_optimizer_in_backward(model->parameters(), factories()[1].factory);
   const auto before = values(model);
   {
     shampoo::InBackwardOptimizer::NoStep no_step(in_backward);
@@ -222,8 +227,11 @@ TEST(InBackwardMisuse, ClearErrors) {
   auto params = model->parameters();
   auto opt = shampoo::apply_optimizer_in_backward({params[0], params[1]}, factories()[1].factory);
   expect_error([&] { opt.add({params[1]}, factories()[0].factory); }, "registered twice");
-  expect_error([&] { opt.add({params[2], params[2]}, factories()[0].factory); },
-               "registered twice");
+  expect_error(
+      [&] {
+        opt.add({params[2], params[2]}, factories()[0].factory);
+      },
+      "registered twice");
   expect_error([&] { opt.add({at::ones({3})}, factories()[0].factory); }, "does not require grad");
   expect_error([&] { opt.step(); }, "do not call step() by hand");
   auto& shampoo_opt = opt.add({params[4]}, factories()[5].factory);
@@ -232,24 +240,28 @@ TEST(InBackwardMisuse, ClearErrors) {
 
 TEST(InBackwardDistributed, EqualsDistributedOrdinaryStep) {
   for (const bool shampoo_optimizer : {true, false}) {
-    shampoo::testing::run_ranks(2, [&](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    shampoo::testing::run_ranks(2, [&](int rank,
+                                       const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
       const auto shard = shampoo::testing::make_blobs(64, 6, 3, 70 + rank);
-      OptimizerFactory factory = [&](std::vector<torch::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+      OptimizerFactory factory =
+          [&](std::vector<torch::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
         if (shampoo_optimizer) {
           return std::make_unique<shampoo::DistributedShampoo>(
-              p, shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2)
-                     .grafting(shampoo::AdamGraftingConfig{}),
+              p,
+              shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
+                  shampoo::AdamGraftingConfig{}),
               shampoo::DistributedOptions().process_group(group));
         }
         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
       };
       auto ordinary_model = shampoo::testing::make_mlp(6, 12, 3, 8);
-      shampoo::GradientSynchronizer ordinary_sync(ordinary_model->parameters(), group,
-                                                  shampoo::GradientSynchronizerOptions().bucket_cap_bytes(256));
+      shampoo::GradientSynchronizer ordinary_sync(
+          ordinary_model->parameters(), group,
+          shampoo::GradientSynchronizerOptions().bucket_cap_bytes(256));
       auto ordinary = factory(ordinary_model->parameters());
       auto model = shampoo::testing::make_mlp(6, 12, 3, 8);
-      shampoo::GradientSynchronizer sync(model->parameters(), group,
-                                         shampoo::GradientSynchronizerOptions().bucket_cap_bytes(256));
+      shampoo::GradientSynchronizer sync(
+          model->parameters(), group, shampoo::GradientSynchronizerOptions().bucket_cap_bytes(256));
       auto in_backward = shampoo::apply_optimizer_in_backward(model->parameters(), factory);
       in_backward.attach(sync);
       for (int step = 1; step <= 4; ++step) {

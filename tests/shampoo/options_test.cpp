@@ -1,12 +1,12 @@
 // Construction-time checks (field, value, allowed range), per-group options kept (the
 // add_param_group pitfall of LibTorch's base class), lr()/set_lr() and LibTorch's LR schedulers.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
 
 #include <regex>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -20,8 +20,8 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
   } catch (const c10::Error& e) {
     const std::string message = e.what_without_backtrace();
     for (const auto& f : fragments) {
-      EXPECT_NE(message.find(f), std::string::npos) << "message '" << message
-                                                    << "' lacks '" << f << "'";
+      EXPECT_NE(message.find(f), std::string::npos)
+          << "message '" << message << "' lacks '" << f << "'";
     }
     return;
   }
@@ -60,12 +60,18 @@ TEST(OptionsValidation, BadValuesNameFieldValueAndRange) {
 }
 
 TEST(OptionsValidation, BadDistributedOptions) {
-  expect_error([] { DistributedShampoo opt(params(), {}, shampoo::DistributedOptions()
-                                                             .communication_dtype(at::kDouble)); },
-               {"communication_dtype", "Double", "Float, BFloat16 or Half"});
-  expect_error([] { DistributedShampoo opt(params(), {}, shampoo::DistributedOptions()
-                                                             .num_trainers_per_group(0)); },
-               {"num_trainers_per_group", "0"});
+  expect_error(
+      [] {
+        DistributedShampoo opt(params(), {},
+                               shampoo::DistributedOptions().communication_dtype(at::kDouble));
+      },
+      {"communication_dtype", "Double", "Float, BFloat16 or Half"});
+  expect_error(
+      [] {
+        DistributedShampoo opt(params(), {},
+                               shampoo::DistributedOptions().num_trainers_per_group(0));
+      },
+      {"num_trainers_per_group", "0"});
 }
 
 TEST(OptionsValidation, BadParameters) {

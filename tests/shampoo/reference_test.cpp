@@ -2,8 +2,6 @@
 // shared/NUMERICS.md with plain ATen ops (no code of preconditioners/, grafting/, distributor/ or
 // shampoo/), against which DistributedShampoo (float32 parameters, one process) is compared after
 // every step within float32 tolerance. Also closed-form one-step cases that check both.
-#include "support/test_support.h"
-
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <shampoo/distributed_shampoo.h>
@@ -19,6 +17,8 @@
 #include <utility>
 #include <variant>
 #include <vector>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -214,8 +214,7 @@ class ReferenceShampoo {
  private:
   double factor_weight() const { return config_.beta2 < 1.0 ? 1.0 - config_.beta2 : 1.0; }
   double factor_bias_correction() const {
-    return config_.bias_correction && config_.beta2 < 1.0 ? 1.0 - std::pow(config_.beta2, t_)
-                                                         : 1.0;
+    return config_.bias_correction && config_.beta2 < 1.0 ? 1.0 - std::pow(config_.beta2, t_) : 1.0;
   }
   bool amortized_step() const {
     return (t_ % config_.frequency == 0 && t_ > config_.start) || t_ == config_.start;
@@ -346,7 +345,9 @@ class SingleThreadedAten : public ::testing::Environment {
 [[maybe_unused]] ::testing::Environment* const kSingleThreadedAten =
     ::testing::AddGlobalTestEnvironment(new SingleThreadedAten);
 
-at::Generator make_generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+at::Generator make_generator(uint64_t seed) {
+  return at::make_generator<at::CPUGeneratorImpl>(seed);
+}
 
 at::Tensor randn(at::IntArrayRef shape, at::Generator& gen, at::ScalarType dtype = at::kFloat) {
   return at::randn(shape, gen, at::TensorOptions().dtype(dtype));
@@ -447,9 +448,10 @@ shampoo::ShampooOptions base_options(const ShapeSet& s, const Precision& precisi
       .use_merge_dims(s.merge);
 }
 
-void add_cases(std::vector<ReferenceCase>& out, const std::vector<OptionCombo>& combos,
-               const std::vector<ShapeSet>& shape_sets, const Precision& precision,
-               const Modifier& finish = [](auto o) { return o; }) {
+void add_cases(
+    std::vector<ReferenceCase>& out, const std::vector<OptionCombo>& combos,
+    const std::vector<ShapeSet>& shape_sets, const Precision& precision,
+    const Modifier& finish = [](auto o) { return o; }) {
   for (const auto& combo : combos) {
     for (const auto& s : shape_sets) {
       out.push_back({combo.name + "_" + s.name + "_" + precision.suffix, s.shapes,
@@ -460,14 +462,14 @@ void add_cases(std::vector<ReferenceCase>& out, const std::vector<OptionCombo>& 
 
 // Blockings (NUMERICS.md "Blocking") the cases run on.
 const ShapeSet kVector17{"vector17", {{17}}, 1024};
-const ShapeSet kMatrix8x12{"matrix8x12", {{8, 12}}, 12};  // 96 > 12: stays a matrix
+const ShapeSet kMatrix8x12{"matrix8x12", {{8, 12}}, 12};     // 96 > 12: stays a matrix
 const ShapeSet kTensor4x5x6{"tensor4x5x6", {{4, 5, 6}}, 6};  // no product fits: three dims
 const ShapeSet kUnmerged4x5x6{"unmerged4x5x6", {{4, 5, 6}}, 1024, /*merge=*/false};
-const ShapeSet kMerged2x3x4{"merged2x3x4", {{2, 3, 4}}, 12};  // -> (2, 12)
+const ShapeSet kMerged2x3x4{"merged2x3x4", {{2, 3, 4}}, 12};            // -> (2, 12)
 const ShapeSet kSqueezed1x5x1x6{"squeezed1x5x1x6", {{1, 5, 1, 6}}, 5};  // -> (5, 6): 5x5, 5x1
-const ShapeSet kBlocked10x7{"blocked10x7", {{10, 7}}, 4};  // 4x4 4x3 4x4 4x3 2x4 2x3
-const ShapeSet kBlocked3x7x2{"blocked3x7x2", {{3, 7, 2}}, 6};  // 3x6x2, 3x1x2 (order 3)
-const ShapeSet kBlockedVector17{"blocked_vector17", {{17}}, 8};  // 8, 8, 1
+const ShapeSet kBlocked10x7{"blocked10x7", {{10, 7}}, 4};               // 4x4 4x3 4x4 4x3 2x4 2x3
+const ShapeSet kBlocked3x7x2{"blocked3x7x2", {{3, 7, 2}}, 6};           // 3x6x2, 3x1x2 (order 3)
+const ShapeSet kBlockedVector17{"blocked_vector17", {{17}}, 8};         // 8, 8, 1
 const ShapeSet kSeveralParams{"several_params", {{17}, {8, 12}, {4, 5, 6}, {3, 1, 4}}, 6};
 
 const std::vector<OptionCombo> kRootInverseCombos = {
@@ -480,7 +482,9 @@ const std::vector<OptionCombo> kRootInverseCombos = {
            .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
      }},
     {"adagrad_grafting_betas0_1",
-     [](auto o) { return o.betas({0.0, 1.0}).grafting(shampoo::AdaGradGraftingConfig{1e-10}); }},
+     [](auto o) {
+       return o.betas({0.0, 1.0}).grafting(shampoo::AdaGradGraftingConfig{1e-10});
+     }},
     {"rmsprop_grafting_beta3_start2",
      [](auto o) {
        return o.betas({0.9, 0.99})
@@ -490,10 +494,14 @@ const std::vector<OptionCombo> kRootInverseCombos = {
      }},
     {"sgd_grafting_no_bias_correction",
      [](auto o) {
-       return o.betas({0.9, 0.99}).use_bias_correction(false).grafting(shampoo::SGDGraftingConfig{});
+       return o.betas({0.9, 0.99})
+           .use_bias_correction(false)
+           .grafting(shampoo::SGDGraftingConfig{});
      }},
     {"no_bias_correction_beta3",
-     [](auto o) { return o.betas({0.9, 0.99}).beta3(0.95).use_bias_correction(false); }},
+     [](auto o) {
+       return o.betas({0.9, 0.99}).beta3(0.95).use_bias_correction(false);
+     }},
     {"l2_nesterov_dampening",
      [](auto o) {
        return o.betas({0.0, 0.99})
@@ -514,11 +522,14 @@ const std::vector<OptionCombo> kRootInverseCombos = {
      }},
     {"exponent_override",
      [](auto o) {
-       return o.betas({0.9, 0.99}).inverse_exponent_override(
-           {{1, {{shampoo::kAllDims, 0.25}}}, {2, {{0, 0.0}}}, {3, {{1, 0.5}}}});
+       return o.betas({0.9, 0.99})
+           .inverse_exponent_override(
+               {{1, {{shampoo::kAllDims, 0.25}}}, {2, {{0, 0.0}}}, {3, {{1, 0.5}}}});
      }},
     {"freq3_default_start",  // start −1 = 3: identity roots for two steps, then stale roots
-     [](auto o) { return o.betas({0.9, 0.99}).precondition_frequency(3); }},
+     [](auto o) {
+       return o.betas({0.9, 0.99}).precondition_frequency(3);
+     }},
 };
 
 std::vector<ReferenceCase> root_inverse_cases() {
@@ -712,8 +723,7 @@ INSTANTIATE_TEST_SUITE_P(FactorDtypes, ClosedForm, ::testing::Values(at::kFloat,
 // Sanity of the reference blocking itself (NUMERICS.md examples).
 TEST(ReferenceBlocking, MatchesNumericsExamples) {
   EXPECT_EQ(reference_merged_shape({1, 2, 5, 1}, 10, true), (std::vector<int64_t>{10}));
-  EXPECT_EQ(reference_merged_shape({32, 3, 64, 64}, 8192, true),
-            (std::vector<int64_t>{96, 4096}));
+  EXPECT_EQ(reference_merged_shape({32, 3, 64, 64}, 8192, true), (std::vector<int64_t>{96, 4096}));
   EXPECT_EQ(reference_merged_shape({10, 5}, 1024, true), (std::vector<int64_t>{50}));
   EXPECT_EQ(reference_merged_shape({1, 1}, 1024, true), (std::vector<int64_t>{1}));
   EXPECT_EQ(reference_merged_shape({3, 0, 2}, 1024, true), (std::vector<int64_t>{0}));

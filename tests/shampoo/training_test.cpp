@@ -1,8 +1,8 @@
 // End to end: an MLP on a fixed synthetic classification task trains to high accuracy with
 // DistributedShampoo (root-inverse and eigenvalue-corrected), and better than the untrained model.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -16,8 +16,11 @@ TEST_P(Training, MlpLearnsBlobs) {
   test.inputs = test.inputs + 0.3 * at::randn(test.inputs.sizes());
   const double before = shampoo::testing::accuracy(model, test);
 
-  auto options = shampoo::ShampooOptions(0.01).betas({0.9, 0.999}).epsilon(1e-10)
-                     .precondition_frequency(5).max_preconditioner_dim(64)
+  auto options = shampoo::ShampooOptions(0.01)
+                     .betas({0.9, 0.999})
+                     .epsilon(1e-10)
+                     .precondition_frequency(5)
+                     .max_preconditioner_dim(64)
                      .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
   if (GetParam()) options.preconditioner(shampoo::EigenvalueCorrectedShampooConfig{});
   shampoo::DistributedShampoo optimizer(model->parameters(), options);

@@ -1,13 +1,13 @@
 // Virtual parameter groups: groups that differ only in float hyperparameters run as one virtual
 // group, bit for bit like running them separately; structural differences keep groups apart;
 // live option changes (set_lr, schedulers) apply to their own group only.
-#include "support/test_support.h"
-
 #include <shampoo/shampoo.h>
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/serialize.h>
 
 #include <filesystem>
+
+#include "support/test_support.h"
 
 namespace {
 
@@ -113,20 +113,20 @@ TEST(VirtualGroups, StructuralDifferencesAreNotMerged) {
                       std::make_unique<ShampooOptions>(group_options(1)));  // floats differ
   groups.emplace_back(std::vector<at::Tensor>{params[2]},
                       std::make_unique<ShampooOptions>(group_options(2).precondition_frequency(5)));
-  groups.emplace_back(std::vector<at::Tensor>{params[3]},
-                      std::make_unique<ShampooOptions>(
-                          group_options(3).grafting(shampoo::SGDGraftingConfig{})));
+  groups.emplace_back(
+      std::vector<at::Tensor>{params[3]},
+      std::make_unique<ShampooOptions>(group_options(3).grafting(shampoo::SGDGraftingConfig{})));
   groups.emplace_back(std::vector<at::Tensor>{params[4]},
                       std::make_unique<ShampooOptions>(
                           group_options(4).weight_decay_type(shampoo::WeightDecayType::kL2)));
   groups.emplace_back(std::vector<at::Tensor>{params[5]},
                       std::make_unique<ShampooOptions>(group_options(5).use_nesterov(true)));
   groups.emplace_back(std::vector<at::Tensor>{params[6]},
-                      std::make_unique<ShampooOptions>(
-                          group_options(6).preconditioner(shampoo::EigenvalueCorrectedShampooConfig{})));
-  groups.emplace_back(std::vector<at::Tensor>{params[7]},
-                      std::make_unique<ShampooOptions>(
-                          group_options(7).factor_matrix_dtype(at::kDouble)));
+                      std::make_unique<ShampooOptions>(group_options(6).preconditioner(
+                          shampoo::EigenvalueCorrectedShampooConfig{})));
+  groups.emplace_back(
+      std::vector<at::Tensor>{params[7]},
+      std::make_unique<ShampooOptions>(group_options(7).factor_matrix_dtype(at::kDouble)));
   DistributedShampoo opt(groups);
   EXPECT_EQ(opt.stats().virtual_groups, 7);  // groups 0 and 1 merge, every other one is alone
 }
@@ -168,8 +168,8 @@ TEST(VirtualGroups, GroupAddedLaterKeepsItsOwnStepCount) {
   auto late = make_params(4);
   auto fresh_params = make_params(4);
   auto late_groups = make_groups(late, kGroups);
-  DistributedShampoo with_late(std::vector<torch::optim::OptimizerParamGroup>(
-      late_groups.begin(), late_groups.begin() + 1));
+  DistributedShampoo with_late(
+      std::vector<torch::optim::OptimizerParamGroup>(late_groups.begin(), late_groups.begin() + 1));
   std::vector<at::Tensor> first_two(late.begin(), late.begin() + 2);
   for (int step = 1; step <= 5; ++step) {
     set_grads(first_two, step);
@@ -196,10 +196,14 @@ std::vector<double> round_robin_losses(const std::vector<double>& lrs) {
   std::vector<std::vector<at::Tensor>> members(lrs.size());
   for (size_t i = 0; i < params.size(); ++i) members[i % lrs.size()].push_back(params[i]);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  const auto base = ShampooOptions().betas({0.9, 0.999}).epsilon(1e-10).precondition_frequency(4)
+  const auto base = ShampooOptions()
+                        .betas({0.9, 0.999})
+                        .epsilon(1e-10)
+                        .precondition_frequency(4)
                         .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
   for (size_t g = 0; g < lrs.size(); ++g) {
-    groups.emplace_back(members[g], std::make_unique<ShampooOptions>(ShampooOptions(base).lr(lrs[g])));
+    groups.emplace_back(members[g],
+                        std::make_unique<ShampooOptions>(ShampooOptions(base).lr(lrs[g])));
   }
   DistributedShampoo optimizer(groups, base);
   std::vector<double> losses;

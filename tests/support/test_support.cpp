@@ -4,11 +4,6 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
 
-#include "distributor/process_group.h"
-
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-
 #include <atomic>
 #include <cstdlib>
 #include <exception>
@@ -16,6 +11,10 @@
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "distributor/process_group.h"
 
 namespace shampoo::testing {
 
@@ -51,8 +50,8 @@ Tolerance tolerance_for(at::ScalarType dtype) {
   std::ostringstream out;
   out << bad.sum().item<int64_t>() << " of " << a.numel() << " elements outside rtol "
       << tolerance.rtol << " atol " << tolerance.atol << "; max abs error "
-      << diff[worst].item<double>() << " at index " << worst << " (actual " << a[worst].item<double>()
-      << ", expected " << e[worst].item<double>() << "); max rel error "
+      << diff[worst].item<double>() << " at index " << worst << " (actual "
+      << a[worst].item<double>() << ", expected " << e[worst].item<double>() << "); max rel error "
       << rel[worst_rel].item<double>() << " at index " << worst_rel;
   return ::testing::AssertionFailure() << out.str();
 }
@@ -63,9 +62,9 @@ Tolerance tolerance_for(at::ScalarType dtype) {
 
 ::testing::AssertionResult bit_equal(const at::Tensor& actual, const at::Tensor& expected) {
   if (actual.scalar_type() != expected.scalar_type() || actual.sizes() != expected.sizes()) {
-    return ::testing::AssertionFailure() << "dtype/shape differ: " << actual.scalar_type() << " "
-                                         << actual.sizes() << " vs " << expected.scalar_type()
-                                         << " " << expected.sizes();
+    return ::testing::AssertionFailure()
+           << "dtype/shape differ: " << actual.scalar_type() << " " << actual.sizes() << " vs "
+           << expected.scalar_type() << " " << expected.sizes();
   }
   const auto a = actual.detach().cpu().contiguous();
   const auto e = expected.detach().cpu().contiguous();
@@ -133,8 +132,7 @@ Dataset make_blobs(int64_t n, int64_t dims, int64_t classes, uint64_t seed) {
   return {inputs, labels};
 }
 
-at::Tensor classification_loss(torch::nn::Sequential& model, const Dataset& data,
-                               bool backward) {
+at::Tensor classification_loss(torch::nn::Sequential& model, const Dataset& data, bool backward) {
   auto loss = torch::nn::functional::cross_entropy(model->forward(data.inputs), data.labels);
   if (backward) loss.backward();
   return loss;
@@ -187,8 +185,8 @@ void run_ranks(int world, const RankFunction& fn, std::chrono::milliseconds time
 
 std::string temp_path(const std::string& name) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::string test = info != nullptr ? std::string(info->test_suite_name()) + "_" + info->name()
-                                     : "test";
+  std::string test =
+      info != nullptr ? std::string(info->test_suite_name()) + "_" + info->name() : "test";
   for (auto& c : test) {
     if (c == '/') c = '_';
   }

@@ -7,11 +7,10 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-
 #include <chrono>
 #include <functional>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 namespace shampoo::testing {

@@ -6,8 +6,8 @@
 int main() {
   auto target = at::randn({8, 4});
   auto w = at::zeros({8, 4}).requires_grad_();
-  shampoo::DistributedShampoo optimizer({w}, shampoo::ShampooOptions(0.1).epsilon(1e-8)
-                                                 .grafting(shampoo::AdamGraftingConfig{}));
+  shampoo::DistributedShampoo optimizer(
+      {w}, shampoo::ShampooOptions(0.1).epsilon(1e-8).grafting(shampoo::AdamGraftingConfig{}));
   double first = 0.0, last = 0.0;
   for (int step = 0; step < 50; ++step) {
     optimizer.zero_grad();

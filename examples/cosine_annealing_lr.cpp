@@ -19,6 +19,12 @@ CosineAnnealingLr::CosineAnnealingLr(torch::optim::Optimizer& optimizer, int64_t
   TORCH_CHECK(min_lr >= 0, "CosineAnnealingLr: min_lr: got ", min_lr, ", expected >= 0");
 }
 
+void CosineAnnealingLr::resume(int64_t steps_taken) {
+  TORCH_CHECK(steps_taken >= 0, "CosineAnnealingLr::resume: steps_taken: got ", steps_taken,
+              ", expected >= 0");
+  step_count_ = static_cast<unsigned>(steps_taken);
+}
+
 std::vector<double> CosineAnnealingLr::get_lrs() {
   // LRScheduler::step() counts its calls after asking for the rates: the k-th call (step_count_
   // = k − 1) sets the rates of the optimizer's step k + 1, i.e. t = k.

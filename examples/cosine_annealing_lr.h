@@ -17,6 +17,11 @@ class CosineAnnealingLr : public torch::optim::LRScheduler {
   /// total_steps ≥ 1; min_lr ≥ 0.
   CosineAnnealingLr(torch::optim::Optimizer& optimizer, int64_t total_steps, double min_lr = 0.0);
 
+  /// Continues a run after `steps_taken` optimizer steps (and as many step() calls), e.g. after
+  /// loading a checkpoint: the next step() sets the rates of step steps_taken + 2, as in the
+  /// uninterrupted run. (The rates of step steps_taken + 1 come with the loaded optimizer.)
+  void resume(int64_t steps_taken);
+
  private:
   std::vector<double> get_lrs() override;
 

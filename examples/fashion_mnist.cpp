@@ -40,14 +40,8 @@ LabeledImages load_fashion_mnist(const std::filesystem::path& dir, FashionMnistS
                 " out of range, expected 0..", kFashionMnistClasses - 1);
   }
 
-  LabeledImages prepared;
-  prepared.images = raw.images.unsqueeze(1)
-                        .to(at::kFloat)
-                        .div_(255.0)
-                        .sub_(kFashionMnistMean)
-                        .div_(kFashionMnistStd);
-  prepared.labels = std::move(raw.labels);
-  return prepared;
+  raw.images = raw.images.unsqueeze(1);
+  return raw;
 }
 
 }  // namespace shampoo::examples

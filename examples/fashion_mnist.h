@@ -22,8 +22,9 @@ enum class FashionMnistSplit { kTrain, kTest };
 
 /// Loads one split from `dir` (train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,
 /// t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz; the uncompressed names are accepted
-/// too). Returns images as float [N, 1, 28, 28] normalized with the mean and std above and
-/// labels as int64 [N] in 0..9. Throws c10::Error naming the file on any problem.
+/// too). Returns images as uint8 [N, 1, 28, 28] (normalize with the mean and std above, e.g.
+/// through ImageDataset::normalize) and labels as int64 [N] in 0..9. Throws c10::Error naming
+/// the file on any problem.
 LabeledImages load_fashion_mnist(const std::filesystem::path& dir, FashionMnistSplit split);
 
 }  // namespace shampoo::examples

@@ -12,7 +12,8 @@ namespace shampoo::examples {
 
 /// Images and their class labels, one row per example.
 struct LabeledImages {
-  /// [N, rows, cols] uint8 as read from IDX, or [N, channels, rows, cols] float once prepared.
+  /// [N, rows, cols] uint8 as read from IDX, or [N, channels, rows, cols] uint8 as the data set
+  /// loaders return them (normalized to float per batch).
   at::Tensor images;
   /// [N] int64.
   at::Tensor labels;

@@ -4,33 +4,125 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/pooling.h>
 
+#include <stdexcept>
+
 namespace shampoo::examples {
 
+namespace F = torch::nn::functional;
+namespace nn = torch::nn;
+
 namespace {
-constexpr int64_t kConv1Channels = 16;
-constexpr int64_t kConv2Channels = 32;
+constexpr int64_t kConvNetChannels = 64;
+constexpr int64_t kSmallCnnConv1Channels = 16;
+constexpr int64_t kSmallCnnConv2Channels = 32;
+constexpr int64_t kResNetStageChannels[] = {16, 32, 64};
 }  // namespace
+
+ConvNetImpl::ConvNetImpl(int64_t in_channels, int64_t num_classes, int64_t height, int64_t width) {
+  TORCH_CHECK(in_channels >= 1, "ConvNet: in_channels: got ", in_channels, ", expected >= 1");
+  TORCH_CHECK(num_classes >= 2, "ConvNet: num_classes: got ", num_classes, ", expected >= 2");
+  TORCH_CHECK(height >= 1 && width >= 1, "ConvNet: image size: got ", height, "x", width,
+              ", expected >= 1x1");
+  conv_ = register_module(
+      "conv",
+      nn::Conv2d(
+          nn::Conv2dOptions(in_channels, kConvNetChannels, 3).stride(1).padding(1).bias(false)));
+  // A 3x3 convolution with stride 1 and padding 1 keeps the height and width.
+  linear_ = register_module("linear", nn::Linear(kConvNetChannels * height * width, num_classes));
+}
+
+torch::Tensor ConvNetImpl::forward(const torch::Tensor& images) {
+  return linear_->forward(F::relu(conv_->forward(images)).flatten(1));
+}
 
 SmallCnnImpl::SmallCnnImpl(int64_t in_channels, int64_t num_classes, int64_t image_size) {
   TORCH_CHECK(in_channels >= 1, "SmallCnn: in_channels: got ", in_channels, ", expected >= 1");
   TORCH_CHECK(num_classes >= 2, "SmallCnn: num_classes: got ", num_classes, ", expected >= 2");
   TORCH_CHECK(image_size >= 4 && image_size % 4 == 0, "SmallCnn: image_size: got ", image_size,
               ", expected a multiple of 4 (two 2x2 poolings)");
-  namespace nn = torch::nn;
   conv1_ = register_module(
-      "conv1", nn::Conv2d(nn::Conv2dOptions(in_channels, kConv1Channels, 3).padding(1)));
+      "conv1", nn::Conv2d(nn::Conv2dOptions(in_channels, kSmallCnnConv1Channels, 3).padding(1)));
   conv2_ = register_module(
-      "conv2", nn::Conv2d(nn::Conv2dOptions(kConv1Channels, kConv2Channels, 3).padding(1)));
+      "conv2",
+      nn::Conv2d(nn::Conv2dOptions(kSmallCnnConv1Channels, kSmallCnnConv2Channels, 3).padding(1)));
   const int64_t pooled = image_size / 4;
-  classifier_ =
-      register_module("classifier", nn::Linear(kConv2Channels * pooled * pooled, num_classes));
+  classifier_ = register_module("classifier",
+                                nn::Linear(kSmallCnnConv2Channels * pooled * pooled, num_classes));
 }
 
 torch::Tensor SmallCnnImpl::forward(const torch::Tensor& images) {
-  namespace F = torch::nn::functional;
   auto x = F::max_pool2d(F::relu(conv1_->forward(images)), F::MaxPool2dFuncOptions(2));
   x = F::max_pool2d(F::relu(conv2_->forward(x)), F::MaxPool2dFuncOptions(2));
   return classifier_->forward(x.flatten(1));
+}
+
+BasicBlockImpl::BasicBlockImpl(int64_t in_channels, int64_t out_channels, int64_t stride) {
+  conv1_ = register_module(
+      "conv1",
+      nn::Conv2d(
+          nn::Conv2dOptions(in_channels, out_channels, 3).stride(stride).padding(1).bias(false)));
+  bn1_ = register_module("bn1", nn::BatchNorm2d(out_channels));
+  conv2_ = register_module(
+      "conv2",
+      nn::Conv2d(
+          nn::Conv2dOptions(out_channels, out_channels, 3).stride(1).padding(1).bias(false)));
+  bn2_ = register_module("bn2", nn::BatchNorm2d(out_channels));
+  if (stride != 1 || in_channels != out_channels) {
+    shortcut_conv_ = register_module(
+        "shortcut_conv",
+        nn::Conv2d(nn::Conv2dOptions(in_channels, out_channels, 1).stride(stride).bias(false)));
+    shortcut_bn_ = register_module("shortcut_bn", nn::BatchNorm2d(out_channels));
+  }
+}
+
+torch::Tensor BasicBlockImpl::forward(const torch::Tensor& x) {
+  auto out = F::relu(bn1_->forward(conv1_->forward(x)));
+  out = bn2_->forward(conv2_->forward(out));
+  const auto shortcut = shortcut_conv_ ? shortcut_bn_->forward(shortcut_conv_->forward(x)) : x;
+  return F::relu(out + shortcut);
+}
+
+ResNetImpl::ResNetImpl(int64_t in_channels, int64_t num_classes, int64_t blocks_per_stage) {
+  TORCH_CHECK(in_channels >= 1, "ResNet: in_channels: got ", in_channels, ", expected >= 1");
+  TORCH_CHECK(num_classes >= 2, "ResNet: num_classes: got ", num_classes, ", expected >= 2");
+  TORCH_CHECK(blocks_per_stage >= 1, "ResNet: blocks_per_stage: got ", blocks_per_stage,
+              ", expected >= 1");
+  stem_conv_ = register_module("stem_conv",
+                               nn::Conv2d(nn::Conv2dOptions(in_channels, kResNetStageChannels[0], 3)
+                                              .stride(1)
+                                              .padding(1)
+                                              .bias(false)));
+  stem_bn_ = register_module("stem_bn", nn::BatchNorm2d(kResNetStageChannels[0]));
+  blocks_ = register_module("blocks", nn::ModuleList());
+  int64_t channels = kResNetStageChannels[0];
+  for (int64_t stage = 0; stage < 3; ++stage) {
+    const int64_t out_channels = kResNetStageChannels[stage];
+    for (int64_t b = 0; b < blocks_per_stage; ++b) {
+      const int64_t stride = (stage > 0 && b == 0) ? 2 : 1;
+      blocks_->push_back(BasicBlock(channels, out_channels, stride));
+      channels = out_channels;
+    }
+  }
+  classifier_ = register_module("classifier", nn::Linear(channels, num_classes));
+}
+
+torch::Tensor ResNetImpl::forward(const torch::Tensor& images) {
+  auto x = F::relu(stem_bn_->forward(stem_conv_->forward(images)));
+  for (const auto& block : *blocks_) x = block->as<BasicBlock>()->forward(x);
+  x = F::adaptive_avg_pool2d(x, F::AdaptiveAvgPool2dFuncOptions(1)).flatten(1);
+  return classifier_->forward(x);
+}
+
+std::shared_ptr<ImageClassifier> make_image_classifier(const std::string& name, int64_t in_channels,
+                                                       int64_t num_classes, int64_t height,
+                                                       int64_t width) {
+  if (name == "convnet") return ConvNet(in_channels, num_classes, height, width).ptr();
+  if (name == "resnet") return ResNet(in_channels, num_classes, /*blocks_per_stage=*/1).ptr();
+  if (name == "smallcnn") {
+    TORCH_CHECK(height == width, "SmallCnn: needs square images, got ", height, "x", width);
+    return SmallCnn(in_channels, num_classes, height).ptr();
+  }
+  throw std::invalid_argument("--model: got '" + name + "', expected convnet, resnet or smallcnn");
 }
 
 }  // namespace shampoo::examples

@@ -1,25 +1,49 @@
 #pragma once
-/// Models of the example programs.
+/// Models of the example programs. Each is an ImageClassifier: images [N, C, H, W] float in,
+/// logits [N, num_classes] out.
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
 
 namespace shampoo::examples {
+
+/// A module that classifies images; lets the trainer hold any of the models below.
+class ImageClassifier : public torch::nn::Module {
+ public:
+  virtual torch::Tensor forward(const torch::Tensor& images) = 0;
+};
+
+/// The reference's ConvNet (facebookresearch/optimizers, distributed_shampoo/examples/convnet.py):
+///   conv 3x3 (in_channels → 64, stride 1, padding 1, no bias), ReLU,
+///   linear (64·height·width → num_classes)
+/// Parameters in order: conv.weight [64, C, 3, 3], linear.weight [classes, 64·H·W], linear.bias.
+class ConvNetImpl : public ImageClassifier {
+ public:
+  ConvNetImpl(int64_t in_channels, int64_t num_classes, int64_t height, int64_t width);
+  torch::Tensor forward(const torch::Tensor& images) override;
+
+ private:
+  torch::nn::Conv2d conv_{nullptr};
+  torch::nn::Linear linear_{nullptr};
+};
+TORCH_MODULE(ConvNet);
 
 /// A small CNN for square images:
 ///   conv 3x3 (in_channels → 16, padding 1), ReLU, max-pool 2
 ///   conv 3x3 (16 → 32, padding 1), ReLU, max-pool 2
 ///   linear (32·(image_size/4)² → num_classes)
-/// Input [N, in_channels, image_size, image_size] float; output logits [N, num_classes].
-class SmallCnnImpl : public torch::nn::Module {
+class SmallCnnImpl : public ImageClassifier {
  public:
   explicit SmallCnnImpl(int64_t in_channels = 1, int64_t num_classes = 10, int64_t image_size = 28);
-
-  torch::Tensor forward(const torch::Tensor& images);
+  torch::Tensor forward(const torch::Tensor& images) override;
 
  private:
   torch::nn::Conv2d conv1_{nullptr};
@@ -27,5 +51,46 @@ class SmallCnnImpl : public torch::nn::Module {
   torch::nn::Linear classifier_{nullptr};
 };
 TORCH_MODULE(SmallCnn);
+
+/// Residual block of He et al. (2016): conv 3x3, BN, ReLU, conv 3x3, BN, plus the shortcut (a
+/// 1x1 conv + BN when the shape changes), ReLU.
+class BasicBlockImpl : public torch::nn::Module {
+ public:
+  BasicBlockImpl(int64_t in_channels, int64_t out_channels, int64_t stride);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  torch::nn::Conv2d conv1_{nullptr};
+  torch::nn::BatchNorm2d bn1_{nullptr};
+  torch::nn::Conv2d conv2_{nullptr};
+  torch::nn::BatchNorm2d bn2_{nullptr};
+  torch::nn::Conv2d shortcut_conv_{nullptr};  // null when the shortcut is the identity
+  torch::nn::BatchNorm2d shortcut_bn_{nullptr};
+};
+TORCH_MODULE(BasicBlock);
+
+/// The CIFAR ResNet of He et al. (2016), section 4.2, with `blocks_per_stage` = n basic blocks in
+/// each of three stages of 16, 32 and 64 channels (depth 6n + 2: n = 1 is ResNet-8, n = 3
+/// ResNet-20): conv 3x3 → 16, BN, ReLU; the stages (stride 1, 2, 2); global average pooling;
+/// linear 64 → num_classes. Batch normalization: in data-parallel training each rank
+/// normalizes with its own batch and keeps its own running statistics (the trainer averages
+/// them across ranks before evaluating).
+class ResNetImpl : public ImageClassifier {
+ public:
+  ResNetImpl(int64_t in_channels, int64_t num_classes, int64_t blocks_per_stage = 1);
+  torch::Tensor forward(const torch::Tensor& images) override;
+
+ private:
+  torch::nn::Conv2d stem_conv_{nullptr};
+  torch::nn::BatchNorm2d stem_bn_{nullptr};
+  torch::nn::ModuleList blocks_{nullptr};
+  torch::nn::Linear classifier_{nullptr};
+};
+TORCH_MODULE(ResNet);
+
+/// The --model choices: "convnet", "resnet" (ResNet-8), "smallcnn".
+std::shared_ptr<ImageClassifier> make_image_classifier(const std::string& name, int64_t in_channels,
+                                                       int64_t num_classes, int64_t height,
+                                                       int64_t width);
 
 }  // namespace shampoo::examples

@@ -7,6 +7,9 @@
 #     /usr/local/cuda lacks (cuFile, cuSPARSELt, NVSHMEM), so libtorch_cuda.so loads on CPU machines.
 #   - Skipped when TORCH_DIR (a folder holding share/cmake/Torch) is given, e.g. the GPU machine's
 #     preinstalled python torch.
+#   - A torchrun launcher for that unpacked wheel in DEPS_DIR/torch-<version>/bin/torchrun.
+#   - matplotlib and its dependencies, unpacked into the same folder (next to the wheel's numpy),
+#     for examples/plot_metrics.py (`make demo` plots with PYTHONPATH set to that folder).
 # Prints the Torch CMake folder on its last line.
 set -euo pipefail
 
@@ -47,6 +50,9 @@ install_torch() {
     case "$TORCH_VERSION" in
       2.11.*) extra=(nvidia-cufile==1.15.1.6 nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5) ;;
     esac
+    # torch's Python side, only for the torchrun launcher (scripts below), not for the C++ build.
+    extra+=(filelock==4.2.11 typing-extensions==4.16.0 sympy==1.14.0 mpmath==1.4.1
+            networkx==3.6.1 jinja2==3.1.6 MarkupSafe==3.0.4 fsspec==2026.9.0 numpy==2.4.6)
     # pip download + unzip rather than pip install: works with an externally managed python too.
     PIP_ROOT_USER_ACTION=ignore python3 -m pip download --quiet --no-deps -d "$prefix/wheels" \
       "torch==$TORCH_VERSION" "${extra[@]}" >&2
@@ -54,10 +60,42 @@ install_torch() {
       python3 -m zipfile -e "$wheel" "$prefix" >&2
     done
     rm -rf "$prefix/wheels"
+    mkdir -p "$prefix/bin"
+    # torchrun from this unpacked wheel: torchrun --no-python --nproc-per-node 2 <binary>
+    cat > "$prefix/bin/torchrun" <<LAUNCHER
+#!/usr/bin/env bash
+PYTHONPATH="$prefix\${PYTHONPATH:+:\$PYTHONPATH}" exec python3 -m torch.distributed.run "\$@"
+LAUNCHER
+    chmod +x "$prefix/bin/torchrun"
     touch "$stamp"
   fi
   echo "$prefix/torch/share/cmake/Torch"
 }
 
+# matplotlib for the demo's plot: pip download + unzip into the torch folder like the wheels
+# above (pure Python or manylinux wheels for this python3; numpy comes with torch). Its own stamp,
+# so an existing LibTorch install gets it without downloading torch again. Skipped with TORCH_DIR
+# (no torch folder of ours); the plot then needs a matplotlib that python3 can import.
+install_plotting() {
+  [ -n "${TORCH_DIR:-}" ] && return
+  local prefix="$DEPS_DIR/torch-$TORCH_VERSION"
+  local stamp="$prefix/.plotting-installed"
+  [ -f "$stamp" ] && return
+  log "installing matplotlib (for examples/plot_metrics.py) into $prefix"
+  local wheels="$prefix/plotting-wheels"
+  rm -rf "$wheels"
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip download --quiet --no-deps -d "$wheels" \
+    matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 \
+    packaging==26.3 pillow==13.0.0 pyparsing==3.3.3 python-dateutil==4.0.0 tzdata==2026.6 >&2
+  for wheel in "$wheels"/*.whl; do
+    python3 -m zipfile -e "$wheel" "$prefix" >&2
+  done
+  rm -rf "$wheels"
+  touch "$stamp"
+}
+
 install_debian
-install_torch
+# install_torch prints the Torch CMake folder, which must stay the last line of the output.
+torch_cmake_dir=$(install_torch)
+install_plotting
+echo "$torch_cmake_dir"

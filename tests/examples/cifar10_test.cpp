@@ -21,7 +21,8 @@ using shampoo::examples::kCifar10RecordBytes;
 std::vector<char> make_record(int file, int r) {
   std::vector<char> record(kCifar10RecordBytes);
   record[0] = static_cast<char>((file + r) % 10);
-  for (int p = 0; p < 3072; ++p) record[1 + p] = static_cast<char>((7 * p + 13 * r + 29 * file) % 251);
+  for (int p = 0; p < 3072; ++p)
+    record[1 + p] = static_cast<char>((7 * p + 13 * r + 29 * file) % 251);
   return record;
 }
 
@@ -51,7 +52,7 @@ TEST(Cifar10, RecordLayoutIsLabelThenChannelPlanes) {
       const int64_t n = (f - 1) * 3 + r;  // files concatenated in order 1..5
       EXPECT_EQ(data.labels[n].item<int64_t>(), (f + r) % 10);
       for (const auto& [c, y, x] : {std::tuple{0, 0, 0}, std::tuple{0, 5, 31}, std::tuple{1, 0, 0},
-                                  std::tuple{2, 31, 31}, std::tuple{1, 17, 3}}) {
+                                    std::tuple{2, 31, 31}, std::tuple{1, 17, 3}}) {
         const int p = c * 1024 + y * 32 + x;
         EXPECT_EQ(data.images[n][c][y][x].item<int64_t>(), (7 * p + 13 * r + 29 * f) % 251)
             << "image " << n << " channel " << c << " row " << y << " column " << x;
@@ -78,7 +79,8 @@ TEST(Cifar10, MissingAndTruncatedFilesAreErrorsNamingTheFile) {
     shampoo::examples::load_cifar10(dir, shampoo::examples::Cifar10Split::kTest);
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("test_batch.bin: truncated: 3074 bytes"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("test_batch.bin: truncated: 3074 bytes"),
+              std::string::npos)
         << e.what();
   }
   fs::resize_file(dir / "test_batch.bin", 0);

@@ -23,8 +23,8 @@ TEST(DistributedBatchSampler, RanksSplitTheGlobalBatchOfOneProcess) {
     EXPECT_TRUE(at::equal(order, rank2.epoch_order(epoch)));
     EXPECT_TRUE(at::equal(std::get<0>(order.sort()), at::arange(103, at::kLong)));
     for (int64_t b = 0; b < 8; ++b) {
-      const auto joined = at::cat({rank0.local_batch(order, b), rank1.local_batch(order, b),
-                                   rank2.local_batch(order, b)});
+      const auto joined = at::cat(
+          {rank0.local_batch(order, b), rank1.local_batch(order, b), rank2.local_batch(order, b)});
       EXPECT_TRUE(at::equal(joined, one.local_batch(order, b))) << "batch " << b;
     }
   }

@@ -81,8 +81,8 @@ void write_cifar10_files(const fs::path& dir) {
       record[0] = static_cast<char>(label);
       for (int p = 0; p < kPixelBytes; ++p) {
         const uint32_t noise = random() >> 24;
-        record[1 + p] = static_cast<char>(
-            (kSignal * templates[image_class][p] + (256 - kSignal) * noise) >> 8);
+        record[1 + p] =
+            static_cast<char>((kSignal * templates[image_class][p] + (256 - kSignal) * noise) >> 8);
       }
       out.write(record.data(), kRecordBytes);
     }
@@ -147,9 +147,26 @@ struct TrainerRun {
 /// The flags every run shares: the data, the reference's ConvNet, three epochs of 10
 /// iterations with a global batch of 32 (`ranks` ranks of 32 / ranks each).
 std::vector<std::string> base_flags(const fs::path& data_dir, int ranks) {
-  return {"--dataset", "cifar10", "--data-dir", data_dir.string(), "--model", "convnet",
-          "--epochs", "3", "--local-batch-size", std::to_string(32 / ranks), "--seed", "7",
-          "--window-size", "5", "--log-every", "1000", "--progress", "off", "--threads", "1"};
+  return {"--dataset",
+          "cifar10",
+          "--data-dir",
+          data_dir.string(),
+          "--model",
+          "convnet",
+          "--epochs",
+          "3",
+          "--local-batch-size",
+          std::to_string(32 / ranks),
+          "--seed",
+          "7",
+          "--window-size",
+          "5",
+          "--log-every",
+          "1000",
+          "--progress",
+          "off",
+          "--threads",
+          "1"};
 }
 
 /// Shampoo settings of the suite: Adam grafting alone for 9 steps, then roots every 5 steps
@@ -158,9 +175,20 @@ std::vector<std::string> base_flags(const fs::path& data_dir, int ranks) {
 /// rank ≤ 10): with roots of rank-deficient factors the ε^(-1/4) of the null space amplifies
 /// rounding differences to 1e-4, which would blur the parity tests.
 std::vector<std::string> shampoo_flags() {
-  return {"--optimizer", "shampoo", "--betas", "0.9,0.999", "--epsilon", "1e-10",
-          "--grafting", "adam", "--max-preconditioner-dim", "64", "--precondition-frequency",
-          "5", "--start-preconditioning-step", "10"};
+  return {"--optimizer",
+          "shampoo",
+          "--betas",
+          "0.9,0.999",
+          "--epsilon",
+          "1e-10",
+          "--grafting",
+          "adam",
+          "--max-preconditioner-dim",
+          "64",
+          "--precondition-frequency",
+          "5",
+          "--start-preconditioning-step",
+          "10"};
 }
 
 std::vector<std::string> operator+(std::vector<std::string> a, const std::vector<std::string>& b) {
@@ -238,8 +266,8 @@ class TrainerTest : public ::testing::Test {
   for (size_t i = 0; i < actual.size(); ++i) {
     if (actual[i] != expected[i]) {
       return ::testing::AssertionFailure()
-             << "first difference at row " << i << " (iteration " << i + 1 << "): "
-             << std::setprecision(17) << actual[i] << " vs " << expected[i];
+             << "first difference at row " << i << " (iteration " << i + 1
+             << "): " << std::setprecision(17) << actual[i] << " vs " << expected[i];
     }
   }
   return ::testing::AssertionSuccess();
@@ -265,8 +293,8 @@ class TrainerTest : public ::testing::Test {
   }
   auto result = worst <= rtol ? ::testing::AssertionSuccess() : ::testing::AssertionFailure();
   return result << "max relative error " << std::setprecision(3) << worst << " at row " << where
-                << " (iteration " << where + 1 << "): " << std::setprecision(17)
-                << actual[where] << " vs " << expected[where] << " (rtol " << rtol << ")";
+                << " (iteration " << where + 1 << "): " << std::setprecision(17) << actual[where]
+                << " vs " << expected[where] << " (rtol " << rtol << ")";
 }
 
 double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
@@ -303,11 +331,11 @@ TEST_P(LrsTest, EqualRatesEqualOneRateDifferentRatesDiffer) {
   const auto& c = GetParam();
   const auto base = base_flags(data_dir_, 1) + c.flags;
   const TrainerRun single = run_ok("lr", 1, base + std::vector<std::string>{"--lr", number(c.lr)});
-  const TrainerRun equal = run_ok("lrs_equal", 1,
-                           base + std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr)});
-  const TrainerRun different = run_ok(
-      "lrs_different", 1,
-      base + std::vector<std::string>{"--lrs", number(c.lr) + "," + number(2 * c.lr)});
+  const TrainerRun equal = run_ok(
+      "lrs_equal", 1, base + std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr)});
+  const TrainerRun different =
+      run_ok("lrs_different", 1,
+             base + std::vector<std::string>{"--lrs", number(c.lr) + "," + number(2 * c.lr)});
   // Per-parameter groups with equal rates: the same steps as one group.
   EXPECT_TRUE(identical(equal.train.at("loss"), single.train.at("loss")));
   EXPECT_TRUE(identical(equal.eval.at("test_loss"), single.eval.at("test_loss")));
@@ -325,10 +353,11 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, LrsTest, ::testing::ValuesIn(optimizer_case
 
 TEST_F(TrainerTest, MergedGroupsEqualUnmergedGroups) {
   const auto flags = base_flags(data_dir_, 1) + shampoo_flags() +
-                     std::vector<std::string>{"--lrs", "1e-4,5e-5", "--weight-decay", "1e-3",
-                                              "--bias-weight-decay", "0"};
+                     std::vector<std::string>{"--lrs", "1e-4,5e-5",           "--weight-decay",
+                                              "1e-3",  "--bias-weight-decay", "0"};
   const TrainerRun merged = run_ok("merged", 1, flags);
-  const TrainerRun unmerged = run_ok("unmerged", 1, flags + std::vector<std::string>{"--no-merge-groups"});
+  const TrainerRun unmerged =
+      run_ok("unmerged", 1, flags + std::vector<std::string>{"--no-merge-groups"});
   EXPECT_NE(merged.log.find("3 param group(s) -> 1 virtual group(s)"), std::string::npos)
       << merged.log;
   EXPECT_NE(unmerged.log.find("3 param group(s) -> 3 virtual group(s)"), std::string::npos)
@@ -351,11 +380,11 @@ class WorldSizeTest : public TrainerTest, public ::testing::WithParamInterface<O
 TEST_P(WorldSizeTest, TwoRanksEqualOneRank) {
   if (g_paths.torchrun.empty()) GTEST_SKIP() << "no torchrun";
   const auto& c = GetParam();
-  const auto extra = c.flags + std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr / 2)};
+  const auto extra =
+      c.flags + std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr / 2)};
   const TrainerRun one = run_ok("one_rank", 1, base_flags(data_dir_, 1) + extra);
   const TrainerRun two = run_ok("two_ranks", 2, base_flags(data_dir_, 2) + extra);
-  EXPECT_NE(two.log.find("ranks: 2 | global batch 32 (16 per rank)"), std::string::npos)
-      << two.log;
+  EXPECT_NE(two.log.find("ranks: 2 | global batch 32 (16 per rank)"), std::string::npos) << two.log;
   EXPECT_NE(two.log.find("Global Lifetime Loss"), std::string::npos) << two.log;
   EXPECT_TRUE(close(two.train.at("global_loss"), one.train.at("global_loss"), kWorldSizeRtol));
   EXPECT_TRUE(close(two.eval.at("test_loss"), one.eval.at("test_loss"), kWorldSizeRtol));
@@ -386,12 +415,13 @@ TEST_P(ResumeTest, ResumedRunEqualsUninterruptedRun) {
   const auto with_checkpoints =
       flags + std::vector<std::string>{"--checkpoint-dir", (dir_ / "checkpoints").string()};
   // Interrupted after the first epoch, then the same command again.
-  const TrainerRun first = run_trainer(dir_ / "resumed", c.ranks,
-                                with_checkpoints + std::vector<std::string>{"--stop-after-epoch", "1"});
+  const TrainerRun first =
+      run_trainer(dir_ / "resumed", c.ranks,
+                  with_checkpoints + std::vector<std::string>{"--stop-after-epoch", "1"});
   ASSERT_EQ(first.exit_code, 0) << first.log;
   ASSERT_EQ(rows(first.train, "loss"), 10u) << first.log;
-  ASSERT_TRUE(fs::exists(dir_ / "checkpoints" /
-                         ("rank0-of-" + std::to_string(c.ranks) + "-epoch1.pt")));
+  ASSERT_TRUE(
+      fs::exists(dir_ / "checkpoints" / ("rank0-of-" + std::to_string(c.ranks) + "-epoch1.pt")));
   // Same metrics folder: the resumed run appends epochs 2 and 3.
   const TrainerRun resumed = run_trainer(dir_ / "resumed", c.ranks, with_checkpoints);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.log;
@@ -402,10 +432,10 @@ TEST_P(ResumeTest, ResumedRunEqualsUninterruptedRun) {
   }
   EXPECT_TRUE(identical(resumed.eval.at("test_loss"), uninterrupted.eval.at("test_loss")));
   // Only the latest epoch's checkpoint is kept.
-  EXPECT_FALSE(fs::exists(dir_ / "checkpoints" /
-                          ("rank0-of-" + std::to_string(c.ranks) + "-epoch1.pt")));
-  EXPECT_TRUE(fs::exists(dir_ / "checkpoints" /
-                         ("rank0-of-" + std::to_string(c.ranks) + "-epoch3.pt")));
+  EXPECT_FALSE(
+      fs::exists(dir_ / "checkpoints" / ("rank0-of-" + std::to_string(c.ranks) + "-epoch1.pt")));
+  EXPECT_TRUE(
+      fs::exists(dir_ / "checkpoints" / ("rank0-of-" + std::to_string(c.ranks) + "-epoch3.pt")));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -415,12 +445,12 @@ INSTANTIATE_TEST_SUITE_P(
         ResumeCase{"shampoo_1rank", 1,
                    shampoo_flags() + std::vector<std::string>{"--lrs", "1e-4,5e-5", "--momentum",
                                                               "0.5", "--lr-schedule", "cosine"}},
-        ResumeCase{"shampoo_2ranks", 2,
-                   shampoo_flags() + std::vector<std::string>{"--lr", "1e-4", "--lr-schedule",
-                                                              "cosine"}},
+        ResumeCase{
+            "shampoo_2ranks", 2,
+            shampoo_flags() + std::vector<std::string>{"--lr", "1e-4", "--lr-schedule", "cosine"}},
         // ResNet-8: batch-norm buffers travel with the model.
-        ResumeCase{"adam_resnet_1rank", 1,
-                   {"--optimizer", "adam", "--lr", "1e-3", "--model", "resnet"}}),
+        ResumeCase{
+            "adam_resnet_1rank", 1, {"--optimizer", "adam", "--lr", "1e-3", "--model", "resnet"}}),
     [](const auto& info) { return info.param.name; });
 
 // ---- golden trajectories ---------------------------------------------------------------------
@@ -450,7 +480,8 @@ class GoldenTest : public TrainerTest, public ::testing::WithParamInterface<Gold
 TEST_P(GoldenTest, LossTrajectoryMatchesGolden) {
   const auto& c = GetParam();
   const Columns golden = read_csv(golden_file(g_paths.golden_dir, c.name));
-  ASSERT_EQ(golden.count("loss"), 1u) << "no golden file " << golden_file(g_paths.golden_dir, c.name);
+  ASSERT_EQ(golden.count("loss"), 1u)
+      << "no golden file " << golden_file(g_paths.golden_dir, c.name);
   const TrainerRun run = run_ok("run", 1, base_flags(data_dir_, 1) + c.flags);
   EXPECT_TRUE(close(run.train.at("loss"), golden.at("loss"), c.rtol));
   const auto& per_epoch = golden.at("test_loss_per_epoch");
@@ -525,15 +556,16 @@ TEST_F(TrainerTest, TruncatedFileIsAClearError) {
   fs::resize_file(data_dir_ / "test_batch.bin", 5 * kRecordBytes + 100);
   const TrainerRun run = run_trainer(dir_ / "run", 1, base_flags(data_dir_, 1) + shampoo_flags());
   EXPECT_EQ(run.exit_code, 1) << run.log;
-  EXPECT_NE(run.log.find((data_dir_ / "test_batch.bin").string() + ": truncated: " +
-                         std::to_string(5 * kRecordBytes + 100) + " bytes"),
+  EXPECT_NE(run.log.find((data_dir_ / "test_batch.bin").string() +
+                         ": truncated: " + std::to_string(5 * kRecordBytes + 100) + " bytes"),
             std::string::npos)
       << run.log;
 }
 
 TEST_F(TrainerTest, BadLabelIsAClearError) {
   {
-    std::fstream file(data_dir_ / "data_batch_2.bin", std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream file(data_dir_ / "data_batch_2.bin",
+                      std::ios::in | std::ios::out | std::ios::binary);
     file.seekp(2 * kRecordBytes);
     file.put(static_cast<char>(10));
   }
@@ -570,7 +602,8 @@ int main(int argc, char** argv) {
                  "[--golden-dir DIR] [--record-golden DIR] [gtest flags]\n";
     return 2;
   }
-  if (g_paths.work_dir.empty()) g_paths.work_dir = fs::temp_directory_path() / "trainer_parity_test";
+  if (g_paths.work_dir.empty())
+    g_paths.work_dir = fs::temp_directory_path() / "trainer_parity_test";
   g_paths.work_dir = fs::absolute(g_paths.work_dir);
   if (!record_dir.empty()) return record_golden(record_dir);
   return RUN_ALL_TESTS();

@@ -1,0 +1,62 @@
+#include "examples/image_dataset.h"
+
+#include <ATen/ops/tensor.h>
+#include <c10/util/Exception.h>
+
+#include <stdexcept>
+
+#include "examples/cifar10.h"
+#include "examples/fashion_mnist.h"
+
+namespace shampoo::examples {
+
+DatasetKind parse_dataset_kind(const std::string& name) {
+  if (name == "cifar10") return DatasetKind::kCifar10;
+  if (name == "fashion-mnist") return DatasetKind::kFashionMnist;
+  throw std::invalid_argument("--dataset: got '" + name + "', expected cifar10 or fashion-mnist");
+}
+
+std::string dataset_name(DatasetKind kind) {
+  return kind == DatasetKind::kCifar10 ? "cifar10" : "fashion-mnist";
+}
+
+std::filesystem::path default_data_dir(DatasetKind kind) {
+  return kind == DatasetKind::kCifar10 ? std::filesystem::path(kCifar10DefaultDir)
+                                       : std::filesystem::path(kFashionMnistDefaultDir);
+}
+
+at::Tensor ImageDataset::normalize(const at::Tensor& images) const {
+  TORCH_CHECK(images.dim() == 4 && images.scalar_type() == at::kByte &&
+                  images.size(1) == static_cast<int64_t>(mean.size()),
+              "ImageDataset::normalize: images: got ", images.sizes(), " ", images.scalar_type(),
+              ", expected uint8 [B, ", mean.size(), ", H, W]");
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  const auto channel_mean = at::tensor(mean, options.dtype(at::kDouble)).to(at::kFloat);
+  const auto channel_std = at::tensor(std, options.dtype(at::kDouble)).to(at::kFloat);
+  const auto shape = std::vector<int64_t>{1, static_cast<int64_t>(mean.size()), 1, 1};
+  return images.to(at::kFloat)
+      .div_(255.0)
+      .sub_(channel_mean.view(shape))
+      .div_(channel_std.view(shape));
+}
+
+ImageDataset load_image_dataset(DatasetKind kind, const std::filesystem::path& dir) {
+  ImageDataset data;
+  data.kind = kind;
+  if (kind == DatasetKind::kCifar10) {
+    data.train = load_cifar10(dir, Cifar10Split::kTrain);
+    data.test = load_cifar10(dir, Cifar10Split::kTest);
+    data.num_classes = kCifar10Classes;
+    data.mean.assign(std::begin(kCifar10Mean), std::end(kCifar10Mean));
+    data.std.assign(std::begin(kCifar10Std), std::end(kCifar10Std));
+  } else {
+    data.train = load_fashion_mnist(dir, FashionMnistSplit::kTrain);
+    data.test = load_fashion_mnist(dir, FashionMnistSplit::kTest);
+    data.num_classes = kFashionMnistClasses;
+    data.mean = {kFashionMnistMean};
+    data.std = {kFashionMnistStd};
+  }
+  return data;
+}
+
+}  // namespace shampoo::examples

@@ -1,0 +1,86 @@
+#pragma once
+/// The flags of the image classification trainer (cifar10_trainer), parsed and checked.
+/// Names and defaults follow the reference's trainer_utils.py (facebookresearch/optimizers,
+/// distributed_shampoo/examples) where it has the flag; `cifar10_trainer --help` explains each.
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "examples/image_dataset.h"
+
+namespace shampoo::examples {
+
+enum class OptimizerKind { kSgd, kAdam, kAdamW, kShampoo };
+enum class GraftingKind { kNone, kSgd, kAdaGrad, kRmsProp, kAdam };
+enum class LrSchedule { kConstant, kCosine };
+enum class ProgressMode { kAuto, kOn, kOff };
+
+struct TrainerConfig {
+  // Data and model.
+  DatasetKind dataset = DatasetKind::kCifar10;
+  std::filesystem::path data_dir;
+  int64_t limit_train = 0;  // 0 = every training example
+  std::string model = "convnet";
+
+  // Training loop.
+  int64_t epochs = 1;
+  int64_t stop_after_epoch = 0;  // 0 = run to --epochs
+  int64_t local_batch_size = 128;
+  uint64_t seed = 2022;
+  int64_t window_size = 1;
+  int64_t log_every = 1;
+  LrSchedule lr_schedule = LrSchedule::kConstant;
+  int64_t eval_batch_size = 500;
+  int64_t threads = 1;  // 0 = LibTorch's default
+  ProgressMode progress = ProgressMode::kAuto;
+  std::filesystem::path checkpoint_dir;  // empty = no checkpoints
+  std::filesystem::path metrics_dir;     // empty = no CSV files
+
+  // Optimizer (shared).
+  OptimizerKind optimizer = OptimizerKind::kShampoo;
+  double lr = 1e-3;
+  std::vector<double> lrs;  // round-robin over per-parameter groups; empty = one lr
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double beta3 = -1.0;
+  double epsilon = 1e-12;
+  double weight_decay = 0.0;
+  std::optional<double> bias_weight_decay;  // for 1-D parameters; unset = weight_decay
+  double momentum = 0.0;
+  double dampening = 0.0;
+  bool use_nesterov = false;
+  bool use_decoupled_weight_decay = true;
+
+  // Shampoo.
+  int64_t max_preconditioner_dim = 1024;
+  int64_t precondition_frequency = 1;
+  int64_t start_preconditioning_step = -1;
+  GraftingKind grafting = GraftingKind::kSgd;
+  double grafting_beta2 = 0.999;
+  double grafting_epsilon = 1e-8;
+  bool use_bias_correction = true;
+  bool use_merge_dims = true;
+
+  // Distributed Shampoo.
+  c10::ScalarType communication_dtype = c10::ScalarType::Float;
+  int64_t num_trainers_per_group = -1;
+  bool communicate_params = false;
+  bool merge_groups = true;
+
+  /// The command line that reproduces this configuration (for logs and checkpoints).
+  std::string command_line;
+};
+
+std::string optimizer_name(OptimizerKind kind);
+std::string grafting_name(GraftingKind kind);
+
+/// Parses and checks argv. Returns nullopt when --help was given (the usage is printed). Throws
+/// std::invalid_argument naming the flag on a bad value.
+std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* argv);
+
+}  // namespace shampoo::examples

@@ -1,0 +1,156 @@
+#include "examples/trainer_optimizer.h"
+
+#include <c10/util/Exception.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <sstream>
+#include <utility>
+
+#include "shampoo/shampoo.h"
+
+namespace shampoo::examples {
+
+namespace {
+
+GraftingConfig make_grafting(const TrainerConfig& config) {
+  switch (config.grafting) {
+    case GraftingKind::kNone:
+      return std::monostate{};
+    case GraftingKind::kSgd:
+      return SGDGraftingConfig{};
+    case GraftingKind::kAdaGrad:
+      return AdaGradGraftingConfig{config.grafting_epsilon};
+    case GraftingKind::kRmsProp:
+      return RMSpropGraftingConfig{config.grafting_beta2, config.grafting_epsilon};
+    case GraftingKind::kAdam:
+      return AdamGraftingConfig{config.grafting_beta2, config.grafting_epsilon};
+  }
+  return std::monostate{};
+}
+
+ShampooOptions make_shampoo_options(const TrainerConfig& config) {
+  return ShampooOptions(config.lr)
+      .betas({config.beta1, config.beta2})
+      .beta3(config.beta3)
+      .epsilon(config.epsilon)
+      .weight_decay(config.weight_decay)
+      .weight_decay_type(config.use_decoupled_weight_decay ? WeightDecayType::kDecoupled
+                                                           : WeightDecayType::kL2)
+      .momentum(config.momentum)
+      .dampening(config.dampening)
+      .use_nesterov(config.use_nesterov)
+      .max_preconditioner_dim(config.max_preconditioner_dim)
+      .use_merge_dims(config.use_merge_dims)
+      .precondition_frequency(config.precondition_frequency)
+      .start_preconditioning_step(config.start_preconditioning_step)
+      .use_bias_correction(config.use_bias_correction)
+      .grafting(make_grafting(config));
+}
+
+/// Param groups of a torch::optim optimizer: each plan with `defaults` changed to its lr and
+/// weight decay.
+template <typename Options>
+std::vector<torch::optim::OptimizerParamGroup> make_groups(const std::vector<ParamGroupPlan>& plans,
+                                                           const Options& defaults) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.reserve(plans.size());
+  for (const auto& plan : plans) {
+    auto options = std::make_unique<Options>(defaults);
+    options->lr(plan.lr);
+    options->weight_decay(plan.weight_decay);
+    groups.emplace_back(plan.params, std::move(options));
+  }
+  return groups;
+}
+
+}  // namespace
+
+std::vector<ParamGroupPlan> plan_param_groups(
+    const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
+    const TrainerConfig& config) {
+  std::vector<ParamGroupPlan> plans;
+  if (config.lrs.empty() && !config.bias_weight_decay) {
+    ParamGroupPlan all;
+    all.lr = config.lr;
+    all.weight_decay = config.weight_decay;
+    for (const auto& item : named_parameters) {
+      all.names.push_back(item.key());
+      all.params.push_back(item.value());
+    }
+    plans.push_back(std::move(all));
+    return plans;
+  }
+  size_t index = 0;
+  for (const auto& item : named_parameters) {
+    ParamGroupPlan plan;
+    plan.names = {item.key()};
+    plan.params = {item.value()};
+    plan.lr = config.lrs.empty() ? config.lr : config.lrs[index % config.lrs.size()];
+    plan.weight_decay = item.value().dim() == 1 && config.bias_weight_decay
+                            ? *config.bias_weight_decay
+                            : config.weight_decay;
+    plans.push_back(std::move(plan));
+    ++index;
+  }
+  return plans;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(
+    const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  switch (config.optimizer) {
+    case OptimizerKind::kSgd: {
+      const auto defaults = torch::optim::SGDOptions(config.lr)
+                                .momentum(config.momentum)
+                                .dampening(config.dampening)
+                                .weight_decay(config.weight_decay)
+                                .nesterov(config.use_nesterov);
+      return std::make_unique<torch::optim::SGD>(make_groups(plans, defaults), defaults);
+    }
+    case OptimizerKind::kAdam: {
+      const auto defaults = torch::optim::AdamOptions(config.lr)
+                                .betas({config.beta1, config.beta2})
+                                .eps(config.epsilon)
+                                .weight_decay(config.weight_decay);
+      return std::make_unique<torch::optim::Adam>(make_groups(plans, defaults), defaults);
+    }
+    case OptimizerKind::kAdamW: {
+      const auto defaults = torch::optim::AdamWOptions(config.lr)
+                                .betas({config.beta1, config.beta2})
+                                .eps(config.epsilon)
+                                .weight_decay(config.weight_decay);
+      return std::make_unique<torch::optim::AdamW>(make_groups(plans, defaults), defaults);
+    }
+    case OptimizerKind::kShampoo: {
+      const ShampooOptions defaults = make_shampoo_options(config);
+      auto distributed = DistributedOptions()
+                             .process_group(group)
+                             .communication_dtype(config.communication_dtype)
+                             .num_trainers_per_group(config.num_trainers_per_group)
+                             .communicate_params(config.communicate_params)
+                             .merge_param_groups(config.merge_groups);
+      return std::make_unique<DistributedShampoo>(make_groups(plans, defaults), defaults,
+                                                  std::move(distributed));
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown optimizer kind");
+}
+
+std::string describe_param_groups(const std::vector<ParamGroupPlan>& plans) {
+  std::ostringstream out;
+  for (size_t g = 0; g < plans.size(); ++g) {
+    const auto& plan = plans[g];
+    out << "  group " << g << ": ";
+    if (plan.names.size() == 1) {
+      out << plan.names[0] << " " << plan.params[0].sizes();
+    } else {
+      out << plan.names.size() << " parameters";
+    }
+    out << ", lr " << plan.lr << ", weight decay " << plan.weight_decay << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace shampoo::examples

@@ -2,6 +2,8 @@
 # Runs every benchmark built in <build_dir>: prints their tables and writes their JSON results to
 # <build_dir>/benchmarks/results/<name>.json. Arguments after <build_dir> go to every benchmark,
 # e.g. `bash benchmarks/run_all.sh build --threads 1 --repetitions 3`.
+# BENCHMARKS="bench_a bench_b" runs only those, e.g.
+# `BENCHMARKS=bench_virtual_groups bash benchmarks/run_all.sh build-bench --threads 1`.
 # `make bench` builds first and then calls this script.
 set -euo pipefail
 
@@ -12,7 +14,7 @@ fi
 build_dir=$1
 shift
 
-benchmarks=(bench_optimizer_step)
+read -r -a benchmarks <<< "${BENCHMARKS:-bench_optimizer_step bench_virtual_groups bench_distributed bench_in_backward}"
 
 # Which sources were measured: the git revision of this checkout, "+dirty" with local changes.
 # A --label among the arguments overrides it.

@@ -59,10 +59,10 @@ std::vector<int> Distributor::add_blocks(const std::vector<DistributedBlock>& bl
   for (auto& [unit_index, indices] : new_by_unit) {
     if (unit_index >= static_cast<int64_t>(units_.size())) units_.resize(unit_index + 1);
     auto& unit = units_[unit_index];
-    if (unit.loads.empty()) unit.loads.assign(world_size_, 0);
     std::vector<int64_t> costs;
     for (const int64_t b : indices) costs.push_back(block_cost(blocks_[b].numel, element_size));
-    const auto owners = assign_owners(costs, world_size_, unit.loads);
+    if (loads_.empty()) loads_.assign(world_size_, 0);
+    const auto owners = assign_owners(costs, world_size_, loads_);
     for (size_t i = 0; i < indices.size(); ++i) {
       owners_[indices[i]] = owners[i];
       unit.blocks.push_back(indices[i]);

@@ -89,7 +89,6 @@ class Distributor {
     int64_t segment_size = 0;     // elements per rank
     at::Tensor send;              // [segment_size]
     at::Tensor receive;           // [world_size * segment_size]
-    std::vector<int64_t> loads;   // per rank, for incremental assignment
   };
   void layout_unit(Unit& unit);
 
@@ -103,6 +102,9 @@ class Distributor {
   std::vector<int> owners_;
   std::vector<Placement> placements_;
   std::vector<Unit> units_;
+  // Per rank: cost of the blocks it owns, over every unit, so that many small units (unmerged
+  // groups) spread over the ranks instead of all starting on rank 0.
+  std::vector<int64_t> loads_;
   std::vector<bool> updated_;           // this rank's blocks updated this step
   std::vector<bool> received_updated_;  // every block, after exchange()
 };

@@ -85,6 +85,7 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
     loss = closure();
   }
   local_->step();
+  if (group_->getSize() == 1) return loss;  // every parameter is local
   c10::NoGradGuard no_grad;
   const int rank = group_->getRank();
   for (size_t i = 0; i < params_.size(); ++i) {

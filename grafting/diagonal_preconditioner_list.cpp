@@ -77,10 +77,13 @@ void DiagonalPreconditionerList::update(int64_t stack, const Rows& rows,
   scatter_rows(state_[stack], rows, v);
 }
 
-at::Tensor DiagonalPreconditionerList::precondition(int64_t stack, const Rows& rows,
-                                                    const at::Tensor& filtered,
-                                                    const RowScalars& scalars) const {
-  if (!has_state()) return filtered.clone();
+void DiagonalPreconditionerList::precondition(int64_t stack, const Rows& rows,
+                                              const at::Tensor& filtered, const RowScalars& scalars,
+                                              at::Tensor& out) const {
+  if (!has_state()) {
+    if (!out.is_same(filtered)) out.copy_(filtered);
+    return;
+  }
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(row_hyperparams_.size()) == rows.size());
   std::vector<double> bc2(rows.size()), eps(rows.size());
   for (int64_t i = 0; i < rows.size(); ++i) {
@@ -90,8 +93,8 @@ at::Tensor DiagonalPreconditionerList::precondition(int64_t stack, const Rows& r
   }
   const auto dims = filtered.dim();
   const auto v = gather_rows(state_[stack], rows);
-  return filtered /
-         ((v / row_scalars(bc2, v.options(), dims)).sqrt() + row_scalars(eps, v.options(), dims));
+  out.copy_(filtered /
+            ((v / row_scalars(bc2, v.options(), dims)).sqrt() + row_scalars(eps, v.options(), dims)));
 }
 
 std::map<std::string, at::Tensor> DiagonalPreconditionerList::export_member(int64_t stack,

@@ -84,16 +84,17 @@ void EigenvalueCorrectedPreconditionerList::update(int64_t stack, const Rows& ro
   scatter_rows(corrections_[stack], rows, d);
 }
 
-at::Tensor EigenvalueCorrectedPreconditionerList::precondition(int64_t stack, const Rows& rows,
-                                                               const at::Tensor& filtered,
-                                                               const RowScalars& scalars) const {
+void EigenvalueCorrectedPreconditionerList::precondition(int64_t stack, const Rows& rows,
+                                                         const at::Tensor& filtered,
+                                                         const RowScalars& scalars,
+                                                         at::Tensor& out) const {
   const auto rotated = rotate(stack, rows, filtered, /*back=*/false);
   const auto dims = rotated.dim();
   const auto d = gather_rows(corrections_[stack], rows);
   // ε outside the square root, as torch's Adam.
   const auto denominator = (d / row_scalars(scalars.bias_correction2, d.options(), dims)).sqrt() +
                            row_scalars(scalars.epsilon, d.options(), dims);
-  return rotate(stack, rows, rotated / denominator, /*back=*/true);
+  out.copy_(rotate(stack, rows, rotated / denominator, /*back=*/true));
 }
 
 std::map<std::string, at::Tensor> EigenvalueCorrectedPreconditionerList::export_member(

@@ -170,6 +170,8 @@ void run_chain_pre(const std::vector<ChainBlockTensors>& blocks) {
   if (!check_all(blocks, dtype, device)) return;
   for (const auto& b : blocks) {
     TORCH_INTERNAL_ASSERT(b.filtered_out.defined(), "pre pass needs filtered_out");
+    TORCH_INTERNAL_ASSERT(b.param.defined() || b.scalars.l2_weight_decay == 0.0,
+                          "pre pass: L2 weight decay needs the parameter");
   }
   AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_pre", [&] {
     const auto kblocks = to_kernel_blocks<scalar_t>(blocks);
@@ -266,9 +268,13 @@ void run_chain_post(const std::vector<ChainBlockTensors>& blocks) {
   at::Device device(at::kCPU);
   if (!check_all(blocks, dtype, device)) return;
   for (const auto& b : blocks) {
-    TORCH_INTERNAL_ASSERT(b.param.defined() && b.filtered_out.defined());
+    TORCH_INTERNAL_ASSERT(b.filtered_out.defined());
     TORCH_INTERNAL_ASSERT(b.param_out.defined() != b.update_out.defined(),
                           "post pass writes either param_out or update_out");
+    TORCH_INTERNAL_ASSERT(b.param.defined() || (b.scalars.decoupled_weight_decay == 0.0 &&
+                                                !b.param_out.defined() &&
+                                                b.scalars.output_updated_param == 0),
+                          "post pass: this block needs the parameter");
   }
   AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_post", [&] {
     const auto kblocks = to_kernel_blocks<scalar_t>(blocks);

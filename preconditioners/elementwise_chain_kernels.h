@@ -136,13 +136,13 @@ SHAMPOO_HOST_DEVICE void chain_norm_element(const ChainBlock<T>& b, int64_t i,
   graft_sq += g * g;
 }
 
-/// Post pass for element i.
+/// Post pass for element i. The parameter is read only when needed (decoupled weight decay, an
+/// in-place update, or writing the updated parameter), so callers may leave it null otherwise.
 template <typename T>
 SHAMPOO_HOST_DEVICE void chain_post_element(const ChainBlock<T>& b, int64_t i) {
   const ChainScalars& s = b.s;
   T p = chain_direction<T>(b, i);
-  const T w = b.param[i];
-  if (s.decoupled_weight_decay != 0.0) p = p + T(s.decoupled_weight_decay) * w;
+  if (s.decoupled_weight_decay != 0.0) p = p + T(s.decoupled_weight_decay) * b.param[i];
   if (b.momentum_state != nullptr) {
     const T one_minus_dampening = T(1.0 - s.dampening);
     const T buffer = T(s.momentum) * b.momentum_state[i] + one_minus_dampening * p;
@@ -151,9 +151,9 @@ SHAMPOO_HOST_DEVICE void chain_post_element(const ChainBlock<T>& b, int64_t i) {
   }
   const T update = T(-s.lr) * p;
   if (b.param_out != nullptr) {
-    b.param_out[i] = w + update;
+    b.param_out[i] = b.param[i] + update;
   } else {
-    b.update_out[i] = s.output_updated_param ? w + update : update;
+    b.update_out[i] = s.output_updated_param ? b.param[i] + update : update;
   }
 }
 

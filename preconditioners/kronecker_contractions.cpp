@@ -57,6 +57,34 @@ at::Tensor batched_multiply_along_dim(const at::Tensor& blocks, const at::Tensor
 
 }  // namespace
 
+at::Tensor block_outer_product(const at::Tensor& block_in, int64_t dim) {
+  const int64_t order = block_in.dim();
+  const int64_t d = block_in.size(dim);
+  const auto block = aligned_matrix_operand(block_in);
+  if (order >= 2 && dim == order - 1) {
+    // Last dim: [rest, d] -> Xᵀ·X without moving data.
+    const auto x = block.reshape({-1, d});
+    return at::mm(x.t(), x);
+  }
+  const auto x = aligned_matrix_operand(dim_major(block, dim));
+  return at::mm(x, x.t());
+}
+
+at::Tensor block_multiply_along_dim(const at::Tensor& block_in, const at::Tensor& matrix_in,
+                                    int64_t dim, bool transpose) {
+  const int64_t order = block_in.dim();
+  const int64_t d = block_in.size(dim);
+  const auto block = aligned_matrix_operand(block_in);
+  const auto matrix = aligned_matrix_operand(matrix_in);
+  const auto m = transpose ? matrix.t() : matrix;
+  if (dim == 0) return at::mm(m, block.reshape({d, -1})).view(block.sizes());
+  if (dim == order - 1) return at::mm(block.reshape({-1, d}), m.t()).view(block.sizes());
+  // Middle dim of a block with three or more dims: move it first, multiply, move it back.
+  const auto moved_sizes = block.movedim(dim, 0).sizes().vec();
+  const auto x = aligned_matrix_operand(dim_major(block, dim));
+  return at::mm(m, x).view(moved_sizes).movedim(0, dim).contiguous();
+}
+
 at::Tensor stacked_outer_product(const at::Tensor& blocks, int64_t dim) {
   const int64_t order = blocks.dim() - 1;
   TORCH_INTERNAL_ASSERT(dim >= 0 && dim < order, "dim ", dim, " out of range for order ", order);
@@ -64,17 +92,7 @@ at::Tensor stacked_outer_product(const at::Tensor& blocks, int64_t dim) {
   const int64_t n = blocks.size(0);
   const int64_t d = blocks.size(dim + 1);
   auto out = at::empty({n, d, d}, blocks.options());
-  for (int64_t i = 0; i < n; ++i) {
-    const auto block = aligned_matrix_operand(blocks[i]);
-    if (order >= 2 && dim == order - 1) {
-      // Last dim: [rest, d] -> Xᵀ·X without moving data.
-      const auto x = block.reshape({-1, d});
-      out[i].copy_(at::mm(x.t(), x));
-    } else {
-      const auto x = aligned_matrix_operand(dim_major(block, dim));
-      out[i].copy_(at::mm(x, x.t()));
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) out[i].copy_(block_outer_product(blocks[i], dim));
   return out;
 }
 
@@ -83,23 +101,9 @@ at::Tensor stacked_multiply_along_dim(const at::Tensor& blocks, const at::Tensor
   const int64_t order = blocks.dim() - 1;
   TORCH_INTERNAL_ASSERT(dim >= 0 && dim < order, "dim ", dim, " out of range for order ", order);
   if (blocks.is_cuda()) return batched_multiply_along_dim(blocks, matrices, dim, transpose);
-  const int64_t n = blocks.size(0);
-  const int64_t d = blocks.size(dim + 1);
   auto out = at::empty_like(blocks, at::MemoryFormat::Contiguous);
-  for (int64_t i = 0; i < n; ++i) {
-    const auto block = aligned_matrix_operand(blocks[i]);
-    const auto matrix = aligned_matrix_operand(matrices[i]);
-    const auto m = transpose ? matrix.t() : matrix;
-    if (dim == 0) {
-      out[i].copy_(at::mm(m, block.reshape({d, -1})).view(block.sizes()));
-    } else if (dim == order - 1) {
-      out[i].copy_(at::mm(block.reshape({-1, d}), m.t()).view(block.sizes()));
-    } else {
-      // Middle dim of a block with three or more dims: move it first, multiply, move it back.
-      const auto moved_sizes = block.movedim(dim, 0).sizes().vec();
-      const auto x = aligned_matrix_operand(dim_major(block, dim));
-      out[i].copy_(at::mm(m, x).view(moved_sizes).movedim(0, dim));
-    }
+  for (int64_t i = 0; i < blocks.size(0); ++i) {
+    out[i].copy_(block_multiply_along_dim(blocks[i], matrices[i], dim, transpose));
   }
   return out;
 }

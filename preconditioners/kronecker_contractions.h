@@ -15,6 +15,13 @@ namespace shampoo::detail {
 /// `t` itself when it is contiguous and starts on a 64-byte boundary, else a fresh (aligned) copy.
 at::Tensor aligned_matrix_operand(const at::Tensor& t);
 
+/// One block (no leading stack dim): the contraction with itself over every dim but `dim`,
+/// [d_dim, d_dim], computed from aligned operands (CPU) like the stacked version.
+at::Tensor block_outer_product(const at::Tensor& block, int64_t dim);
+/// One block multiplied along `dim` by `matrix` [d_dim, d_dim] (or its transpose).
+at::Tensor block_multiply_along_dim(const at::Tensor& block, const at::Tensor& matrix, int64_t dim,
+                                    bool transpose = false);
+
 /// The Kronecker factor contribution of every block along block dim `dim`: the block contracted
 /// with itself over every other dim, [n, d_dim, d_dim] (for a matrix block: G·Gᵀ for dim 0,
 /// Gᵀ·G for dim 1; for a vector block: g·gᵀ).

@@ -100,15 +100,27 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
   const auto g = gradients.to(settings_.factor_dtype);
   const auto beta2 = row_scalars(scalars.beta2, options, 3);
   const auto weight = row_scalars(scalars.factor_weight, options, 3);
+  // In chunks of rows, so the outer products of a large stack never all exist at once (the
+  // result per block is the same whatever the chunks).
+  constexpr int64_t kChunkBytes = int64_t{8} << 20;
   for (const int64_t k : s.dims) {
-    auto outer = stacked_outer_product(g, k);
-    outer.mul_(weight);
-    if (rows.all) {
-      s.factors[k].mul_(beta2).add_(outer);
-    } else {
-      auto sub = gather_rows(s.factors[k], rows);
-      sub.mul_(beta2).add_(outer);
-      scatter_rows(s.factors[k], rows, sub);
+    const int64_t d = s.spec.block_shape[k];
+    const int64_t bytes_per_row = d * d * static_cast<int64_t>(c10::elementSize(settings_.factor_dtype));
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / bytes_per_row);
+    for (int64_t begin = 0; begin < rows.size(); begin += chunk) {
+      const int64_t count = std::min(chunk, rows.size() - begin);
+      auto outer = stacked_outer_product(g.narrow(0, begin, count), k);
+      outer.mul_(weight.narrow(0, begin, count));
+      const auto beta2_chunk = beta2.narrow(0, begin, count);
+      if (rows.all) {
+        s.factors[k].narrow(0, begin, count).mul_(beta2_chunk).add_(outer);
+      } else {
+        Rows part;
+        part.rows.assign(rows.rows.begin() + begin, rows.rows.begin() + begin + count);
+        auto sub = gather_rows(s.factors[k], part);
+        sub.mul_(beta2_chunk).add_(outer);
+        scatter_rows(s.factors[k], part, sub);
+      }
     }
   }
 }

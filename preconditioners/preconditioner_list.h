@@ -74,9 +74,17 @@ class PreconditionerList {
   /// failures).
   virtual void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
                       const RowScalars& scalars, const std::vector<bool>& amortize) = 0;
-  /// Preconditions the filtered gradients [rows, block_shape] of `rows`; returns a new tensor.
-  virtual at::Tensor precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
-                                  const RowScalars& scalars) const = 0;
+  /// Preconditions the filtered gradients [rows, block_shape] of `rows` into `out` (same shape;
+  /// it may be `filtered` itself: each block is read before its result is written).
+  virtual void precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
+                            const RowScalars& scalars, at::Tensor& out) const = 0;
+  /// The same into a new tensor.
+  at::Tensor precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
+                          const RowScalars& scalars) const {
+    auto out = at::empty_like(filtered, at::MemoryFormat::Contiguous);
+    precondition(stack, rows, filtered, scalars, out);
+    return out;
+  }
 
   /// True when the preconditioner is the identity until its first amortized computation (root
   /// inverse: roots start as I), so callers may skip precondition() before then. Eigenvalue-

@@ -60,16 +60,28 @@ void ShampooPreconditionerList::compute_roots(int64_t stack, const Rows& rows,
   }
 }
 
-at::Tensor ShampooPreconditionerList::precondition(int64_t stack, const Rows& rows,
-                                                   const at::Tensor& filtered,
-                                                   const RowScalars& /*scalars*/) const {
-  auto out = filtered;
+void ShampooPreconditionerList::precondition(int64_t stack, const Rows& rows,
+                                             const at::Tensor& filtered,
+                                             const RowScalars& /*scalars*/,
+                                             at::Tensor& out) const {
   const auto dtype = filtered.scalar_type();
-  for (const int64_t k : factors_.preconditioned_dims(stack)) {
-    const auto roots = gather_rows(roots_[stack][k], rows).to(dtype);
-    out = stacked_multiply_along_dim(out, roots, k);
+  const auto& dims = factors_.preconditioned_dims(stack);
+  if (filtered.is_cuda()) {
+    auto result = filtered;
+    for (const int64_t k : dims) {
+      result = stacked_multiply_along_dim(result, gather_rows(roots_[stack][k], rows).to(dtype), k);
+    }
+    if (!result.is_same(out)) out.copy_(result);
+    return;
   }
-  return out.is_same(filtered) ? filtered.clone() : out;
+  // One block at a time: the temporaries are block-sized, never a whole stack.
+  for (int64_t i = 0; i < rows.size(); ++i) {
+    auto block = filtered[i];
+    for (const int64_t k : dims) {
+      block = block_multiply_along_dim(block, roots_[stack][k][rows.rows[i]].to(dtype), k);
+    }
+    if (!block.is_same(out[i])) out[i].copy_(block);
+  }
 }
 
 std::map<std::string, at::Tensor> ShampooPreconditionerList::export_member(int64_t stack,

@@ -13,8 +13,9 @@ class ShampooPreconditionerList final : public PreconditionerList {
 
   void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
               const RowScalars& scalars, const std::vector<bool>& amortize) override;
-  at::Tensor precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
-                          const RowScalars& scalars) const override;
+  using PreconditionerList::precondition;
+  void precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
+                    const RowScalars& scalars, at::Tensor& out) const override;
   std::map<std::string, at::Tensor> export_member(int64_t stack, int64_t row) const override;
   void import_member(int64_t stack, int64_t row,
                      const std::map<std::string, at::Tensor>& state) override;

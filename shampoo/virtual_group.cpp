@@ -191,10 +191,17 @@ void VirtualGroup::step(const StepInputs& in) {
 
       ChainBlockTensors c;
       const auto& param_view = in.param_blocks[block.param][block.id.block];
-      c.grad = in.grad_blocks[block.param][block.id.block].contiguous();
-      c.param = param_view.contiguous();
+      const auto& grad_view = in.grad_blocks[block.param][block.id.block];
       c.gradient_out = st.gradients[i];
       c.filtered_out = st.filtered[i];
+      if (grad_view.is_contiguous()) {
+        c.grad = grad_view;
+      } else {
+        // A column block of a matrix: copied once, straight into its row (the pre pass then
+        // reads and rewrites it in place).
+        c.gradient_out.copy_(grad_view);
+        c.grad = c.gradient_out;
+      }
       if (beta1 != 0.0) c.filter_state = lazy_state(filter_state_, s)[row];
       if (diagonal_state) c.diagonal_state = diagonal_->state(s)[row];
       if (options.momentum() != 0.0) c.momentum_state = lazy_state(momentum_state_, s)[row];
@@ -224,22 +231,32 @@ void VirtualGroup::step(const StepInputs& in) {
       k.lr = options.lr();
       k.output_updated_param = in.distributor.communicate_params() ? 1 : 0;
 
+      // The parameter is read only for weight decay and to write updated values; a copy only
+      // for a non-contiguous block that needs it.
+      const bool in_place = !distributed && param_view.is_contiguous();
+      if (in_place) {
+        c.param = param_view;
+        c.param_out = param_view;
+      } else if (k.l2_weight_decay != 0.0 || k.decoupled_weight_decay != 0.0 ||
+                 k.output_updated_param != 0) {
+        c.param = param_view.contiguous();
+      }
       if (distributed) {
         auto slot = in.distributor.slot(b);
         if (slot.scalar_type() == param_view.scalar_type()) {
           c.update_out = slot;
         } else {
-          c.update_out = at::empty({block.numel}, stack.spec.options);
+          // Staged in the block's filtered row: the post pass reads each element of a row
+          // before it writes the same element.
+          c.update_out = c.filtered_out;
           cast_to.push_back(slot);
-          cast_from.push_back(c.update_out);
+          cast_from.push_back(c.update_out.reshape(-1));
         }
         in.distributor.mark_updated(b);
-      } else if (param_view.is_contiguous()) {
-        c.param_out = param_view;
-      } else {
-        c.update_out = at::empty(param_view.sizes(), stack.spec.options);
+      } else if (!in_place) {
+        c.update_out = c.filtered_out;  // as above; added to the parameter after the chain
         apply_to.push_back(param_view);
-        apply_from.push_back(c.update_out);
+        apply_from.push_back(c.update_out.view(param_view.sizes()));
       }
       st.chain.push_back(chain.size());
       chain.push_back(std::move(c));
@@ -264,13 +281,17 @@ void VirtualGroup::step(const StepInputs& in) {
       local.push_back(i);
       chain_of.push_back(st.chain[i]);
     }
+    // The statistics are updated, so G' is no longer needed: its stack takes the result, unless
+    // it also holds Ḡ (no filtering), which grafting still reads.
+    at::Tensor preconditioned =
+        st.filtered.is_same(st.gradients) ? at::empty_like(st.gradients) : st.gradients;
     if (rows.size() != st.rows.size()) {
       filtered = st.filtered.index_select(
           0, at::tensor(local, at::TensorOptions().dtype(at::kLong)).to(filtered.device()));
+      preconditioned = at::empty_like(filtered);
     }
-    const auto preconditioned =
-        preconditioner_->precondition(static_cast<int64_t>(s), rows, filtered, scalars)
-            .contiguous();
+    preconditioner_->precondition(static_cast<int64_t>(s), rows, filtered, scalars,
+                                  preconditioned);
     for (size_t j = 0; j < chain_of.size(); ++j) {
       chain[chain_of[j]].preconditioned = preconditioned[static_cast<int64_t>(j)];
     }

@@ -247,6 +247,8 @@ TEST(Distributed, OneCollectivePerStepMergedOnePerVirtualGroupUnmerged) {
       opt.step();
       EXPECT_EQ(opt.stats().virtual_groups, merge ? 1 : 64);
       EXPECT_EQ(opt.stats().collectives_last_step, merge ? 1 : 64);
+      // Owners balance over all blocks, also when every group is its own unit.
+      EXPECT_EQ(opt.stats().owned_blocks, 32);
     });
   }
 }

@@ -1,0 +1,85 @@
+#pragma once
+/// Helpers shared by the benchmark programs: timing and medians, a small command-line parser,
+/// JSON fragments, what the machine was doing (CPU, load average), and ranks as threads of one
+/// process for the multi-rank benchmarks.
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
+
+namespace shampoo::bench {
+
+using Clock = std::chrono::steady_clock;
+
+double elapsed_ms(Clock::time_point begin, Clock::time_point end);
+/// CPU time consumed so far by the calling thread (CLOCK_THREAD_CPUTIME_ID), in milliseconds:
+/// with one intra-op thread, the work a rank's thread did itself, whatever the machine's load.
+double thread_cpu_ms();
+/// Median (mean of the two middle values for an even count); 0 for an empty vector.
+double median(std::vector<double> v);
+double mean(const std::vector<double>& v);
+double max_of(const std::vector<double>& v);
+double min_of(const std::vector<double>& v);
+
+/// Command line: flags registered with where their value goes. `--help` prints the usage.
+class Flags {
+ public:
+  Flags(std::string program, std::string usage)
+      : program_(std::move(program)), usage_(std::move(usage)) {}
+  void add_int(const std::string& flag, int64_t* value, int64_t min);
+  void add_string(const std::string& flag, std::string* value);
+  void add_bool(const std::string& flag, bool* value);  ///< present = true
+  /// Exits with the usage on an unknown flag or a bad value.
+  void parse(int argc, char** argv) const;
+  [[noreturn]] void usage(const std::string& error) const;
+
+ private:
+  std::string program_;
+  std::string usage_;
+  std::map<std::string, std::pair<int64_t*, int64_t>> ints_;
+  std::map<std::string, std::string*> strings_;
+  std::map<std::string, bool*> bools_;
+};
+
+/// JSON fragments.
+std::string json_string(const std::string& s);
+std::string json_array(const std::vector<double>& v);
+std::string json_array(const std::vector<int64_t>& v);
+
+/// 1-minute load average: on a shared machine, how busy it was around the measurement.
+double load_average();
+std::string cpu_model();
+/// {"cpu": ..., "hardware_threads": ..., "threads": ..., "libtorch": ..., load averages}.
+std::string machine_json(double load_before, double load_after);
+
+/// Runs fn(rank, group) for every rank on its own thread, with a process group over a shared
+/// in-memory store (Gloo), and rethrows the first failure naming its rank. Each thread sets
+/// at::set_num_threads(threads_per_rank) first (OpenMP's thread count is per thread). c10d's
+/// flight recorder is switched off (not safe with several ranks in one process).
+void run_ranks_as_threads(
+    int world, int threads_per_rank,
+    const std::function<void(int, const c10::intrusive_ptr<c10d::ProcessGroup>&)>& fn);
+
+/// A barrier across the ranks of `group` (one tiny AllReduce): lines up the ranks before timing.
+void barrier(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
+
+/// max over the ranks of `group` of a double (one AllReduce).
+double max_over_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group, double value);
+
+/// AllGathers a few int64 values from every rank: result[r] = rank r's values (same count on
+/// every rank).
+std::vector<std::vector<int64_t>> gather_from_ranks(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::vector<int64_t>& values);
+
+/// Sum of nbytes of the tensors (undefined ones count 0).
+int64_t nbytes_of(const std::vector<at::Tensor>& tensors);
+
+std::string format_bytes(int64_t bytes);  ///< "12,345,678 (11.8 MiB)"
+
+}  // namespace shampoo::bench

@@ -2,9 +2,9 @@
 // nearly every translation unit includes. Keep it narrow (no torch/torch.h).
 #pragma once
 #include <ATen/ATen.h>
-#include <torch/types.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -57,7 +57,6 @@ class Distributor {
   int owner(int64_t block) const { return owners_[block]; }
   bool owns(int64_t block) const { return owners_[block] == rank_; }
   int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
-  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
 
   /// Starts a step: clears this rank's flags. Call before writing slots.
   void begin_step();

@@ -93,8 +93,8 @@ void DiagonalPreconditionerList::precondition(int64_t stack, const Rows& rows,
   }
   const auto dims = filtered.dim();
   const auto v = gather_rows(state_[stack], rows);
-  out.copy_(filtered /
-            ((v / row_scalars(bc2, v.options(), dims)).sqrt() + row_scalars(eps, v.options(), dims)));
+  out.copy_(filtered / ((v / row_scalars(bc2, v.options(), dims)).sqrt() +
+                        row_scalars(eps, v.options(), dims)));
 }
 
 std::map<std::string, at::Tensor> DiagonalPreconditionerList::export_member(int64_t stack,

@@ -52,6 +52,7 @@ void EigenvalueCorrectedPreconditionerList::compute_bases(int64_t stack, const R
       corrected.add_(at::eye(spec.block_shape[k], corrected.options()) * eps);
       result = stacked_eigenbasis(corrected, factors_.settings().retry_double_precision);
     }
+    factors_.record_double_retries(result.retried_in_double);
     for (int64_t i = 0; i < rows.size(); ++i) {
       const int64_t row = rows.rows[i];
       if (result.failed[i] || factors_.injected_failure(stack, row, k)) {

@@ -271,10 +271,10 @@ void run_chain_post(const std::vector<ChainBlockTensors>& blocks) {
     TORCH_INTERNAL_ASSERT(b.filtered_out.defined());
     TORCH_INTERNAL_ASSERT(b.param_out.defined() != b.update_out.defined(),
                           "post pass writes either param_out or update_out");
-    TORCH_INTERNAL_ASSERT(b.param.defined() || (b.scalars.decoupled_weight_decay == 0.0 &&
-                                                !b.param_out.defined() &&
-                                                b.scalars.output_updated_param == 0),
-                          "post pass: this block needs the parameter");
+    TORCH_INTERNAL_ASSERT(
+        b.param.defined() || (b.scalars.decoupled_weight_decay == 0.0 && !b.param_out.defined() &&
+                              b.scalars.output_updated_param == 0),
+        "post pass: this block needs the parameter");
   }
   AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_post", [&] {
     const auto kblocks = to_kernel_blocks<scalar_t>(blocks);

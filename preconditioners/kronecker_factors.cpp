@@ -105,7 +105,8 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
   constexpr int64_t kChunkBytes = int64_t{8} << 20;
   for (const int64_t k : s.dims) {
     const int64_t d = s.spec.block_shape[k];
-    const int64_t bytes_per_row = d * d * static_cast<int64_t>(c10::elementSize(settings_.factor_dtype));
+    const int64_t bytes_per_row =
+        d * d * static_cast<int64_t>(c10::elementSize(settings_.factor_dtype));
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / bytes_per_row);
     for (int64_t begin = 0; begin < rows.size(); begin += chunk) {
       const int64_t count = std::min(chunk, rows.size() - begin);

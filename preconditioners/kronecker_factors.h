@@ -47,6 +47,7 @@ class KroneckerFactors {
   void record_outcome(int64_t stack, int64_t row, bool failed, int64_t step);
 
   const AmortizedCounters& counters() const { return counters_; }
+  void record_double_retries(int64_t count) { counters_.retried_in_double += count; }
 
   void export_member(int64_t stack, int64_t row, std::map<std::string, at::Tensor>& out) const;
   void import_member(int64_t stack, int64_t row, const std::map<std::string, at::Tensor>& in);

@@ -50,6 +50,8 @@ struct RowScalars {
 struct AmortizedCounters {
   int64_t computations = 0;
   int64_t failures = 0;
+  /// Matrices whose decomposition failed in the factor dtype and was retried in float64.
+  int64_t retried_in_double = 0;
 };
 
 /// Test seam: return true to make the amortized computation of (block name, dim) fail.

@@ -39,6 +39,7 @@ void ShampooPreconditionerList::compute_roots(int64_t stack, const Rows& rows,
     const std::vector<double> exponents(rows.size(), spec.dim_exponents[k]);
     auto result = stacked_inverse_root(corrected, scalars.epsilon, exponents,
                                        factors_.settings().retry_double_precision);
+    factors_.record_double_retries(result.retried_in_double);
     for (int64_t i = 0; i < rows.size(); ++i) {
       if (factors_.injected_failure(stack, rows.rows[i], k)) result.failed[i] = true;
     }
@@ -62,8 +63,7 @@ void ShampooPreconditionerList::compute_roots(int64_t stack, const Rows& rows,
 
 void ShampooPreconditionerList::precondition(int64_t stack, const Rows& rows,
                                              const at::Tensor& filtered,
-                                             const RowScalars& /*scalars*/,
-                                             at::Tensor& out) const {
+                                             const RowScalars& /*scalars*/, at::Tensor& out) const {
   const auto dtype = filtered.scalar_type();
   const auto& dims = factors_.preconditioned_dims(stack);
   if (filtered.is_cuda()) {

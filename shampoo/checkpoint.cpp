@@ -159,6 +159,7 @@ void ShampooEngine::load(torch::serialize::InputArchive& archive,
   for (const auto& vg : virtual_groups_) {
     retired_counters_.computations += vg->counters().computations;
     retired_counters_.failures += vg->counters().failures;
+    retired_counters_.retried_in_double += vg->counters().retried_in_double;
   }
   virtual_groups_ = std::move(rebuilt);
   for (size_t g = 0; g < groups.size(); ++g) {

@@ -36,6 +36,8 @@ struct ShampooStats {
   /// Amortized computations (root inverses or eigenbases, one per block) so far on this rank.
   int64_t amortized_computations = 0;
   int64_t failed_amortized_computations = 0;
+  /// Decompositions that failed in the factor dtype and were retried in float64.
+  int64_t double_precision_retries = 0;
   /// Blocks in total and owned (computed) by this rank.
   int64_t total_blocks = 0;
   int64_t owned_blocks = 0;

@@ -171,6 +171,7 @@ void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>
   for (const auto& vg : virtual_groups_) {
     retired_counters_.computations += vg->counters().computations;
     retired_counters_.failures += vg->counters().failures;
+    retired_counters_.retried_in_double += vg->counters().retried_in_double;
   }
   virtual_groups_ = build_virtual_groups(groups);
   for (auto& vg : virtual_groups_) vg->import_states(states, require_all);
@@ -385,10 +386,12 @@ ShampooStats ShampooEngine::stats() const {
   s.total_blocks = static_cast<int64_t>(blocks_.size());
   s.amortized_computations = retired_counters_.computations;
   s.failed_amortized_computations = retired_counters_.failures;
+  s.double_precision_retries = retired_counters_.retried_in_double;
   for (const auto& vg : virtual_groups_) {
     const auto c = vg->counters();
     s.amortized_computations += c.computations;
     s.failed_amortized_computations += c.failures;
+    s.double_precision_retries += c.retried_in_double;
     s.owned_blocks += vg->owned_blocks();
     s.state_bytes += vg->state_bytes();
   }

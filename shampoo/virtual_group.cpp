@@ -290,8 +290,7 @@ void VirtualGroup::step(const StepInputs& in) {
           0, at::tensor(local, at::TensorOptions().dtype(at::kLong)).to(filtered.device()));
       preconditioned = at::empty_like(filtered);
     }
-    preconditioner_->precondition(static_cast<int64_t>(s), rows, filtered, scalars,
-                                  preconditioned);
+    preconditioner_->precondition(static_cast<int64_t>(s), rows, filtered, scalars, preconditioned);
     for (size_t j = 0; j < chain_of.size(); ++j) {
       chain[chain_of[j]].preconditioned = preconditioned[static_cast<int64_t>(j)];
     }

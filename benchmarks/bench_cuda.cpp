@@ -6,21 +6,20 @@
 //   3. a training step (forward + backward + optimizer) of the CIFAR-10 ConvNet with
 //      DistributedShampoo (precondition_frequency 100) vs torch::optim::Adam (target ≤ 1.10×).
 // Without a CUDA device it says so and measures nothing.
-#include "bench_support.h"
-#include "models.h"
-
 #include <shampoo/shampoo.h>
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 
-#include "preconditioners/elementwise_chain.h"
-#include "preconditioners/matrix_functions.h"
-
 #include <cmath>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+
+#include "benchmarks/bench_support.h"
+#include "models.h"
+#include "preconditioners/elementwise_chain.h"
+#include "preconditioners/matrix_functions.h"
 
 namespace {
 
@@ -52,18 +51,18 @@ at::Tensor spd_stack(int64_t n, int64_t d) {
 std::string roots_section(int64_t repetitions) {
   std::cout << "\n1. inverse roots (exponent 1/4) of a stack, median ms\n";
   std::cout << std::setw(14) << "stack" << std::setw(14) << "ours batched" << std::setw(16)
-            << "ours per block" << std::setw(18) << "linalg_eigh+bmm" << std::setw(12)
-            << "per/ours" << std::setw(12) << "torch/ours" << "\n";
+            << "ours per block" << std::setw(18) << "linalg_eigh+bmm" << std::setw(12) << "per/ours"
+            << std::setw(12) << "torch/ours"
+            << "\n";
   std::ostringstream json;
   json << "[";
   bool first = true;
-  for (const auto& [n, d] : std::vector<std::pair<int64_t, int64_t>>{
-           {256, 16}, {64, 32}, {16, 256}, {4, 1024}}) {
+  for (const auto& [n, d] :
+       std::vector<std::pair<int64_t, int64_t>>{{256, 16}, {64, 32}, {16, 256}, {4, 1024}}) {
     const auto a = spd_stack(n, d);
     const std::vector<double> eps(n, 1e-6), exps(n, 0.25);
-    const double ours = time_ms(repetitions, [&] {
-      shampoo::detail::stacked_inverse_root(a, eps, exps, true);
-    });
+    const double ours =
+        time_ms(repetitions, [&] { shampoo::detail::stacked_inverse_root(a, eps, exps, true); });
     const double per_block = time_ms(repetitions, [&] {
       for (int64_t i = 0; i < n; ++i) {
         shampoo::detail::stacked_inverse_root(a.narrow(0, i, 1), {1e-6}, {0.25}, true);
@@ -91,8 +90,8 @@ std::string chain_section(int64_t repetitions) {
   std::ostringstream json;
   json << "[";
   bool first = true;
-  for (const auto& [count, numel] : std::vector<std::pair<int64_t, int64_t>>{
-           {256, 16384}, {64, 262144}, {1024, 1024}}) {
+  for (const auto& [count, numel] :
+       std::vector<std::pair<int64_t, int64_t>>{{256, 16384}, {64, 262144}, {1024, 1024}}) {
     const auto options = at::TensorOptions().device(at::kCUDA);
     std::vector<at::Tensor> grad, param, filter, diagonal, momentum, pre, filtered;
     for (int64_t i = 0; i < count; ++i) {
@@ -164,7 +163,8 @@ std::string training_section(int64_t repetitions, int64_t batch, int64_t frequen
   std::cout << "\n3. CIFAR-10 ConvNet training step (forward + backward + optimizer), batch "
             << batch << ", Shampoo precondition_frequency " << frequency << "\n";
   const auto inputs = at::randn({batch, 3, 32, 32}, at::TensorOptions().device(at::kCUDA));
-  const auto labels = at::randint(10, {batch}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
+  const auto labels =
+      at::randint(10, {batch}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
   auto make_model = [] {
     torch::manual_seed(0);
     shampoo::examples::ConvNet model(3, 10, 32, 32);
@@ -175,10 +175,7 @@ std::string training_section(int64_t repetitions, int64_t batch, int64_t frequen
   auto shampoo_model = make_model();
   torch::optim::Adam adam(adam_model->parameters(), torch::optim::AdamOptions(1e-3));
   shampoo::DistributedShampoo shampoo_opt(
-      shampoo_model->parameters(),
-      shampoo::ShampooOptions(1e-3).betas({0.9, 0.999}).epsilon(1e-12)
-          .precondition_frequency(frequency).start_preconditioning_step(frequency)
-          .max_preconditioner_dim(1024).grafting(shampoo::AdamGraftingConfig{0.999, 1e-8}));
+      shampoo_model->parameters(), shampoo::bench::shampoo_options(frequency, /*start=*/frequency));
   auto train_step = [&](auto& model, torch::optim::Optimizer& opt) {
     opt.zero_grad();
     torch::nn::functional::cross_entropy(model->forward(inputs), labels).backward();
@@ -211,8 +208,7 @@ std::string training_section(int64_t repetitions, int64_t batch, int64_t frequen
             << "x (target <= 1.10x: " << (ratio <= 1.10 ? "met" : "missed") << ")\n";
   std::ostringstream json;
   json << "{\"adam_ms\":" << median(adam_ms) << ",\"shampoo_ms\":" << median(shampoo_ms)
-       << ",\"ratio\":" << ratio << ",\"batch\":" << batch << ",\"frequency\":" << frequency
-       << "}";
+       << ",\"ratio\":" << ratio << ",\"batch\":" << batch << ",\"frequency\":" << frequency << "}";
   return json.str();
 }
 

@@ -79,32 +79,6 @@ struct Args {
   std::string label;
 };
 
-torch::nn::Sequential make_model() {
-  torch::nn::Sequential model;
-  for (int64_t l = 0; l < kLayers; ++l) {
-    model->push_back(torch::nn::Linear(kWidth, kWidth));
-    model->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth})));
-    model->push_back(torch::nn::ReLU());
-  }
-  return model;
-}
-
-std::vector<std::vector<at::Tensor>> make_gradient_pool(torch::nn::Sequential& model, int64_t k,
-                                                        int64_t batch) {
-  std::vector<std::vector<at::Tensor>> pool;
-  for (int64_t i = 0; i < k; ++i) {
-    model->zero_grad();
-    const auto x = torch::randn({batch, kWidth});
-    const auto y = torch::randint(kWidth, {batch}, torch::kLong);
-    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
-    std::vector<at::Tensor> grads;
-    for (const auto& p : model->parameters()) grads.push_back(p.grad().detach().clone());
-    pool.push_back(std::move(grads));
-  }
-  model->zero_grad();
-  return pool;
-}
-
 struct CaseSpec {
   std::string name;
   int world = 0;  // 0 = no process group
@@ -142,50 +116,20 @@ struct CaseRun {
   std::vector<RankStats> ranks;
 };
 
-shampoo::ShampooOptions base_options(const Args& args) {
-  return shampoo::ShampooOptions(1e-3)
-      .betas(std::make_tuple(0.9, 0.999))
-      .epsilon(1e-12)
-      .max_preconditioner_dim(1024)
-      .precondition_frequency(args.frequency)
-      .start_preconditioning_step(args.start)
-      .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
-}
-
-bool is_root_step(int64_t t, const Args& args) {
-  return t == args.start || (t > args.start && t % args.frequency == 0);
-}
-
 /// The part of a case that one rank runs (group null: the single-process case).
 CaseRun run_rank(const CaseSpec& spec, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                  const std::vector<at::Tensor>& init,
                  const std::vector<std::vector<at::Tensor>>& pool, const Args& args) {
-  std::vector<at::Tensor> params;
-  for (const auto& p : init) params.push_back(p.detach().clone().set_requires_grad(true));
-  std::vector<torch::optim::OptimizerParamGroup> param_groups;
-  const auto per_group = static_cast<int64_t>(params.size()) / spec.groups;
-  for (int64_t g = 0; g < spec.groups; ++g) {
-    std::vector<at::Tensor> members(params.begin() + g * per_group,
-                                    params.begin() + (g + 1) * per_group);
-    auto options = std::make_unique<shampoo::ShampooOptions>(base_options(args));
-    options->lr(1e-3 * (1.0 + static_cast<double>(g) / static_cast<double>(spec.groups)));
-    param_groups.emplace_back(std::move(members), std::move(options));
-  }
+  const auto params = clone_params(init);
+  const auto options = shampoo_options(args.frequency, args.start);
   auto distributed = shampoo::DistributedOptions().merge_param_groups(spec.merged);
   if (group) distributed.process_group(group);
-  shampoo::DistributedShampoo optimizer(param_groups, base_options(args), distributed);
+  shampoo::DistributedShampoo optimizer(lr_param_groups(params, spec.groups, options), options,
+                                        distributed);
 
   int64_t steps = 0;
   auto step = [&]() {
-    {
-      torch::NoGradGuard no_grad;
-      const auto& grads = pool[static_cast<size_t>(steps) % pool.size()];
-      for (size_t i = 0; i < params.size(); ++i) {
-        auto& g = params[i].mutable_grad();
-        if (!g.defined()) g = torch::empty_like(params[i]);
-        g.copy_(grads[i]);
-      }
-    }
+    set_gradients(params, pool[static_cast<size_t>(steps) % pool.size()]);
     if (group) barrier(group);
     const double cpu_begin = thread_cpu_ms();
     const auto begin = Clock::now();
@@ -202,7 +146,7 @@ CaseRun run_rank(const CaseSpec& spec, const c10::intrusive_ptr<c10d::ProcessGro
   for (int64_t w = 0; w < args.window; ++w) {
     const int64_t t = steps + 1;
     const auto [ms, cpu] = step();
-    if (is_root_step(t, args)) {
+    if (is_root_step(t, args.start, args.frequency)) {
       run.root_ms.push_back(ms);
     } else {
       run.step_ms.push_back(ms);
@@ -319,18 +263,16 @@ int main(int argc, char** argv) {
     const auto cases = selected_cases(args, torchrun_group ? torchrun_group->getSize() : 0);
 
     torch::manual_seed(0);  // every rank builds the same model and gradients
-    auto model = make_model();
+    auto model = make_layered_mlp(kLayers, kWidth);
     const auto init = model->parameters();
-    int64_t num_params = 0;
-    for (const auto& p : init) num_params += p.numel();
-    const auto pool = make_gradient_pool(model, args.grad_pool, args.batch);
+    const int64_t num_params = numel_of(init);
+    const auto pool = make_gradient_pool(model, args.grad_pool, args.batch, kWidth, kWidth);
     const double load_before = load_average();
     const std::string launcher =
         torchrun_group ? "torchrun (one process per rank)" : "threads of one process";
     if (report) {
-      std::cout << "bench_distributed: mlp " << kLayers << " x [Linear(" << kWidth << ", " << kWidth
-                << "), LayerNorm(" << kWidth << "), ReLU] (" << num_params << " parameters, "
-                << init.size() << " tensors), LibTorch " << TORCH_VERSION << ", "
+      std::cout << "bench_distributed: " << layered_mlp_name(kLayers, kWidth) << " (" << num_params
+                << " parameters, " << init.size() << " tensors), LibTorch " << TORCH_VERSION << ", "
                 << at::get_num_threads() << " thread(s) per rank, ranks as " << launcher << ", CPU "
                 << cpu_model() << "\n"
                 << "  repetitions " << args.repetitions << ", window " << args.window
@@ -434,10 +376,8 @@ int main(int argc, char** argv) {
     for (const auto& case_runs : runs) {
       for (const auto& run : case_runs) roots += run.root_ms.size();
     }
-    std::cout << roots << "\ntimed section " << std::setprecision(1) << run_s
-              << " s; load average (1 min) " << std::setprecision(2) << load_before << " before, "
-              << load_after << " after on " << std::thread::hardware_concurrency()
-              << " hardware threads\n";
+    std::cout << roots << "\n";
+    print_timed_section(std::cout, run_s, load_before, load_after);
 
     if (!args.json.empty()) {
       std::ofstream out(args.json);
@@ -450,8 +390,7 @@ int main(int argc, char** argv) {
           << "  \"benchmark\": \"distributed\",\n"
           << "  \"label\": " << json_string(args.label) << ",\n"
           << "  \"launcher\": " << json_string(launcher) << ",\n"
-          << "  \"model\": \"mlp " << kLayers << " x [Linear(" << kWidth << ", " << kWidth
-          << "), LayerNorm(" << kWidth << "), ReLU]\",\n"
+          << "  \"model\": " << json_string(layered_mlp_name(kLayers, kWidth)) << ",\n"
           << "  \"parameters\": " << num_params << ",\n"
           << "  \"parameter_tensors\": " << init.size() << ",\n"
           << "  \"machine\": " << machine_json(load_before, load_after) << ",\n"

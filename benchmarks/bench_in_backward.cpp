@@ -78,21 +78,13 @@ struct Args {
 
 // ---- model --------------------------------------------------------------------------------------
 
-torch::nn::Sequential make_model() {
-  torch::nn::Sequential model;
-  constexpr size_t kLayers = std::size(kLayerSizes) - 1;
-  for (size_t l = 0; l < kLayers; ++l) {
-    model->push_back(torch::nn::Linear(kLayerSizes[l], kLayerSizes[l + 1]));
-    if (l + 1 < kLayers) model->push_back(torch::nn::ReLU());
-  }
+/// A fresh model with a copy of the parameters `init`.
+torch::nn::Sequential make_model(const std::vector<at::Tensor>& init) {
+  auto model = make_mlp(kLayerSizes);
+  torch::NoGradGuard no_grad;
+  const auto params = model->parameters();
+  for (size_t i = 0; i < params.size(); ++i) params[i].copy_(init[i]);
   return model;
-}
-
-std::string model_name() {
-  std::ostringstream name;
-  name << "mlp ";
-  for (size_t l = 0; l < std::size(kLayerSizes); ++l) name << (l ? "-" : "") << kLayerSizes[l];
-  return name.str();
 }
 
 struct Batch {
@@ -120,13 +112,7 @@ Factory adam_factory() {
 Factory shampoo_factory() {
   return [](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
     return std::make_unique<shampoo::DistributedShampoo>(
-        std::move(p), shampoo::ShampooOptions(1e-3)
-                          .betas(std::make_tuple(0.9, 0.999))
-                          .epsilon(1e-12)
-                          .max_preconditioner_dim(1024)
-                          .precondition_frequency(1000)
-                          .start_preconditioning_step(2)
-                          .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8}));
+        std::move(p), shampoo_options(/*frequency=*/1000, /*start=*/2));
   };
 }
 
@@ -134,12 +120,7 @@ Subject make_subject(const std::string& name, const std::vector<at::Tensor>& ini
                      const Factory& factory, bool in_backward) {
   Subject s;
   s.name = name;
-  s.model = make_model();
-  {
-    torch::NoGradGuard no_grad;
-    const auto params = s.model->parameters();
-    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(init[i]);
-  }
+  s.model = make_model(init);
   if (in_backward) {
     s.in_backward = std::make_unique<shampoo::InBackwardOptimizer>(
         shampoo::apply_optimizer_in_backward(s.model->parameters(), factory));
@@ -261,19 +242,11 @@ ShardedRow measure_sharded(int world, const std::vector<at::Tensor>& init,
   run_ranks_as_threads(
       world, static_cast<int>(args.threads),
       [&](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
-        std::vector<at::Tensor> params;
-        for (const auto& p : init) params.push_back(p.detach().clone().set_requires_grad(true));
+        const auto params = clone_params(init);
         shampoo::ShardedOptimizer optimizer(params, adam_factory(), group);
         std::vector<double> ms, cpu;
         for (int64_t i = 0; i <= args.sharded_steps; ++i) {
-          {
-            torch::NoGradGuard no_grad;
-            for (size_t k = 0; k < params.size(); ++k) {
-              auto& g = params[k].mutable_grad();
-              if (!g.defined()) g = torch::empty_like(params[k]);
-              g.copy_(grads[k]);
-            }
-          }
+          set_gradients(params, grads);
           barrier(group);
           const double cpu_begin = thread_cpu_ms();
           const auto begin = Clock::now();
@@ -350,20 +323,19 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     std::vector<at::Tensor> init;
     {
-      auto model = make_model();
+      auto model = make_mlp(kLayerSizes);
       for (const auto& p : model->parameters()) init.push_back(p.detach().clone());
     }
-    int64_t num_params = 0;
-    for (const auto& p : init) num_params += p.numel();
+    const int64_t num_params = numel_of(init);
     const int64_t param_bytes = nbytes_of(init);
     const Batch batch{
         torch::randn({args.batch, kLayerSizes[0]}),
         torch::randint(kLayerSizes[std::size(kLayerSizes) - 1], {args.batch}, torch::kLong)};
     const double load_before = load_average();
-    std::cout << "bench_in_backward: " << model_name() << " (" << num_params << " parameters, "
-              << init.size() << " tensors, " << format_bytes(param_bytes) << "), batch "
-              << args.batch << ", LibTorch " << TORCH_VERSION << ", " << at::get_num_threads()
-              << " thread(s), CPU " << cpu_model() << "\n"
+    std::cout << "bench_in_backward: " << mlp_name(kLayerSizes) << " (" << num_params
+              << " parameters, " << init.size() << " tensors, " << format_bytes(param_bytes)
+              << "), batch " << args.batch << ", LibTorch " << TORCH_VERSION << ", "
+              << at::get_num_threads() << " thread(s), CPU " << cpu_model() << "\n"
               << std::flush;
 
     // (a, b) memory, each variant alone.
@@ -475,12 +447,7 @@ int main(int argc, char** argv) {
     // (d) sharded optimizer state per rank.
     std::vector<at::Tensor> grads;
     {
-      auto model = make_model();
-      {
-        torch::NoGradGuard no_grad;
-        const auto params = model->parameters();
-        for (size_t i = 0; i < params.size(); ++i) params[i].copy_(init[i]);
-      }
+      auto model = make_model(init);
       torch::nn::functional::cross_entropy(model->forward(batch.x), batch.y).backward();
       for (const auto& p : model->parameters()) grads.push_back(p.grad().detach().clone());
     }
@@ -538,7 +505,7 @@ int main(int argc, char** argv) {
       out << "{\n"
           << "  \"benchmark\": \"in_backward\",\n"
           << "  \"label\": " << json_string(args.label) << ",\n"
-          << "  \"model\": " << json_string(model_name()) << ",\n"
+          << "  \"model\": " << json_string(mlp_name(kLayerSizes)) << ",\n"
           << "  \"parameters\": " << num_params << ",\n"
           << "  \"parameter_tensors\": " << init.size() << ",\n"
           << "  \"parameter_bytes\": " << param_bytes << ",\n"

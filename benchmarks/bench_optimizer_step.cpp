@@ -34,39 +34,27 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
+#include <cstdint>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <map>
+#include <iterator>
 #include <memory>
-#include <numeric>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "benchmarks/bench_support.h"
 #include "distributor/block_plan.h"  // the library's own blocking, for the phase model
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using namespace shampoo::bench;
 
-double elapsed_ms(Clock::time_point begin, Clock::time_point end) {
-  return std::chrono::duration<double, std::milli>(end - begin).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-double mean(const std::vector<double>& v) {
-  if (v.empty()) return 0.0;
-  return std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
-}
+/// MLP 784-2048-1024-512-10 (ReLU): 4.24M parameters, 2-D weights from 10x512 to 1024x2048.
+constexpr int64_t kLayerSizes[] = {784, 2048, 1024, 512, 10};
+constexpr int64_t kInFeatures = kLayerSizes[0];
+constexpr int64_t kClasses = kLayerSizes[std::size(kLayerSizes) - 1];
 
 // ---- command line -------------------------------------------------------------------------------
 
@@ -78,104 +66,33 @@ struct Args {
   int64_t threads = 0;    // 0 = LibTorch's default
   int64_t grad_pool = 8;  // distinct gradient sets, cycled
   int64_t batch = 128;    // batch size of the forward/backward passes that make the gradients
-  bool phases = true;
+  bool no_phases = false;
   bool verbose = false;  // print every step: optimizer, step, CLOCK_MONOTONIC start (s), ms
   std::string json;
   std::string label;  // free text copied into the JSON (run_all.sh: the git revision)
 };
 
-[[noreturn]] void usage(const std::string& error) {
-  if (!error.empty()) std::cerr << "bench_optimizer_step: " << error << "\n";
-  std::cerr
-      << "usage: bench_optimizer_step [--repetitions R] [--steps S] [--window W]\n"
-         "                            [--frequency F] [--threads T] [--grad-pool K]\n"
-         "                            [--batch B] [--json PATH] [--label TEXT] [--no-phases]\n"
-         "                            [--verbose]\n";
-  std::exit(error.empty() ? 0 : 2);
-}
-
 Args parse_args(int argc, char** argv) {
   Args args;
-  auto int_value = [&](int& i, const std::string& flag, int64_t min) {
-    if (i + 1 >= argc) usage(flag + " needs a value");
-    char* end = nullptr;
-    const long long v = std::strtoll(argv[++i], &end, 10);
-    if (end == nullptr || *end != '\0' || v < min) {
-      usage(flag + ": got '" + argv[i] + "', expected an integer >= " + std::to_string(min));
-    }
-    return static_cast<int64_t>(v);
-  };
-  // Integer flags: where the value goes and its smallest allowed value.
-  const std::map<std::string, std::pair<int64_t*, int64_t>> int_flags{
-      {"--repetitions", {&args.repetitions, 1}},
-      {"--steps", {&args.steps, 1}},
-      {"--window", {&args.window, 1}},
-      {"--frequency", {&args.frequency, 2}},
-      {"--threads", {&args.threads, 1}},
-      {"--grad-pool", {&args.grad_pool, 1}},
-      {"--batch", {&args.batch, 1}}};
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (const auto it = int_flags.find(a); it != int_flags.end()) {
-      *it->second.first = int_value(i, a, it->second.second);
-    } else if (a == "--no-phases") {
-      args.phases = false;
-    } else if (a == "--verbose") {
-      args.verbose = true;
-    } else if (a == "--json") {
-      if (i + 1 >= argc) usage("--json needs a path");
-      args.json = argv[++i];
-    } else if (a == "--label") {
-      if (i + 1 >= argc) usage("--label needs a value");
-      args.label = argv[++i];
-    } else if (a == "--help" || a == "-h") {
-      usage("");
-    } else {
-      usage("unknown argument '" + a + "'");
-    }
-  }
+  Flags flags("bench_optimizer_step",
+              "[--repetitions R] [--steps S] [--window W]\n"
+              "                            [--frequency F] [--threads T] [--grad-pool K]\n"
+              "                            [--batch B] [--json PATH] [--label TEXT] [--no-phases]\n"
+              "                            [--verbose]");
+  flags.add_int("--repetitions", &args.repetitions, 1);
+  flags.add_int("--steps", &args.steps, 1);
+  flags.add_int("--window", &args.window, 1);
+  flags.add_int("--frequency", &args.frequency, 2);
+  flags.add_int("--threads", &args.threads, 1);
+  flags.add_int("--grad-pool", &args.grad_pool, 1);
+  flags.add_int("--batch", &args.batch, 1);
+  flags.add_bool("--no-phases", &args.no_phases);
+  flags.add_bool("--verbose", &args.verbose);
+  flags.add_string("--json", &args.json);
+  flags.add_string("--label", &args.label);
+  flags.parse(argc, argv);
   if (args.window < 0) args.window = args.frequency;
   return args;
-}
-
-// ---- model and gradients ------------------------------------------------------------------------
-
-/// MLP 784-2048-1024-512-10 (ReLU): 4.24M parameters, 2-D weights from 10x512 to 1024x2048.
-constexpr int64_t kLayerSizes[] = {784, 2048, 1024, 512, 10};
-
-torch::nn::Sequential make_model() {
-  torch::nn::Sequential model;
-  constexpr size_t kLayers = std::size(kLayerSizes) - 1;
-  for (size_t l = 0; l < kLayers; ++l) {
-    model->push_back(torch::nn::Linear(kLayerSizes[l], kLayerSizes[l + 1]));
-    if (l + 1 < kLayers) model->push_back(torch::nn::ReLU());
-  }
-  return model;
-}
-
-std::string model_name() {
-  std::ostringstream name;
-  name << "mlp ";
-  for (size_t l = 0; l < std::size(kLayerSizes); ++l) name << (l ? "-" : "") << kLayerSizes[l];
-  return name.str();
-}
-
-/// Gradients of `k` forward/backward passes on random batches (Gaussian inputs, random labels):
-/// real gradient structure (a linear layer's gradient has rank ≤ batch size).
-std::vector<std::vector<at::Tensor>> make_gradient_pool(torch::nn::Sequential& model, int64_t k,
-                                                        int64_t batch) {
-  std::vector<std::vector<at::Tensor>> pool;
-  for (int64_t i = 0; i < k; ++i) {
-    model->zero_grad();
-    const auto x = torch::randn({batch, kLayerSizes[0]});
-    const auto y = torch::randint(kLayerSizes[std::size(kLayerSizes) - 1], {batch}, torch::kLong);
-    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
-    std::vector<at::Tensor> grads;
-    for (const auto& p : model->parameters()) grads.push_back(p.grad().detach().clone());
-    pool.push_back(std::move(grads));
-  }
-  model->zero_grad();
-  return pool;
 }
 
 // ---- subjects -----------------------------------------------------------------------------------
@@ -189,27 +106,13 @@ struct Subject {
   int64_t steps_taken = 0;
 };
 
-std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params) {
-  std::vector<at::Tensor> out;
-  for (const auto& p : params) out.push_back(p.detach().clone().set_requires_grad(true));
-  return out;
-}
-
 /// Copies gradient set `steps_taken mod pool` into .grad() (untimed), then times step(). With
 /// `verbose`, prints the step with its CLOCK_MONOTONIC start time, which is what
 /// `perf record -k mono` stamps samples with: `perf report --time START,END` then profiles a
 /// chosen stretch of steps.
 double timed_step(Subject& s, const std::vector<std::vector<at::Tensor>>& pool,
                   bool verbose = false) {
-  {
-    torch::NoGradGuard no_grad;
-    const auto& grads = pool[static_cast<size_t>(s.steps_taken) % pool.size()];
-    for (size_t i = 0; i < s.params.size(); ++i) {
-      auto& g = s.params[i].mutable_grad();
-      if (!g.defined()) g = torch::empty_like(s.params[i]);
-      g.copy_(grads[i]);
-    }
-  }
+  set_gradients(s.params, pool[static_cast<size_t>(s.steps_taken) % pool.size()]);
   const auto begin = Clock::now();
   s.optimizer->step();
   const auto end = Clock::now();
@@ -225,16 +128,6 @@ double timed_step(Subject& s, const std::vector<std::vector<at::Tensor>>& pool,
   return ms;
 }
 
-shampoo::ShampooOptions shampoo_options(int64_t frequency) {
-  return shampoo::ShampooOptions(1e-3)
-      .betas(std::make_tuple(0.9, 0.999))
-      .epsilon(1e-12)
-      .max_preconditioner_dim(1024)
-      .precondition_frequency(frequency)
-      .start_preconditioning_step(frequency)
-      .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
-}
-
 Subject make_adam(const std::vector<at::Tensor>& init) {
   Subject s;
   s.name = "adam";
@@ -248,7 +141,8 @@ Subject make_shampoo(const std::vector<at::Tensor>& init, int64_t frequency) {
   Subject s;
   s.name = "shampoo_f" + std::to_string(frequency);
   s.params = clone_params(init);
-  auto opt = std::make_unique<shampoo::DistributedShampoo>(s.params, shampoo_options(frequency));
+  auto opt = std::make_unique<shampoo::DistributedShampoo>(
+      s.params, shampoo_options(frequency, /*start=*/frequency));
   s.shampoo = opt.get();
   s.optimizer = std::move(opt);
   return s;
@@ -352,45 +246,6 @@ std::vector<PhaseRow> phase_model(const std::vector<BlockStack>& stacks) {
   return rows;
 }
 
-// ---- JSON ---------------------------------------------------------------------------------------
-
-std::string json_array(const std::vector<double>& v) {
-  std::ostringstream out;
-  out << std::setprecision(6) << "[";
-  for (size_t i = 0; i < v.size(); ++i) out << (i ? ", " : "") << v[i];
-  out << "]";
-  return out.str();
-}
-
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out + "\"";
-}
-
-/// 1-minute load average: on a shared machine, how busy it was around the measurement.
-double load_average() {
-  std::ifstream in("/proc/loadavg");
-  double load = -1.0;
-  in >> load;
-  return load;
-}
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(colon + 2);
-    }
-  }
-  return "unknown";
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -398,19 +253,18 @@ int main(int argc, char** argv) {
   if (args.threads > 0) at::set_num_threads(static_cast<int>(args.threads));
   torch::manual_seed(0);
 
-  auto model = make_model();
+  auto model = make_mlp(kLayerSizes);
   const auto init = model->parameters();
-  int64_t num_params = 0;
-  for (const auto& p : init) num_params += p.numel();
-  const auto pool = make_gradient_pool(model, args.grad_pool, args.batch);
+  const int64_t num_params = numel_of(init);
+  const auto pool = make_gradient_pool(model, args.grad_pool, args.batch, kInFeatures, kClasses);
   const double load_before = load_average();
 
   auto adam = make_adam(init);
   auto f1 = make_shampoo(init, 1);
   auto fn = make_shampoo(init, args.frequency);
 
-  std::cout << "bench_optimizer_step: " << model_name() << " (" << num_params << " parameters, "
-            << init.size() << " tensors), LibTorch " << TORCH_VERSION << ", "
+  std::cout << "bench_optimizer_step: " << mlp_name(kLayerSizes) << " (" << num_params
+            << " parameters, " << init.size() << " tensors), LibTorch " << TORCH_VERSION << ", "
             << at::get_num_threads() << " threads, CPU " << cpu_model() << "\n"
             << "  repetitions " << args.repetitions << ", shampoo_f1 steps/rep " << args.steps
             << ", shampoo_f" << args.frequency << " window " << args.window
@@ -533,13 +387,11 @@ int main(int argc, char** argv) {
             << "blocks " << fn_stats.total_blocks << ", virtual groups " << fn_stats.virtual_groups
             << "; state bytes: shampoo " << fn_stats.state_bytes << " (" << std::setprecision(1)
             << fn_stats.state_bytes / 1048576.0 << " MiB), adam " << adam_bytes << " ("
-            << adam_bytes / 1048576.0 << " MiB)\n"
-            << "timed section " << run_s << " s; load average (1 min) " << std::setprecision(2)
-            << load_before << " before, " << load_after << " after on "
-            << std::thread::hardware_concurrency() << " hardware threads\n";
+            << adam_bytes / 1048576.0 << " MiB)\n";
+  print_timed_section(std::cout, run_s, load_before, load_after);
 
   std::vector<PhaseRow> phases;
-  if (args.phases) {
+  if (!args.no_phases) {
     phases = phase_model(block_stacks(init, pool[0]));
     PhaseRow total;
     std::cout << "\nphase model (LibTorch primitives on the block stacks, ms):\n"
@@ -571,15 +423,10 @@ int main(int argc, char** argv) {
     out << "{\n"
         << "  \"benchmark\": \"optimizer_step\",\n"
         << "  \"label\": " << json_string(args.label) << ",\n"
-        << "  \"model\": " << json_string(model_name()) << ",\n"
+        << "  \"model\": " << json_string(mlp_name(kLayerSizes)) << ",\n"
         << "  \"parameters\": " << num_params << ",\n"
         << "  \"parameter_tensors\": " << init.size() << ",\n"
-        << "  \"machine\": {\"cpu\": " << json_string(cpu_model())
-        << ", \"hardware_threads\": " << std::thread::hardware_concurrency()
-        << ", \"threads\": " << at::get_num_threads()
-        << ", \"libtorch\": " << json_string(TORCH_VERSION)
-        << ", \"load_average_before\": " << load_before
-        << ", \"load_average_after\": " << load_after << "},\n"
+        << "  \"machine\": " << machine_json(load_before, load_after) << ",\n"
         << "  \"settings\": {\"repetitions\": " << args.repetitions
         << ", \"shampoo_f1_steps\": " << args.steps << ", \"frequency\": " << args.frequency
         << ", \"window\": " << args.window << ", \"grad_pool\": " << args.grad_pool

@@ -2,6 +2,12 @@
 
 #include <ATen/Parallel.h>
 #include <time.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -147,6 +153,114 @@ std::string machine_json(double load_before, double load_after) {
       << ", \"load_average_before\": " << load_before << ", \"load_average_after\": " << load_after
       << "}";
   return out.str();
+}
+
+void print_timed_section(std::ostream& out, double seconds, double load_before, double load_after) {
+  out << "timed section " << std::fixed << std::setprecision(1) << seconds
+      << " s; load average (1 min) " << std::setprecision(2) << load_before << " before, "
+      << load_after << " after on " << std::thread::hardware_concurrency() << " hardware threads\n";
+}
+
+// ---- models, gradients and Shampoo settings -----------------------------------------------------
+
+torch::nn::Sequential make_mlp(at::IntArrayRef sizes) {
+  torch::nn::Sequential model;
+  const size_t layers = sizes.size() - 1;
+  for (size_t l = 0; l < layers; ++l) {
+    model->push_back(torch::nn::Linear(sizes[l], sizes[l + 1]));
+    if (l + 1 < layers) model->push_back(torch::nn::ReLU());
+  }
+  return model;
+}
+
+std::string mlp_name(at::IntArrayRef sizes) {
+  std::ostringstream name;
+  name << "mlp ";
+  for (size_t l = 0; l < sizes.size(); ++l) name << (l ? "-" : "") << sizes[l];
+  return name.str();
+}
+
+torch::nn::Sequential make_layered_mlp(int64_t layers, int64_t width) {
+  torch::nn::Sequential model;
+  for (int64_t l = 0; l < layers; ++l) {
+    model->push_back(torch::nn::Linear(width, width));
+    model->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+    model->push_back(torch::nn::ReLU());
+  }
+  return model;
+}
+
+std::string layered_mlp_name(int64_t layers, int64_t width) {
+  std::ostringstream name;
+  name << "mlp " << layers << " x [Linear(" << width << ", " << width << "), LayerNorm(" << width
+       << "), ReLU]";
+  return name.str();
+}
+
+std::vector<std::vector<at::Tensor>> make_gradient_pool(torch::nn::Sequential& model, int64_t k,
+                                                        int64_t batch, int64_t in_features,
+                                                        int64_t classes) {
+  std::vector<std::vector<at::Tensor>> pool;
+  for (int64_t i = 0; i < k; ++i) {
+    model->zero_grad();
+    const auto x = torch::randn({batch, in_features});
+    const auto y = torch::randint(classes, {batch}, torch::kLong);
+    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : model->parameters()) grads.push_back(p.grad().detach().clone());
+    pool.push_back(std::move(grads));
+  }
+  model->zero_grad();
+  return pool;
+}
+
+std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone().set_requires_grad(true));
+  return out;
+}
+
+void set_gradients(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& g = params[i].mutable_grad();
+    if (!g.defined()) g = torch::empty_like(params[i]);
+    g.copy_(grads[i]);
+  }
+}
+
+int64_t numel_of(const std::vector<at::Tensor>& tensors) {
+  int64_t numel = 0;
+  for (const auto& t : tensors) numel += t.numel();
+  return numel;
+}
+
+shampoo::ShampooOptions shampoo_options(int64_t frequency, int64_t start) {
+  return shampoo::ShampooOptions(1e-3)
+      .betas(std::make_tuple(0.9, 0.999))
+      .epsilon(1e-12)
+      .max_preconditioner_dim(1024)
+      .precondition_frequency(frequency)
+      .start_preconditioning_step(start)
+      .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
+}
+
+bool is_root_step(int64_t t, int64_t start, int64_t frequency) {
+  return t == start || (t > start && t % frequency == 0);
+}
+
+std::vector<torch::optim::OptimizerParamGroup> lr_param_groups(
+    const std::vector<at::Tensor>& params, int64_t groups, const shampoo::ShampooOptions& options) {
+  const auto per_group = static_cast<int64_t>(params.size()) / groups;
+  std::vector<torch::optim::OptimizerParamGroup> param_groups;
+  for (int64_t g = 0; g < groups; ++g) {
+    std::vector<at::Tensor> members(params.begin() + g * per_group,
+                                    params.begin() + (g + 1) * per_group);
+    auto group_options = std::make_unique<shampoo::ShampooOptions>(options);
+    group_options->lr(options.lr() * (1.0 + static_cast<double>(g) / static_cast<double>(groups)));
+    param_groups.emplace_back(std::move(members), std::move(group_options));
+  }
+  return param_groups;
 }
 
 // ---- ranks as threads ---------------------------------------------------------------------------

@@ -1,14 +1,19 @@
 #pragma once
 /// Helpers shared by the benchmark programs: timing and medians, a small command-line parser,
-/// JSON fragments, what the machine was doing (CPU, load average), and ranks as threads of one
-/// process for the multi-rank benchmarks.
+/// JSON fragments, what the machine was doing (CPU, load average), the benchmarked models, their
+/// gradients and the benchmarks' Shampoo settings, and ranks as threads of one process for the
+/// multi-rank benchmarks.
 
 #include <ATen/ATen.h>
+#include <shampoo/shampoo.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <ostream>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
@@ -57,6 +62,47 @@ double load_average();
 std::string cpu_model();
 /// {"cpu": ..., "hardware_threads": ..., "threads": ..., "libtorch": ..., load averages}.
 std::string machine_json(double load_before, double load_after);
+/// Writes "timed section S s; load average (1 min) B before, A after on N hardware threads\n"
+/// (S with one decimal, the loads with two; leaves `out` fixed with precision 2).
+void print_timed_section(std::ostream& out, double seconds, double load_before, double load_after);
+
+/// Models. An MLP of Linear layers sizes[0] -> sizes[1] -> ... -> sizes.back(), ReLU between them,
+/// and its name "mlp 784-2048-1024-512-10".
+torch::nn::Sequential make_mlp(at::IntArrayRef sizes);
+std::string mlp_name(at::IntArrayRef sizes);
+/// `layers` x [Linear(width, width), LayerNorm(width), ReLU], and its name
+/// "mlp 64 x [Linear(128, 128), LayerNorm(128), ReLU]".
+torch::nn::Sequential make_layered_mlp(int64_t layers, int64_t width);
+std::string layered_mlp_name(int64_t layers, int64_t width);
+
+/// Gradients of `k` forward/backward passes (cross-entropy) on random batches: Gaussian inputs
+/// [batch, in_features], random labels below `classes`. Real gradient structure (a linear
+/// layer's gradient has rank <= batch size); pool[i][p] is pass i's gradient of parameter p.
+/// Leaves the model without gradients (zero_grad).
+std::vector<std::vector<at::Tensor>> make_gradient_pool(torch::nn::Sequential& model, int64_t k,
+                                                        int64_t batch, int64_t in_features,
+                                                        int64_t classes);
+
+/// Copies of `params` (detached, requiring gradients): a benchmarked optimizer's own parameters.
+std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params);
+/// Copies grads[i] into params[i].grad() (allocated on first use) without autograd recording:
+/// the untimed part of a benchmarked step.
+void set_gradients(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
+/// Sum of numel of the tensors.
+int64_t numel_of(const std::vector<at::Tensor>& tensors);
+
+/// The benchmarks' Shampoo: lr 1e-3, betas (0.9, 0.999), epsilon 1e-12, max_preconditioner_dim
+/// 1024, Adam grafting (beta2 0.999, epsilon 1e-8), with the given precondition_frequency and
+/// start_preconditioning_step.
+shampoo::ShampooOptions shampoo_options(int64_t frequency, int64_t start);
+/// Whether step t (counted from 1) computes roots with these options: the first at `start`, then
+/// every multiple of `frequency`.
+bool is_root_step(int64_t t, int64_t start, int64_t frequency);
+/// `groups` param groups over equal consecutive shares of `params` (group g holds
+/// [g·n/groups, (g+1)·n/groups)), that differ only in their learning rate:
+/// options.lr()·(1 + g/groups).
+std::vector<torch::optim::OptimizerParamGroup> lr_param_groups(
+    const std::vector<at::Tensor>& params, int64_t groups, const shampoo::ShampooOptions& options);
 
 /// Runs fn(rank, group) for every rank on its own thread, with a process group over a shared
 /// in-memory store (Gloo), and rethrows the first failure naming its rank. Each thread sets

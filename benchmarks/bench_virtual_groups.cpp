@@ -80,35 +80,6 @@ struct Args {
   std::string label;
 };
 
-// ---- model and gradients ------------------------------------------------------------------------
-
-torch::nn::Sequential make_model() {
-  torch::nn::Sequential model;
-  for (int64_t l = 0; l < kLayers; ++l) {
-    model->push_back(torch::nn::Linear(kWidth, kWidth));
-    model->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth})));
-    model->push_back(torch::nn::ReLU());
-  }
-  return model;
-}
-
-/// Gradients of `k` forward/backward passes on random batches (Gaussian inputs, kWidth classes).
-std::vector<std::vector<at::Tensor>> make_gradient_pool(torch::nn::Sequential& model, int64_t k,
-                                                        int64_t batch) {
-  std::vector<std::vector<at::Tensor>> pool;
-  for (int64_t i = 0; i < k; ++i) {
-    model->zero_grad();
-    const auto x = torch::randn({batch, kWidth});
-    const auto y = torch::randint(kWidth, {batch}, torch::kLong);
-    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
-    std::vector<at::Tensor> grads;
-    for (const auto& p : model->parameters()) grads.push_back(p.grad().detach().clone());
-    pool.push_back(std::move(grads));
-  }
-  model->zero_grad();
-  return pool;
-}
-
 // ---- configurations -----------------------------------------------------------------------------
 
 struct Config {
@@ -132,39 +103,18 @@ struct Config {
   shampoo::bench::TrackingAllocator::ByOp large_allocations;  // >= kLargeAllocation, by op
 };
 
-shampoo::ShampooOptions base_options(const Args& args) {
-  return shampoo::ShampooOptions(1e-3)
-      .betas(std::make_tuple(0.9, 0.999))
-      .epsilon(1e-12)
-      .max_preconditioner_dim(1024)
-      .precondition_frequency(args.frequency)
-      .start_preconditioning_step(args.start)
-      .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
-}
-
 Config make_config(const std::vector<at::Tensor>& init, int64_t groups, bool merged,
                    const Args& args) {
   Config c;
   c.groups = groups;
   c.merged = merged;
   c.name = std::string(merged ? "merged" : "unmerged") + " N=" + std::to_string(groups);
-  for (const auto& p : init) c.params.push_back(p.detach().clone().set_requires_grad(true));
-  const auto per_group = static_cast<int64_t>(c.params.size()) / groups;
-  std::vector<torch::optim::OptimizerParamGroup> param_groups;
-  for (int64_t g = 0; g < groups; ++g) {
-    std::vector<at::Tensor> members(c.params.begin() + g * per_group,
-                                    c.params.begin() + (g + 1) * per_group);
-    auto options = std::make_unique<shampoo::ShampooOptions>(base_options(args));
-    options->lr(1e-3 * (1.0 + static_cast<double>(g) / static_cast<double>(groups)));
-    param_groups.emplace_back(std::move(members), std::move(options));
-  }
+  c.params = clone_params(init);
+  const auto options = shampoo_options(args.frequency, args.start);
   c.optimizer = std::make_unique<shampoo::DistributedShampoo>(
-      param_groups, base_options(args), shampoo::DistributedOptions().merge_param_groups(merged));
+      lr_param_groups(c.params, groups, options), options,
+      shampoo::DistributedOptions().merge_param_groups(merged));
   return c;
-}
-
-bool is_root_step(int64_t t, const Args& args) {
-  return t == args.start || (t > args.start && t % args.frequency == 0);
 }
 
 struct StepTime {
@@ -175,15 +125,7 @@ struct StepTime {
 /// Copies gradient set (steps_taken mod pool) into .grad() (untimed), then times step(): wall
 /// time and the CPU time of this thread.
 StepTime timed_step(Config& c, const std::vector<std::vector<at::Tensor>>& pool) {
-  {
-    torch::NoGradGuard no_grad;
-    const auto& grads = pool[static_cast<size_t>(c.steps_taken) % pool.size()];
-    for (size_t i = 0; i < c.params.size(); ++i) {
-      auto& g = c.params[i].mutable_grad();
-      if (!g.defined()) g = torch::empty_like(c.params[i]);
-      g.copy_(grads[i]);
-    }
-  }
+  set_gradients(c.params, pool[static_cast<size_t>(c.steps_taken) % pool.size()]);
   const double cpu_begin = thread_cpu_ms();
   const auto begin = Clock::now();
   c.optimizer->step();
@@ -216,20 +158,18 @@ int main(int argc, char** argv) {
   at::set_num_threads(static_cast<int>(args.threads));
   torch::manual_seed(0);
 
-  auto model = make_model();
+  auto model = make_layered_mlp(kLayers, kWidth);
   const auto init = model->parameters();
-  int64_t num_params = 0;
-  for (const auto& p : init) num_params += p.numel();
-  const auto pool = make_gradient_pool(model, args.grad_pool, args.batch);
+  const int64_t num_params = numel_of(init);
+  const auto pool = make_gradient_pool(model, args.grad_pool, args.batch, kWidth, kWidth);
   const double load_before = load_average();
 
   std::vector<Config> configs;
   for (const int64_t n : kGroupCounts) {
     for (const bool merged : {true, false}) configs.push_back(make_config(init, n, merged, args));
   }
-  std::cout << "bench_virtual_groups: mlp " << kLayers << " x [Linear(" << kWidth << ", " << kWidth
-            << "), LayerNorm(" << kWidth << "), ReLU] (" << num_params << " parameters, "
-            << init.size() << " tensors), LibTorch " << TORCH_VERSION << ", "
+  std::cout << "bench_virtual_groups: " << layered_mlp_name(kLayers, kWidth) << " (" << num_params
+            << " parameters, " << init.size() << " tensors), LibTorch " << TORCH_VERSION << ", "
             << at::get_num_threads() << " thread(s), CPU " << cpu_model() << "\n"
             << "  " << configs.size() << " configurations, repetitions " << args.repetitions
             << " x " << args.window << " rounds, precondition_frequency " << args.frequency
@@ -267,7 +207,7 @@ int main(int argc, char** argv) {
                     << end_s - time.ms / 1000.0 << " s, end " << end_s << " s, "
                     << std::setprecision(2) << time.ms << " ms\n";
         }
-        if (is_root_step(t, args)) {
+        if (is_root_step(t, args.start, args.frequency)) {
           c.root_ms.push_back(time.ms);
         } else {
           c.plain_ms.push_back(time.ms);
@@ -287,18 +227,14 @@ int main(int argc, char** argv) {
   const double load_after = load_average();
 
   // Operator calls of one root-free step of each configuration.
-  while (is_root_step(configs.front().steps_taken + 1, args)) {
+  while (is_root_step(configs.front().steps_taken + 1, args.start, args.frequency)) {
     for (auto& c : configs) timed_step(c, pool);
   }
   auto& tracker = TrackingAllocator::install();
   for (auto& c : configs) {
     const bool detail = c.merged && (c.groups == 1 || c.groups == 256);
     // Gradients copied before the counter starts: only step() is counted.
-    {
-      torch::NoGradGuard no_grad;
-      const auto& grads = pool[static_cast<size_t>(c.steps_taken) % pool.size()];
-      for (size_t i = 0; i < c.params.size(); ++i) c.params[i].mutable_grad().copy_(grads[i]);
-    }
+    set_gradients(c.params, pool[static_cast<size_t>(c.steps_taken) % pool.size()]);
     tracker.reset_counters(kLargeAllocation);
     OpObserver counter(detail);
     c.optimizer->step();
@@ -395,9 +331,8 @@ int main(int argc, char** argv) {
             << "blocks " << stats.total_blocks << ", state bytes "
             << format_bytes(stats.state_bytes) << "\nroot-computation steps (ms, all timed ones):";
   for (const auto& c : configs) std::cout << " " << c.name << " " << json_array(c.root_ms) << ";";
-  std::cout << "\ntimed section " << std::setprecision(1) << run_s << " s; load average (1 min) "
-            << std::setprecision(2) << load_before << " before, " << load_after << " after on "
-            << std::thread::hardware_concurrency() << " hardware threads\n";
+  std::cout << "\n";
+  print_timed_section(std::cout, run_s, load_before, load_after);
 
   if (args.ops_detail) {
     const auto& one = configs[0].ops_by_name;
@@ -435,8 +370,7 @@ int main(int argc, char** argv) {
     out << "{\n"
         << "  \"benchmark\": \"virtual_groups\",\n"
         << "  \"label\": " << json_string(args.label) << ",\n"
-        << "  \"model\": \"mlp " << kLayers << " x [Linear(" << kWidth << ", " << kWidth
-        << "), LayerNorm(" << kWidth << "), ReLU]\",\n"
+        << "  \"model\": " << json_string(layered_mlp_name(kLayers, kWidth)) << ",\n"
         << "  \"parameters\": " << num_params << ",\n"
         << "  \"parameter_tensors\": " << init.size() << ",\n"
         << "  \"machine\": " << machine_json(load_before, load_after) << ",\n"

@@ -94,7 +94,9 @@ Tolerance tolerance_for(at::ScalarType dtype) {
 void set_random_grads(const std::vector<at::Tensor>& params, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   for (const auto& p : params) {
-    p.mutable_grad() = at::randn(p.sizes(), gen, p.options().requires_grad(false));
+    // Drawn on the CPU (the generator is a CPU one), then moved to the parameter's device.
+    p.mutable_grad() =
+        at::randn(p.sizes(), gen, p.options().device(at::kCPU).requires_grad(false)).to(p.device());
   }
 }
 
@@ -144,7 +146,8 @@ double accuracy(torch::nn::Sequential& model, const Dataset& data) {
   return predicted.eq(data.labels).to(at::kDouble).mean().item<double>();
 }
 
-void run_ranks(int world, const RankFunction& fn, std::chrono::milliseconds timeout) {
+void run_ranks(int world, const RankFunction& fn, std::chrono::milliseconds timeout,
+               bool with_nccl) {
   // c10d's process-wide flight recorder is not safe when several ranks of one process enqueue
   // collectives at once (a std::map insert races; seen as a crash in
   // FlightRecorder::recordWithResetEnabled). Real ranks are processes; for ranks as threads it
@@ -158,8 +161,7 @@ void run_ranks(int world, const RankFunction& fn, std::chrono::milliseconds time
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        auto group = shampoo::detail::make_process_group(store, rank, world, timeout,
-                                                         /*with_nccl=*/false);
+        auto group = shampoo::detail::make_process_group(store, rank, world, timeout, with_nccl);
         fn(rank, group);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex);

@@ -59,10 +59,12 @@ double accuracy(torch::nn::Sequential& model, const Dataset& data);
 
 /// Runs fn(rank, group) on `world` threads, each with its own Gloo process group over one shared
 /// in-memory store (ranks as threads, one process). Waits for all; rethrows the first failure
-/// with its rank. `timeout` bounds every collective.
+/// with its rank. `timeout` bounds every collective. With `with_nccl` the groups also have an
+/// NCCL backend for CUDA tensors (NCCL wants one GPU per rank).
 using RankFunction = std::function<void(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>&)>;
 void run_ranks(int world, const RankFunction& fn,
-               std::chrono::milliseconds timeout = std::chrono::seconds(60));
+               std::chrono::milliseconds timeout = std::chrono::seconds(60),
+               bool with_nccl = false);
 
 /// A temporary file path unique to the test (removed by the caller or at exit).
 std::string temp_path(const std::string& name);

@@ -12,16 +12,13 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <exception>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <mutex>
 #include <numeric>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "distributor/process_group.h"
 
@@ -268,42 +265,8 @@ std::vector<torch::optim::OptimizerParamGroup> lr_param_groups(
 void run_ranks_as_threads(
     int world, int threads_per_rank,
     const std::function<void(int, const c10::intrusive_ptr<c10d::ProcessGroup>&)>& fn) {
-  // As tests/support/test_support.cpp run_ranks: c10d's flight recorder races when several
-  // ranks of one process enqueue collectives at once.
-  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::mutex mutex;
-  std::exception_ptr first_error;
-  int failed_rank = -1;
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        at::set_num_threads(threads_per_rank);
-        auto group =
-            shampoo::detail::make_process_group(store, rank, world, std::chrono::minutes(5),
-                                                /*with_nccl=*/false);
-        fn(rank, group);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!first_error) {
-          first_error = std::current_exception();
-          failed_rank = rank;
-        }
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  if (first_error) {
-    try {
-      std::rethrow_exception(first_error);
-    } catch (const c10::Error& e) {
-      throw std::runtime_error("rank " + std::to_string(failed_rank) + ": " +
-                               e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      throw std::runtime_error("rank " + std::to_string(failed_rank) + ": " + e.what());
-    }
-  }
+  shampoo::detail::run_ranks_as_threads(world, fn, std::chrono::minutes(5), /*with_nccl=*/false,
+                                        threads_per_rank);
 }
 
 void barrier(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {

@@ -104,10 +104,8 @@ bool is_root_step(int64_t t, int64_t start, int64_t frequency);
 std::vector<torch::optim::OptimizerParamGroup> lr_param_groups(
     const std::vector<at::Tensor>& params, int64_t groups, const shampoo::ShampooOptions& options);
 
-/// Runs fn(rank, group) for every rank on its own thread, with a process group over a shared
-/// in-memory store (Gloo), and rethrows the first failure naming its rank. Each thread sets
-/// at::set_num_threads(threads_per_rank) first (OpenMP's thread count is per thread). c10d's
-/// flight recorder is switched off (not safe with several ranks in one process).
+/// shampoo::detail::run_ranks_as_threads (distributor/process_group.h) over Gloo with a
+/// five-minute timeout, each rank's thread using `threads_per_rank` intra-op threads.
 void run_ranks_as_threads(
     int world, int threads_per_rank,
     const std::function<void(int, const c10::intrusive_ptr<c10d::ProcessGroup>&)>& fn);

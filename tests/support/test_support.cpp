@@ -4,15 +4,10 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
 
-#include <atomic>
 #include <cstdlib>
-#include <exception>
 #include <filesystem>
 #include <mutex>
 #include <sstream>
-#include <thread>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "distributor/process_group.h"
 
@@ -148,41 +143,7 @@ double accuracy(torch::nn::Sequential& model, const Dataset& data) {
 
 void run_ranks(int world, const RankFunction& fn, std::chrono::milliseconds timeout,
                bool with_nccl) {
-  // c10d's process-wide flight recorder is not safe when several ranks of one process enqueue
-  // collectives at once (a std::map insert races; seen as a crash in
-  // FlightRecorder::recordWithResetEnabled). Real ranks are processes; for ranks as threads it
-  // is switched off before the first process group reads the setting.
-  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::mutex mutex;
-  std::exception_ptr first_error;
-  int failed_rank = -1;
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        auto group = shampoo::detail::make_process_group(store, rank, world, timeout, with_nccl);
-        fn(rank, group);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!first_error) {
-          first_error = std::current_exception();
-          failed_rank = rank;
-        }
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  if (first_error) {
-    try {
-      std::rethrow_exception(first_error);
-    } catch (const c10::Error& e) {
-      throw std::runtime_error("rank " + std::to_string(failed_rank) + ": " +
-                               e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      throw std::runtime_error("rank " + std::to_string(failed_rank) + ": " + e.what());
-    }
-  }
+  shampoo::detail::run_ranks_as_threads(world, fn, timeout, with_nccl);
 }
 
 std::string temp_path(const std::string& name) {

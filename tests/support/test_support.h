@@ -10,8 +10,9 @@
 #include <chrono>
 #include <functional>
 #include <string>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
+
+#include "distributor/process_group.h"
 
 namespace shampoo::testing {
 
@@ -61,7 +62,7 @@ double accuracy(torch::nn::Sequential& model, const Dataset& data);
 /// in-memory store (ranks as threads, one process). Waits for all; rethrows the first failure
 /// with its rank. `timeout` bounds every collective. With `with_nccl` the groups also have an
 /// NCCL backend for CUDA tensors (NCCL wants one GPU per rank).
-using RankFunction = std::function<void(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>&)>;
+using RankFunction = shampoo::detail::RankFunction;
 void run_ranks(int world, const RankFunction& fn,
                std::chrono::milliseconds timeout = std::chrono::seconds(60),
                bool with_nccl = false);

@@ -160,6 +160,33 @@ std::vector<kernels::ChainBlock<T>> to_kernel_blocks(const std::vector<ChainBloc
   return out;
 }
 
+enum class Pass { kPre, kPost };
+
+/// The pre or post pass over every element of `blocks`: one kernel launch on CUDA tensors, the
+/// work items in parallel on the CPU.
+template <typename T>
+void run_pass(Pass pass, const std::vector<ChainBlockTensors>& blocks, const at::Device& device) {
+  const auto kblocks = to_kernel_blocks<T>(blocks);
+  const auto items = make_work(blocks, nullptr);
+  if (device.is_cuda()) {
+#if SHAMPOO_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(device);
+    const auto tables = upload(kblocks, items, device);
+    const auto launch = pass == Pass::kPre ? kernels::cuda::launch_chain_pre<T>
+                                           : kernels::cuda::launch_chain_post<T>;
+    C10_CUDA_CHECK(launch(block_table(tables), item_table(tables), tables.num_items,
+                          c10::cuda::getCurrentCUDAStream()));
+    return;
+#else
+    TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
+#endif
+  }
+  const auto range =
+      pass == Pass::kPre ? kernels::chain_pre_range<T> : kernels::chain_post_range<T>;
+  for_each_item(items,
+                [&](const WorkItem& item) { range(kblocks[item.block], item.begin, item.end); });
+}
+
 }  // namespace
 
 bool chain_has_cuda_kernels() { return SHAMPOO_WITH_CUDA != 0; }
@@ -173,25 +200,8 @@ void run_chain_pre(const std::vector<ChainBlockTensors>& blocks) {
     TORCH_INTERNAL_ASSERT(b.param.defined() || b.scalars.l2_weight_decay == 0.0,
                           "pre pass: L2 weight decay needs the parameter");
   }
-  AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_pre", [&] {
-    const auto kblocks = to_kernel_blocks<scalar_t>(blocks);
-    if (device.is_cuda()) {
-#if SHAMPOO_WITH_CUDA
-      const c10::cuda::CUDAGuard guard(device);
-      const auto tables = upload(kblocks, make_work(blocks, nullptr), device);
-      C10_CUDA_CHECK(kernels::cuda::launch_chain_pre(block_table(tables), item_table(tables),
-                                                     tables.num_items,
-                                                     c10::cuda::getCurrentCUDAStream()));
-      return;
-#else
-      TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
-#endif
-    }
-    const auto items = make_work(blocks, nullptr);
-    for_each_item(items, [&](const WorkItem& item) {
-      kernels::chain_pre_range(kblocks[item.block], item.begin, item.end);
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_pre",
+                             [&] { run_pass<scalar_t>(Pass::kPre, blocks, device); });
 }
 
 void run_chain_norms(std::vector<ChainBlockTensors>& blocks) {
@@ -238,18 +248,11 @@ void run_chain_norms(std::vector<ChainBlockTensors>& blocks) {
     const auto items = make_work(blocks, &needed);
     std::vector<double> partial_p(items.size(), 0.0);
     std::vector<double> partial_g(items.size(), 0.0);
-    const auto n = static_cast<int64_t>(items.size());
-    auto run = [&](int64_t i) {
-      kernels::chain_norm_range(kblocks[items[i].block], items[i].begin, items[i].end, partial_p[i],
+    for_each_item(items, [&](const WorkItem& item) {
+      const auto i = static_cast<size_t>(&item - items.data());
+      kernels::chain_norm_range(kblocks[item.block], item.begin, item.end, partial_p[i],
                                 partial_g[i]);
-    };
-    if (n <= 1) {
-      for (int64_t i = 0; i < n; ++i) run(i);
-    } else {
-      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) run(i);
-      });
-    }
+    });
     // Combine in chunk order: the sum does not depend on the thread count.
     for (size_t i = 0; i < items.size(); ++i) {
       preconditioned_sq[items[i].block] += partial_p[i];
@@ -276,25 +279,8 @@ void run_chain_post(const std::vector<ChainBlockTensors>& blocks) {
                               b.scalars.output_updated_param == 0),
         "post pass: this block needs the parameter");
   }
-  AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_post", [&] {
-    const auto kblocks = to_kernel_blocks<scalar_t>(blocks);
-    if (device.is_cuda()) {
-#if SHAMPOO_WITH_CUDA
-      const c10::cuda::CUDAGuard guard(device);
-      const auto tables = upload(kblocks, make_work(blocks, nullptr), device);
-      C10_CUDA_CHECK(kernels::cuda::launch_chain_post(block_table(tables), item_table(tables),
-                                                      tables.num_items,
-                                                      c10::cuda::getCurrentCUDAStream()));
-      return;
-#else
-      TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
-#endif
-    }
-    const auto items = make_work(blocks, nullptr);
-    for_each_item(items, [&](const WorkItem& item) {
-      kernels::chain_post_range(kblocks[item.block], item.begin, item.end);
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_post",
+                             [&] { run_pass<scalar_t>(Pass::kPost, blocks, device); });
 }
 
 }  // namespace shampoo::detail

@@ -38,6 +38,10 @@ bool try_eigh(const at::Tensor& matrix, at::Tensor& eigenvalues, at::Tensor& eig
 /// is. Matrices decomposed in float64 keep float64 values in `*_double` so callers can finish
 /// their computation in float64 before casting back.
 struct Decomposition {
+  /// For a stack of n matrices: nothing failed, nothing in float64 yet.
+  explicit Decomposition(int64_t n)
+      : failed(n, false), in_double(n, false), eigenvalues_double(n), eigenvectors_double(n) {}
+
   at::Tensor eigenvalues;
   at::Tensor eigenvectors;
   std::vector<bool> failed;
@@ -52,19 +56,16 @@ struct Decomposition {
 /// the matrices that did not converge or came out non-finite.
 Decomposition decompose_cuda(const at::Tensor& stack, bool retry_double_precision) {
   const int64_t n = stack.size(0);
-  Decomposition out;
-  out.failed.assign(n, false);
-  out.in_double.assign(n, false);
-  out.eigenvalues_double.resize(n);
-  out.eigenvectors_double.resize(n);
+  Decomposition out(n);
   auto first = cuda_eigh(stack);
   const auto finite = at::logical_and(at::isfinite(first.eigenvalues).all(1),
                                       at::isfinite(first.eigenvectors).flatten(1).all(1))
                           .cpu();
+  const bool* finite_row = finite.data_ptr<bool>();
   out.eigenvalues = first.eigenvalues;
   out.eigenvectors = first.eigenvectors;
   for (int64_t i = 0; i < n; ++i) {
-    if (first.converged[i] && finite[i].item<bool>()) continue;
+    if (first.converged[i] && finite_row[i]) continue;
     if (retry_double_precision && stack.scalar_type() != at::kDouble) {
       ++out.retried;
       auto retry = cuda_eigh(stack.narrow(0, i, 1).to(at::kDouble), /*batched_jacobi=*/false);
@@ -86,11 +87,7 @@ Decomposition decompose(const at::Tensor& stack, bool retry_double_precision) {
   if (stack.is_cuda()) return decompose_cuda(stack, retry_double_precision);
 #endif
   const int64_t n = stack.size(0);
-  Decomposition out;
-  out.failed.assign(n, false);
-  out.in_double.assign(n, false);
-  out.eigenvalues_double.resize(n);
-  out.eigenvectors_double.resize(n);
+  Decomposition out(n);
   out.eigenvalues = at::empty({n, stack.size(1)}, stack.options());
   out.eigenvectors = at::empty_like(stack);
   for (int64_t i = 0; i < n; ++i) {

@@ -5,21 +5,17 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename T>
-__global__ void chain_pre_kernel(const ChainBlock<T>* blocks, const ChainWorkItem* items) {
+/// The pre (kPost false) or post pass: one CUDA block per work item.
+template <typename T, bool kPost>
+__global__ void chain_pass_kernel(const ChainBlock<T>* blocks, const ChainWorkItem* items) {
   const ChainWorkItem item = items[blockIdx.x];
   const ChainBlock<T> b = blocks[item.block];
   for (int64_t i = item.begin + threadIdx.x; i < item.end; i += blockDim.x) {
-    chain_pre_element(b, i);
-  }
-}
-
-template <typename T>
-__global__ void chain_post_kernel(const ChainBlock<T>* blocks, const ChainWorkItem* items) {
-  const ChainWorkItem item = items[blockIdx.x];
-  const ChainBlock<T> b = blocks[item.block];
-  for (int64_t i = item.begin + threadIdx.x; i < item.end; i += blockDim.x) {
-    chain_post_element(b, i);
+    if constexpr (kPost) {
+      chain_post_element(b, i);
+    } else {
+      chain_pre_element(b, i);
+    }
   }
 }
 
@@ -57,15 +53,22 @@ cudaError_t check_grid(int64_t num_items) {
   return num_items > 2147483647LL ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
+template <typename T, bool kPost>
+cudaError_t launch_chain_pass(const ChainBlock<T>* blocks, const ChainWorkItem* items,
+                              int64_t num_items, cudaStream_t stream) {
+  if (num_items == 0) return cudaSuccess;
+  if (auto e = check_grid(num_items); e != cudaSuccess) return e;
+  chain_pass_kernel<T, kPost>
+      <<<static_cast<unsigned>(num_items), kThreads, 0, stream>>>(blocks, items);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 template <typename T>
 cudaError_t launch_chain_pre(const ChainBlock<T>* blocks, const ChainWorkItem* items,
                              int64_t num_items, cudaStream_t stream) {
-  if (num_items == 0) return cudaSuccess;
-  if (auto e = check_grid(num_items); e != cudaSuccess) return e;
-  chain_pre_kernel<T><<<static_cast<unsigned>(num_items), kThreads, 0, stream>>>(blocks, items);
-  return cudaGetLastError();
+  return launch_chain_pass<T, false>(blocks, items, num_items, stream);
 }
 
 template <typename T>
@@ -81,10 +84,7 @@ cudaError_t launch_chain_norms(const ChainBlock<T>* blocks, const ChainWorkItem*
 template <typename T>
 cudaError_t launch_chain_post(const ChainBlock<T>* blocks, const ChainWorkItem* items,
                               int64_t num_items, cudaStream_t stream) {
-  if (num_items == 0) return cudaSuccess;
-  if (auto e = check_grid(num_items); e != cudaSuccess) return e;
-  chain_post_kernel<T><<<static_cast<unsigned>(num_items), kThreads, 0, stream>>>(blocks, items);
-  return cudaGetLastError();
+  return launch_chain_pass<T, true>(blocks, items, num_items, stream);
 }
 
 #define SHAMPOO_INSTANTIATE(T)                                                                    \

@@ -119,13 +119,17 @@ at::Tensor reconstruct(const at::Tensor& eigenvectors, const at::Tensor& powers)
   return at::mm(scaled, q.t());
 }
 
-/// λ ← λ + (ε − λ_min) where λ_min < ε, then λ^(−e). λ ascending, so λ_min = λ[..., 0].
+/// Where λ_min < ε: λ ← λ − λ_min, then λ ← λ + ε, in two roundings (NUMERICS.md step 3), so
+/// the smallest eigenvalue becomes exactly ε. Adding (ε − λ_min) in one operation loses ε in
+/// the rounding of λ_min when |λ_min| ≫ ε (a rank-deficient float32 factor with ε = 1e-12):
+/// the smallest eigenvalue would become 0 and its power inf. Then λ^(−e). λ ascending, so
+/// λ_min = λ[..., 0].
 at::Tensor shifted_powers(const at::Tensor& eigenvalues, const at::Tensor& epsilons,
                           const at::Tensor& exponents) {
   const auto lambda_min = eigenvalues.narrow(-1, 0, 1);
-  const auto shift =
-      at::where(lambda_min < epsilons, epsilons - lambda_min, at::zeros_like(lambda_min));
-  return at::pow(eigenvalues + shift, -exponents);
+  const auto shifted = at::where(lambda_min < epsilons, (eigenvalues - lambda_min) + epsilons,
+                                 eigenvalues);
+  return at::pow(shifted, -exponents);
 }
 
 }  // namespace

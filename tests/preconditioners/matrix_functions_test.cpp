@@ -59,6 +59,34 @@ TEST(InverseRoot, ShiftsSmallEigenvalues) {
   EXPECT_TRUE(all_close(s.values[0], at::inverse(b + 0.1 * at::eye(3, at::kDouble)), {1e-9, 1e-9}));
 }
 
+TEST(InverseRoot, RankDeficientFloat32FactorsShiftToExactlyEpsilon) {
+  // Rank-2 float32 factors G·Gᵀ of 64×64 with large entries: eigh rounds the null space to
+  // eigenvalues of about ±1e-6·‖A‖, far above ε. The shift must still make the smallest
+  // eigenvalue exactly ε (two roundings: λ − λ_min, then + ε), so every power is finite and the
+  // largest eigenvalue of the root is ε^(−e). Adding (ε − λ_min) in one step turned it into 0
+  // and its power into inf for most of these matrices.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  const int64_t n = 64;
+  const int64_t d = 64;
+  for (const double scale : {4.0, 10.0}) {
+    for (const double eps : {1e-12, 1e-10}) {
+      const auto g = at::randn({n, d, 2}, gen, at::TensorOptions().dtype(at::kFloat)) * scale;
+      const auto a = at::bmm(g, g.transpose(1, 2));
+      const std::vector<double> epsilons(n, eps), exponents(n, 0.5);
+      const auto r = stacked_inverse_root(a, epsilons, exponents, true);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_FALSE(r.failed[i]);
+        ASSERT_TRUE(at::isfinite(r.values[i]).all().item<bool>())
+            << "matrix " << i << " scale " << scale << " epsilon " << eps;
+        const double largest =
+            at::linalg_eigvalsh(r.values[i].to(at::kDouble)).max().item<double>();
+        EXPECT_NEAR(largest / std::pow(eps, -0.5), 1.0, 1e-3)
+            << "matrix " << i << " scale " << scale << " epsilon " << eps;
+      }
+    }
+  }
+}
+
 TEST(InverseRoot, EachMatrixIndependentOfItsStack) {
   // LAPACK's batched eigh rounds differently for odd sizes depending on the batch; ours must not.
   for (const auto dtype : {at::kFloat, at::kDouble}) {

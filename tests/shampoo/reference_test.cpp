@@ -260,7 +260,7 @@ class ReferenceShampoo {
         const double e = c.exponent(order, k);
         if (e == 0.0) continue;  // dim not preconditioned: the root stays identity
         const double lambda_min = lambda.min().item<double>();
-        if (lambda_min < c.epsilon) lambda = lambda + (c.epsilon - lambda_min);
+        if (lambda_min < c.epsilon) lambda = (lambda - lambda_min) + c.epsilon;  // two steps
         s.roots[k] = (q * lambda.pow(-e).unsqueeze(0)).mm(q.t());
       }
     }

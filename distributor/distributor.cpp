@@ -79,7 +79,9 @@ void Distributor::layout_unit(Unit& unit) {
     ++count[owners_[b]];
     values[owners_[b]] += blocks_[b].numel;
   }
-  std::vector<int64_t> next_flag(world_size_, 0), next_value(count);
+  // Element 0 of every segment is the rank's status word; the block flags follow.
+  for (auto& c : count) ++c;
+  std::vector<int64_t> next_flag(world_size_, 1), next_value(count);
   for (const int64_t b : unit.blocks) {
     const int r = owners_[b];
     placements_[b].flag = next_flag[r]++;
@@ -118,21 +120,21 @@ void Distributor::mark_updated(int64_t block) {
   updated_[block] = true;
 }
 
-int64_t Distributor::exchange() {
+int64_t Distributor::exchange(bool failed) {
   if (!distributed()) return 0;
   int64_t collectives = 0;
   received_updated_.assign(blocks_.size(), false);
+  failed_ranks_.clear();
+  std::vector<bool> rank_failed(world_size_, false);
   for (auto& unit : units_) {
     if (unit.blocks.empty()) continue;
-    // This rank's flags, written with one copy.
-    std::vector<float> flags;
+    // This rank's status and flags, written with one copy. A failed rank marks no block updated.
+    std::vector<float> flags{failed ? 1.0f : 0.0f};
     for (const int64_t b : unit.blocks) {
-      if (owners_[b] == rank_) flags.push_back(updated_[b] ? 1.0f : 0.0f);
+      if (owners_[b] == rank_) flags.push_back(updated_[b] && !failed ? 1.0f : 0.0f);
     }
-    if (!flags.empty()) {
-      const auto n = static_cast<int64_t>(flags.size());
-      unit.send.narrow(0, 0, n).copy_(at::from_blob(flags.data(), {n}, at::kFloat));
-    }
+    const auto n = static_cast<int64_t>(flags.size());
+    unit.send.narrow(0, 0, n).copy_(at::from_blob(flags.data(), {n}, at::kFloat));
     const auto device_type = unit.send.device().type();
     try {
       group_->getBackend(device_type)->_allgather_base(unit.receive, unit.send)->wait();
@@ -144,18 +146,25 @@ int64_t Distributor::exchange() {
                   e.what());
     }
     ++collectives;
-    // Every rank's flags, read back with one copy.
-    int64_t max_count = 0;
+    // Every rank's status and flags, read back with one copy.
+    int64_t max_count = 1;
     for (const int64_t b : unit.blocks) max_count = std::max(max_count, placements_[b].flag + 1);
     const auto received_flags = unit.receive.view({world_size_, unit.segment_size})
                                     .narrow(1, 0, max_count)
                                     .to(at::kCPU, at::kFloat)
                                     .contiguous();
     const float* data = received_flags.data_ptr<float>();
+    for (int r = 0; r < world_size_; ++r) {
+      if (data[r * max_count] != 0.0f) rank_failed[r] = true;
+    }
     for (const int64_t b : unit.blocks) {
       received_updated_[b] = data[owners_[b] * max_count + placements_[b].flag] != 0.0f;
     }
   }
+  for (int r = 0; r < world_size_; ++r) {
+    if (rank_failed[r]) failed_ranks_.push_back(r);
+  }
+  if (!failed_ranks_.empty()) received_updated_.assign(blocks_.size(), false);
   return collectives;
 }
 

@@ -4,10 +4,11 @@
 /// every block (one AllGather per step); unmerged, one unit per virtual group.
 ///
 /// Layout of a unit's AllGather buffer (communication dtype): one segment per rank of the trainer
-/// group, padded to the largest; segment r = [a flag per block owned by r (1 = updated this step)]
-/// followed by those blocks' values, in block order. Owners write their blocks' updates (or
-/// updated parameters) and flags into their segment; the AllGather is issued by every rank every
-/// step, also by a rank with nothing to send, so ranks never wait on each other forever.
+/// group, padded to the largest; segment r = [status of rank r (1 = its step failed), a flag per
+/// block owned by r (1 = updated this step)] followed by those blocks' values, in block order.
+/// Owners write their blocks' updates (or updated parameters) and flags into their segment; the
+/// AllGather is issued by every rank every step, also by a rank with nothing to send or whose
+/// step failed, so ranks never wait on each other forever and all learn of a failure at once.
 
 #include <ATen/ATen.h>
 
@@ -64,8 +65,11 @@ class Distributor {
   at::Tensor slot(int64_t block);
   /// Marks an owned block as updated this step.
   void mark_updated(int64_t block);
-  /// One AllGather per unit. Returns the number of collectives issued.
-  int64_t exchange();
+  /// One AllGather per unit. `failed`: this rank's step failed (its status word says so, its
+  /// updates are not applied by anyone). Returns the number of collectives issued.
+  int64_t exchange(bool failed = false);
+  /// After exchange(): the trainer-group ranks whose step failed (ascending; empty when none).
+  const std::vector<int>& failed_ranks() const { return failed_ranks_; }
   /// After exchange(): whether the owner of `block` updated it, and its values ([numel]).
   bool received_updated(int64_t block) const;
   at::Tensor received(int64_t block) const;
@@ -81,7 +85,7 @@ class Distributor {
  private:
   struct Placement {
     int64_t offset = 0;  // element offset of the values inside the owner's segment
-    int64_t flag = 0;    // element offset of the flag inside the owner's segment
+    int64_t flag = 0;    // element offset of the flag inside the owner's segment (status first)
   };
   struct Unit {
     std::vector<int64_t> blocks;  // global block indices, ascending
@@ -106,6 +110,7 @@ class Distributor {
   std::vector<int64_t> loads_;
   std::vector<bool> updated_;           // this rank's blocks updated this step
   std::vector<bool> received_updated_;  // every block, after exchange()
+  std::vector<int> failed_ranks_;       // after exchange()
 };
 
 }  // namespace shampoo::detail

@@ -56,6 +56,7 @@ class DiagonalPreconditionerList final : public PreconditionerList {
                      const std::map<std::string, at::Tensor>& state) override;
   bool identity_before_amortization() const override { return false; }
   const AmortizedCounters& counters() const override { return counters_; }
+  void set_counters(const AmortizedCounters& counters) override { counters_ = counters; }
   int64_t state_bytes() const override;
 
  private:

@@ -28,6 +28,11 @@ class EigenvalueCorrectedPreconditionerList final : public PreconditionerList {
                      const std::map<std::string, at::Tensor>& state) override;
   bool identity_before_amortization() const override { return false; }
   const AmortizedCounters& counters() const override { return factors_.counters(); }
+  void set_counters(const AmortizedCounters& counters) override { factors_.set_counters(counters); }
+  bool amortization_may_raise(int64_t stack, const Rows& rows, const RowScalars& scalars,
+                              const std::vector<double>& gradient_bound) const override {
+    return factors_.may_raise(stack, rows, scalars, gradient_bound);
+  }
   int64_t state_bytes() const override;
 
   const at::Tensor& basis(int64_t stack, int64_t dim) const { return bases_[stack][dim]; }

@@ -2,6 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <cmath>
+#include <functional>
+#include <limits>
 #include <numeric>
 
 #include "preconditioners/kronecker_contractions.h"
@@ -140,6 +143,42 @@ at::Tensor KroneckerFactors::corrected_factors(int64_t stack, const Rows& rows, 
                 " (a non-finite gradient reached the optimizer)");
   }
   return corrected;
+}
+
+bool KroneckerFactors::may_raise(int64_t stack, const Rows& rows, const RowScalars& scalars,
+                                 const std::vector<double>& gradient_bound) const {
+  const auto& s = stacks_[stack];
+  if (rows.size() == 0 || s.dims.empty()) return false;
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(gradient_bound.size()) == rows.size());
+  bool may_raise = false;
+  for (const int64_t row : rows.rows) {
+    may_raise |= s.consecutive_failures[row] >= settings_.tolerated_failures;
+  }
+  // Half the largest finite value: the bound is exact arithmetic, the update rounds.
+  const double limit = 0.5 * (settings_.factor_dtype == at::kDouble
+                                  ? std::numeric_limits<double>::max()
+                                  : static_cast<double>(std::numeric_limits<float>::max()));
+  const int64_t numel = std::accumulate(s.spec.block_shape.begin(), s.spec.block_shape.end(),
+                                        int64_t{1}, std::multiplies<>());
+  for (const int64_t k : s.dims) {
+    // max |L| of every member: one reduction over the stack, no copy of the rows.
+    const auto norms = at::linalg_vector_norm(s.factors[k], INFINITY, {1, 2}, false, at::kDouble)
+                           .to(at::kCPU);
+    const auto* max_abs = norms.data_ptr<double>();
+    const double contracted = static_cast<double>(numel / s.spec.block_shape[k]);
+    for (int64_t i = 0; i < rows.size(); ++i) {
+      const int64_t row = rows.rows[i];
+      TORCH_CHECK(std::isfinite(max_abs[row]), "Shampoo: the Kronecker factor of ",
+                  s.spec.names[row], " along dim ", k, " has non-finite entries before step ",
+                  scalars.step[i], " (a non-finite gradient reached the optimizer earlier)");
+      const double g = gradient_bound[i];
+      const double bound =
+          (scalars.beta2[i] * max_abs[row] + scalars.factor_weight[i] * contracted * g * g) /
+          scalars.bias_correction2[i];
+      may_raise |= !(bound <= limit);
+    }
+  }
+  return may_raise;
 }
 
 bool KroneckerFactors::injected_failure(int64_t stack, int64_t row, int64_t dim) const {

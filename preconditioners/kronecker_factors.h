@@ -46,7 +46,16 @@ class KroneckerFactors {
   /// member has failed more than `tolerated_failures` times in a row.
   void record_outcome(int64_t stack, int64_t row, bool failed, int64_t step);
 
+  /// PreconditionerList::amortization_may_raise for the members `rows` due at this step: true
+  /// when one of them has failed `tolerated_failures` times in a row already, or when
+  /// β2·max|L| + w·(numel/d)·max|G'|², divided by the bias correction, may overflow the factor
+  /// dtype (each entry of the contraction is at most (numel/d)·max|G'|²). Throws when a factor
+  /// is non-finite already.
+  bool may_raise(int64_t stack, const Rows& rows, const RowScalars& scalars,
+                 const std::vector<double>& gradient_bound) const;
+
   const AmortizedCounters& counters() const { return counters_; }
+  void set_counters(const AmortizedCounters& counters) { counters_ = counters; }
   void record_double_retries(int64_t count) { counters_.retried_in_double += count; }
 
   void export_member(int64_t stack, int64_t row, std::map<std::string, at::Tensor>& out) const;

@@ -99,7 +99,21 @@ class PreconditionerList {
   virtual void import_member(int64_t stack, int64_t row,
                              const std::map<std::string, at::Tensor>& state) = 0;
 
+  /// Whether the amortized computation of `rows` (those due at this step, with their scalars)
+  /// could raise: a member at the limit of its tolerated consecutive failures, or a factor that
+  /// the update with gradients bounded by `gradient_bound[i]` (max |G'| of row i) may make
+  /// non-finite. Called before anything of the step changes, so a step that may raise can be
+  /// protected (its state saved); throws at once, naming the block, when a factor already is
+  /// non-finite. Methods without amortized computations never raise.
+  virtual bool amortization_may_raise(int64_t /*stack*/, const Rows& /*rows*/,
+                                      const RowScalars& /*scalars*/,
+                                      const std::vector<double>& /*gradient_bound*/) const {
+    return false;
+  }
+
   virtual const AmortizedCounters& counters() const = 0;
+  /// Puts back counters saved before a step that was rolled back.
+  virtual void set_counters(const AmortizedCounters& counters) = 0;
   /// Bytes of state held (factors, roots, ...), for the state-size benchmarks.
   virtual int64_t state_bytes() const = 0;
 };

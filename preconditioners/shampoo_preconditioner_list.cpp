@@ -43,16 +43,16 @@ void ShampooPreconditionerList::compute_roots(int64_t stack, const Rows& rows,
     for (int64_t i = 0; i < rows.size(); ++i) {
       if (factors_.injected_failure(stack, rows.rows[i], k)) result.failed[i] = true;
     }
+    // A non-finite root (e.g. ε^(−e) overflowing the factor dtype for a large exponent) counts
+    // as a failed computation, as a failed decomposition does: the previous root is kept and the
+    // failure policy decides.
     const auto finite = stacked_all_finite(result.values);
     for (int64_t i = 0; i < rows.size(); ++i) {
       const int64_t row = rows.rows[i];
-      if (result.failed[i]) {
+      if (result.failed[i] || !finite[i]) {
         member_failed[i] = true;
         continue;  // keep the previous root
       }
-      TORCH_CHECK(finite[i], "Shampoo: the inverse root of ", spec.names[row], " along dim ", k,
-                  " is not finite at step ", scalars.step[i], " (epsilon = ", scalars.epsilon[i],
-                  " is too small for this factor)");
       roots_[stack][k][row].copy_(result.values[i]);
     }
   }

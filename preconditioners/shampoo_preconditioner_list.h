@@ -21,6 +21,11 @@ class ShampooPreconditionerList final : public PreconditionerList {
                      const std::map<std::string, at::Tensor>& state) override;
   bool identity_before_amortization() const override { return true; }
   const AmortizedCounters& counters() const override { return factors_.counters(); }
+  void set_counters(const AmortizedCounters& counters) override { factors_.set_counters(counters); }
+  bool amortization_may_raise(int64_t stack, const Rows& rows, const RowScalars& scalars,
+                              const std::vector<double>& gradient_bound) const override {
+    return factors_.may_raise(stack, rows, scalars, gradient_bound);
+  }
   int64_t state_bytes() const override;
 
   /// The current inverse roots of stack `stack` along `dim` ([n, d, d]); for tests.

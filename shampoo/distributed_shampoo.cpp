@@ -28,6 +28,9 @@ DistributedShampoo::DistributedShampoo(DistributedShampoo&&) noexcept = default;
 DistributedShampoo& DistributedShampoo::operator=(DistributedShampoo&&) noexcept = default;
 
 void DistributedShampoo::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  TORCH_CHECK(!engine_->step_open(),
+              "DistributedShampoo::add_param_group: a step is in progress (optimizer-in-backward "
+              "during loss.backward()); add groups between steps");
   engine_->add_group(param_group, param_groups_);
 }
 
@@ -49,7 +52,7 @@ bool DistributedShampoo::backward_step_open() const { return engine_->step_open(
 
 void DistributedShampoo::begin_backward_step() {
   c10::NoGradGuard no_grad;
-  engine_->begin_step(param_groups_);
+  engine_->begin_step(param_groups_, /*incremental=*/true);
 }
 
 void DistributedShampoo::step_parameters(const std::vector<torch::Tensor>& params) {
@@ -68,6 +71,11 @@ void DistributedShampoo::step_parameters(const std::vector<torch::Tensor>& param
 void DistributedShampoo::finish_backward_step() {
   c10::NoGradGuard no_grad;
   engine_->finish_step();
+}
+
+void DistributedShampoo::abort_backward_step() {
+  c10::NoGradGuard no_grad;
+  engine_->abort_step();
 }
 
 void DistributedShampoo::save(torch::serialize::OutputArchive& archive) const {
@@ -99,6 +107,10 @@ const DistributedOptions& DistributedShampoo::distributed_options() const {
 void DistributedShampoo::set_failure_injector_for_testing(
     std::function<bool(const std::string&, int64_t)> fn) {
   engine_->set_failure_injector(std::move(fn), param_groups_);
+}
+
+void DistributedShampoo::set_fault_injector_for_testing(StepFaultInjector fn) {
+  engine_->set_fault_injector(std::move(fn));
 }
 
 }  // namespace shampoo

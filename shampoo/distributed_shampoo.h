@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "shampoo/shampoo_options.h"
+#include "shampoo/step_phase.h"
 
 namespace shampoo {
 
@@ -43,6 +44,11 @@ struct ShampooStats {
   int64_t owned_blocks = 0;
   /// Bytes of optimizer state held by this rank.
   int64_t state_bytes = 0;
+  /// Bytes of state and parameters the last step copied so that it could be undone had it
+  /// failed: 0 for a single process unless an amortized computation was at the limit of the
+  /// failure policy; the state of the blocks stepped (this rank's) when distributed or in
+  /// backward, whose AllGather or later parameters can still fail after blocks changed.
+  int64_t rollback_bytes_last_step = 0;
   /// Bytes of the AllGather send and receive buffers of one step (0 for a single process).
   int64_t bytes_sent_per_step = 0;
   int64_t bytes_received_per_step = 0;
@@ -84,6 +90,9 @@ class DistributedShampoo : public torch::optim::Optimizer {
   /// Test seam: makes the amortized computation of (block, dim) fail whenever the function
   /// returns true; block names are "parameter P block B".
   void set_failure_injector_for_testing(std::function<bool(const std::string&, int64_t)> fn);
+  /// Test seam: `fn` is called at every StepPhase of every step; what it throws fails the step
+  /// there (which must then change nothing). Empty = off.
+  void set_fault_injector_for_testing(StepFaultInjector fn);
 
  private:
   friend class InBackwardOptimizer;
@@ -94,6 +103,8 @@ class DistributedShampoo : public torch::optim::Optimizer {
   void begin_backward_step();
   void step_parameters(const std::vector<torch::Tensor>& params);
   void finish_backward_step();
+  /// Undoes the open backward step (after an error during backward).
+  void abort_backward_step();
 
   std::unique_ptr<detail::ShampooEngine> engine_;
   bool in_backward_ = false;

@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
@@ -35,6 +36,7 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   int no_step = 0;
   bool pass_open = false;
   bool stepping = false;
+  int pass_task = -1;  // autograd graph task of the open pass
   GradientSynchronizer* sync = nullptr;
 
   bool next_pass_steps() const { return no_step == 0 && (passes + 1) % accumulation_steps == 0; }
@@ -43,9 +45,28 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
     if (sync != nullptr) sync->set_enabled(next_pass_steps());
   }
 
+  /// After an error during backward: undoes the open step of every DistributedShampoo set (its
+  /// state and parameters as before the pass) and closes the pass, which does not count. Steps
+  /// that torch::optim optimizers took earlier in the pass stay (they have no undo).
+  void abort_pass() {
+    for (auto& set : sets) {
+      if (set.shampoo != nullptr && set.shampoo->backward_step_open()) {
+        set.shampoo->abort_backward_step();
+      }
+    }
+    pass_open = false;
+    stepping = false;
+    update_sync();
+  }
+
   void open_pass() {
+    const int task = torch::autograd::get_current_graph_task_id();
+    // A pass still open from another backward: that one failed before its end callback ran
+    // (an error in autograd or in a hook that is not ours). Undo it before this one starts.
+    if (pass_open && task != pass_task) abort_pass();
     if (pass_open) return;
     pass_open = true;
+    pass_task = task;
     stepping = next_pass_steps();
     // Runs once the whole backward pass is done: finish what is left and close the pass.
     std::weak_ptr<State> weak = shared_from_this();
@@ -57,7 +78,17 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   void on_grad_ready(size_t entry) {
     open_pass();
     if (!stepping || sync != nullptr) return;  // accumulating, or the synchronizer drives steps
-    step_params({entries[entry].param});
+    step_params_or_abort({entries[entry].param});
+  }
+
+  /// step_params, undoing the pass when it throws.
+  void step_params_or_abort(const std::vector<at::Tensor>& params) {
+    try {
+      step_params(params);
+    } catch (...) {
+      abort_pass();
+      throw;
+    }
   }
 
   /// Steps `params` (all registered) with their optimizers and releases their gradients.
@@ -99,13 +130,18 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
 
   void close_pass() {
     if (stepping) {
-      if (sync != nullptr) sync->synchronize();  // the remaining buckets step via the callback
-      // One AllGather per DistributedShampoo per step, on every rank, also if no gradient of
-      // its parameters arrived here.
-      for (auto& set : sets) {
-        if (set.shampoo == nullptr) continue;
-        if (!set.shampoo->backward_step_open()) set.shampoo->begin_backward_step();
-        set.shampoo->finish_backward_step();
+      try {
+        if (sync != nullptr) sync->synchronize();  // the remaining buckets step via the callback
+        // One AllGather per DistributedShampoo per step, on every rank, also if no gradient of
+        // its parameters arrived here.
+        for (auto& set : sets) {
+          if (set.shampoo == nullptr) continue;
+          if (!set.shampoo->backward_step_open()) set.shampoo->begin_backward_step();
+          set.shampoo->finish_backward_step();
+        }
+      } catch (...) {
+        abort_pass();
+        throw;
       }
       ++steps;
     }
@@ -210,7 +246,7 @@ void InBackwardOptimizer::attach(GradientSynchronizer& sync) {
   sync.set_bucket_ready_callback([weak](const std::vector<at::Tensor>& params) {
     if (auto self = weak.lock()) {
       self->open_pass();  // the synchronizer's hook may run before ours in this pass
-      if (self->stepping) self->step_params(params);
+      if (self->stepping) self->step_params_or_abort(params);
     }
   });
   state_->update_sync();

@@ -269,7 +269,8 @@ void ShampooEngine::check_groups(
 }
 
 void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
-                                      std::vector<std::vector<at::Tensor>>& grad_blocks) const {
+                                      std::vector<std::vector<at::Tensor>>& grad_blocks,
+                                      std::vector<double>& grad_abs_max) const {
   std::vector<at::Tensor> grads;
   std::vector<int64_t> grad_owner;
   for (const int64_t p : params) {
@@ -282,61 +283,162 @@ void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
                 ", ", grad.scalar_type(), ", ", grad.device(), ", ", grad.layout(),
                 ") does not match the parameter (", param.sizes(), ", ", param.scalar_type(), ", ",
                 param.device(), ", dense)");
-    grad_blocks[p] = block_views(grad, params_[p].plan);
     grads.push_back(grad);
     grad_owner.push_back(p);
   }
-  // A non-finite gradient is an error before anything changes (never NaN parameters). The
-  // max-abs norm is NaN or inf exactly when some entry is.
   if (grads.empty()) return;
-  const auto norms = at::stack(at::_foreach_norm(grads, INFINITY));
-  const auto finite = at::isfinite(norms).to(at::kCPU);
-  if (finite.all().item<bool>()) return;
-  const auto* ok = finite.data_ptr<bool>();
+  // A non-finite gradient is an error before anything changes (never NaN parameters). The
+  // max-abs norm is NaN or inf exactly when some entry is; it also bounds the factor update.
+  const auto norms = at::stack(at::_foreach_norm(grads, INFINITY)).to(at::kCPU, at::kDouble);
+  const auto* max_abs = norms.data_ptr<double>();
   for (size_t i = 0; i < grads.size(); ++i) {
     const auto p = grad_owner[i];
-    const int64_t step = group_steps_[params_[p].group] + (step_open_ ? 0 : 1);
-    TORCH_CHECK(ok[i], "DistributedShampoo: the gradient of parameter ", p, " (group ",
-                params_[p].group, ", shape ", params_[p].param.sizes(),
-                ") has non-finite values (NaN or inf) at step ", step,
+    TORCH_CHECK(std::isfinite(max_abs[i]), "DistributedShampoo: the gradient of parameter ", p,
+                " (group ", params_[p].group, ", shape ", params_[p].param.sizes(),
+                ") has non-finite values (NaN or inf) at step ", group_steps_[params_[p].group] + 1,
                 "; the step was not applied");
+  }
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const auto p = grad_owner[i];
+    grad_blocks[p] = block_views(grads[i], params_[p].plan);
+    grad_abs_max[p] = max_abs[i];
   }
 }
 
-void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups) {
+void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                               bool incremental) {
   TORCH_CHECK(!step_open_, "DistributedShampoo: a step is already open (begin without finish)");
-  check_groups(groups);
-  for (auto& steps : group_steps_) ++steps;
-  distributor_->begin_step();
   step_open_ = true;
+  exchange_attempted_ = false;
+  journal_active_ = false;
+  journal_ = StepJournal{};
+  journal_.groups.resize(virtual_groups_.size());
+  computed_.assign(blocks_.size(), false);
+  // A later phase can throw after blocks changed: the AllGather (or another rank's failure), or
+  // a later compute call in backward. Then every compute call saves what it changes first.
+  protect_all_ = distributor_->distributed() || incremental || static_cast<bool>(fault_);
+  distributor_->begin_step();
+  try {
+    check_groups(groups);
+  } catch (...) {
+    abort_step();
+    throw;
+  }
 }
 
 void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& groups,
-                            const std::vector<int64_t>& params,
-                            std::vector<std::vector<at::Tensor>> grad_blocks) {
+                            const std::vector<int64_t>& params) {
   TORCH_INTERNAL_ASSERT(step_open_);
+  std::vector<std::vector<at::Tensor>> grad_blocks(params_.size());
+  std::vector<double> grad_abs_max(params_.size(), 0.0);
+  collect_gradients(params, grad_blocks, grad_abs_max);
   std::vector<std::vector<at::Tensor>> param_blocks(params_.size());
   for (const int64_t p : params) param_blocks[p] = block_views(params_[p].param, params_[p].plan);
   std::vector<const ShampooOptions*> group_options(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) group_options[g] = &options_of(groups[g], g);
-  const StepInputs inputs{params_,     blocks_,      group_options, group_steps_,
-                          grad_blocks, param_blocks, *distributor_};
+  // The step being computed: one past each group's count (advanced when the step completes).
+  std::vector<int64_t> next_steps(group_steps_);
+  for (auto& t : next_steps) ++t;
+  const StepInputs inputs{params_,       blocks_,      group_options, next_steps,
+                          grad_blocks,   param_blocks, grad_abs_max,  *distributor_,
+                          fault_,        computed_};
+
+  bool protect = protect_all_;
+  for (const auto& vg : virtual_groups_) protect = vg->may_raise(inputs) || protect;
+  if (protect) {
+    for (size_t k = 0; k < virtual_groups_.size(); ++k) {
+      virtual_groups_[k]->save(inputs, journal_.groups[k], !journal_active_, journal_);
+    }
+    // A single process updates its parameters in place while computing: keep them too.
+    if (!distributor_->distributed()) {
+      for (const int64_t p : params) {
+        if (grad_blocks[p].empty()) continue;
+        journal_.params.emplace_back(params_[p].param, params_[p].param.clone());
+        journal_.bytes += params_[p].param.nbytes();
+      }
+    }
+    journal_active_ = true;
+  }
   for (auto& vg : virtual_groups_) vg->step(inputs);
+  if (fault_) fault_(StepPhase::kComputed);
 }
 
 void ShampooEngine::compute_params(std::vector<torch::optim::OptimizerParamGroup>& groups,
                                    const std::vector<int64_t>& params) {
-  std::vector<std::vector<at::Tensor>> grad_blocks(params_.size());
-  collect_gradients(params, grad_blocks);
-  compute(groups, params, std::move(grad_blocks));
+  try {
+    compute(groups, params);
+  } catch (...) {
+    abort_step();
+    throw;
+  }
+}
+
+void ShampooEngine::restore_journal() {
+  if (!journal_active_) return;
+  for (size_t k = 0; k < virtual_groups_.size(); ++k) {
+    virtual_groups_[k]->restore(journal_.groups[k], journal_);
+  }
+  for (auto& [param, copy] : journal_.params) param.copy_(copy);
+}
+
+void ShampooEngine::close_step(bool completed) {
+  if (completed) {
+    // A group advances when one of its blocks was updated (torch::optim: a parameter without a
+    // gradient is not stepped). Distributed: the blocks the owners flagged, the same on every
+    // rank, so the ranks' step counts stay equal.
+    std::vector<bool> advance(group_steps_.size(), false);
+    for (size_t b = 0; b < blocks_.size(); ++b) {
+      const bool updated = distributor_->distributed() ? distributor_->received_updated(b)
+                                                        : static_cast<bool>(computed_[b]);
+      if (updated) advance[params_[blocks_[b].param].group] = true;
+    }
+    for (size_t g = 0; g < group_steps_.size(); ++g) group_steps_[g] += advance[g] ? 1 : 0;
+  }
+  rollback_bytes_last_step_ = journal_active_ ? journal_.bytes : 0;
+  journal_ = StepJournal{};
+  journal_active_ = false;
+  step_open_ = false;
+}
+
+void ShampooEngine::abort_step() {
+  if (!step_open_) return;
+  if (distributor_->distributed() && !exchange_attempted_) {
+    exchange_attempted_ = true;
+    try {
+      collectives_last_step_ = distributor_->exchange(/*failed=*/true);
+    } catch (const std::exception&) {
+      // The AllGather failed as well; this rank's own error is the one rethrown.
+    }
+  }
+  restore_journal();
+  close_step(/*completed=*/false);
 }
 
 void ShampooEngine::finish_step() {
   TORCH_INTERNAL_ASSERT(step_open_);
-  step_open_ = false;
-  collectives_last_step_ = distributor_->exchange();
-  if (!distributor_->distributed()) return;
+  try {
+    if (fault_) fault_(StepPhase::kExchange);
+    exchange_attempted_ = true;
+    collectives_last_step_ = distributor_->exchange();
+  } catch (...) {
+    abort_step();
+    throw;
+  }
+  const auto& failed = distributor_->failed_ranks();
+  if (!failed.empty()) {
+    std::ostringstream ranks;
+    for (size_t i = 0; i < failed.size(); ++i) ranks << (i ? ", " : "") << failed[i];
+    restore_journal();
+    close_step(/*completed=*/false);
+    TORCH_CHECK(false, "DistributedShampoo: the step failed on rank(s) ", ranks.str(),
+                " of the trainer group (the error is reported there); every rank undid this "
+                "step, so parameters, state and step counts are as before it");
+  }
+  if (distributor_->distributed()) apply_received();
+  close_step(/*completed=*/true);
+}
 
+void ShampooEngine::apply_received() {
   // Every rank applies every updated block from the gathered buffer (owners included, so all
   // ranks hold the same values, also with a lossy communication dtype).
   std::vector<at::Tensor> add_to, add_from;
@@ -363,14 +465,10 @@ void ShampooEngine::finish_step() {
 }
 
 void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  check_groups(groups);
   std::vector<int64_t> all(params_.size());
   std::iota(all.begin(), all.end(), 0);
-  // Gradients are checked before anything changes.
-  std::vector<std::vector<at::Tensor>> grad_blocks(params_.size());
-  collect_gradients(all, grad_blocks);
   begin_step(groups);
-  compute(groups, all, std::move(grad_blocks));
+  compute_params(groups, all);
   finish_step();
 }
 
@@ -395,6 +493,7 @@ ShampooStats ShampooEngine::stats() const {
     s.owned_blocks += vg->owned_blocks();
     s.state_bytes += vg->state_bytes();
   }
+  s.rollback_bytes_last_step = rollback_bytes_last_step_;
   s.bytes_sent_per_step = distributor_->bytes_sent_per_step();
   s.bytes_received_per_step = distributor_->bytes_received_per_step();
   return s;

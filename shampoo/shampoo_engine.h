@@ -24,14 +24,25 @@ class ShampooEngine {
 
   void step(std::vector<torch::optim::OptimizerParamGroup>& groups);
 
-  /// A step in three phases, for optimizer-in-backward: begin (advance the step counts, open the
+  /// A step in three phases, for optimizer-in-backward: begin (check the groups, open the
   /// communication buffer), compute the blocks of some parameters as their gradients arrive
   /// (applied in place in a single process, written for the AllGather otherwise), finish (the
-  /// one AllGather and the application of every block).
-  void begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups);
+  /// one AllGather, the application of every block, and the step count of every group that had
+  /// an update). `incremental`: compute_params will be called more than once (in backward).
+  ///
+  /// A step either completes or changes nothing: each phase that throws first undoes the step
+  /// (abort_step) and rethrows. What can throw is checked before anything changes; where a
+  /// later phase can still throw (distributed, incremental, an amortized computation at the
+  /// limit of the failure policy), the state the step changes is saved first.
+  void begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                  bool incremental = false);
   void compute_params(std::vector<torch::optim::OptimizerParamGroup>& groups,
                       const std::vector<int64_t>& params);
   void finish_step();
+  /// Undoes the open step: puts back the saved state and parameters and closes the step. In
+  /// distributed mode it first joins the step's AllGather flagged as failed (unless that was
+  /// already attempted), so the other ranks undo their step too instead of waiting.
+  void abort_step();
   bool step_open() const { return step_open_; }
   /// Index of `param` among the registered parameters, or -1.
   int64_t param_index(const at::Tensor& param) const;
@@ -46,6 +57,8 @@ class ShampooEngine {
   const DistributedOptions& distributed_options() const { return distributed_; }
   void set_failure_injector(FailureInjector fn,
                             std::vector<torch::optim::OptimizerParamGroup>& groups);
+  /// Test seam: called at each StepPhase of every step; a throw there fails the step.
+  void set_fault_injector(StepFaultInjector fn) { fault_ = std::move(fn); }
 
  private:
   /// Builds the virtual groups for the current registry (owners of new blocks are assigned
@@ -53,12 +66,19 @@ class ShampooEngine {
   std::vector<std::unique_ptr<VirtualGroup>> build_virtual_groups(
       const std::vector<torch::optim::OptimizerParamGroup>& groups);
   std::map<BlockId, BlockState> export_states() const;
-  /// Block views of the gradients of `params` (checked: shape, dtype, finite values).
+  /// Block views of the gradients of `params` (checked: shape, dtype, finite values) and the
+  /// max |gradient| of each.
   void collect_gradients(const std::vector<int64_t>& params,
-                         std::vector<std::vector<at::Tensor>>& grad_blocks) const;
+                         std::vector<std::vector<at::Tensor>>& grad_blocks,
+                         std::vector<double>& grad_abs_max) const;
   void compute(std::vector<torch::optim::OptimizerParamGroup>& groups,
-               const std::vector<int64_t>& params,
-               std::vector<std::vector<at::Tensor>> grad_blocks);
+               const std::vector<int64_t>& params);
+  /// Adds the gathered blocks to the parameters (distributed).
+  void apply_received();
+  /// Puts back what the journal saved (state, counters, parameters).
+  void restore_journal();
+  /// Closes the open step; the groups with an updated block advance their step count.
+  void close_step(bool completed);
   /// Replaces the virtual groups by freshly built ones holding the current states (after a
   /// registry change); counters of the old ones are kept.
   void rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups, bool require_all);
@@ -79,8 +99,17 @@ class ShampooEngine {
   std::vector<int64_t> group_virtual_;  // virtual group of each param group
   std::vector<std::unique_ptr<VirtualGroup>> virtual_groups_;
   FailureInjector inject_failure_;
+  StepFaultInjector fault_;
   int64_t collectives_last_step_ = 0;
   bool step_open_ = false;
+  // The open step: whether every compute call saves its state first, whether it has saved any,
+  // whether its AllGather was attempted, and which blocks it computed (this rank) or received.
+  bool protect_all_ = false;
+  bool journal_active_ = false;
+  bool exchange_attempted_ = false;
+  StepJournal journal_;
+  std::vector<bool> computed_;
+  int64_t rollback_bytes_last_step_ = 0;
   AmortizedCounters retired_counters_;  // of virtual groups replaced by rebuilds
 };
 

@@ -64,6 +64,22 @@ std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& st
       structure.preconditioner());
 }
 
+/// The statistics scalars of one row at step t (NUMERICS.md steps 2 and 3).
+void push_row_scalars(const ShampooOptions& options, int64_t t, RowScalars& scalars) {
+  const auto [beta1, beta2] = options.betas();
+  (void)beta1;
+  scalars.beta2.push_back(beta2);
+  scalars.factor_weight.push_back(beta2 < 1.0 ? 1.0 - beta2 : 1.0);
+  scalars.bias_correction2.push_back(
+      options.use_bias_correction() && beta2 < 1.0 ? 1.0 - std::pow(beta2, double(t)) : 1.0);
+  scalars.epsilon.push_back(options.epsilon());
+  scalars.step.push_back(t);
+}
+
+int64_t tensor_bytes(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
 /// Per-step bookkeeping of one stack.
 struct StackStep {
   Rows rows;                         // members with a gradient this step
@@ -136,12 +152,96 @@ at::Tensor& VirtualGroup::lazy_state(std::vector<at::Tensor>& states, int64_t st
   return state;
 }
 
+Rows VirtualGroup::rows_with_gradients(int64_t s, const StepInputs& in) const {
+  Rows rows;
+  const auto& stack = stacks_[s];
+  for (int64_t r = 0; r < stack.spec.size(); ++r) {
+    if (!in.grad_blocks[in.blocks[stack.blocks[r]].param].empty()) rows.rows.push_back(r);
+  }
+  rows.all = rows.size() == stack.spec.size();
+  return rows;
+}
+
+bool VirtualGroup::amortized_at(int64_t t) const {
+  const int64_t start = structure_.resolved_start_preconditioning_step();
+  return (t % structure_.precondition_frequency() == 0 && t > start) || t == start;
+}
+
+bool VirtualGroup::may_raise(const StepInputs& in) const {
+  bool may_raise = false;
+  for (size_t s = 0; s < stacks_.size(); ++s) {
+    const auto& stack = stacks_[s];
+    Rows due;
+    RowScalars scalars;
+    std::vector<double> gradient_bound;
+    for (const int64_t row : rows_with_gradients(static_cast<int64_t>(s), in).rows) {
+      const auto& block = in.blocks[stack.blocks[row]];
+      const auto& options = *in.group_options[in.params[block.param].group];
+      const int64_t t = in.group_steps[in.params[block.param].group];
+      if (!amortized_at(t)) continue;
+      due.rows.push_back(row);
+      push_row_scalars(options, t, scalars);
+      // max |G'| with G' = G + wd·W under L2 weight decay.
+      double bound = in.grad_abs_max[block.param];
+      if (options.weight_decay_type() == WeightDecayType::kL2 && options.weight_decay() != 0.0) {
+        const auto& w = in.param_blocks[block.param][block.id.block];
+        bound += options.weight_decay() *
+                 at::linalg_vector_norm(w, INFINITY, c10::nullopt, false, at::kDouble)
+                     .item<double>();
+      }
+      gradient_bound.push_back(bound);
+    }
+    due.all = due.size() == stack.spec.size();
+    may_raise |= preconditioner_->amortization_may_raise(static_cast<int64_t>(s), due, scalars,
+                                                         gradient_bound);
+  }
+  return may_raise;
+}
+
+BlockState VirtualGroup::export_member(int64_t s, int64_t r) const {
+  auto state = preconditioner_->export_member(s, r);
+  if (diagonal_) state.merge(diagonal_->export_member(s, r));
+  if (filter_state_[s].defined()) state["filter"] = filter_state_[s][r].clone();
+  if (momentum_state_[s].defined()) state["momentum"] = momentum_state_[s][r].clone();
+  return state;
+}
+
+void VirtualGroup::save(const StepInputs& in, StepJournal::GroupMark& mark, bool first_save,
+                        StepJournal& journal) const {
+  if (first_save) {
+    mark.counters = preconditioner_->counters();
+    mark.filter_defined.clear();
+    mark.momentum_defined.clear();
+    for (size_t s = 0; s < stacks_.size(); ++s) {
+      mark.filter_defined.push_back(filter_state_[s].defined());
+      mark.momentum_defined.push_back(momentum_state_[s].defined());
+    }
+  }
+  for (size_t s = 0; s < stacks_.size(); ++s) {
+    for (const int64_t row : rows_with_gradients(static_cast<int64_t>(s), in).rows) {
+      const auto& id = stacks_[s].ids[row];
+      if (journal.states.count(id) != 0) continue;
+      auto state = export_member(static_cast<int64_t>(s), row);
+      for (const auto& [name, tensor] : state) journal.bytes += tensor_bytes(tensor);
+      journal.states.emplace(id, std::move(state));
+    }
+  }
+}
+
+void VirtualGroup::restore(const StepJournal::GroupMark& mark, const StepJournal& journal) {
+  import_states(journal.states, /*require_all=*/false);
+  for (size_t s = 0; s < stacks_.size(); ++s) {
+    if (!mark.filter_defined[s]) filter_state_[s] = at::Tensor();
+    if (!mark.momentum_defined[s]) momentum_state_[s] = at::Tensor();
+  }
+  preconditioner_->set_counters(mark.counters);
+}
+
 void VirtualGroup::step(const StepInputs& in) {
   const bool distributed = in.distributor.distributed();
   const bool grafting = diagonal_method_ != DiagonalMethod::kNone;
   const bool diagonal_state = diagonal_ && diagonal_->has_state();
   const int64_t start = structure_.resolved_start_preconditioning_step();
-  const int64_t frequency = structure_.precondition_frequency();
 
   std::vector<ChainBlockTensors> chain;
   std::vector<StackStep> steps(stacks_.size());
@@ -153,16 +253,13 @@ void VirtualGroup::step(const StepInputs& in) {
   for (size_t s = 0; s < stacks_.size(); ++s) {
     const auto& stack = stacks_[s];
     auto& st = steps[s];
-    bool any_filter = false;
-    for (int64_t r = 0; r < stack.spec.size(); ++r) {
-      const auto& block = in.blocks[stack.blocks[r]];
-      if (in.grad_blocks[block.param].empty()) continue;
-      st.rows.rows.push_back(r);
-      const auto& options = *in.group_options[in.params[block.param].group];
-      any_filter |= std::get<0>(options.betas()) != 0.0;
-    }
-    st.rows.all = st.rows.size() == stack.spec.size();
+    st.rows = rows_with_gradients(static_cast<int64_t>(s), in);
     if (st.rows.size() == 0) continue;
+    bool any_filter = false;
+    for (const int64_t r : st.rows.rows) {
+      const auto& block = in.blocks[stack.blocks[r]];
+      any_filter |= std::get<0>(in.group_options[in.params[block.param].group]->betas()) != 0.0;
+    }
     std::vector<int64_t> shape{st.rows.size()};
     shape.insert(shape.end(), stack.spec.block_shape.begin(), stack.spec.block_shape.end());
     st.gradients = at::empty(shape, stack.spec.options);
@@ -175,15 +272,10 @@ void VirtualGroup::step(const StepInputs& in) {
       const auto& param = in.params[block.param];
       const auto& options = *in.group_options[param.group];
       const int64_t t = in.group_steps[param.group];
-      const auto [beta1, beta2] = options.betas();
+      const double beta1 = std::get<0>(options.betas());
 
-      st.scalars.beta2.push_back(beta2);
-      st.scalars.factor_weight.push_back(beta2 < 1.0 ? 1.0 - beta2 : 1.0);
-      st.scalars.bias_correction2.push_back(
-          options.use_bias_correction() && beta2 < 1.0 ? 1.0 - std::pow(beta2, double(t)) : 1.0);
-      st.scalars.epsilon.push_back(options.epsilon());
-      st.scalars.step.push_back(t);
-      st.amortize.push_back((t % frequency == 0 && t > start) || t == start);
+      push_row_scalars(options, t, st.scalars);
+      st.amortize.push_back(amortized_at(t));
       // Before start: the grafting method alone, or (without grafting) the preconditioner, which
       // for root-inverse Shampoo is still the identity and is skipped.
       st.preconditioned.push_back(t >= start ||
@@ -258,6 +350,7 @@ void VirtualGroup::step(const StepInputs& in) {
         apply_to.push_back(param_view);
         apply_from.push_back(c.update_out.view(param_view.sizes()));
       }
+      in.computed[b] = true;
       st.chain.push_back(chain.size());
       chain.push_back(std::move(c));
     }
@@ -271,6 +364,12 @@ void VirtualGroup::step(const StepInputs& in) {
     if (st.rows.size() == 0) continue;
     preconditioner_->update(static_cast<int64_t>(s), st.rows, st.gradients, st.scalars,
                             st.amortize);
+  }
+  if (in.fault) in.fault(StepPhase::kStatisticsUpdated);
+
+  for (size_t s = 0; s < stacks_.size(); ++s) {
+    auto& st = steps[s];
+    if (st.rows.size() == 0) continue;
     auto [rows, scalars] = select_rows(st.rows, st.scalars, st.preconditioned);
     if (rows.size() == 0) continue;
     at::Tensor filtered = st.filtered;
@@ -297,6 +396,7 @@ void VirtualGroup::step(const StepInputs& in) {
   }
 
   run_chain_norms(chain);
+  if (in.fault) in.fault(StepPhase::kBeforeUpdate);
   run_chain_post(chain);
 
   if (!apply_to.empty()) at::_foreach_add_(apply_to, apply_from);
@@ -306,11 +406,7 @@ void VirtualGroup::step(const StepInputs& in) {
 void VirtualGroup::export_states(std::map<BlockId, BlockState>& out) const {
   for (size_t s = 0; s < stacks_.size(); ++s) {
     for (int64_t r = 0; r < stacks_[s].spec.size(); ++r) {
-      auto state = preconditioner_->export_member(static_cast<int64_t>(s), r);
-      if (diagonal_) state.merge(diagonal_->export_member(static_cast<int64_t>(s), r));
-      if (filter_state_[s].defined()) state["filter"] = filter_state_[s][r].clone();
-      if (momentum_state_[s].defined()) state["momentum"] = momentum_state_[s][r].clone();
-      out[stacks_[s].ids[r]] = std::move(state);
+      out[stacks_[s].ids[r]] = export_member(static_cast<int64_t>(s), r);
     }
   }
 }
@@ -348,9 +444,7 @@ int64_t VirtualGroup::state_bytes() const {
   int64_t bytes = preconditioner_->state_bytes();
   if (diagonal_) bytes += diagonal_->state_bytes();
   for (const auto* states : {&filter_state_, &momentum_state_}) {
-    for (const auto& t : *states) {
-      if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
-    }
+    for (const auto& t : *states) bytes += tensor_bytes(t);
   }
   return bytes;
 }

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -16,6 +17,7 @@
 #include "preconditioners/elementwise_chain.h"
 #include "preconditioners/preconditioner_list.h"
 #include "shampoo/shampoo_options.h"
+#include "shampoo/step_phase.h"
 
 namespace shampoo::detail {
 
@@ -40,6 +42,20 @@ struct BlockEntry {
 /// State of one block for checkpoints and rebuilds: name -> tensor.
 using BlockState = std::map<std::string, at::Tensor>;
 
+/// What a step changes, saved before it changes, so that a step that throws can be undone.
+struct StepJournal {
+  /// Per virtual group: what is not per block.
+  struct GroupMark {
+    AmortizedCounters counters;
+    std::vector<bool> filter_defined;    // per stack: the lazily allocated filter state existed
+    std::vector<bool> momentum_defined;  // per stack: likewise the momentum state
+  };
+  std::vector<GroupMark> groups;
+  std::map<BlockId, BlockState> states;  ///< blocks about to change, as export_states gives them
+  std::vector<std::pair<at::Tensor, at::Tensor>> params;  ///< (parameter, copy) updated in place
+  int64_t bytes = 0;                                       ///< bytes copied
+};
+
 /// What a virtual group needs to read during a step.
 struct StepInputs {
   const std::vector<ParamEntry>& params;
@@ -50,7 +66,13 @@ struct StepInputs {
   const std::vector<std::vector<at::Tensor>>& grad_blocks;
   /// Per parameter: block views of the parameter.
   const std::vector<std::vector<at::Tensor>>& param_blocks;
+  /// Per parameter with a gradient this step: max |gradient| (bounds the factor update).
+  const std::vector<double>& grad_abs_max;
   Distributor& distributor;
+  /// Test seam, called at each StepPhase (may be empty).
+  const StepFaultInjector& fault;
+  /// Per engine block: set to true for the blocks this call computed.
+  std::vector<bool>& computed;
 };
 
 class VirtualGroup {
@@ -68,6 +90,17 @@ class VirtualGroup {
   /// process) or writes it into the distributor's slot and marks it (distributed).
   void step(const StepInputs& in);
 
+  /// Whether step(in) could throw after it has started changing state (an amortized computation
+  /// at the limit of the failure policy, or a factor update that may overflow). Changes nothing;
+  /// throws at once when a factor of a due block is non-finite already.
+  bool may_raise(const StepInputs& in) const;
+  /// Saves into `journal` the state that step(in) will change: the blocks with a gradient (those
+  /// not saved yet) and, once per step, the group's counters and lazily allocated stacks.
+  void save(const StepInputs& in, StepJournal::GroupMark& mark, bool first_save,
+            StepJournal& journal) const;
+  /// Puts back what save() took.
+  void restore(const StepJournal::GroupMark& mark, const StepJournal& journal);
+
   void export_states(std::map<BlockId, BlockState>& out) const;
   /// Restores the states of the owned blocks found in `states` (missing ones keep their fresh
   /// state when `require_all` is false; otherwise an error names the first missing block).
@@ -84,6 +117,12 @@ class VirtualGroup {
   };
   /// Stacked elementwise state (filter M, momentum B), allocated on first use.
   at::Tensor& lazy_state(std::vector<at::Tensor>& states, int64_t stack);
+  /// Copies of every state tensor of member r of stack s (checkpoints, rebuilds, journals).
+  BlockState export_member(int64_t s, int64_t r) const;
+  /// Rows (members) of stack `s` whose parameter has a gradient in `in`.
+  Rows rows_with_gradients(int64_t s, const StepInputs& in) const;
+  /// Whether the amortized computation runs at step t (NUMERICS.md step 3).
+  bool amortized_at(int64_t t) const;
 
   ShampooOptions structure_;
   std::vector<int64_t> user_groups_;

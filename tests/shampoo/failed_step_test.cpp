@@ -1,0 +1,423 @@
+// A step that throws changes nothing (parameters, step counts, every state tensor) and a later
+// step works, for one process and for two ranks, merged and unmerged groups, at every phase of
+// the step; and a group whose parameters had no gradient is not stepped (torch::optim's rule),
+// with equal step counts on every rank.
+#include <c10/util/Exception.h>
+#include <shampoo/shampoo.h>
+#include <torch/serialize.h>
+
+#include <atomic>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "support/test_support.h"
+
+namespace {
+
+using shampoo::DistributedOptions;
+using shampoo::DistributedShampoo;
+using shampoo::ShampooOptions;
+using shampoo::StepPhase;
+using shampoo::testing::bit_equal;
+using shampoo::testing::run_ranks;
+using shampoo::testing::snapshot;
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+// Every kind of state: filter, grafting (Adam), momentum, factors, roots recomputed every other
+// step.
+ShampooOptions base_options(bool eigenvalue_corrected) {
+  auto options = ShampooOptions(0.02)
+                     .betas({0.9, 0.99})
+                     .epsilon(1e-8)
+                     .momentum(0.5)
+                     .weight_decay(1e-3)
+                     .precondition_frequency(2)
+                     .start_preconditioning_step(2)
+                     .use_merge_dims(false)  // keep 2-D and 3-D blocks
+                     .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
+  if (eigenvalue_corrected) options.preconditioner(shampoo::EigenvalueCorrectedShampooConfig{});
+  return options;
+}
+
+std::vector<at::Tensor> make_params() {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  std::vector<at::Tensor> params;
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{6, 5}, {7}, {3, 4, 2}, {5, 5}}) {
+    params.push_back(at::randn(shape, gen).requires_grad_());
+  }
+  return params;
+}
+
+// Three groups: the first two differ only in lr (one virtual group when merged), the third in a
+// structural option (its own virtual group).
+std::vector<torch::optim::OptimizerParamGroup> make_groups(const std::vector<at::Tensor>& params,
+                                                           const ShampooOptions& base) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{params[0]}, std::make_unique<ShampooOptions>(base));
+  groups.emplace_back(std::vector<at::Tensor>{params[1], params[2]},
+                      std::make_unique<ShampooOptions>(ShampooOptions(base).lr(0.01)));
+  groups.emplace_back(std::vector<at::Tensor>{params[3]},
+                      std::make_unique<ShampooOptions>(ShampooOptions(base).use_nesterov(true)));
+  return groups;
+}
+
+void set_grads(const std::vector<at::Tensor>& params, int step) {
+  shampoo::testing::set_random_grads(params, 700 + step);
+}
+
+/// Everything a step may change: parameters, step counts, every state tensor (the checkpoint).
+struct Observed {
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> steps;
+  std::string checkpoint;
+  int64_t computations = 0;
+  int64_t failures = 0;
+};
+
+Observed observe(const DistributedShampoo& opt, const std::vector<at::Tensor>& params) {
+  Observed o;
+  o.params = snapshot(params);
+  for (size_t g = 0; g < opt.param_groups().size(); ++g) o.steps.push_back(opt.group_step(g));
+  std::ostringstream stream;
+  torch::save(opt, stream);
+  o.checkpoint = stream.str();
+  o.computations = opt.stats().amortized_computations;
+  o.failures = opt.stats().failed_amortized_computations;
+  return o;
+}
+
+::testing::AssertionResult unchanged(const Observed& before, const Observed& after) {
+  auto params = bit_equal(after.params, before.params);
+  if (!params) return params << " (parameters changed)";
+  if (after.steps != before.steps) return ::testing::AssertionFailure() << "step counts changed";
+  if (after.checkpoint != before.checkpoint) {
+    return ::testing::AssertionFailure() << "optimizer state changed";
+  }
+  if (after.computations != before.computations || after.failures != before.failures) {
+    return ::testing::AssertionFailure() << "amortized counters changed";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+/// Throws once at `phase` when armed (on the ranks where it is armed), after letting `skip`
+/// occurrences of the phase pass.
+struct Fault {
+  std::atomic<bool> armed{false};
+  StepPhase phase = StepPhase::kExchange;
+  int skip = 0;
+  shampoo::StepFaultInjector injector() {
+    return [this](StepPhase p) {
+      if (p != phase || !armed) return;
+      if (skip > 0) {
+        --skip;
+        return;
+      }
+      armed = false;
+      TORCH_CHECK(false, "injected fault");
+    };
+  }
+};
+
+struct Case {
+  std::string name;
+  bool merge;
+  bool eigenvalue_corrected;
+  StepPhase phase;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+std::string phase_name(StepPhase phase) {
+  switch (phase) {
+    case StepPhase::kStatisticsUpdated:
+      return "statistics_updated";
+    case StepPhase::kBeforeUpdate:
+      return "before_update";
+    case StepPhase::kComputed:
+      return "computed";
+    case StepPhase::kExchange:
+      return "exchange";
+  }
+  return "unknown";
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (const bool merge : {true, false}) {
+    for (const bool soap : {false, true}) {
+      for (const auto phase : {StepPhase::kStatisticsUpdated, StepPhase::kBeforeUpdate,
+                               StepPhase::kComputed, StepPhase::kExchange}) {
+        out.push_back({std::string(merge ? "merged" : "unmerged") + (soap ? "_soap_" : "_") +
+                           phase_name(phase),
+                       merge, soap, phase});
+      }
+    }
+  }
+  return out;
+}
+
+class FailedStep : public ::testing::TestWithParam<Case> {};
+
+// Steps 1..3 succeed; step 4 is attempted with a fault at the phase (must change nothing), then
+// retried; every step equals an optimizer that never failed, bit for bit.
+TEST_P(FailedStep, SingleProcessChangesNothingAndRecovers) {
+  const auto& c = GetParam();
+  const auto options = base_options(c.eigenvalue_corrected);
+  const auto distributed = DistributedOptions().merge_param_groups(c.merge);
+  auto params = make_params();
+  auto twin_params = shampoo::testing::clone_params(params);
+  DistributedShampoo opt(make_groups(params, options), options, distributed);
+  DistributedShampoo twin(make_groups(twin_params, options), options, distributed);
+  Fault fault;
+  fault.phase = c.phase;
+  opt.set_fault_injector_for_testing(fault.injector());
+  for (int step = 1; step <= 6; ++step) {
+    set_grads(params, step);
+    set_grads(twin_params, step);
+    if (step == 4) {
+      const auto before = observe(opt, params);
+      fault.armed = true;
+      EXPECT_THROW(opt.step(), c10::Error);
+      EXPECT_TRUE(unchanged(before, observe(opt, params))) << "after the failed step";
+      EXPECT_GT(opt.stats().rollback_bytes_last_step, 0);
+    }
+    opt.step();
+    twin.step();
+    ASSERT_TRUE(bit_equal(params, twin_params)) << "step " << step;
+    ASSERT_EQ(opt.group_step(0), step);
+  }
+}
+
+// The same with two ranks (threads): the fault on rank 1 only; both ranks throw, neither changes
+// anything, and later steps equal the single-process optimizer bit for bit.
+TEST_P(FailedStep, TwoRanksBothUndoAndRecover) {
+  const auto& c = GetParam();
+  const auto options = base_options(c.eigenvalue_corrected);
+  // The single-process trajectory.
+  std::vector<std::vector<at::Tensor>> expected;
+  {
+    auto params = make_params();
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().merge_param_groups(c.merge));
+    for (int step = 1; step <= 6; ++step) {
+      set_grads(params, step);
+      opt.step();
+      expected.push_back(snapshot(params));
+    }
+  }
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params();
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().process_group(group).merge_param_groups(c.merge));
+    Fault fault;
+    fault.phase = c.phase;
+    opt.set_fault_injector_for_testing(fault.injector());
+    for (int step = 1; step <= 6; ++step) {
+      set_grads(params, step);
+      if (step == 4) {
+        const auto before = observe(opt, params);
+        fault.armed = rank == 1;
+        try {
+          opt.step();
+          ADD_FAILURE() << "rank " << rank << ": the step should have failed";
+        } catch (const c10::Error& e) {
+          const std::string message = e.what_without_backtrace();
+          if (rank == 0) {
+            EXPECT_NE(message.find("failed on rank(s) 1"), std::string::npos) << message;
+          } else {
+            EXPECT_NE(message.find("injected fault"), std::string::npos) << message;
+          }
+        }
+        EXPECT_TRUE(unchanged(before, observe(opt, params))) << "rank " << rank;
+      }
+      opt.step();
+      ASSERT_TRUE(bit_equal(params, expected[step - 1])) << "rank " << rank << " step " << step;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Phases, FailedStep, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+ShampooOptions failing_root_options() {
+  return ShampooOptions(0.05)
+      .betas({0.9, 0.999})
+      .epsilon(1e-6)
+      .momentum(0.3)
+      .precondition_frequency(2)
+      .start_preconditioning_step(2)
+      .num_tolerated_failed_amortized_computations(1);
+}
+
+// A root failure past the tolerance (the natural failure of the amortized computation): the
+// step raises, changes nothing, and once the decomposition works again the steps go on.
+TEST(FailedStepNatural, RootFailurePastTheToleranceChangesNothing) {
+  auto params = make_params();
+  DistributedShampoo opt(make_groups(params, failing_root_options()), failing_root_options());
+  std::atomic<bool> fail{false};
+  opt.set_failure_injector_for_testing([&](const std::string& block, int64_t) {
+    return fail.load() && block == "parameter 0 block 0";
+  });
+  for (int step = 1; step <= 3; ++step) {  // roots at step 2
+    set_grads(params, step);
+    opt.step();
+    EXPECT_EQ(opt.stats().rollback_bytes_last_step, 0) << "nothing to protect at step " << step;
+  }
+  fail = true;
+  set_grads(params, 4);
+  opt.step();  // first failure at step 4: tolerated (keeps the previous root)
+  EXPECT_EQ(opt.stats().failed_amortized_computations, 1);
+  set_grads(params, 5);
+  opt.step();
+  set_grads(params, 6);  // step 6 would be the second failure in a row: raises
+  const auto before = observe(opt, params);
+  try {
+    opt.step();
+    FAIL() << "expected the failure policy to raise";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("2 times in a row"), std::string::npos)
+        << e.what_without_backtrace();
+  }
+  EXPECT_TRUE(unchanged(before, observe(opt, params)));
+  EXPECT_GT(opt.stats().rollback_bytes_last_step, 0);
+  fail = false;
+  opt.step();
+  EXPECT_EQ(opt.group_step(0), 6);
+  EXPECT_EQ(opt.stats().failed_amortized_computations, 1);
+}
+
+// A gradient of the wrong shape, a non-finite gradient and an overflowing factor update: errors
+// before or after state changed; nothing changes, the next step works.
+TEST(FailedStepNatural, BadGradientsChangeNothing) {
+  auto params = make_params();
+  const auto options = base_options(false);
+  DistributedShampoo opt(make_groups(params, options), options);
+  set_grads(params, 1);
+  opt.step();
+  const auto good = params[2].grad().clone();
+  const auto bad_grads = std::vector<at::Tensor>{
+      at::zeros({3, 8}),                    // wrong shape
+      at::full({3, 4, 2}, NAN),             // non-finite
+      at::full({3, 4, 2}, 1e30),            // finite, but G·Gᵀ overflows float32 (factor check)
+      at::zeros({3, 4, 2}, at::kDouble)};  // wrong dtype
+  for (size_t i = 0; i < bad_grads.size(); ++i) {
+    set_grads(params, 2);
+    params[2].mutable_grad() = bad_grads[i];
+    const auto before = observe(opt, params);
+    EXPECT_THROW(opt.step(), c10::Error) << "bad gradient " << i;
+    EXPECT_TRUE(unchanged(before, observe(opt, params))) << "bad gradient " << i;
+  }
+  set_grads(params, 2);
+  opt.step();
+  EXPECT_EQ(opt.group_step(1), 2);
+}
+
+// A bad gradient on one rank only (the ranks' gradients disagree): both ranks raise instead of
+// one waiting forever in the AllGather, and both keep their state.
+TEST(FailedStepNatural, BadGradientOnOneRankFailsBothRanks) {
+  const auto options = base_options(false);
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params();
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().process_group(group));
+    set_grads(params, 1);
+    opt.step();
+    set_grads(params, 2);
+    if (rank == 0) params[1].mutable_grad() = at::full({7}, INFINITY);
+    const auto before = observe(opt, params);
+    EXPECT_THROW(opt.step(), c10::Error) << "rank " << rank;
+    EXPECT_TRUE(unchanged(before, observe(opt, params))) << "rank " << rank;
+    set_grads(params, 2);
+    opt.step();
+    EXPECT_EQ(opt.group_step(0), 2);
+  });
+}
+
+// Optimizer-in-backward: an error inside backward (a fault during the block work of a later
+// parameter) undoes the open step; the next backward works and equals ordinary steps.
+TEST(FailedStepNatural, InBackwardErrorUndoesTheStep) {
+  const auto options = base_options(false);
+  auto model = shampoo::testing::make_mlp(6, 10, 3, 4);
+  auto twin = shampoo::testing::make_mlp(6, 10, 3, 4);
+  DistributedShampoo ordinary(twin->parameters(), options);
+  Fault fault;
+  fault.phase = StepPhase::kComputed;
+  fault.skip = 3;  // the block work of the fourth parameter fails; three are applied already
+  DistributedShampoo* shampoo_in_backward = nullptr;
+  auto in_backward = shampoo::apply_optimizer_in_backward(
+      model->parameters(), [&](std::vector<torch::Tensor> p) {
+        auto opt = std::make_unique<DistributedShampoo>(p, options);
+        opt->set_fault_injector_for_testing(fault.injector());
+        shampoo_in_backward = opt.get();
+        return opt;
+      });
+  for (int step = 1; step <= 5; ++step) {
+    const auto data = shampoo::testing::make_blobs(16, 6, 3, 90 + step);
+    if (step == 3) {
+      const auto before = observe(*shampoo_in_backward, model->parameters());
+      fault.armed = true;
+      EXPECT_THROW(shampoo::testing::classification_loss(model, data, /*backward=*/true),
+                   c10::Error);
+      EXPECT_TRUE(unchanged(before, observe(*shampoo_in_backward, model->parameters())));
+      for (auto& p : model->parameters()) p.mutable_grad().reset();
+    }
+    shampoo::testing::classification_loss(model, data, /*backward=*/true);
+    ordinary.zero_grad();
+    shampoo::testing::classification_loss(twin, data, /*backward=*/true);
+    ordinary.step();
+    ASSERT_TRUE(bit_equal(snapshot(model->parameters()), snapshot(twin->parameters())))
+        << "step " << step;
+  }
+  EXPECT_EQ(in_backward.steps_taken(), 5);
+}
+
+// torch::optim's rule: a parameter without a gradient is not stepped, and a group none of whose
+// parameters had a gradient keeps its step count.
+TEST(GroupStep, AdvancesOnlyForGroupsWithAGradient) {
+  auto params = make_params();
+  const auto options = base_options(false);
+  DistributedShampoo opt(make_groups(params, options), options);
+  for (int step = 1; step <= 3; ++step) {
+    set_grads(params, step);
+    opt.step();
+  }
+  const auto untouched = snapshot({params[1], params[2], params[3]});
+  opt.zero_grad();
+  params[0].mutable_grad() = at::ones_like(params[0]);  // only group 0 has a gradient
+  opt.step();
+  EXPECT_EQ(opt.group_step(0), 4);
+  EXPECT_EQ(opt.group_step(1), 3);
+  EXPECT_EQ(opt.group_step(2), 3);
+  EXPECT_TRUE(bit_equal(snapshot({params[1], params[2], params[3]}), untouched));
+  opt.zero_grad();
+  opt.step();  // no gradient at all: nothing advances
+  EXPECT_EQ(opt.group_step(0), 4);
+  EXPECT_EQ(opt.group_step(1), 3);
+}
+
+// Distributed: the step counts stay equal on every rank also when the ranks disagree about which
+// parameters have gradients (the owner's view decides, and every rank sees the owners' flags).
+TEST(GroupStep, RanksAgreeWhenGradientsDiffer) {
+  const auto options = base_options(false);
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params();
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().process_group(group));
+    set_grads(params, 1);
+    opt.step();
+    opt.zero_grad();
+    if (rank == 0) params[0].mutable_grad() = at::ones_like(params[0]);
+    if (rank == 1) params[3].mutable_grad() = at::ones_like(params[3]);
+    opt.step();
+    std::vector<int64_t> steps;
+    for (size_t g = 0; g < 3; ++g) steps.push_back(opt.group_step(g));
+    auto mine = at::tensor(steps, at::kLong);
+    auto all = at::empty({2 * 3}, at::kLong);
+    group->getBackend(c10::DeviceType::CPU)->_allgather_base(all, mine)->wait();
+    EXPECT_TRUE(at::equal(all.narrow(0, 0, 3), all.narrow(0, 3, 3))) << "rank " << rank;
+    EXPECT_EQ(opt.group_step(1), 1) << "rank " << rank;  // no rank had a gradient for group 1
+  });
+}
+
+}  // namespace

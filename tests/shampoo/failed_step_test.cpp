@@ -100,6 +100,15 @@ Observed observe(const DistributedShampoo& opt, const std::vector<at::Tensor>& p
   return ::testing::AssertionSuccess();
 }
 
+/// step() must throw and leave everything as it was.
+void expect_failed_step_changes_nothing(DistributedShampoo& opt,
+                                        const std::vector<at::Tensor>& params,
+                                        const std::string& what) {
+  const auto before = observe(opt, params);
+  EXPECT_THROW(opt.step(), c10::Error) << what;
+  EXPECT_TRUE(unchanged(before, observe(opt, params))) << what;
+}
+
 /// Throws once at `phase` when armed (on the ranks where it is armed), after letting `skip`
 /// occurrences of the phase pass.
 struct Fault {
@@ -176,10 +185,8 @@ TEST_P(FailedStep, SingleProcessChangesNothingAndRecovers) {
     set_grads(params, step);
     set_grads(twin_params, step);
     if (step == 4) {
-      const auto before = observe(opt, params);
       fault.armed = true;
-      EXPECT_THROW(opt.step(), c10::Error);
-      EXPECT_TRUE(unchanged(before, observe(opt, params))) << "after the failed step";
+      expect_failed_step_changes_nothing(opt, params, "the step with a fault");
       EXPECT_GT(opt.stats().rollback_bytes_last_step, 0);
     }
     opt.step();
@@ -304,9 +311,7 @@ TEST(FailedStepNatural, BadGradientsChangeNothing) {
   for (size_t i = 0; i < bad_grads.size(); ++i) {
     set_grads(params, 2);
     params[2].mutable_grad() = bad_grads[i];
-    const auto before = observe(opt, params);
-    EXPECT_THROW(opt.step(), c10::Error) << "bad gradient " << i;
-    EXPECT_TRUE(unchanged(before, observe(opt, params))) << "bad gradient " << i;
+    expect_failed_step_changes_nothing(opt, params, "bad gradient " + std::to_string(i));
   }
   set_grads(params, 2);
   opt.step();
@@ -325,9 +330,7 @@ TEST(FailedStepNatural, BadGradientOnOneRankFailsBothRanks) {
     opt.step();
     set_grads(params, 2);
     if (rank == 0) params[1].mutable_grad() = at::full({7}, INFINITY);
-    const auto before = observe(opt, params);
-    EXPECT_THROW(opt.step(), c10::Error) << "rank " << rank;
-    EXPECT_TRUE(unchanged(before, observe(opt, params))) << "rank " << rank;
+    expect_failed_step_changes_nothing(opt, params, "rank " + std::to_string(rank));
     set_grads(params, 2);
     opt.step();
     EXPECT_EQ(opt.group_step(0), 2);

@@ -8,6 +8,8 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "shampoo/option_fields.h"
+
 namespace shampoo::detail {
 
 ShampooOptions& options_of(torch::optim::OptimizerParamGroup& group, size_t index) {
@@ -127,15 +129,13 @@ void ShampooEngine::check_ranks_agree(
   };
   int64_t numel = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
-    const auto& o = options_of(groups[g], g);
-    for (const int64_t v :
-         {o.max_preconditioner_dim(), o.precondition_frequency(),
-          o.resolved_start_preconditioning_step(), static_cast<int64_t>(o.grafting().index()),
-          static_cast<int64_t>(o.preconditioner().index()),
-          static_cast<int64_t>(o.factor_matrix_dtype()), static_cast<int64_t>(o.use_merge_dims()),
-          static_cast<int64_t>(o.weight_decay_type()), group_sizes_[g]}) {
-      mix(v);
+    const auto& options = options_of(groups[g], g);
+    for (const auto& field : option_fields()) {
+      if (field.kind != OptionKind::kStructural) continue;
+      for (const int64_t v : field.code(options)) mix(v);
+      mix(-1);  // end of the field: codes of different lengths stay apart
     }
+    mix(group_sizes_[g]);
   }
   for (const auto& p : params_) {
     mix(p.group);
@@ -253,13 +253,13 @@ void ShampooEngine::check_groups(
                 " were registered; use add_param_group "
                 "to add parameters");
     const auto& options = options_of(groups[g], g);
-    TORCH_CHECK(structurally_equal(options, virtual_groups_[group_virtual_[g]]->structure()),
-                "DistributedShampoo: param group ", g,
-                " changed a structural option (block "
-                "size, preconditioning schedule, grafting kind, preconditioner, dtypes, bias "
-                "correction, Nesterov, weight decay type) after construction; only lr, betas, "
-                "beta3, epsilon, weight_decay, momentum, dampening and grafting floats may "
-                "change. Build a new optimizer instead");
+    const auto& structure = virtual_groups_[group_virtual_[g]]->structure();
+    const auto* changed = structural_difference(options, structure);
+    TORCH_CHECK(changed == nullptr, "DistributedShampoo: param group ", g, ": structural option ",
+                describe_difference(*changed, options, structure),
+                " (its value at construction); only the float options (",
+                option_names(OptionKind::kFloat),
+                ") may change after construction, build a new optimizer instead");
     try {
       options.validate();
     } catch (const c10::Error& e) {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 
@@ -73,6 +74,13 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
     TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble, "param group ",
                 index, ": parameter ", i, " has dtype ", p.scalar_type(),
                 ", expected Float or Double");
+    // One dtype per group: the group's blocks run one elementwise chain (groups of different
+    // dtypes are fine, they never share a virtual group).
+    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "param group ", index, ": parameter ",
+                i, ": dtype: got ", p.scalar_type(), ", expected ", params[0].scalar_type(),
+                " (the dtype of parameter 0; the parameters of one param group share a dtype, put "
+                "the ",
+                p.scalar_type(), " parameters into a param group of their own)");
     TORCH_CHECK(p.is_leaf(), "param group ", index, ": parameter ", i,
                 " is not a leaf tensor (can't optimize a non-leaf Tensor)");
     TORCH_CHECK(p.is_contiguous(), "param group ", index, ": parameter ", i,
@@ -179,16 +187,23 @@ void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>
 
 std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
     const std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  // Front end: param group -> virtual group (first structurally equal one when merging).
+  // Front end: param group -> virtual group (first structurally equal one of the same parameter
+  // dtype when merging: a virtual group runs one elementwise chain, of one dtype).
   std::vector<ShampooOptions> structures;
+  std::vector<std::optional<at::ScalarType>> dtypes;  // none while a virtual group has no params
   std::vector<std::vector<int64_t>> members;
   group_virtual_.assign(groups.size(), 0);
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& options = options_of(groups[g], g);
+    const auto& group_params = groups[g].params();
+    const auto dtype = group_params.empty()
+                           ? std::nullopt
+                           : std::optional<at::ScalarType>(group_params.front().scalar_type());
     int64_t vg = -1;
     if (distributed_.merge_param_groups()) {
       for (size_t k = 0; k < structures.size(); ++k) {
-        if (structurally_equal(structures[k], options)) {
+        if (structurally_equal(structures[k], options) &&
+            (!dtype || !dtypes[k] || *dtype == *dtypes[k])) {
           vg = static_cast<int64_t>(k);
           break;
         }
@@ -197,8 +212,10 @@ std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
     if (vg == -1) {
       vg = static_cast<int64_t>(structures.size());
       structures.push_back(options);
+      dtypes.emplace_back();
       members.emplace_back();
     }
+    if (dtype) dtypes[vg] = dtype;
     members[vg].push_back(static_cast<int64_t>(g));
     group_virtual_[g] = vg;
   }

@@ -258,11 +258,18 @@ std::map<BlockId, BlockState> ShampooEngine::export_states() const {
 
 void ShampooEngine::check_groups(
     const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+  // torch::optim::Optimizer::add_param_group (LibTorch 2.11) appends the group with a copy of its
+  // options (or of the defaults), but it is not virtual: the engine never hears of the group.
+  TORCH_CHECK(groups.size() <= group_steps_.size(), "DistributedShampoo: param group ",
+              group_steps_.size(), " is not registered with DistributedShampoo (", groups.size(),
+              " param groups, ", group_steps_.size(),
+              " registered): it was added with torch::optim::Optimizer::add_param_group "
+              "(through a base-class reference) or to param_groups() directly, which keeps its "
+              "options but gives its parameters no blocks and no state; add param groups with "
+              "DistributedShampoo::add_param_group");
   TORCH_CHECK(groups.size() == group_steps_.size(), "DistributedShampoo: ", groups.size(),
               " param groups, but ", group_steps_.size(),
-              " were registered; add groups with "
-              "DistributedShampoo::add_param_group (torch::optim::Optimizer::add_param_group "
-              "would replace their ShampooOptions with the defaults)");
+              " were registered; param groups cannot be removed, build a new optimizer instead");
   for (size_t g = 0; g < groups.size(); ++g) {
     TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == group_sizes_[g],
                 "DistributedShampoo: param group ", g, " has ", groups[g].params().size(),

@@ -206,6 +206,25 @@ TEST(GroupOptions, GroupsAddedThroughTheBaseClassAreReported) {
   expect_error([&] { opt.step(); }, {"DistributedShampoo::add_param_group"});
 }
 
+TEST(GroupOptions, BaseClassAddParamGroupKeepsOptionsButRegistersNoParameters) {
+  // What LibTorch 2.11's torch::optim::Optimizer::add_param_group does for a non-builtin options
+  // type: a group with options keeps a copy of them, a group without gets a copy of the
+  // defaults; nothing reaches DistributedShampoo's engine, so the next step() is refused.
+  DistributedShampoo opt(params(), ShampooOptions(0.01));
+  auto& base = static_cast<torch::optim::Optimizer&>(opt);
+  base.add_param_group(torch::optim::OptimizerParamGroup(
+      {at::randn({2}).requires_grad_()},
+      std::make_unique<ShampooOptions>(ShampooOptions(0.5).momentum(0.25))));
+  base.add_param_group(torch::optim::OptimizerParamGroup({at::randn({2}).requires_grad_()}));
+  ASSERT_EQ(opt.param_groups().size(), 3u);
+  EXPECT_EQ(opt.group_options(1).lr(), 0.5);
+  EXPECT_EQ(opt.group_options(1).momentum(), 0.25);
+  EXPECT_EQ(opt.group_options(2).lr(), 0.01);
+  expect_error([&] { opt.step(); },
+               {"param group 1", "torch::optim::Optimizer::add_param_group",
+                "not registered with DistributedShampoo", "DistributedShampoo::add_param_group"});
+}
+
 TEST(GroupOptions, SetLrChangesTheStep) {
   // One SGD-grafted step never preconditioned: p -= lr * g exactly.
   auto p = at::ones({3}).requires_grad_();

@@ -3,7 +3,8 @@
 // Layout (torch::serialize archive):
 //   format_version, world_size, rank          ints (trainer-group world size and rank)
 //   params/num_params, params/shape_<i>       the model the state belongs to
-//   groups/num_groups, groups/group_<g>/...   each group's options, step count, size
+//   groups/num_groups, groups/group_<g>/...   each group's options (every field of
+//                                             shampoo/option_fields.cpp), step count, size
 //   blocks/<p>_b<b>/<name>                    state of every block this rank owns, keyed by
 //                                             block id (so merged and unmerged runs read each
 //                                             other's checkpoints)
@@ -13,29 +14,20 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include "shampoo/option_fields.h"
 #include "shampoo/shampoo_engine.h"
 
 namespace shampoo::detail {
 namespace {
 
-constexpr int64_t kFormatVersion = 1;
+// 2: every option field is written (1 lacked the preconditioner and the exponent overrides).
+constexpr int64_t kFormatVersion = 2;
 
 int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
   c10::IValue value;
   TORCH_CHECK(archive.try_read(key, value) && value.isInt(), "checkpoint: entry '", key,
               "' is missing; this is not a DistributedShampoo checkpoint");
   return value.toInt();
-}
-
-void copy_float_options(const ShampooOptions& from, ShampooOptions& to) {
-  to.lr(from.lr());
-  to.betas(from.betas());
-  to.beta3(from.beta3());
-  to.epsilon(from.epsilon());
-  to.weight_decay(from.weight_decay());
-  to.momentum(from.momentum());
-  to.dampening(from.dampening());
-  to.grafting(from.grafting());
 }
 
 }  // namespace
@@ -125,14 +117,19 @@ void ShampooEngine::load(torch::serialize::InputArchive& archive,
     const int64_t size = read_int(group, "num_params");
     TORCH_CHECK(size == group_sizes_[g], "checkpoint: param group ", g, " has ", size,
                 " parameters there, ", group_sizes_[g], " here");
-    // Structural fields not kept in checkpoints (preconditioner kind, overrides) come from here.
-    saved_options[g] = options_of(groups[g], g);
-    saved_options[g].serialize(group);
-    TORCH_CHECK(structurally_equal(saved_options[g], options_of(groups[g], g)),
-                "checkpoint: param group ", g,
-                " was saved with different structural options "
-                "(block size, schedule, grafting kind, dtypes, bias correction, Nesterov or "
-                "weight decay type)");
+    try {
+      saved_options[g].serialize(group);
+      saved_options[g].validate();
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "checkpoint: param group ", g, ": ", e.msg());
+    }
+    const auto& current = options_of(groups[g], g);
+    const auto* differing = structural_difference(saved_options[g], current);
+    TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name,
+                ": got ", differing->describe(saved_options[g]), " in the checkpoint, expected ",
+                differing->describe(current),
+                " as in this optimizer (a structural option; build the optimizer with the "
+                "checkpoint's value)");
     saved_steps[g] = read_int(group, "step");
   }
 
@@ -163,7 +160,9 @@ void ShampooEngine::load(torch::serialize::InputArchive& archive,
   }
   virtual_groups_ = std::move(rebuilt);
   for (size_t g = 0; g < groups.size(); ++g) {
-    copy_float_options(saved_options[g], options_of(groups[g], g));
+    for (const auto& field : option_fields()) {
+      if (field.kind == OptionKind::kFloat) field.copy(saved_options[g], options_of(groups[g], g));
+    }
     group_steps_[g] = saved_steps[g];
   }
 }

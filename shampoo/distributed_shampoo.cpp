@@ -16,7 +16,7 @@ DistributedShampoo::DistributedShampoo(std::vector<torch::Tensor> params, Shampo
 
 DistributedShampoo::DistributedShampoo(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                                        ShampooOptions defaults, DistributedOptions distributed)
-    // The base constructor gets no groups: its add_param_group would drop each group's options.
+    // The base constructor gets no groups: its add_param_group would not register them here.
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<ShampooOptions>(defaults)),
       engine_(std::make_unique<detail::ShampooEngine>(defaults, std::move(distributed))) {

@@ -69,8 +69,10 @@ class DistributedShampoo : public torch::optim::Optimizer {
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   /// Adds a group with its own ShampooOptions (the defaults when it has none). Groups added later
-  /// keep their own step count. Hides torch::optim::Optimizer::add_param_group, which would
-  /// replace the options of a non-builtin optimizer with the defaults.
+  /// keep their own step count. Its parameters must share one dtype (Float or Double). Hides
+  /// torch::optim::Optimizer::add_param_group, which is not virtual: called through a base-class
+  /// reference it appends the group (LibTorch 2.11 keeps the group's options) without
+  /// registering its parameters, and the next step() is an error naming the group.
   void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
 
   /// Checkpoints: torch::save(optimizer, path) / torch::load(optimizer, path). Each rank writes

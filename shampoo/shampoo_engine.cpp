@@ -5,8 +5,11 @@
 
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
+
+#include "shampoo/option_fields.h"
 
 namespace shampoo::detail {
 
@@ -71,6 +74,13 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
     TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble, "param group ",
                 index, ": parameter ", i, " has dtype ", p.scalar_type(),
                 ", expected Float or Double");
+    // One dtype per group: the group's blocks run one elementwise chain (groups of different
+    // dtypes are fine, they never share a virtual group).
+    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "param group ", index, ": parameter ",
+                i, ": dtype: got ", p.scalar_type(), ", expected ", params[0].scalar_type(),
+                " (the dtype of parameter 0; the parameters of one param group share a dtype, put "
+                "the ",
+                p.scalar_type(), " parameters into a param group of their own)");
     TORCH_CHECK(p.is_leaf(), "param group ", index, ": parameter ", i,
                 " is not a leaf tensor (can't optimize a non-leaf Tensor)");
     TORCH_CHECK(p.is_contiguous(), "param group ", index, ": parameter ", i,
@@ -127,15 +137,13 @@ void ShampooEngine::check_ranks_agree(
   };
   int64_t numel = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
-    const auto& o = options_of(groups[g], g);
-    for (const int64_t v :
-         {o.max_preconditioner_dim(), o.precondition_frequency(),
-          o.resolved_start_preconditioning_step(), static_cast<int64_t>(o.grafting().index()),
-          static_cast<int64_t>(o.preconditioner().index()),
-          static_cast<int64_t>(o.factor_matrix_dtype()), static_cast<int64_t>(o.use_merge_dims()),
-          static_cast<int64_t>(o.weight_decay_type()), group_sizes_[g]}) {
-      mix(v);
+    const auto& options = options_of(groups[g], g);
+    for (const auto& field : option_fields()) {
+      if (field.kind != OptionKind::kStructural) continue;
+      for (const int64_t v : field.code(options)) mix(v);
+      mix(-1);  // end of the field: codes of different lengths stay apart
     }
+    mix(group_sizes_[g]);
   }
   for (const auto& p : params_) {
     mix(p.group);
@@ -179,16 +187,23 @@ void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>
 
 std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
     const std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  // Front end: param group -> virtual group (first structurally equal one when merging).
+  // Front end: param group -> virtual group (first structurally equal one of the same parameter
+  // dtype when merging: a virtual group runs one elementwise chain, of one dtype).
   std::vector<ShampooOptions> structures;
+  std::vector<std::optional<at::ScalarType>> dtypes;  // none while a virtual group has no params
   std::vector<std::vector<int64_t>> members;
   group_virtual_.assign(groups.size(), 0);
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& options = options_of(groups[g], g);
+    const auto& group_params = groups[g].params();
+    const auto dtype = group_params.empty()
+                           ? std::nullopt
+                           : std::optional<at::ScalarType>(group_params.front().scalar_type());
     int64_t vg = -1;
     if (distributed_.merge_param_groups()) {
       for (size_t k = 0; k < structures.size(); ++k) {
-        if (structurally_equal(structures[k], options)) {
+        if (structurally_equal(structures[k], options) &&
+            (!dtype || !dtypes[k] || *dtype == *dtypes[k])) {
           vg = static_cast<int64_t>(k);
           break;
         }
@@ -197,8 +212,10 @@ std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
     if (vg == -1) {
       vg = static_cast<int64_t>(structures.size());
       structures.push_back(options);
+      dtypes.emplace_back();
       members.emplace_back();
     }
+    if (dtype) dtypes[vg] = dtype;
     members[vg].push_back(static_cast<int64_t>(g));
     group_virtual_[g] = vg;
   }
@@ -241,11 +258,18 @@ std::map<BlockId, BlockState> ShampooEngine::export_states() const {
 
 void ShampooEngine::check_groups(
     const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+  // torch::optim::Optimizer::add_param_group (LibTorch 2.11) appends the group with a copy of its
+  // options (or of the defaults), but it is not virtual: the engine never hears of the group.
+  TORCH_CHECK(groups.size() <= group_steps_.size(), "DistributedShampoo: param group ",
+              group_steps_.size(), " is not registered with DistributedShampoo (", groups.size(),
+              " param groups, ", group_steps_.size(),
+              " registered): it was added with torch::optim::Optimizer::add_param_group "
+              "(through a base-class reference) or to param_groups() directly, which keeps its "
+              "options but gives its parameters no blocks and no state; add param groups with "
+              "DistributedShampoo::add_param_group");
   TORCH_CHECK(groups.size() == group_steps_.size(), "DistributedShampoo: ", groups.size(),
               " param groups, but ", group_steps_.size(),
-              " were registered; add groups with "
-              "DistributedShampoo::add_param_group (torch::optim::Optimizer::add_param_group "
-              "would replace their ShampooOptions with the defaults)");
+              " were registered; param groups cannot be removed, build a new optimizer instead");
   for (size_t g = 0; g < groups.size(); ++g) {
     TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == group_sizes_[g],
                 "DistributedShampoo: param group ", g, " has ", groups[g].params().size(),
@@ -253,13 +277,13 @@ void ShampooEngine::check_groups(
                 " were registered; use add_param_group "
                 "to add parameters");
     const auto& options = options_of(groups[g], g);
-    TORCH_CHECK(structurally_equal(options, virtual_groups_[group_virtual_[g]]->structure()),
-                "DistributedShampoo: param group ", g,
-                " changed a structural option (block "
-                "size, preconditioning schedule, grafting kind, preconditioner, dtypes, bias "
-                "correction, Nesterov, weight decay type) after construction; only lr, betas, "
-                "beta3, epsilon, weight_decay, momentum, dampening and grafting floats may "
-                "change. Build a new optimizer instead");
+    const auto& structure = virtual_groups_[group_virtual_[g]]->structure();
+    const auto* changed = structural_difference(options, structure);
+    TORCH_CHECK(changed == nullptr, "DistributedShampoo: param group ", g, ": structural option ",
+                describe_difference(*changed, options, structure),
+                " (its value at construction); only the float options (",
+                option_names(OptionKind::kFloat),
+                ") may change after construction, build a new optimizer instead");
     try {
       options.validate();
     } catch (const c10::Error& e) {

@@ -4,7 +4,8 @@
 #include <torch/serialize/archive.h>
 
 #include <cmath>
-#include <sstream>
+
+#include "shampoo/option_fields.h"
 
 namespace shampoo {
 namespace {
@@ -92,120 +93,18 @@ void ShampooOptions::validate() const {
 }
 
 bool structurally_equal(const ShampooOptions& a, const ShampooOptions& b) {
-  auto grafting_kind = [](const GraftingConfig& g) { return g.index(); };
-  return a.weight_decay_type() == b.weight_decay_type() && a.use_nesterov() == b.use_nesterov() &&
-         a.max_preconditioner_dim() == b.max_preconditioner_dim() &&
-         a.use_merge_dims() == b.use_merge_dims() &&
-         a.precondition_frequency() == b.precondition_frequency() &&
-         a.resolved_start_preconditioning_step() == b.resolved_start_preconditioning_step() &&
-         a.use_bias_correction() == b.use_bias_correction() &&
-         grafting_kind(a.grafting()) == grafting_kind(b.grafting()) &&
-         a.factor_matrix_dtype() == b.factor_matrix_dtype() &&
-         a.preconditioner() == b.preconditioner() &&
-         a.inverse_exponent_override() == b.inverse_exponent_override() &&
-         a.num_tolerated_failed_amortized_computations() ==
-             b.num_tolerated_failed_amortized_computations();
+  return detail::structural_difference(a, b) == nullptr;
 }
 
-namespace {
-
-// Float hyperparameters travel in checkpoints (a scheduler may have changed lr); structural ones
-// are written too, so a load into an optimizer with other structure is refused with a message.
-void write_double(torch::serialize::OutputArchive& a, const std::string& key, double v) {
-  a.write(key, c10::IValue(v));
-}
-void write_int(torch::serialize::OutputArchive& a, const std::string& key, int64_t v) {
-  a.write(key, c10::IValue(v));
-}
-double read_double(torch::serialize::InputArchive& a, const std::string& key) {
-  c10::IValue v;
-  a.read(key, v);
-  return v.toDouble();
-}
-int64_t read_int(torch::serialize::InputArchive& a, const std::string& key) {
-  c10::IValue v;
-  a.read(key, v);
-  return v.toInt();
-}
-
-std::pair<int64_t, std::pair<double, double>> grafting_fields(const GraftingConfig& g) {
-  return std::visit(
-      [&](const auto& c) -> std::pair<int64_t, std::pair<double, double>> {
-        using G = std::decay_t<decltype(c)>;
-        if constexpr (std::is_same_v<G, AdaGradGraftingConfig>) {
-          return {static_cast<int64_t>(g.index()), {1.0, c.epsilon}};
-        } else if constexpr (std::is_same_v<G, RMSpropGraftingConfig> ||
-                             std::is_same_v<G, AdamGraftingConfig>) {
-          return {static_cast<int64_t>(g.index()), {c.beta2, c.epsilon}};
-        } else {
-          return {static_cast<int64_t>(g.index()), {0.0, 0.0}};
-        }
-      },
-      g);
-}
-
-GraftingConfig make_grafting(int64_t kind, double beta2, double epsilon) {
-  switch (kind) {
-    case 1:
-      return SGDGraftingConfig{};
-    case 2:
-      return AdaGradGraftingConfig{epsilon};
-    case 3:
-      return RMSpropGraftingConfig{beta2, epsilon};
-    case 4:
-      return AdamGraftingConfig{beta2, epsilon};
-    default:
-      return std::monostate{};
-  }
-}
-
-}  // namespace
-
+// Every field is written (shampoo/option_fields.cpp): the float ones so a checkpoint restores
+// what a scheduler changed, the structural ones so a load into an optimizer of other structure
+// is refused naming the field.
 void ShampooOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  write_double(archive, "lr", lr());
-  write_double(archive, "beta1", std::get<0>(betas()));
-  write_double(archive, "beta2", std::get<1>(betas()));
-  write_double(archive, "beta3", beta3());
-  write_double(archive, "epsilon", epsilon());
-  write_double(archive, "weight_decay", weight_decay());
-  write_int(archive, "weight_decay_type", static_cast<int64_t>(weight_decay_type()));
-  write_double(archive, "momentum", momentum());
-  write_double(archive, "dampening", dampening());
-  write_int(archive, "use_nesterov", use_nesterov());
-  write_int(archive, "max_preconditioner_dim", max_preconditioner_dim());
-  write_int(archive, "use_merge_dims", use_merge_dims());
-  write_int(archive, "precondition_frequency", precondition_frequency());
-  write_int(archive, "start_preconditioning_step", start_preconditioning_step());
-  write_int(archive, "use_bias_correction", use_bias_correction());
-  const auto [kind, floats] = grafting_fields(grafting());
-  write_int(archive, "grafting_kind", kind);
-  write_double(archive, "grafting_beta2", floats.first);
-  write_double(archive, "grafting_epsilon", floats.second);
-  write_int(archive, "factor_matrix_dtype", static_cast<int64_t>(factor_matrix_dtype()));
-  write_int(archive, "num_tolerated_failed_amortized_computations",
-            num_tolerated_failed_amortized_computations());
+  for (const auto& field : detail::option_fields()) field.write(*this, archive);
 }
 
 void ShampooOptions::serialize(torch::serialize::InputArchive& archive) {
-  lr(read_double(archive, "lr"));
-  betas(std::make_tuple(read_double(archive, "beta1"), read_double(archive, "beta2")));
-  beta3(read_double(archive, "beta3"));
-  epsilon(read_double(archive, "epsilon"));
-  weight_decay(read_double(archive, "weight_decay"));
-  weight_decay_type(static_cast<WeightDecayType>(read_int(archive, "weight_decay_type")));
-  momentum(read_double(archive, "momentum"));
-  dampening(read_double(archive, "dampening"));
-  use_nesterov(read_int(archive, "use_nesterov") != 0);
-  max_preconditioner_dim(read_int(archive, "max_preconditioner_dim"));
-  use_merge_dims(read_int(archive, "use_merge_dims") != 0);
-  precondition_frequency(read_int(archive, "precondition_frequency"));
-  start_preconditioning_step(read_int(archive, "start_preconditioning_step"));
-  use_bias_correction(read_int(archive, "use_bias_correction") != 0);
-  grafting(make_grafting(read_int(archive, "grafting_kind"), read_double(archive, "grafting_beta2"),
-                         read_double(archive, "grafting_epsilon")));
-  factor_matrix_dtype(static_cast<c10::ScalarType>(read_int(archive, "factor_matrix_dtype")));
-  num_tolerated_failed_amortized_computations(
-      read_int(archive, "num_tolerated_failed_amortized_computations"));
+  for (const auto& field : detail::option_fields()) field.read(archive, *this);
 }
 
 void DistributedOptions::validate() const {

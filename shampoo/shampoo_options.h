@@ -87,7 +87,9 @@ using Betas = std::tuple<double, double>;
 
 /// Options of one parameter group. Float fields (lr, betas, beta3, epsilon, weight_decay,
 /// momentum, dampening, the grafting betas and epsilons) may differ between groups that are still
-/// merged into one virtual group; the other fields are structural.
+/// merged into one virtual group; the other fields are structural. Which is which, and how each
+/// field is compared and serialized, is the table of shampoo/option_fields.cpp: a new option is
+/// its TORCH_ARG here and one row there.
 struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOptions> {
   ShampooOptions() = default;
   explicit ShampooOptions(double lr) : lr_(lr) {}
@@ -139,7 +141,8 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
 };
 
 /// True when `a` and `b` can live in one virtual group: every structural field is equal (they may
-/// differ in lr, betas, beta3, epsilon, weight decay, momentum, dampening and the grafting floats).
+/// differ in the float fields: lr, betas, beta3, epsilon, weight decay, momentum, dampening and
+/// the grafting floats).
 bool structurally_equal(const ShampooOptions& a, const ShampooOptions& b);
 
 /// Options of the distributed engine (the same for every group).

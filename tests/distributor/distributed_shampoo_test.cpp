@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -270,6 +271,38 @@ TEST(Distributed, DifferentParametersOnRanksAreAnErrorNotAHang) {
   for (const auto& m : messages) {
     EXPECT_NE(m.find("ranks registered different parameters"), std::string::npos) << m;
     EXPECT_NE(m.find("rank 1 has 1 parameters (20 elements)"), std::string::npos) << m;
+  }
+}
+
+TEST(Distributed, EveryStructuralOptionIsInTheRanksFingerprint) {
+  // Options that once were left out of the fingerprint: a rank that differs only in one of them
+  // is found at construction, on every rank.
+  const std::vector<std::function<ShampooOptions(ShampooOptions)>> changes{
+      [](ShampooOptions o) { return o.use_nesterov(true); },
+      [](ShampooOptions o) { return o.use_bias_correction(false); },
+      [](ShampooOptions o) {
+        return o.inverse_exponent_override({{2, {{0, 0.5}}}});
+      },
+      [](ShampooOptions o) { return o.num_tolerated_failed_amortized_computations(7); },
+      [](ShampooOptions o) { return o.preconditioner(shampoo::RootInvShampooConfig{false}); },
+  };
+  for (size_t c = 0; c < changes.size(); ++c) {
+    SCOPED_TRACE("change " + std::to_string(c));
+    std::mutex mutex;
+    std::vector<std::string> messages(2);
+    run_ranks(2, [&](int rank, const Group& group) {
+      std::vector<at::Tensor> params{at::randn({4, 3}).requires_grad_()};
+      const auto options = rank == 0 ? ShampooOptions() : changes[c](ShampooOptions());
+      try {
+        DistributedShampoo opt(params, options, DistributedOptions().process_group(group));
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        messages[rank] = e.what_without_backtrace();
+      }
+    });
+    for (const auto& m : messages) {
+      EXPECT_NE(m.find("other shapes, dtypes or structural options"), std::string::npos) << m;
+    }
   }
 }
 

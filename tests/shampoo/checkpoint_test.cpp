@@ -1,9 +1,13 @@
 // Checkpoints: torch::save / torch::load resume bit-identically; a checkpoint of another model
 // or other structural options is refused with a clear error and leaves the optimizer untouched.
+#include <shampoo/option_fields.h>
 #include <shampoo/shampoo.h>
 #include <torch/serialize.h>
 
+#include <cctype>
 #include <filesystem>
+#include <functional>
+#include <set>
 
 #include "support/test_support.h"
 
@@ -140,7 +144,8 @@ TEST(CheckpointErrors, OtherModelOrStructureIsRefusedAndNothingChanges) {
 
   // Same model, other structural options.
   auto other_structure = make_run(base_options().max_preconditioner_dim(4), 1);
-  expect_load_error(*other_structure.optimizer, path, "structural options");
+  expect_load_error(*other_structure.optimizer, path,
+                    "param group 0: max_preconditioner_dim: got 6 in the checkpoint, expected 4");
 
   // Not a checkpoint of this optimizer.
   const auto junk = shampoo::testing::temp_path("junk.pt");
@@ -159,5 +164,151 @@ TEST(CheckpointErrors, OtherModelOrStructureIsRefusedAndNothingChanges) {
   std::filesystem::remove(path);
   std::filesystem::remove(junk);
 }
+
+/// Every field of ShampooOptions away from its default (structural ones included).
+ShampooOptions every_field_changed() {
+  return ShampooOptions(0.125)
+      .betas({0.5, 0.75})
+      .beta3(0.25)
+      .epsilon(1e-7)
+      .weight_decay(0.0625)
+      .weight_decay_type(shampoo::WeightDecayType::kL2)
+      .momentum(0.375)
+      .dampening(0.125)
+      .use_nesterov(true)
+      .max_preconditioner_dim(7)
+      .use_merge_dims(false)
+      .precondition_frequency(5)
+      .start_preconditioning_step(11)
+      .use_bias_correction(false)
+      .grafting(shampoo::RMSpropGraftingConfig{0.875, 1e-9})
+      .factor_matrix_dtype(at::kDouble)
+      .preconditioner(
+          shampoo::EigenvalueCorrectedShampooConfig{shampoo::EigenbasisMethod::kQR, false})
+      .inverse_exponent_override({{2, {{shampoo::kAllDims, 0.25}, {1, 0.0}}}, {1, {{0, 0.5}}}})
+      .num_tolerated_failed_amortized_computations(9);
+}
+
+TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
+  const auto written = every_field_changed();
+  const auto path = shampoo::testing::temp_path("options.pt");
+  {
+    torch::serialize::OutputArchive archive;
+    written.serialize(archive);
+    archive.save_to(path);
+  }
+  torch::serialize::InputArchive archive;
+  archive.load_from(path);
+  ShampooOptions read;
+  read.serialize(archive);
+  EXPECT_EQ(read.lr(), written.lr());
+  EXPECT_EQ(read.betas(), written.betas());
+  EXPECT_EQ(read.beta3(), written.beta3());
+  EXPECT_EQ(read.epsilon(), written.epsilon());
+  EXPECT_EQ(read.weight_decay(), written.weight_decay());
+  EXPECT_EQ(read.weight_decay_type(), written.weight_decay_type());
+  EXPECT_EQ(read.momentum(), written.momentum());
+  EXPECT_EQ(read.dampening(), written.dampening());
+  EXPECT_EQ(read.use_nesterov(), written.use_nesterov());
+  EXPECT_EQ(read.max_preconditioner_dim(), written.max_preconditioner_dim());
+  EXPECT_EQ(read.use_merge_dims(), written.use_merge_dims());
+  EXPECT_EQ(read.precondition_frequency(), written.precondition_frequency());
+  EXPECT_EQ(read.start_preconditioning_step(), written.start_preconditioning_step());
+  EXPECT_EQ(read.use_bias_correction(), written.use_bias_correction());
+  EXPECT_TRUE(read.grafting() == written.grafting());
+  EXPECT_EQ(read.factor_matrix_dtype(), written.factor_matrix_dtype());
+  EXPECT_TRUE(read.preconditioner() == written.preconditioner());
+  EXPECT_EQ(read.inverse_exponent_override(), written.inverse_exponent_override());
+  EXPECT_EQ(read.num_tolerated_failed_amortized_computations(),
+            written.num_tolerated_failed_amortized_computations());
+  std::filesystem::remove(path);
+}
+
+TEST(OptionsArchive, EveryRowOfTheOptionTableRoundTrips) {
+  // Table-driven: a row added to shampoo/option_fields.cpp is covered here once
+  // every_field_changed() sets it (the first expectation fails until it does).
+  const auto written = every_field_changed();
+  torch::serialize::OutputArchive out;
+  written.serialize(out);
+  const auto path = shampoo::testing::temp_path("options.pt");
+  out.save_to(path);
+  torch::serialize::InputArchive in;
+  in.load_from(path);
+  ShampooOptions read;
+  read.serialize(in);
+  std::set<std::string> keys;
+  for (const auto& field : shampoo::detail::option_fields()) {
+    EXPECT_NE(field.code(written), field.code(ShampooOptions{}))
+        << field.name << " is not changed by every_field_changed()";
+    EXPECT_EQ(field.code(read), field.code(written))
+        << field.name << ": wrote " << field.describe(written) << ", read " << field.describe(read);
+    for (const auto& key : field.archive_keys) {
+      EXPECT_TRUE(keys.insert(key).second) << "archive key " << key << " used twice";
+    }
+  }
+  std::filesystem::remove(path);
+}
+
+/// A structural option of the checkpoint's optimizer and a different value of it.
+struct StructuralCase {
+  std::string field;
+  std::function<void(ShampooOptions&)> change;
+};
+
+void PrintTo(const StructuralCase& c, std::ostream* os) { *os << c.field; }
+
+class StructuralMismatch : public ::testing::TestWithParam<StructuralCase> {};
+
+TEST_P(StructuralMismatch, IsRefusedNamingTheField) {
+  auto source = make_run(base_options(), 1);
+  for (int t = 1; t <= 3; ++t) step(source, t);
+  const auto path = shampoo::testing::temp_path("opt.pt");
+  torch::save(*source.optimizer, path);
+  auto options = base_options();
+  GetParam().change(options);
+  auto target = make_run(options, 1);
+  expect_load_error(*target.optimizer, path, "param group 0: " + GetParam().field + ": got ");
+  std::filesystem::remove(path);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fields, StructuralMismatch,
+    ::testing::Values(
+        StructuralCase{"preconditioner",
+                       [](ShampooOptions& o) {
+                         o.preconditioner(shampoo::EigenvalueCorrectedShampooConfig{});
+                       }},
+        StructuralCase{
+            "preconditioner",
+            [](ShampooOptions& o) { o.preconditioner(shampoo::RootInvShampooConfig{false}); }},
+        StructuralCase{"inverse_exponent_override",
+                       [](ShampooOptions& o) {
+                         o.inverse_exponent_override({{2, {{shampoo::kAllDims, 0.5}}}});
+                       }},
+        StructuralCase{"grafting kind",
+                       [](ShampooOptions& o) {
+                         o.grafting(shampoo::RMSpropGraftingConfig{0.99, 1e-8});
+                       }},
+        StructuralCase{"use_nesterov", [](ShampooOptions& o) { o.use_nesterov(true); }},
+        StructuralCase{"use_bias_correction",
+                       [](ShampooOptions& o) { o.use_bias_correction(false); }},
+        StructuralCase{"num_tolerated_failed_amortized_computations",
+                       [](ShampooOptions& o) { o.num_tolerated_failed_amortized_computations(7); }},
+        StructuralCase{"factor_matrix_dtype",
+                       [](ShampooOptions& o) { o.factor_matrix_dtype(at::kDouble); }},
+        StructuralCase{"max_preconditioner_dim",
+                       [](ShampooOptions& o) { o.max_preconditioner_dim(4); }},
+        StructuralCase{"start_preconditioning_step",
+                       [](ShampooOptions& o) { o.start_preconditioning_step(4); }},
+        StructuralCase{
+            "weight_decay_type",
+            [](ShampooOptions& o) { o.weight_decay_type(shampoo::WeightDecayType::kL2); }}),
+    [](const ::testing::TestParamInfo<StructuralCase>& info) {
+      auto name = info.param.field + "_" + std::to_string(info.index);
+      for (auto& c : name) {
+        if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+      }
+      return name;
+    });
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Construction-time checks (field, value, allowed range), per-group options kept (the
 // add_param_group pitfall of LibTorch's base class), lr()/set_lr() and LibTorch's LR schedulers.
+#include <ATen/CPUGeneratorImpl.h>
 #include <shampoo/shampoo.h>
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
@@ -103,6 +104,72 @@ TEST(OptionsValidation, BadParameters) {
   expect_error([] { DistributedShampoo opt({at::randn({4, 4}).t()}); }, {"not contiguous"});
 }
 
+TEST(MixedDtypes, OneGroupWithFloatAndDoubleIsRefusedAtConstruction) {
+  // Found at construction, naming both parameters and dtypes (not at step() by the chain).
+  expect_error(
+      [] {
+        DistributedShampoo opt(
+            {at::randn({3}).requires_grad_(), at::randn({2}, at::kDouble).requires_grad_()});
+      },
+      {"param group 0", "parameter 1", "dtype: got Double, expected Float", "parameter 0"});
+  DistributedShampoo opt(params());
+  expect_error(
+      [&] {
+        opt.add_param_group(torch::optim::OptimizerParamGroup(
+            {at::randn({2}, at::kDouble).requires_grad_(), at::randn({2}).requires_grad_()}));
+      },
+      {"param group 1", "parameter 1", "dtype: got Float, expected Double", "parameter 0"});
+  EXPECT_EQ(opt.param_groups().size(), 1u);  // the refused group was not added
+}
+
+/// Steps `optimizer` `steps` times with fixed gradients drawn for each step.
+void run_steps(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ps, int steps) {
+  for (int t = 0; t < steps; ++t) {
+    shampoo::testing::set_random_grads(ps, 100 + t);
+    optimizer.step();
+  }
+}
+
+TEST(MixedDtypes, GroupsOfDifferentDtypesStepLikeSeparateOptimizers) {
+  // Different dtypes in different groups are allowed: each dtype is a virtual group of its own
+  // (the chain runs one dtype), even when the groups' options are equal.
+  const auto options =
+      ShampooOptions(0.05).betas({0.9, 0.99}).grafting(shampoo::AdamGraftingConfig{0.99, 1e-8});
+  for (const bool merge : {true, false}) {
+    SCOPED_TRACE(merge ? "merged" : "unmerged");
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+    const std::vector<at::Tensor> floats{at::randn({4, 3}, gen).requires_grad_(),
+                                         at::randn({3}, gen).requires_grad_()};
+    const std::vector<at::Tensor> doubles{at::randn({5, 2}, gen).to(at::kDouble).requires_grad_(),
+                                          at::randn({2}, gen).to(at::kDouble).requires_grad_()};
+    const auto floats_alone = shampoo::testing::clone_params(floats);
+    const auto doubles_alone = shampoo::testing::clone_params(doubles);
+
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(floats);
+    groups.emplace_back(doubles);
+    DistributedShampoo both(groups, options,
+                            shampoo::DistributedOptions().merge_param_groups(merge));
+    EXPECT_EQ(both.stats().virtual_groups, 2);
+    std::vector<at::Tensor> all = floats;
+    all.insert(all.end(), doubles.begin(), doubles.end());
+    run_steps(both, all, 4);
+
+    DistributedShampoo float_opt(floats_alone, options);
+    DistributedShampoo double_opt(doubles_alone, options);
+    std::vector<at::Tensor> all_alone = floats_alone;
+    all_alone.insert(all_alone.end(), doubles_alone.begin(), doubles_alone.end());
+    for (int t = 0; t < 4; ++t) {
+      shampoo::testing::set_random_grads(all_alone, 100 + t);
+      float_opt.step();
+      double_opt.step();
+    }
+    EXPECT_EQ(doubles[0].scalar_type(), at::kDouble);
+    EXPECT_TRUE(shampoo::testing::bit_equal(shampoo::testing::snapshot(all),
+                                            shampoo::testing::snapshot(all_alone)));
+  }
+}
+
 TEST(OptionsValidation, GroupsOfAnotherOptimizerAreRejected) {
   expect_error(
       [] {
@@ -137,6 +204,25 @@ TEST(GroupOptions, GroupsAddedThroughTheBaseClassAreReported) {
   auto& base = static_cast<torch::optim::Optimizer&>(opt);
   base.add_param_group(torch::optim::OptimizerParamGroup({at::randn({2}).requires_grad_()}));
   expect_error([&] { opt.step(); }, {"DistributedShampoo::add_param_group"});
+}
+
+TEST(GroupOptions, BaseClassAddParamGroupKeepsOptionsButRegistersNoParameters) {
+  // What LibTorch 2.11's torch::optim::Optimizer::add_param_group does for a non-builtin options
+  // type: a group with options keeps a copy of them, a group without gets a copy of the
+  // defaults; nothing reaches DistributedShampoo's engine, so the next step() is refused.
+  DistributedShampoo opt(params(), ShampooOptions(0.01));
+  auto& base = static_cast<torch::optim::Optimizer&>(opt);
+  base.add_param_group(torch::optim::OptimizerParamGroup(
+      {at::randn({2}).requires_grad_()},
+      std::make_unique<ShampooOptions>(ShampooOptions(0.5).momentum(0.25))));
+  base.add_param_group(torch::optim::OptimizerParamGroup({at::randn({2}).requires_grad_()}));
+  ASSERT_EQ(opt.param_groups().size(), 3u);
+  EXPECT_EQ(opt.group_options(1).lr(), 0.5);
+  EXPECT_EQ(opt.group_options(1).momentum(), 0.25);
+  EXPECT_EQ(opt.group_options(2).lr(), 0.01);
+  expect_error([&] { opt.step(); },
+               {"param group 1", "torch::optim::Optimizer::add_param_group",
+                "not registered with DistributedShampoo", "DistributedShampoo::add_param_group"});
 }
 
 TEST(GroupOptions, SetLrChangesTheStep) {

@@ -1,0 +1,466 @@
+#include "shampoo/option_fields.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <cstring>
+#include <sstream>
+#include <type_traits>
+#include <utility>
+#include <variant>
+
+namespace shampoo::detail {
+namespace {
+
+using torch::serialize::InputArchive;
+using torch::serialize::OutputArchive;
+
+c10::IValue read_entry(InputArchive& archive, const std::string& key) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value), "ShampooOptions archive: entry '", key, "' is missing");
+  return value;
+}
+
+double read_double(InputArchive& archive, const std::string& key) {
+  const auto value = read_entry(archive, key);
+  TORCH_CHECK(value.isDouble(), "ShampooOptions archive: entry '", key, "': got a ",
+              value.tagKind(), ", expected a float");
+  return value.toDouble();
+}
+
+int64_t read_int(InputArchive& archive, const std::string& key) {
+  const auto value = read_entry(archive, key);
+  TORCH_CHECK(value.isInt(), "ShampooOptions archive: entry '", key, "': got a ", value.tagKind(),
+              ", expected an int");
+  return value.toInt();
+}
+
+/// An int entry that must lie in [0, count).
+int64_t read_index(InputArchive& archive, const std::string& key, int64_t count) {
+  const int64_t value = read_int(archive, key);
+  TORCH_CHECK(value >= 0 && value < count, "ShampooOptions archive: ", key, ": got ", value,
+              ", expected 0..", count - 1);
+  return value;
+}
+
+int64_t double_bits(double value) {
+  value += 0.0;  // −0.0 codes as 0.0
+  int64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+/// How a value of one type goes into an archive entry, into the code and into a message.
+template <typename T>
+struct Codec;
+
+template <>
+struct Codec<double> {
+  static void write(OutputArchive& a, const std::string& key, double v) {
+    a.write(key, c10::IValue(v));
+  }
+  static double read(InputArchive& a, const std::string& key) { return read_double(a, key); }
+  static int64_t code(double v) { return double_bits(v); }
+  static std::string describe(double v) { return c10::str(v); }
+};
+
+template <>
+struct Codec<int64_t> {
+  static void write(OutputArchive& a, const std::string& key, int64_t v) {
+    a.write(key, c10::IValue(v));
+  }
+  static int64_t read(InputArchive& a, const std::string& key) { return read_int(a, key); }
+  static int64_t code(int64_t v) { return v; }
+  static std::string describe(int64_t v) { return c10::str(v); }
+};
+
+template <>
+struct Codec<bool> {
+  static void write(OutputArchive& a, const std::string& key, bool v) {
+    a.write(key, c10::IValue(static_cast<int64_t>(v)));
+  }
+  static bool read(InputArchive& a, const std::string& key) { return read_index(a, key, 2) != 0; }
+  static int64_t code(bool v) { return v ? 1 : 0; }
+  static std::string describe(bool v) { return v ? "true" : "false"; }
+};
+
+template <>
+struct Codec<WeightDecayType> {
+  static void write(OutputArchive& a, const std::string& key, WeightDecayType v) {
+    a.write(key, c10::IValue(static_cast<int64_t>(v)));
+  }
+  static WeightDecayType read(InputArchive& a, const std::string& key) {
+    return static_cast<WeightDecayType>(read_index(a, key, 2));
+  }
+  static int64_t code(WeightDecayType v) { return static_cast<int64_t>(v); }
+  static std::string describe(WeightDecayType v) {
+    return v == WeightDecayType::kL2 ? "kL2" : "kDecoupled";
+  }
+};
+
+template <>
+struct Codec<c10::ScalarType> {
+  static void write(OutputArchive& a, const std::string& key, c10::ScalarType v) {
+    a.write(key, c10::IValue(static_cast<int64_t>(v)));
+  }
+  static c10::ScalarType read(InputArchive& a, const std::string& key) {
+    return static_cast<c10::ScalarType>(
+        read_index(a, key, static_cast<int64_t>(c10::ScalarType::NumOptions)));
+  }
+  static int64_t code(c10::ScalarType v) { return static_cast<int64_t>(v); }
+  static std::string describe(c10::ScalarType v) { return c10::toString(v); }
+};
+
+/// A field of one value of type T, stored under its own name.
+template <typename T, typename Get, typename Set>
+OptionField simple_field(const std::string& name, OptionKind kind, Get get, Set set) {
+  OptionField f;
+  f.name = name;
+  f.kind = kind;
+  f.archive_keys = {name};
+  f.code = [get](const ShampooOptions& o) { return std::vector<int64_t>{Codec<T>::code(get(o))}; };
+  f.describe = [get](const ShampooOptions& o) { return Codec<T>::describe(get(o)); };
+  f.write = [get, name](const ShampooOptions& o, OutputArchive& a) {
+    Codec<T>::write(a, name, get(o));
+  };
+  f.read = [set, name](InputArchive& a, ShampooOptions& o) { set(o, Codec<T>::read(a, name)); };
+  f.copy = [get, set](const ShampooOptions& from, ShampooOptions& to) { set(to, get(from)); };
+  return f;
+}
+
+#define SHAMPOO_SIMPLE_OPTION(type, field, kind)                                           \
+  simple_field<type>(                                                                      \
+      #field, OptionKind::kind, [](const ShampooOptions& o) -> type { return o.field(); }, \
+      [](ShampooOptions& o, type v) { o.field(v); })
+
+OptionField betas_field() {
+  OptionField f;
+  f.name = "betas";
+  f.kind = OptionKind::kFloat;
+  f.archive_keys = {"beta1", "beta2"};
+  f.code = [](const ShampooOptions& o) {
+    return std::vector<int64_t>{double_bits(std::get<0>(o.betas())),
+                                double_bits(std::get<1>(o.betas()))};
+  };
+  f.describe = [](const ShampooOptions& o) {
+    return c10::str("(", std::get<0>(o.betas()), ", ", std::get<1>(o.betas()), ")");
+  };
+  f.write = [](const ShampooOptions& o, OutputArchive& a) {
+    a.write("beta1", c10::IValue(std::get<0>(o.betas())));
+    a.write("beta2", c10::IValue(std::get<1>(o.betas())));
+  };
+  f.read = [](InputArchive& a, ShampooOptions& o) {
+    o.betas(std::make_tuple(read_double(a, "beta1"), read_double(a, "beta2")));
+  };
+  f.copy = [](const ShampooOptions& from, ShampooOptions& to) { to.betas(from.betas()); };
+  return f;
+}
+
+OptionField start_preconditioning_step_field() {
+  auto f = SHAMPOO_SIMPLE_OPTION(int64_t, start_preconditioning_step, kStructural);
+  // −1 means precondition_frequency: compared resolved.
+  f.code = [](const ShampooOptions& o) {
+    return std::vector<int64_t>{o.resolved_start_preconditioning_step()};
+  };
+  f.describe = [](const ShampooOptions& o) -> std::string {
+    if (o.start_preconditioning_step() == -1) {
+      return c10::str("-1 (= precondition_frequency = ", o.precondition_frequency(), ")");
+    }
+    if (o.start_preconditioning_step() == kNeverStartPreconditioning) {
+      return "kNeverStartPreconditioning";
+    }
+    return c10::str(o.start_preconditioning_step());
+  };
+  return f;
+}
+
+// Grafting: the kind (the variant's alternative) is structural, its beta2 and epsilon are floats.
+constexpr int64_t kGraftingKinds = std::variant_size_v<GraftingConfig>;
+const char* const kGraftingNames[kGraftingKinds] = {"none", "SGD", "AdaGrad", "RMSprop", "Adam"};
+
+GraftingConfig default_grafting(int64_t kind) {
+  switch (kind) {
+    case 1:
+      return SGDGraftingConfig{};
+    case 2:
+      return AdaGradGraftingConfig{};
+    case 3:
+      return RMSpropGraftingConfig{};
+    case 4:
+      return AdamGraftingConfig{};
+    default:
+      return std::monostate{};
+  }
+}
+
+/// (beta2, epsilon) of the config; 0 where its kind has no such value.
+std::pair<double, double> grafting_floats(const GraftingConfig& grafting) {
+  return std::visit(
+      [](const auto& g) -> std::pair<double, double> {
+        using G = std::decay_t<decltype(g)>;
+        if constexpr (std::is_same_v<G, AdaGradGraftingConfig>) {
+          return {0.0, g.epsilon};
+        } else if constexpr (std::is_same_v<G, RMSpropGraftingConfig> ||
+                             std::is_same_v<G, AdamGraftingConfig>) {
+          return {g.beta2, g.epsilon};
+        } else {
+          return {0.0, 0.0};
+        }
+      },
+      grafting);
+}
+
+/// The config with its kind kept and the values its kind has set to `floats`.
+GraftingConfig with_grafting_floats(GraftingConfig grafting, std::pair<double, double> floats) {
+  std::visit(
+      [&](auto& g) {
+        using G = std::decay_t<decltype(g)>;
+        if constexpr (std::is_same_v<G, AdaGradGraftingConfig>) {
+          g.epsilon = floats.second;
+        } else if constexpr (std::is_same_v<G, RMSpropGraftingConfig> ||
+                             std::is_same_v<G, AdamGraftingConfig>) {
+          g.beta2 = floats.first;
+          g.epsilon = floats.second;
+        }
+      },
+      grafting);
+  return grafting;
+}
+
+OptionField grafting_kind_field() {
+  OptionField f;
+  f.name = "grafting kind";
+  f.kind = OptionKind::kStructural;
+  f.archive_keys = {"grafting_kind"};
+  f.code = [](const ShampooOptions& o) {
+    return std::vector<int64_t>{static_cast<int64_t>(o.grafting().index())};
+  };
+  f.describe = [](const ShampooOptions& o) {
+    return std::string(kGraftingNames[o.grafting().index()]);
+  };
+  f.write = [](const ShampooOptions& o, OutputArchive& a) {
+    a.write("grafting_kind", c10::IValue(static_cast<int64_t>(o.grafting().index())));
+  };
+  f.read = [](InputArchive& a, ShampooOptions& o) {
+    o.grafting(default_grafting(read_index(a, "grafting_kind", kGraftingKinds)));
+  };
+  f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
+    if (to.grafting().index() != from.grafting().index()) {
+      to.grafting(default_grafting(static_cast<int64_t>(from.grafting().index())));
+    }
+  };
+  return f;
+}
+
+OptionField grafting_floats_field() {
+  OptionField f;
+  f.name = "grafting floats";
+  f.kind = OptionKind::kFloat;
+  f.archive_keys = {"grafting_beta2", "grafting_epsilon"};
+  f.code = [](const ShampooOptions& o) {
+    const auto [beta2, epsilon] = grafting_floats(o.grafting());
+    return std::vector<int64_t>{double_bits(beta2), double_bits(epsilon)};
+  };
+  f.describe = [](const ShampooOptions& o) {
+    const auto [beta2, epsilon] = grafting_floats(o.grafting());
+    return c10::str("(beta2 ", beta2, ", epsilon ", epsilon, ")");
+  };
+  f.write = [](const ShampooOptions& o, OutputArchive& a) {
+    const auto [beta2, epsilon] = grafting_floats(o.grafting());
+    a.write("grafting_beta2", c10::IValue(beta2));
+    a.write("grafting_epsilon", c10::IValue(epsilon));
+  };
+  // After the grafting kind row: sets the floats of the kind read there.
+  f.read = [](InputArchive& a, ShampooOptions& o) {
+    o.grafting(with_grafting_floats(
+        o.grafting(), {read_double(a, "grafting_beta2"), read_double(a, "grafting_epsilon")}));
+  };
+  f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
+    to.grafting(with_grafting_floats(to.grafting(), grafting_floats(from.grafting())));
+  };
+  return f;
+}
+
+OptionField preconditioner_field() {
+  OptionField f;
+  f.name = "preconditioner";
+  f.kind = OptionKind::kStructural;
+  f.archive_keys = {"preconditioner_kind", "preconditioner_retry_double_precision",
+                    "preconditioner_eigenbasis_method"};
+  // (kind, retry_double_precision, eigenbasis_method or 0)
+  auto parts = [](const ShampooOptions& o) {
+    return std::visit(
+        [&](const auto& c) -> std::vector<int64_t> {
+          using C = std::decay_t<decltype(c)>;
+          int64_t method = 0;
+          if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
+            method = static_cast<int64_t>(c.eigenbasis_method);
+          }
+          return {static_cast<int64_t>(o.preconditioner().index()),
+                  c.retry_double_precision ? 1 : 0, method};
+        },
+        o.preconditioner());
+  };
+  f.code = parts;
+  f.describe = [](const ShampooOptions& o) {
+    return std::visit(
+        [](const auto& c) -> std::string {
+          using C = std::decay_t<decltype(c)>;
+          const char* retry = c.retry_double_precision ? "true" : "false";
+          if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
+            return c10::str("eigenvalue-corrected Shampoo (eigenbasis_method ",
+                            c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
+                            ", retry_double_precision ", retry, ")");
+          } else {
+            return c10::str("root-inverse Shampoo (retry_double_precision ", retry, ")");
+          }
+        },
+        o.preconditioner());
+  };
+  f.write = [parts](const ShampooOptions& o, OutputArchive& a) {
+    const auto p = parts(o);
+    a.write("preconditioner_kind", c10::IValue(p[0]));
+    a.write("preconditioner_retry_double_precision", c10::IValue(p[1]));
+    a.write("preconditioner_eigenbasis_method", c10::IValue(p[2]));
+  };
+  f.read = [](InputArchive& a, ShampooOptions& o) {
+    const int64_t kind =
+        read_index(a, "preconditioner_kind", std::variant_size_v<PreconditionerConfig>);
+    const bool retry = read_index(a, "preconditioner_retry_double_precision", 2) != 0;
+    const auto method =
+        static_cast<EigenbasisMethod>(read_index(a, "preconditioner_eigenbasis_method", 2));
+    if (kind == 0) {
+      o.preconditioner(RootInvShampooConfig{retry});
+    } else {
+      o.preconditioner(EigenvalueCorrectedShampooConfig{method, retry});
+    }
+  };
+  f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
+    to.preconditioner(from.preconditioner());
+  };
+  return f;
+}
+
+OptionField inverse_exponent_override_field() {
+  OptionField f;
+  f.name = "inverse_exponent_override";
+  f.kind = OptionKind::kStructural;
+  f.archive_keys = {"inverse_exponent_override"};
+  f.code = [](const ShampooOptions& o) {
+    std::vector<int64_t> code;
+    for (const auto& [order, dims] : o.inverse_exponent_override()) {
+      for (const auto& [dim, exponent] : dims) {
+        code.insert(code.end(), {order, dim, double_bits(exponent)});
+      }
+    }
+    return code;
+  };
+  f.describe = [](const ShampooOptions& o) {
+    std::ostringstream out;
+    out << "{";
+    const char* separator = "";
+    for (const auto& [order, dims] : o.inverse_exponent_override()) {
+      out << separator << order << ": {";
+      separator = ", ";
+      const char* inner = "";
+      for (const auto& [dim, exponent] : dims) {
+        out << inner << (dim == kAllDims ? std::string("kAllDims") : std::to_string(dim)) << ": "
+            << exponent;
+        inner = ", ";
+      }
+      out << "}";
+    }
+    out << "}";
+    return out.str();
+  };
+  // A list of (order, dim, exponent) triples; orders and dims are small integers, exact in a
+  // double.
+  f.write = [](const ShampooOptions& o, OutputArchive& a) {
+    std::vector<double> triples;
+    for (const auto& [order, dims] : o.inverse_exponent_override()) {
+      for (const auto& [dim, exponent] : dims) {
+        triples.insert(triples.end(),
+                       {static_cast<double>(order), static_cast<double>(dim), exponent});
+      }
+    }
+    a.write("inverse_exponent_override", c10::IValue(triples));
+  };
+  f.read = [](InputArchive& a, ShampooOptions& o) {
+    const auto value = read_entry(a, "inverse_exponent_override");
+    TORCH_CHECK(value.isDoubleList(),
+                "ShampooOptions archive: entry 'inverse_exponent_override': got a ",
+                value.tagKind(), ", expected a list of floats");
+    const auto triples = value.toDoubleVector();
+    TORCH_CHECK(triples.size() % 3 == 0, "ShampooOptions archive: inverse_exponent_override: got ",
+                triples.size(), " numbers, expected (order, dim, exponent) triples");
+    InverseExponentOverride overrides;
+    for (size_t i = 0; i < triples.size(); i += 3) {
+      overrides[static_cast<int64_t>(triples[i])][static_cast<int64_t>(triples[i + 1])] =
+          triples[i + 2];
+    }
+    o.inverse_exponent_override(std::move(overrides));
+  };
+  f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
+    to.inverse_exponent_override(from.inverse_exponent_override());
+  };
+  return f;
+}
+
+std::vector<OptionField> make_option_fields() {
+  return {
+      SHAMPOO_SIMPLE_OPTION(double, lr, kFloat),
+      betas_field(),
+      SHAMPOO_SIMPLE_OPTION(double, beta3, kFloat),
+      SHAMPOO_SIMPLE_OPTION(double, epsilon, kFloat),
+      SHAMPOO_SIMPLE_OPTION(double, weight_decay, kFloat),
+      SHAMPOO_SIMPLE_OPTION(WeightDecayType, weight_decay_type, kStructural),
+      SHAMPOO_SIMPLE_OPTION(double, momentum, kFloat),
+      SHAMPOO_SIMPLE_OPTION(double, dampening, kFloat),
+      SHAMPOO_SIMPLE_OPTION(bool, use_nesterov, kStructural),
+      SHAMPOO_SIMPLE_OPTION(int64_t, max_preconditioner_dim, kStructural),
+      SHAMPOO_SIMPLE_OPTION(bool, use_merge_dims, kStructural),
+      SHAMPOO_SIMPLE_OPTION(int64_t, precondition_frequency, kStructural),
+      start_preconditioning_step_field(),
+      SHAMPOO_SIMPLE_OPTION(bool, use_bias_correction, kStructural),
+      grafting_kind_field(),
+      grafting_floats_field(),
+      SHAMPOO_SIMPLE_OPTION(c10::ScalarType, factor_matrix_dtype, kStructural),
+      preconditioner_field(),
+      inverse_exponent_override_field(),
+      SHAMPOO_SIMPLE_OPTION(int64_t, num_tolerated_failed_amortized_computations, kStructural),
+  };
+}
+
+#undef SHAMPOO_SIMPLE_OPTION
+
+}  // namespace
+
+const std::vector<OptionField>& option_fields() {
+  static const std::vector<OptionField> fields = make_option_fields();
+  return fields;
+}
+
+std::string option_names(OptionKind kind) {
+  std::string names;
+  for (const auto& field : option_fields()) {
+    if (field.kind != kind) continue;
+    if (!names.empty()) names += ", ";
+    names += field.name;
+  }
+  return names;
+}
+
+const OptionField* structural_difference(const ShampooOptions& a, const ShampooOptions& b) {
+  for (const auto& field : option_fields()) {
+    if (field.kind == OptionKind::kStructural && field.code(a) != field.code(b)) return &field;
+  }
+  return nullptr;
+}
+
+std::string describe_difference(const OptionField& field, const ShampooOptions& got,
+                                const ShampooOptions& expected) {
+  return c10::str(field.name, ": got ", field.describe(got), ", expected ",
+                  field.describe(expected));
+}
+
+}  // namespace shampoo::detail

@@ -21,6 +21,13 @@ install(EXPORT DistributedShampooTargets
   DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/DistributedShampoo)
 
 set(SHAMPOO_INSTALL_TORCH_DIR "${Torch_DIR}")
+# The CUDA architectures LibTorch was configured with here (cmake/ShampooDependencies.cmake):
+# the package config hands them to TorchConfig so that it does not probe the consumer's GPU.
+if(DEFINED TORCH_CUDA_ARCH_LIST)
+  set(SHAMPOO_INSTALL_TORCH_CUDA_ARCH_LIST "${TORCH_CUDA_ARCH_LIST}")
+else()
+  set(SHAMPOO_INSTALL_TORCH_CUDA_ARCH_LIST "$ENV{TORCH_CUDA_ARCH_LIST}")
+endif()
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/DistributedShampooConfig.cmake.in
   ${PROJECT_BINARY_DIR}/DistributedShampooConfig.cmake
   INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/DistributedShampoo)

@@ -149,12 +149,12 @@ std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* a
                 "adam always uses L2, adamw always decoupled");
   cli.add("max-preconditioner-dim", "1024",
           "shampoo: largest block size along any dim; larger dims are split into blocks")
-      .add("precondition-frequency", "1",
+      .add("precondition-frequency", "50",
            "shampoo: recompute the inverse roots every this many steps")
       .add("start-preconditioning-step", "-1",
            "shampoo: first step that preconditions; before it the grafting method runs alone "
            "(-1 = --precondition-frequency)")
-      .add_choice("grafting", {"none", "sgd", "adagrad", "rmsprop", "adam"}, "sgd",
+      .add_choice("grafting", {"none", "sgd", "adagrad", "rmsprop", "adam"}, "adam",
                   "shampoo: grafting method, whose per-block step size the Shampoo direction "
                   "takes")
       .add("grafting-beta2", "0.999", "shampoo: beta2 of rmsprop and adam grafting")

@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include "shampoo/shampoo_engine.h"
+#include "shampoo/state_size.h"
 
 namespace shampoo {
 
@@ -20,6 +21,9 @@ DistributedShampoo::DistributedShampoo(std::vector<torch::optim::OptimizerParamG
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<ShampooOptions>(defaults)),
       engine_(std::make_unique<detail::ShampooEngine>(defaults, std::move(distributed))) {
+  // Once per optimizer, over all groups (a group of biases alone has a large ratio), before the
+  // groups are registered and their state allocated.
+  detail::warn_if_state_is_large(param_groups, defaults);
   for (const auto& group : param_groups) add_param_group(group);
 }
 

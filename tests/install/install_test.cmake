@@ -1,9 +1,16 @@
-# Script mode: install, build the consumer against the install tree, run it.
+# Script mode: install into a scratch prefix, then configure, build and run a project outside
+# this repository against the install tree, as a C++17 and as a C++20 project (C++20 used to fail
+# inside find_package on a machine with nvcc), each time with README.md's marked C++ blocks
+# compiled as written (readme_snippets.cmake) and run.
+cmake_minimum_required(VERSION 3.22)
+include("${CMAKE_CURRENT_LIST_DIR}/readme_snippets.cmake")
 file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
 set(prefix "${WORK_DIR}/prefix")
 
 function(run_step what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  execute_process(COMMAND ${ARGN} WORKING_DIRECTORY "${WORK_DIR}"
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
   endif()
@@ -18,11 +25,41 @@ foreach(required include/shampoo/shampoo.h include/shampoo/config.h
     message(FATAL_ERROR "install tree lacks ${required}")
   endif()
 endforeach()
-# The consumer finds the package from the prefix alone (Torch through the package's hint).
-run_step("configure consumer" ${CMAKE_COMMAND} -S "${CONSUMER_DIR}" -B "${WORK_DIR}/consumer"
-         -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
-run_step("build consumer" ${CMAKE_COMMAND} --build "${WORK_DIR}/consumer")
-run_step("run consumer" "${WORK_DIR}/consumer/consumer")
+
+set(snippets_source "${WORK_DIR}/readme_snippets.cpp")
+shampoo_write_readme_snippets("${README}" "${snippets_source}" snippets)
+message(STATUS "README.md blocks compiled: ${snippets}")
+if(NOT "quickstart" IN_LIST snippets)
+  message(FATAL_ERROR "README.md: its first C++ block is not marked `<!-- compile: quickstart -->`")
+endif()
+
+set(launcher "")
+find_program(ccache_program ccache)
+if(ccache_program)
+  set(launcher "-DCMAKE_CXX_COMPILER_LAUNCHER=${ccache_program}")
+endif()
+foreach(standard 17 20)
+  set(consumer "${WORK_DIR}/consumer_cxx${standard}")
+  # The consumer finds the package from the prefix alone (Torch through the package's hint).
+  run_step("configure consumer (C++${standard})"
+           ${CMAKE_COMMAND} -S "${CONSUMER_DIR}" -B "${consumer}" -DCMAKE_PREFIX_PATH=${prefix}
+           -DCMAKE_BUILD_TYPE=Release -DCONSUMER_CXX_STANDARD=${standard}
+           -DREADME_SNIPPETS=${snippets_source} ${launcher})
+  # The quadratic-minimizing consumer once; the README's blocks for every standard.
+  set(targets readme_snippets)
+  if(standard EQUAL 17)
+    list(APPEND targets consumer)
+  endif()
+  run_step("build consumer (C++${standard})"
+           ${CMAKE_COMMAND} --build "${consumer}" --target ${targets})
+  run_step("run README snippets (C++${standard})" "${consumer}/readme_snippets")
+  message(STATUS "C++${standard}: ${step_output}")
+  if(NOT step_output MATCHES "readme snippets: ok")
+    message(FATAL_ERROR "the README snippets did not report success: ${step_output}")
+  endif()
+endforeach()
+
+run_step("run consumer" "${WORK_DIR}/consumer_cxx17/consumer")
 message(STATUS "consumer said: ${step_output}")
 if(NOT step_output MATCHES "consumer: ok")
   message(FATAL_ERROR "consumer did not report success: ${step_output}")

@@ -1,0 +1,119 @@
+#include "shampoo/state_size.h"
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <iomanip>
+#include <sstream>
+#include <variant>
+
+#include "distributor/block_plan.h"
+#include "shampoo/virtual_group.h"
+
+namespace shampoo::detail {
+namespace {
+
+/// Bytes the preconditioner and grafting lists allocate for one block (see the constructors of
+/// KroneckerFactors, ShampooPreconditionerList, EigenvalueCorrectedPreconditionerList and
+/// DiagonalPreconditionerList).
+int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64_t>& shape,
+                          int64_t numel, int64_t param_element_size) {
+  const auto factor_size = static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
+  const bool eigenvalue_corrected =
+      std::holds_alternative<EigenvalueCorrectedShampooConfig>(options.preconditioner());
+  int64_t bytes = 0;
+  const auto exponents = dim_exponents(options, static_cast<int64_t>(shape.size()));
+  for (const auto k : c10::irange(shape.size())) {
+    // A factor and its root (or eigenbasis); none for a dim with exponent 0.
+    if (exponents[k] != 0.0) bytes += 2 * shape[k] * shape[k] * factor_size;
+  }
+  if (eigenvalue_corrected) bytes += numel * param_element_size;  // corrected second moment
+  const bool diagonal_state = std::holds_alternative<AdaGradGraftingConfig>(options.grafting()) ||
+                              std::holds_alternative<RMSpropGraftingConfig>(options.grafting()) ||
+                              std::holds_alternative<AdamGraftingConfig>(options.grafting());
+  if (diagonal_state) bytes += numel * param_element_size;
+  return bytes;
+}
+
+std::string megabytes(int64_t bytes) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1) << static_cast<double>(bytes) / 1e6 << " MB";
+  return out.str();
+}
+
+}  // namespace
+
+std::optional<StateSizeEstimate> estimate_state_size(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups, const ShampooOptions& defaults) {
+  StateSizeEstimate estimate;
+  int64_t param_index = 0;
+  for (const auto g : c10::irange(groups.size())) {
+    const auto& group = groups[g];
+    const auto* options =
+        group.has_options() ? dynamic_cast<const ShampooOptions*>(&group.options()) : &defaults;
+    if (options == nullptr) return std::nullopt;
+    try {
+      options->validate();
+    } catch (const c10::Error&) {
+      return std::nullopt;
+    }
+    for (const auto& param : group.params()) {
+      if (!param.defined()) return std::nullopt;
+      const auto element_size = static_cast<int64_t>(param.element_size());
+      const auto plan = make_block_plan(param.sizes(), options->max_preconditioner_dim(),
+                                        options->use_merge_dims());
+      int64_t bytes = 0;
+      for (const auto& block : plan.blocks) {
+        bytes += block_state_bytes(*options, block.sizes, block.numel, element_size);
+      }
+      estimate.param_bytes += param.numel() * element_size;
+      estimate.state_bytes += bytes;
+      if (bytes > estimate.largest_param_state_bytes) {
+        estimate.largest_param = param_index;
+        estimate.largest_param_group = static_cast<int64_t>(g);
+        estimate.largest_param_shape = param.sizes().vec();
+        estimate.largest_param_blocks = static_cast<int64_t>(plan.blocks.size());
+        estimate.largest_param_state_bytes = bytes;
+      }
+      ++param_index;
+    }
+  }
+  return estimate;
+}
+
+bool warn_if_state_is_large(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                            const ShampooOptions& defaults) {
+  const auto estimate = estimate_state_size(groups, defaults);
+  if (!estimate || estimate->state_bytes <= kStateSizeWarningMinBytes ||
+      estimate->state_bytes <= kStateSizeWarningRatio * estimate->param_bytes) {
+    return false;
+  }
+  const auto& e = *estimate;
+  const auto& options =
+      groups[e.largest_param_group].has_options()
+          ? static_cast<const ShampooOptions&>(groups[e.largest_param_group].options())
+          : defaults;
+  std::ostringstream ratio;
+  ratio << std::fixed << std::setprecision(0)
+        << static_cast<double>(e.state_bytes) /
+               static_cast<double>(std::max<int64_t>(1, e.param_bytes));
+  TORCH_WARN(
+      "DistributedShampoo: Shampoo's state will take ", megabytes(e.state_bytes), ", ", ratio.str(),
+      "x the ", megabytes(e.param_bytes),
+      " of the parameters it preconditions (this warning: state above ", kStateSizeWarningRatio,
+      "x the parameters and ", kStateSizeWarningMinBytes >> 20, " MiB). Largest: parameter ",
+      e.largest_param, " (group ", e.largest_param_group, ", shape ",
+      c10::IntArrayRef(e.largest_param_shape), ", ", e.largest_param_blocks, " blocks of at most ",
+      options.max_preconditioner_dim(), " per dim) with ", megabytes(e.largest_param_state_bytes),
+      ". Options that shrink it: a smaller max_preconditioner_dim; inverse_exponent_override "
+      "with exponent 0 for a dim, which keeps no factor or root for it (e.g. "
+      "{{1, {{shampoo::kAllDims, 0.0}}}} for 1-D blocks); or a diagonal method for such "
+      "parameters (another optimizer, or a param group of their own with grafting, "
+      "start_preconditioning_step(shampoo::kNeverStartPreconditioning) and exponent 0 "
+      "for every dim)");
+  return true;
+}
+
+}  // namespace shampoo::detail

@@ -1,0 +1,50 @@
+#pragma once
+/// The size of Shampoo's state, estimated from the block plans before any of it is allocated,
+/// and the construction-time warning when it is far larger than the parameters it
+/// preconditions (a thin or 1-D parameter gets a d×d factor and root per block of d elements:
+/// a 1×100000 parameter has 98 blocks and 817 MB of state for 0.4 MB of parameters).
+
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "shampoo/shampoo_options.h"
+
+namespace shampoo::detail {
+
+/// The warning fires when the state exceeds both this multiple of the parameters' bytes ...
+inline constexpr int64_t kStateSizeWarningRatio = 10;
+/// ... and this many bytes (tiny models have large ratios that cost nothing).
+inline constexpr int64_t kStateSizeWarningMinBytes = int64_t{64} << 20;
+
+/// State that DistributedShampoo allocates when it registers parameters, over all blocks (every
+/// rank's share): Kronecker factors with their inverse roots or eigenbases for every
+/// preconditioned dim (exponent ≠ 0), eigenvalue corrections, and the grafting state. The
+/// filtered gradient and momentum (each at most the parameters' size, allocated at the first
+/// step) are not counted. Equals ShampooStats::state_bytes of a single process right after
+/// construction.
+struct StateSizeEstimate {
+  int64_t param_bytes = 0;
+  int64_t state_bytes = 0;
+  /// The parameter holding the most state (indices over all groups, as in BlockId).
+  int64_t largest_param = -1;
+  int64_t largest_param_group = -1;
+  std::vector<int64_t> largest_param_shape;
+  int64_t largest_param_blocks = 0;
+  int64_t largest_param_state_bytes = 0;
+};
+
+/// The estimate for `groups` (a group without options takes `defaults`); nullopt when a group or
+/// parameter is invalid (the optimizer reports that itself when it registers it).
+std::optional<StateSizeEstimate> estimate_state_size(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups, const ShampooOptions& defaults);
+
+/// TORCH_WARN naming the size, the largest parameter and the options that shrink the state when
+/// it exceeds kStateSizeWarningRatio × the parameters' bytes and kStateSizeWarningMinBytes.
+/// Returns whether it warned.
+bool warn_if_state_is_large(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                            const ShampooOptions& defaults);
+
+}  // namespace shampoo::detail

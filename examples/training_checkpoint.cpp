@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "shampoo/checkpoint.h"
+
 namespace shampoo::examples {
 
 namespace {
@@ -95,8 +97,8 @@ int64_t CheckpointDir::find_resume_epoch() const {
 }
 
 void CheckpointDir::load_model(int64_t epoch, torch::nn::Module& model) const {
-  torch::serialize::InputArchive archive;
-  archive.load_from(file(epoch).string());
+  // A truncated or damaged file is an error naming it (LibTorch's reader does not).
+  auto archive = shampoo::read_checkpoint(file(epoch).string());
   c10::IValue signature;
   archive.read("signature", signature);
   TORCH_CHECK(signature.toStringRef() == signature_, file(epoch).string(),
@@ -110,11 +112,15 @@ void CheckpointDir::load_model(int64_t epoch, torch::nn::Module& model) const {
 TrainingProgress CheckpointDir::load_training_state(int64_t epoch,
                                                     torch::optim::Optimizer& optimizer,
                                                     LossMetrics& metrics) const {
-  torch::serialize::InputArchive archive;
-  archive.load_from(file(epoch).string());
+  // A truncated or damaged file is an error naming it (LibTorch's reader does not).
+  auto archive = shampoo::read_checkpoint(file(epoch).string());
   torch::serialize::InputArchive optimizer_archive;
   archive.read("optimizer", optimizer_archive);
-  optimizer.load(optimizer_archive);
+  try {
+    optimizer.load(optimizer_archive);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, file(epoch).string(), ": ", e.msg());
+  }
   torch::serialize::InputArchive metrics_archive;
   archive.read("metrics", metrics_archive);
   metrics.load(metrics_archive);

@@ -1,7 +1,9 @@
 // Checkpoints of DistributedShampoo: torch::save(optimizer, path) / torch::load(optimizer, path).
 //
 // Layout (torch::serialize archive):
-//   format_version, world_size, rank          ints (trainer-group world size and rank)
+//   shampoo/format_version, shampoo/world_size, shampoo/rank
+//                                             ints (trainer-group world size and rank); the
+//                                             header that marks a DistributedShampoo checkpoint
 //   params/num_params, params/shape_<i>       the model the state belongs to
 //   groups/num_groups, groups/group_<g>/...   each group's options (every field of
 //                                             shampoo/option_fields.cpp), step count, size
@@ -10,33 +12,88 @@
 //                                             other's checkpoints)
 // Loading validates everything against the optimizer first and swaps the new state in only when
 // every block was read: a failed load leaves the optimizer as it was.
+#include "shampoo/checkpoint.h"
+
 #include <c10/util/Exception.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <filesystem>
+
 #include "shampoo/option_fields.h"
 #include "shampoo/shampoo_engine.h"
+
+namespace shampoo {
+
+torch::serialize::InputArchive read_checkpoint(const std::string& path) {
+  std::error_code ec;
+  TORCH_CHECK(std::filesystem::is_regular_file(path, ec), path,
+              ": no such checkpoint file (or not a regular file)");
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path);
+  } catch (const c10::Error& e) {
+    // LibTorch's reader says what failed inside the zip ("failed finding central directory"),
+    // but not which file; its first sentence is kept.
+    const std::string reason = e.msg().substr(0, e.msg().find_first_of(".\n"));
+    TORCH_CHECK(
+        false, path,
+        ": not a readable checkpoint (truncated, damaged, or not a torch archive): ", reason);
+  }
+  return archive;
+}
+
+void load_checkpoint(torch::optim::Optimizer& optimizer, const std::string& path) {
+  auto archive = read_checkpoint(path);
+  try {
+    optimizer.load(archive);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, ": ", e.msg());
+  }
+}
+
+}  // namespace shampoo
 
 namespace shampoo::detail {
 namespace {
 
-// 2: every option field is written (1 lacked the preconditioner and the exponent overrides).
+// 2: every option field is written (1 lacked the preconditioner and the exponent overrides),
+// and the header is under shampoo/.
 constexpr int64_t kFormatVersion = 2;
 
-int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
+int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key,
+                 const std::string& where = "") {
   c10::IValue value;
-  TORCH_CHECK(archive.try_read(key, value) && value.isInt(), "checkpoint: entry '", key,
-              "' is missing; this is not a DistributedShampoo checkpoint");
+  TORCH_CHECK(archive.try_read(key, value) && value.isInt(), "checkpoint: entry '", where, key,
+              "' is missing (the file is damaged or not a DistributedShampoo checkpoint)");
   return value.toInt();
+}
+
+/// The checkpoint's header; an error saying what the archive is when it has none.
+torch::serialize::InputArchive read_header(torch::serialize::InputArchive& archive) {
+  torch::serialize::InputArchive header;
+  const bool found = archive.try_read("shampoo", header);
+  c10::IValue old_version;
+  TORCH_CHECK(found || !archive.try_read("format_version", old_version),
+              "checkpoint: written by an earlier DistributedShampoo (format version ",
+              old_version.isInt() ? old_version.toInt() : -1,
+              ", without a 'shampoo/' header); this version reads format ", kFormatVersion,
+              " only");
+  TORCH_CHECK(found,
+              "checkpoint: this archive is not a DistributedShampoo checkpoint (it has no "
+              "'shampoo/format_version' entry; was it written by another optimizer?)");
+  return header;
 }
 
 }  // namespace
 
 void ShampooEngine::save(torch::serialize::OutputArchive& archive,
                          const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
-  archive.write("format_version", c10::IValue(kFormatVersion));
-  archive.write("world_size", c10::IValue(static_cast<int64_t>(distributor_->world_size())));
-  archive.write("rank", c10::IValue(static_cast<int64_t>(distributor_->rank())));
+  torch::serialize::OutputArchive header;
+  header.write("format_version", c10::IValue(kFormatVersion));
+  header.write("world_size", c10::IValue(static_cast<int64_t>(distributor_->world_size())));
+  header.write("rank", c10::IValue(static_cast<int64_t>(distributor_->rank())));
+  archive.write("shampoo", header);
 
   torch::serialize::OutputArchive model;
   model.write("num_params", c10::IValue(static_cast<int64_t>(params_.size())));
@@ -70,17 +127,18 @@ void ShampooEngine::save(torch::serialize::OutputArchive& archive,
 void ShampooEngine::load(torch::serialize::InputArchive& archive,
                          std::vector<torch::optim::OptimizerParamGroup>& groups) {
   check_groups(groups);
-  const int64_t version = read_int(archive, "format_version");
+  auto header = read_header(archive);
+  const int64_t version = read_int(header, "format_version", "shampoo/");
   TORCH_CHECK(version == kFormatVersion, "checkpoint: format version ", version,
               " is not supported (expected ", kFormatVersion, ")");
-  const int64_t world_size = read_int(archive, "world_size");
+  const int64_t world_size = read_int(header, "world_size", "shampoo/");
   TORCH_CHECK(world_size == distributor_->world_size(),
               "checkpoint: written by a trainer group "
               "of ",
               world_size, " ranks, this run has ", distributor_->world_size(),
               "; loading at a different world size is not supported (each rank's file holds "
               "the blocks that rank owned)");
-  const int64_t rank = read_int(archive, "rank");
+  const int64_t rank = read_int(header, "rank", "shampoo/");
   TORCH_CHECK(rank == distributor_->rank(), "checkpoint: written by rank ", rank,
               ", loaded by rank ", distributor_->rank(), "; every rank loads its own file");
 

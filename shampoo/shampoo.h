@@ -7,6 +7,7 @@
 #include "distributor/optimizer_factory.h"
 #include "distributor/process_group.h"
 #include "distributor/sharded_optimizer.h"
+#include "shampoo/checkpoint.h"
 #include "shampoo/config.h"
 #include "shampoo/distributed_shampoo.h"
 #include "shampoo/in_backward.h"

@@ -2,10 +2,12 @@
 // or other structural options is refused with a clear error and leaves the optimizer untouched.
 #include <shampoo/option_fields.h>
 #include <shampoo/shampoo.h>
+#include <torch/optim/adam.h>
 #include <torch/serialize.h>
 
 #include <cctype>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <set>
 
@@ -310,5 +312,76 @@ INSTANTIATE_TEST_SUITE_P(
       }
       return name;
     });
+
+TEST(CheckpointErrors, ArchiveOfAnotherOptimizerIsNamedAsSuch) {
+  auto p = at::randn({3, 2}).requires_grad_();
+  torch::optim::Adam adam({p}, torch::optim::AdamOptions(0.1));
+  p.mutable_grad() = at::ones({3, 2});
+  adam.step();
+  const auto path = shampoo::testing::temp_path("adam.pt");
+  torch::save(adam, path);
+  DistributedShampoo shampoo_opt({at::randn({3, 2}).requires_grad_()});
+  expect_load_error(shampoo_opt, path,
+                    "this archive is not a DistributedShampoo checkpoint (it has no "
+                    "'shampoo/format_version' entry; was it written by another optimizer?)");
+  // The header of format 1 (before the option table): named as such.
+  torch::serialize::OutputArchive format1;
+  format1.write("format_version", c10::IValue(int64_t{1}));
+  format1.save_to(path);
+  expect_load_error(shampoo_opt, path, "earlier DistributedShampoo (format version 1");
+  std::filesystem::remove(path);
+}
+
+TEST(CheckpointErrors, LoadCheckpointNamesTheFile) {
+  auto run = make_run(base_options(), 1);
+  step(run, 1);
+  const auto path = shampoo::testing::temp_path("opt.pt");
+  torch::save(*run.optimizer, path);
+  auto resumed = make_run(base_options(), 1);
+  shampoo::load_checkpoint(*resumed.optimizer, path);
+  EXPECT_EQ(resumed.optimizer->group_step(0), 1);
+
+  auto expect_error = [&](const std::string& file, const std::vector<std::string>& fragments) {
+    try {
+      shampoo::load_checkpoint(*resumed.optimizer, file);
+      ADD_FAILURE() << "expected load_checkpoint(" << file << ") to fail";
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      for (const auto& f : fragments) EXPECT_NE(message.find(f), std::string::npos) << message;
+    }
+  };
+  // Truncated, as by a full disk or a copy cut short.
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) / 2);
+  expect_error(path, {path + ": not a readable checkpoint", "truncated, damaged",
+                      "failed finding central directory"});
+  {
+    std::ofstream garbage(path, std::ios::binary | std::ios::trunc);
+    garbage << "not a checkpoint";
+  }
+  expect_error(path, {path + ": not a readable checkpoint"});
+  expect_error(path + ".missing", {path + ".missing: no such checkpoint file"});
+  // A readable archive of something else: the optimizer's own message, after the path.
+  torch::save(at::ones({3}), path);
+  expect_error(path, {path + ": checkpoint: this archive is not a DistributedShampoo checkpoint"});
+  std::filesystem::remove(path);
+}
+
+TEST(CheckpointErrors, ShampooCheckpointIntoAdamFailsInLibTorch) {
+  // LibTorch's own Adam::load reads the archive: its message is not ours to improve. This pins
+  // what the README says about it.
+  auto run = make_run(base_options(), 1);
+  step(run, 1);
+  const auto path = shampoo::testing::temp_path("opt.pt");
+  torch::save(*run.optimizer, path);
+  torch::optim::Adam adam(run.params);
+  try {
+    torch::load(adam, path);
+    ADD_FAILURE() << "torch::optim::Adam loaded a DistributedShampoo checkpoint";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("step_buffers"), std::string::npos) << message;
+  }
+  std::filesystem::remove(path);
+}
 
 }  // namespace

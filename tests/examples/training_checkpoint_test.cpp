@@ -14,6 +14,8 @@
 
 namespace {
 
+using shampoo::testing::expect_error;
+
 using shampoo::examples::CheckpointDir;
 using shampoo::examples::LossMetrics;
 using shampoo::examples::TrainingProgress;
@@ -40,21 +42,6 @@ std::filesystem::path fresh_dir() {
   const std::filesystem::path dir = shampoo::testing::temp_path("checkpoints");
   remove_dir(dir);
   return dir;
-}
-
-/// Runs fn, expects a c10::Error whose message contains every fragment.
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& f : fragments) {
-      EXPECT_NE(message.find(f), std::string::npos)
-          << "message '" << message << "' lacks '" << f << "'";
-    }
-    return;
-  }
-  ADD_FAILURE() << "no error thrown; expected one mentioning " << fragments.front();
 }
 
 TEST(TrainingCheckpoint, WrittenEpochIsReadBack) {

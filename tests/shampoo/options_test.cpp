@@ -11,23 +11,10 @@
 
 namespace {
 
+using shampoo::testing::expect_error;
+
 using shampoo::DistributedShampoo;
 using shampoo::ShampooOptions;
-
-/// Runs `fn`, expects a c10::Error whose message contains every fragment.
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& f : fragments) {
-      EXPECT_NE(message.find(f), std::string::npos)
-          << "message '" << message << "' lacks '" << f << "'";
-    }
-    return;
-  }
-  ADD_FAILURE() << "no error thrown; expected one mentioning " << fragments.front();
-}
 
 std::vector<at::Tensor> params() {
   return {at::randn({4, 3}).requires_grad_(), at::randn({3}).requires_grad_()};

@@ -158,4 +158,18 @@ std::string temp_path(const std::string& name) {
   return (dir / (test + "_" + std::to_string(::getpid()) + "_" + name)).string();
 }
 
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    for (const auto& f : fragments) {
+      EXPECT_NE(message.find(f), std::string::npos)
+          << "message '" << message << "' lacks '" << f << "'";
+    }
+    return;
+  }
+  ADD_FAILURE() << "no error thrown; expected one mentioning " << fragments.front();
+}
+
 }  // namespace shampoo::testing

@@ -33,6 +33,10 @@ Tolerance tolerance_for(at::ScalarType dtype);
 ::testing::AssertionResult bit_equal(const std::vector<at::Tensor>& actual,
                                      const std::vector<at::Tensor>& expected);
 
+/// Runs `fn` and expects a c10::Error whose message contains every fragment (a test failure
+/// naming the message and the missing fragment otherwise).
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments);
+
 /// Sets every parameter's gradient to fixed random values drawn from `seed`.
 void set_random_grads(const std::vector<at::Tensor>& params, uint64_t seed);
 

@@ -18,7 +18,7 @@
 
 #include "benchmarks/bench_support.h"
 #include "models.h"
-#include "preconditioners/elementwise_chain.h"
+#include "update/elementwise_chain.h"
 #include "preconditioners/matrix_functions.h"
 
 namespace {
@@ -107,7 +107,6 @@ std::string chain_section(int64_t repetitions) {
     s.beta1 = 0.9;
     s.beta3 = 0.9;
     s.filter_bias_correction = 0.5;
-    s.diagonal_kind = static_cast<int32_t>(shampoo::kernels::DiagonalKind::kAdam);
     s.diagonal_beta2 = 0.999;
     s.diagonal_weight = 0.001;
     s.diagonal_bias_correction = 0.01;

@@ -75,19 +75,4 @@ class KroneckerFactors {
   AmortizedCounters counters_;
 };
 
-/// The rows (and their scalars) whose flag is set: the sub-selection of a call.
-std::pair<Rows, RowScalars> select_rows(const Rows& rows, const RowScalars& scalars,
-                                        const std::vector<bool>& selected);
-/// Gathers `rows` of a stacked tensor (no copy when rows.all).
-at::Tensor gather_rows(const at::Tensor& stacked, const Rows& rows);
-/// Writes `values` back into `rows` of a stacked tensor (in place when rows.all).
-void scatter_rows(at::Tensor& stacked, const Rows& rows, const at::Tensor& values);
-/// Per-row scalars as a [rows, 1, ..., 1] tensor broadcasting against [rows, ...] of `dims` dims.
-at::Tensor row_scalars(const std::vector<double>& values, const at::TensorOptions& options,
-                       int64_t dims);
-/// Checks that an imported tensor exists and has the expected shape; returns it converted.
-at::Tensor checked_state(const std::map<std::string, at::Tensor>& in, const std::string& key,
-                         at::IntArrayRef shape, const at::TensorOptions& options,
-                         const std::string& owner);
-
 }  // namespace shampoo::detail

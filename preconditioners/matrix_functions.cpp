@@ -4,7 +4,7 @@
 #include "shampoo/config.h"
 
 #if SHAMPOO_WITH_CUDA
-#include "preconditioners/cuda_eigh.h"
+#include "preconditioners/cuda/cuda_eigh.h"
 #endif
 
 #include <c10/util/Exception.h>

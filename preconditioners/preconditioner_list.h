@@ -2,7 +2,7 @@
 /// The preconditioner-list interface: the state of one preconditioning method for all blocks of a
 /// virtual group owned by this rank, organised in stacks of equal-shape blocks so the matrix work
 /// runs batched. Concrete lists: ShampooPreconditionerList (root inverse) and
-/// EigenvalueCorrectedPreconditionerList (SOAP) here; the diagonal methods live in grafting/.
+/// EigenvalueCorrectedPreconditionerList (SOAP). The stacks and rows they work on are in rows.h.
 
 #include <ATen/ATen.h>
 
@@ -12,39 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "preconditioners/rows.h"
+
 namespace shampoo::detail {
-
-/// Blocks of one shape and dtype, in a fixed member order (rows of every stacked state tensor).
-struct StackSpec {
-  std::vector<int64_t> block_shape;
-  at::TensorOptions options;       ///< dtype and device of the blocks
-  std::vector<std::string> names;  ///< per member, for messages ("parameter 3 block 1")
-  /// Per block dim: exponent e of the root-inverse preconditioner A^(−e); 0 = the dim is not
-  /// preconditioned (no factor is kept for it).
-  std::vector<double> dim_exponents;
-
-  int64_t size() const { return static_cast<int64_t>(names.size()); }
-};
-
-/// Members of a stack taking part in a call: rows into the stack, ascending.
-struct Rows {
-  std::vector<int64_t> rows;
-  bool all = false;  ///< rows == 0..size-1 (no gather/scatter needed)
-
-  int64_t size() const { return static_cast<int64_t>(rows.size()); }
-  /// rows as an int64 index tensor on `device`.
-  at::Tensor index(const at::Device& device) const;
-  static Rows every(int64_t n);
-};
-
-/// Per-row scalars of the statistics and preconditioning of one call (aligned with Rows).
-struct RowScalars {
-  std::vector<double> beta2;             ///< factor EMA coefficient
-  std::vector<double> factor_weight;     ///< 1 − β2, or 1 when β2 = 1
-  std::vector<double> bias_correction2;  ///< 1 − β2^t, or 1 (no bias correction or β2 = 1)
-  std::vector<double> epsilon;
-  std::vector<int64_t> step;
-};
 
 /// Counters of amortized computations (root inverses, eigenbases).
 struct AmortizedCounters {

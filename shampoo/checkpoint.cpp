@@ -124,42 +124,102 @@ void ShampooEngine::save(torch::serialize::OutputArchive& archive,
   archive.write("blocks", blocks);
 }
 
-void ShampooEngine::load(torch::serialize::InputArchive& archive,
-                         std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  check_groups(groups);
+namespace {
+
+/// The header of this rank's file: the format and the trainer group that wrote it.
+void check_header(torch::serialize::InputArchive& archive, const Distributor& distributor) {
   auto header = read_header(archive);
   const int64_t version = read_int(header, "format_version", "shampoo/");
   TORCH_CHECK(version == kFormatVersion, "checkpoint: format version ", version,
               " is not supported (expected ", kFormatVersion, ")");
   const int64_t world_size = read_int(header, "world_size", "shampoo/");
-  TORCH_CHECK(world_size == distributor_->world_size(),
+  TORCH_CHECK(world_size == distributor.world_size(),
               "checkpoint: written by a trainer group "
               "of ",
-              world_size, " ranks, this run has ", distributor_->world_size(),
+              world_size, " ranks, this run has ", distributor.world_size(),
               "; loading at a different world size is not supported (each rank's file holds "
               "the blocks that rank owned)");
   const int64_t rank = read_int(header, "rank", "shampoo/");
-  TORCH_CHECK(rank == distributor_->rank(), "checkpoint: written by rank ", rank,
-              ", loaded by rank ", distributor_->rank(), "; every rank loads its own file");
+  TORCH_CHECK(rank == distributor.rank(), "checkpoint: written by rank ", rank,
+              ", loaded by rank ", distributor.rank(), "; every rank loads its own file");
+}
 
+/// The parameter list: the same number of parameters with the same shapes.
+void check_model(torch::serialize::InputArchive& archive, const std::vector<ParamEntry>& params) {
   torch::serialize::InputArchive model;
   TORCH_CHECK(archive.try_read("params", model), "checkpoint: no parameter list");
   const int64_t num_params = read_int(model, "num_params");
-  TORCH_CHECK(num_params == static_cast<int64_t>(params_.size()),
+  TORCH_CHECK(num_params == static_cast<int64_t>(params.size()),
               "checkpoint: written for a "
               "model with ",
-              num_params, " parameters, this optimizer has ", params_.size());
-  for (size_t p = 0; p < params_.size(); ++p) {
+              num_params, " parameters, this optimizer has ", params.size());
+  for (size_t p = 0; p < params.size(); ++p) {
     at::Tensor shape;
     TORCH_CHECK(model.try_read("shape_" + std::to_string(p), shape, /*is_buffer=*/true),
                 "checkpoint: no shape for parameter ", p);
-    const auto expected = params_[p].param.sizes().vec();
+    const auto expected = params[p].param.sizes().vec();
     const std::vector<int64_t> got(shape.data_ptr<int64_t>(),
                                    shape.data_ptr<int64_t>() + shape.numel());
     TORCH_CHECK(got == expected, "checkpoint: written for a different model: parameter ", p,
                 " has shape ", at::IntArrayRef(got), " there and ", at::IntArrayRef(expected),
                 " here");
   }
+}
+
+/// The options and step of param group g, checked against its size and structural options here.
+void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t num_params,
+                const ShampooOptions& current, ShampooOptions& saved, int64_t& step) {
+  torch::serialize::InputArchive group;
+  TORCH_CHECK(all_groups.try_read("group_" + std::to_string(g), group),
+              "checkpoint: no entry for param group ", g);
+  const int64_t size = read_int(group, "num_params");
+  TORCH_CHECK(size == num_params, "checkpoint: param group ", g, " has ", size,
+              " parameters there, ", num_params, " here");
+  try {
+    saved.serialize(group);
+    saved.validate();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "checkpoint: param group ", g, ": ", e.msg());
+  }
+  const auto* differing = structural_difference(saved, current);
+  TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name,
+              ": got ", differing->describe(saved), " in the checkpoint, expected ",
+              differing->describe(current),
+              " as in this optimizer (a structural option; build the optimizer with the "
+              "checkpoint's value)");
+  step = read_int(group, "step");
+}
+
+/// The states of `blocks` that this rank owns (every one must be there).
+std::map<BlockId, BlockState> read_block_states(torch::serialize::InputArchive& archive,
+                                                const std::vector<BlockEntry>& blocks,
+                                                const Distributor& distributor) {
+  torch::serialize::InputArchive all_blocks;
+  TORCH_CHECK(archive.try_read("blocks", all_blocks), "checkpoint: no block states");
+  std::map<BlockId, BlockState> states;
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
+    if (!distributor.owns(b)) continue;
+    const auto& id = blocks[b].id;
+    torch::serialize::InputArchive block;
+    TORCH_CHECK(all_blocks.try_read(id.key(), block), "checkpoint: no state for ",
+                id.to_string(), " (written for another model or another rank layout)");
+    BlockState state;
+    for (const auto& name : block.keys()) {
+      at::Tensor tensor;
+      if (block.try_read(name, tensor, /*is_buffer=*/true)) state[name] = tensor;
+    }
+    states[id] = std::move(state);
+  }
+  return states;
+}
+
+}  // namespace
+
+void ShampooEngine::load(torch::serialize::InputArchive& archive,
+                         std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  check_groups(groups);
+  check_header(archive, *distributor_);
+  check_model(archive, params_);
 
   torch::serialize::InputArchive all_groups;
   TORCH_CHECK(archive.try_read("groups", all_groups), "checkpoint: no param groups");
@@ -169,53 +229,15 @@ void ShampooEngine::load(torch::serialize::InputArchive& archive,
   std::vector<ShampooOptions> saved_options(groups.size());
   std::vector<int64_t> saved_steps(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    torch::serialize::InputArchive group;
-    TORCH_CHECK(all_groups.try_read("group_" + std::to_string(g), group),
-                "checkpoint: no entry for param group ", g);
-    const int64_t size = read_int(group, "num_params");
-    TORCH_CHECK(size == group_sizes_[g], "checkpoint: param group ", g, " has ", size,
-                " parameters there, ", group_sizes_[g], " here");
-    try {
-      saved_options[g].serialize(group);
-      saved_options[g].validate();
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "checkpoint: param group ", g, ": ", e.msg());
-    }
-    const auto& current = options_of(groups[g], g);
-    const auto* differing = structural_difference(saved_options[g], current);
-    TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name,
-                ": got ", differing->describe(saved_options[g]), " in the checkpoint, expected ",
-                differing->describe(current),
-                " as in this optimizer (a structural option; build the optimizer with the "
-                "checkpoint's value)");
-    saved_steps[g] = read_int(group, "step");
+    read_group(all_groups, g, group_sizes_[g], options_of(groups[g], g), saved_options[g],
+               saved_steps[g]);
   }
-
-  torch::serialize::InputArchive blocks;
-  TORCH_CHECK(archive.try_read("blocks", blocks), "checkpoint: no block states");
-  std::map<BlockId, BlockState> states;
-  for (int64_t b = 0; b < static_cast<int64_t>(blocks_.size()); ++b) {
-    if (!distributor_->owns(b)) continue;
-    const auto& id = blocks_[b].id;
-    torch::serialize::InputArchive block;
-    TORCH_CHECK(blocks.try_read(id.key(), block), "checkpoint: no state for ", id.to_string(),
-                " (written for another model or another rank layout)");
-    BlockState state;
-    for (const auto& name : block.keys()) {
-      at::Tensor tensor;
-      if (block.try_read(name, tensor, /*is_buffer=*/true)) state[name] = tensor;
-    }
-    states[id] = std::move(state);
-  }
+  const auto states = read_block_states(archive, blocks_, *distributor_);
 
   // Build and fill new virtual groups; the current ones stay in place if anything throws.
   auto rebuilt = build_virtual_groups(groups);
   for (auto& vg : rebuilt) vg->import_states(states, /*require_all=*/true);
-  for (const auto& vg : virtual_groups_) {
-    retired_counters_.computations += vg->counters().computations;
-    retired_counters_.failures += vg->counters().failures;
-    retired_counters_.retried_in_double += vg->counters().retried_in_double;
-  }
+  retire_counters();
   virtual_groups_ = std::move(rebuilt);
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const auto& field : option_fields()) {

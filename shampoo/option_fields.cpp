@@ -174,79 +174,30 @@ OptionField start_preconditioning_step_field() {
   return f;
 }
 
-// Grafting: the kind (the variant's alternative) is structural, its beta2 and epsilon are floats.
-constexpr int64_t kGraftingKinds = std::variant_size_v<GraftingConfig>;
-const char* const kGraftingNames[kGraftingKinds] = {"none", "SGD", "AdaGrad", "RMSprop", "Adam"};
-
-GraftingConfig default_grafting(int64_t kind) {
-  switch (kind) {
-    case 1:
-      return SGDGraftingConfig{};
-    case 2:
-      return AdaGradGraftingConfig{};
-    case 3:
-      return RMSpropGraftingConfig{};
-    case 4:
-      return AdamGraftingConfig{};
-    default:
-      return std::monostate{};
-  }
-}
-
-/// (beta2, epsilon) of the config; 0 where its kind has no such value.
-std::pair<double, double> grafting_floats(const GraftingConfig& grafting) {
-  return std::visit(
-      [](const auto& g) -> std::pair<double, double> {
-        using G = std::decay_t<decltype(g)>;
-        if constexpr (std::is_same_v<G, AdaGradGraftingConfig>) {
-          return {0.0, g.epsilon};
-        } else if constexpr (std::is_same_v<G, RMSpropGraftingConfig> ||
-                             std::is_same_v<G, AdamGraftingConfig>) {
-          return {g.beta2, g.epsilon};
-        } else {
-          return {0.0, 0.0};
-        }
-      },
-      grafting);
-}
-
-/// The config with its kind kept and the values its kind has set to `floats`.
-GraftingConfig with_grafting_floats(GraftingConfig grafting, std::pair<double, double> floats) {
-  std::visit(
-      [&](auto& g) {
-        using G = std::decay_t<decltype(g)>;
-        if constexpr (std::is_same_v<G, AdaGradGraftingConfig>) {
-          g.epsilon = floats.second;
-        } else if constexpr (std::is_same_v<G, RMSpropGraftingConfig> ||
-                             std::is_same_v<G, AdamGraftingConfig>) {
-          g.beta2 = floats.first;
-          g.epsilon = floats.second;
-        }
-      },
-      grafting);
-  return grafting;
-}
-
+// Grafting: the kind (the variant's alternative, update/grafting.h) is structural, its beta2 and
+// epsilon are floats.
 OptionField grafting_kind_field() {
   OptionField f;
   f.name = "grafting kind";
   f.kind = OptionKind::kStructural;
   f.archive_keys = {"grafting_kind"};
-  f.code = [](const ShampooOptions& o) {
-    return std::vector<int64_t>{static_cast<int64_t>(o.grafting().index())};
+  const auto code = [](const ShampooOptions& o) {
+    return static_cast<int64_t>(grafting_kind(o.grafting()));
   };
+  f.code = [code](const ShampooOptions& o) { return std::vector<int64_t>{code(o)}; };
   f.describe = [](const ShampooOptions& o) {
-    return std::string(kGraftingNames[o.grafting().index()]);
+    return std::string(grafting_method(grafting_kind(o.grafting())).name);
   };
-  f.write = [](const ShampooOptions& o, OutputArchive& a) {
-    a.write("grafting_kind", c10::IValue(static_cast<int64_t>(o.grafting().index())));
+  f.write = [code](const ShampooOptions& o, OutputArchive& a) {
+    a.write("grafting_kind", c10::IValue(code(o)));
   };
   f.read = [](InputArchive& a, ShampooOptions& o) {
-    o.grafting(default_grafting(read_index(a, "grafting_kind", kGraftingKinds)));
+    o.grafting(default_grafting(
+        static_cast<GraftingKind>(read_index(a, "grafting_kind", kGraftingKinds))));
   };
   f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
-    if (to.grafting().index() != from.grafting().index()) {
-      to.grafting(default_grafting(static_cast<int64_t>(from.grafting().index())));
+    if (grafting_kind(to.grafting()) != grafting_kind(from.grafting())) {
+      to.grafting(default_grafting(grafting_kind(from.grafting())));
     }
   };
   return f;
@@ -258,22 +209,22 @@ OptionField grafting_floats_field() {
   f.kind = OptionKind::kFloat;
   f.archive_keys = {"grafting_beta2", "grafting_epsilon"};
   f.code = [](const ShampooOptions& o) {
-    const auto [beta2, epsilon] = grafting_floats(o.grafting());
-    return std::vector<int64_t>{double_bits(beta2), double_bits(epsilon)};
+    const auto floats = grafting_floats(o.grafting());
+    return std::vector<int64_t>{double_bits(floats.beta2), double_bits(floats.epsilon)};
   };
   f.describe = [](const ShampooOptions& o) {
-    const auto [beta2, epsilon] = grafting_floats(o.grafting());
-    return c10::str("(beta2 ", beta2, ", epsilon ", epsilon, ")");
+    const auto floats = grafting_floats(o.grafting());
+    return c10::str("(beta2 ", floats.beta2, ", epsilon ", floats.epsilon, ")");
   };
   f.write = [](const ShampooOptions& o, OutputArchive& a) {
-    const auto [beta2, epsilon] = grafting_floats(o.grafting());
-    a.write("grafting_beta2", c10::IValue(beta2));
-    a.write("grafting_epsilon", c10::IValue(epsilon));
+    const auto floats = grafting_floats(o.grafting());
+    a.write("grafting_beta2", c10::IValue(floats.beta2));
+    a.write("grafting_epsilon", c10::IValue(floats.epsilon));
   };
   // After the grafting kind row: sets the floats of the kind read there.
   f.read = [](InputArchive& a, ShampooOptions& o) {
-    o.grafting(with_grafting_floats(
-        o.grafting(), {read_double(a, "grafting_beta2"), read_double(a, "grafting_epsilon")}));
+    o.grafting(with_grafting_floats(o.grafting(), GraftingFloats{read_double(a, "grafting_beta2"),
+                                                                 read_double(a, "grafting_epsilon")}));
   };
   f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
     to.grafting(with_grafting_floats(to.grafting(), grafting_floats(from.grafting())));
@@ -341,6 +292,51 @@ OptionField preconditioner_field() {
   return f;
 }
 
+/// The overrides as (order, dim, exponent) entries, in map order.
+struct OverrideEntry {
+  int64_t order;
+  int64_t dim;
+  double exponent;
+};
+std::vector<OverrideEntry> override_entries(const ShampooOptions& o) {
+  std::vector<OverrideEntry> entries;
+  for (const auto& [order, dims] : o.inverse_exponent_override()) {
+    for (const auto& [dim, exponent] : dims) entries.push_back({order, dim, exponent});
+  }
+  return entries;
+}
+
+std::string describe_overrides(const ShampooOptions& o) {
+  std::vector<std::string> orders;
+  for (const auto& [order, dims] : o.inverse_exponent_override()) {
+    std::vector<std::string> entries;
+    for (const auto& [dim, exponent] : dims) {
+      entries.push_back(
+          c10::str(dim == kAllDims ? std::string("kAllDims") : std::to_string(dim), ": ", exponent));
+    }
+    orders.push_back(c10::str(order, ": {", c10::Join(", ", entries), "}"));
+  }
+  return "{" + c10::Join(", ", orders) + "}";
+}
+
+/// Archive form: a list of (order, dim, exponent) triples; orders and dims are small integers,
+/// exact in a double.
+InverseExponentOverride read_overrides(InputArchive& a) {
+  const auto value = read_entry(a, "inverse_exponent_override");
+  TORCH_CHECK(value.isDoubleList(),
+              "ShampooOptions archive: entry 'inverse_exponent_override': got a ", value.tagKind(),
+              ", expected a list of floats");
+  const auto triples = value.toDoubleVector();
+  TORCH_CHECK(triples.size() % 3 == 0, "ShampooOptions archive: inverse_exponent_override: got ",
+              triples.size(), " numbers, expected (order, dim, exponent) triples");
+  InverseExponentOverride overrides;
+  for (size_t i = 0; i < triples.size(); i += 3) {
+    overrides[static_cast<int64_t>(triples[i])][static_cast<int64_t>(triples[i + 1])] =
+        triples[i + 2];
+  }
+  return overrides;
+}
+
 OptionField inverse_exponent_override_field() {
   OptionField f;
   f.name = "inverse_exponent_override";
@@ -348,58 +344,21 @@ OptionField inverse_exponent_override_field() {
   f.archive_keys = {"inverse_exponent_override"};
   f.code = [](const ShampooOptions& o) {
     std::vector<int64_t> code;
-    for (const auto& [order, dims] : o.inverse_exponent_override()) {
-      for (const auto& [dim, exponent] : dims) {
-        code.insert(code.end(), {order, dim, double_bits(exponent)});
-      }
+    for (const auto& e : override_entries(o)) {
+      code.insert(code.end(), {e.order, e.dim, double_bits(e.exponent)});
     }
     return code;
   };
-  f.describe = [](const ShampooOptions& o) {
-    std::ostringstream out;
-    out << "{";
-    const char* separator = "";
-    for (const auto& [order, dims] : o.inverse_exponent_override()) {
-      out << separator << order << ": {";
-      separator = ", ";
-      const char* inner = "";
-      for (const auto& [dim, exponent] : dims) {
-        out << inner << (dim == kAllDims ? std::string("kAllDims") : std::to_string(dim)) << ": "
-            << exponent;
-        inner = ", ";
-      }
-      out << "}";
-    }
-    out << "}";
-    return out.str();
-  };
-  // A list of (order, dim, exponent) triples; orders and dims are small integers, exact in a
-  // double.
+  f.describe = describe_overrides;
   f.write = [](const ShampooOptions& o, OutputArchive& a) {
     std::vector<double> triples;
-    for (const auto& [order, dims] : o.inverse_exponent_override()) {
-      for (const auto& [dim, exponent] : dims) {
-        triples.insert(triples.end(),
-                       {static_cast<double>(order), static_cast<double>(dim), exponent});
-      }
+    for (const auto& e : override_entries(o)) {
+      triples.insert(triples.end(),
+                     {static_cast<double>(e.order), static_cast<double>(e.dim), e.exponent});
     }
     a.write("inverse_exponent_override", c10::IValue(triples));
   };
-  f.read = [](InputArchive& a, ShampooOptions& o) {
-    const auto value = read_entry(a, "inverse_exponent_override");
-    TORCH_CHECK(value.isDoubleList(),
-                "ShampooOptions archive: entry 'inverse_exponent_override': got a ",
-                value.tagKind(), ", expected a list of floats");
-    const auto triples = value.toDoubleVector();
-    TORCH_CHECK(triples.size() % 3 == 0, "ShampooOptions archive: inverse_exponent_override: got ",
-                triples.size(), " numbers, expected (order, dim, exponent) triples");
-    InverseExponentOverride overrides;
-    for (size_t i = 0; i < triples.size(); i += 3) {
-      overrides[static_cast<int64_t>(triples[i])][static_cast<int64_t>(triples[i + 1])] =
-          triples[i + 2];
-    }
-    o.inverse_exponent_override(std::move(overrides));
-  };
+  f.read = [](InputArchive& a, ShampooOptions& o) { o.inverse_exponent_override(read_overrides(a)); };
   f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
     to.inverse_exponent_override(from.inverse_exponent_override());
   };

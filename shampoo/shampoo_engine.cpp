@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "shampoo/option_fields.h"
+#include "shampoo/param_updates.h"
 
 namespace shampoo::detail {
 
@@ -58,12 +59,40 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
     TORCH_CHECK(false, "param group ", index, ": ", e.msg());
   }
 
-  // Validate every parameter before registering anything.
+  const auto& params = group.params();
+  check_new_params(params, index);
+  const auto group_index = static_cast<int64_t>(index);
+  groups.emplace_back(params, std::move(options));
+  group_steps_.push_back(0);
+  group_sizes_.push_back(static_cast<int64_t>(params.size()));
+  for (const auto& p : params) {
+    ParamEntry entry;
+    entry.param = p;
+    entry.group = group_index;
+    entry.plan = make_block_plan(p.sizes(), shampoo_options.max_preconditioner_dim(),
+                                 shampoo_options.use_merge_dims());
+    entry.first_block = static_cast<int64_t>(blocks_.size());
+    const auto param_index = static_cast<int64_t>(params_.size());
+    param_lookup_[p.unsafeGetTensorImpl()] = param_index;
+    for (size_t b = 0; b < entry.plan.blocks.size(); ++b) {
+      BlockEntry block;
+      block.id = BlockId{param_index, static_cast<int64_t>(b)};
+      block.param = param_index;
+      block.shape = entry.plan.blocks[b].sizes;
+      block.numel = entry.plan.blocks[b].numel;
+      blocks_.push_back(block);
+    }
+    params_.push_back(std::move(entry));
+  }
+  check_ranks_agree(groups);
+  rebuild(groups, /*require_all=*/false);
+}
+
+void ShampooEngine::check_new_params(const std::vector<at::Tensor>& params, size_t index) const {
   std::unordered_map<const void*, size_t> seen;
   for (size_t i = 0; i < params_.size(); ++i) {
     seen.emplace(params_[i].param.unsafeGetTensorImpl(), static_cast<size_t>(params_[i].group));
   }
-  const auto& params = group.params();
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
     TORCH_CHECK(p.defined(), "param group ", index, ": parameter ", i, " is undefined");
@@ -95,33 +124,6 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
     TORCH_CHECK(inserted, "param group ", index, ": parameter ", i, " is already in param group ",
                 it->second, " (a tensor may belong to one group only)");
   }
-
-  const auto group_index = static_cast<int64_t>(index);
-  groups.emplace_back(params, std::move(options));
-  group_steps_.push_back(0);
-  group_sizes_.push_back(static_cast<int64_t>(params.size()));
-  std::vector<DistributedBlock> new_blocks;
-  for (const auto& p : params) {
-    ParamEntry entry;
-    entry.param = p;
-    entry.group = group_index;
-    entry.plan = make_block_plan(p.sizes(), shampoo_options.max_preconditioner_dim(),
-                                 shampoo_options.use_merge_dims());
-    entry.first_block = static_cast<int64_t>(blocks_.size());
-    const auto param_index = static_cast<int64_t>(params_.size());
-    param_lookup_[p.unsafeGetTensorImpl()] = param_index;
-    for (size_t b = 0; b < entry.plan.blocks.size(); ++b) {
-      BlockEntry block;
-      block.id = BlockId{param_index, static_cast<int64_t>(b)};
-      block.param = param_index;
-      block.shape = entry.plan.blocks[b].sizes;
-      block.numel = entry.plan.blocks[b].numel;
-      blocks_.push_back(block);
-    }
-    params_.push_back(std::move(entry));
-  }
-  check_ranks_agree(groups);
-  rebuild(groups, /*require_all=*/false);
 }
 
 void ShampooEngine::check_ranks_agree(
@@ -176,22 +178,25 @@ void ShampooEngine::check_ranks_agree(
 void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                             bool require_all) {
   auto states = export_states();
+  retire_counters();
+  virtual_groups_ = build_virtual_groups(groups);
+  for (auto& vg : virtual_groups_) vg->import_states(states, require_all);
+}
+
+void ShampooEngine::retire_counters() {
   for (const auto& vg : virtual_groups_) {
     retired_counters_.computations += vg->counters().computations;
     retired_counters_.failures += vg->counters().failures;
     retired_counters_.retried_in_double += vg->counters().retried_in_double;
   }
-  virtual_groups_ = build_virtual_groups(groups);
-  for (auto& vg : virtual_groups_) vg->import_states(states, require_all);
 }
 
-std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
-    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+void ShampooEngine::merge_groups(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                 std::vector<ShampooOptions>& structures,
+                                 std::vector<std::vector<int64_t>>& members) {
   // Front end: param group -> virtual group (first structurally equal one of the same parameter
   // dtype when merging: a virtual group runs one elementwise chain, of one dtype).
-  std::vector<ShampooOptions> structures;
   std::vector<std::optional<at::ScalarType>> dtypes;  // none while a virtual group has no params
-  std::vector<std::vector<int64_t>> members;
   group_virtual_.assign(groups.size(), 0);
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& options = options_of(groups[g], g);
@@ -219,6 +224,13 @@ std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
     members[vg].push_back(static_cast<int64_t>(g));
     group_virtual_[g] = vg;
   }
+}
+
+std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  std::vector<ShampooOptions> structures;
+  std::vector<std::vector<int64_t>> members;
+  merge_groups(groups, structures, members);
   for (auto& block : blocks_) block.virtual_group = group_virtual_[params_[block.param].group];
 
   // Owners of blocks not yet known to the distributor. Communication units: one for everything
@@ -402,7 +414,7 @@ void ShampooEngine::restore_journal() {
   for (size_t k = 0; k < virtual_groups_.size(); ++k) {
     virtual_groups_[k]->restore(journal_.groups[k], journal_);
   }
-  for (auto& [param, copy] : journal_.params) param.copy_(copy);
+  restore_params(journal_.params);
 }
 
 void ShampooEngine::close_step(bool completed) {
@@ -458,34 +470,8 @@ void ShampooEngine::finish_step() {
                 " of the trainer group (the error is reported there); every rank undid this "
                 "step, so parameters, state and step counts are as before it");
   }
-  if (distributor_->distributed()) apply_received();
+  if (distributor_->distributed()) apply_received(*distributor_, params_, blocks_);
   close_step(/*completed=*/true);
-}
-
-void ShampooEngine::apply_received() {
-  // Every rank applies every updated block from the gathered buffer (owners included, so all
-  // ranks hold the same values, also with a lossy communication dtype).
-  std::vector<at::Tensor> add_to, add_from;
-  std::vector<std::vector<at::Tensor>> views(params_.size());
-  for (int64_t b = 0; b < static_cast<int64_t>(blocks_.size()); ++b) {
-    if (!distributor_->received_updated(b)) continue;
-    const auto& block = blocks_[b];
-    auto& param_views = views[block.param];
-    if (param_views.empty()) {
-      param_views = block_views(params_[block.param].param, params_[block.param].plan);
-    }
-    auto view = param_views[block.id.block];
-    auto received = distributor_->received(b).view(view.sizes());
-    if (distributor_->communicate_params()) {
-      view.copy_(received);
-    } else {
-      add_to.push_back(view);
-      add_from.push_back(received.scalar_type() == view.scalar_type()
-                             ? received
-                             : received.to(view.scalar_type()));
-    }
-  }
-  if (!add_to.empty()) at::_foreach_add_(add_to, add_from);
 }
 
 void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups) {

@@ -65,6 +65,12 @@ class ShampooEngine {
   /// first) and moves `states` into them.
   std::vector<std::unique_ptr<VirtualGroup>> build_virtual_groups(
       const std::vector<torch::optim::OptimizerParamGroup>& groups);
+  /// The group-merging front end: param group -> virtual group (the first structurally equal one
+  /// of the same parameter dtype when merging). Sets group_virtual_; returns per virtual group its
+  /// structure and member param groups.
+  void merge_groups(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                    std::vector<ShampooOptions>& structures,
+                    std::vector<std::vector<int64_t>>& members);
   std::map<BlockId, BlockState> export_states() const;
   /// Block views of the gradients of `params` (checked: shape, dtype, finite values) and the
   /// max |gradient| of each.
@@ -73,8 +79,6 @@ class ShampooEngine {
                          std::vector<double>& grad_abs_max) const;
   void compute(std::vector<torch::optim::OptimizerParamGroup>& groups,
                const std::vector<int64_t>& params);
-  /// Adds the gathered blocks to the parameters (distributed).
-  void apply_received();
   /// Puts back what the journal saved (state, counters, parameters).
   void restore_journal();
   /// Closes the open step; the groups with an updated block advance their step count.
@@ -82,9 +86,15 @@ class ShampooEngine {
   /// Replaces the virtual groups by freshly built ones holding the current states (after a
   /// registry change); counters of the old ones are kept.
   void rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups, bool require_all);
+  /// Adds the counters of the current virtual groups to the retired ones (before replacing them).
+  void retire_counters();
   /// Distributed: every rank must register the same parameters and structure. One small
   /// AllGather of a fingerprint; a mismatch is an error on every rank (never a hang later).
   void check_ranks_agree(const std::vector<torch::optim::OptimizerParamGroup>& groups);
+  /// Checks the parameters of new param group `index` before anything is registered: dense,
+  /// contiguous, Float or Double leaves of one dtype, on the device of the others, in no other
+  /// group.
+  void check_new_params(const std::vector<at::Tensor>& params, size_t index) const;
   /// Checks that the param groups were not changed behind the optimizer's back.
   void check_groups(const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
 

@@ -15,33 +15,13 @@
 #include <tuple>
 #include <variant>
 
+#include "update/grafting.h"
+
 namespace shampoo {
 
-/// Grafting: a diagonal method whose per-block step size (Frobenius norm) the Shampoo direction
-/// takes, and which runs alone until `start_preconditioning_step`.
-struct SGDGraftingConfig {
-  bool operator==(const SGDGraftingConfig&) const = default;
-};
-/// AdaGrad grafting: V += G², P = Ḡ / (sqrt(V) + epsilon).
-struct AdaGradGraftingConfig {
-  double epsilon = 1e-10;
-  bool operator==(const AdaGradGraftingConfig&) const = default;
-};
-/// RMSprop grafting: V = beta2·V + (1 − beta2)·G², P = Ḡ / (sqrt(V) + epsilon).
-struct RMSpropGraftingConfig {
-  double beta2 = 0.99;
-  double epsilon = 1e-10;
-  bool operator==(const RMSpropGraftingConfig&) const = default;
-};
-/// Adam grafting: as RMSprop with the bias correction 1 − beta2^t (always on).
-struct AdamGraftingConfig {
-  double beta2 = 0.999;
-  double epsilon = 1e-10;
-  bool operator==(const AdamGraftingConfig&) const = default;
-};
-/// std::monostate = no grafting.
-using GraftingConfig = std::variant<std::monostate, SGDGraftingConfig, AdaGradGraftingConfig,
-                                    RMSpropGraftingConfig, AdamGraftingConfig>;
+// Grafting configs (SGDGraftingConfig, AdaGradGraftingConfig, RMSpropGraftingConfig,
+// AdamGraftingConfig and the GraftingConfig variant) are in update/grafting.h, with the method
+// table the step reads.
 
 /// Root-inverse Shampoo (the default): each block is preconditioned by A_k^(−e_k) along every dim
 /// k, A_k the Kronecker factor, the root computed every `precondition_frequency` steps through a

@@ -15,9 +15,9 @@
 namespace shampoo::detail {
 namespace {
 
-/// Bytes the preconditioner and grafting lists allocate for one block (see the constructors of
-/// KroneckerFactors, ShampooPreconditionerList, EigenvalueCorrectedPreconditionerList and
-/// DiagonalPreconditionerList).
+/// Bytes the preconditioner lists and the elementwise state allocate for one block from the start
+/// (see the constructors of KroneckerFactors, ShampooPreconditionerList,
+/// EigenvalueCorrectedPreconditionerList and ElementwiseState).
 int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64_t>& shape,
                           int64_t numel, int64_t param_element_size) {
   const auto factor_size = static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
@@ -30,10 +30,10 @@ int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64
     if (exponents[k] != 0.0) bytes += 2 * shape[k] * shape[k] * factor_size;
   }
   if (eigenvalue_corrected) bytes += numel * param_element_size;  // corrected second moment
-  const bool diagonal_state = std::holds_alternative<AdaGradGraftingConfig>(options.grafting()) ||
-                              std::holds_alternative<RMSpropGraftingConfig>(options.grafting()) ||
-                              std::holds_alternative<AdamGraftingConfig>(options.grafting());
-  if (diagonal_state) bytes += numel * param_element_size;
+  // Grafting statistics V.
+  if (grafting_method(grafting_kind(options.grafting())).has_state) {
+    bytes += numel * param_element_size;
+  }
   return bytes;
 }
 

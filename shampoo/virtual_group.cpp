@@ -5,40 +5,12 @@
 #include <cmath>
 
 #include "preconditioners/eigenvalue_corrected_preconditioner_list.h"
-#include "preconditioners/kronecker_factors.h"
 #include "preconditioners/shampoo_preconditioner_list.h"
+#include "shampoo/param_updates.h"
+#include "shampoo/step_plan.h"
 
 namespace shampoo::detail {
 namespace {
-
-DiagonalMethod diagonal_method_of(const GraftingConfig& grafting) {
-  return std::visit(
-      [](const auto& g) {
-        using G = std::decay_t<decltype(g)>;
-        if constexpr (std::is_same_v<G, SGDGraftingConfig>) return DiagonalMethod::kSGD;
-        if constexpr (std::is_same_v<G, AdaGradGraftingConfig>) return DiagonalMethod::kAdaGrad;
-        if constexpr (std::is_same_v<G, RMSpropGraftingConfig>) return DiagonalMethod::kRMSprop;
-        if constexpr (std::is_same_v<G, AdamGraftingConfig>) return DiagonalMethod::kAdam;
-        return DiagonalMethod::kNone;
-      },
-      grafting);
-}
-
-DiagonalHyperparams diagonal_hyperparams_of(const GraftingConfig& grafting) {
-  return std::visit(
-      [](const auto& g) {
-        using G = std::decay_t<decltype(g)>;
-        DiagonalHyperparams h;
-        if constexpr (std::is_same_v<G, AdaGradGraftingConfig>) h.epsilon = g.epsilon;
-        if constexpr (std::is_same_v<G, RMSpropGraftingConfig> ||
-                      std::is_same_v<G, AdamGraftingConfig>) {
-          h.beta2 = g.beta2;
-          h.epsilon = g.epsilon;
-        }
-        return h;
-      },
-      grafting);
-}
 
 std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& structure,
                                                         std::vector<StackSpec> specs,
@@ -64,24 +36,24 @@ std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& st
       structure.preconditioner());
 }
 
-/// The statistics scalars of one row at step t (NUMERICS.md steps 2 and 3).
-void push_row_scalars(const ShampooOptions& options, int64_t t, RowScalars& scalars) {
-  const auto [beta1, beta2] = options.betas();
-  (void)beta1;
-  scalars.beta2.push_back(beta2);
-  scalars.factor_weight.push_back(beta2 < 1.0 ? 1.0 - beta2 : 1.0);
-  scalars.bias_correction2.push_back(
-      options.use_bias_correction() && beta2 < 1.0 ? 1.0 - std::pow(beta2, double(t)) : 1.0);
-  scalars.epsilon.push_back(options.epsilon());
-  scalars.step.push_back(t);
-}
-
 int64_t tensor_bytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
 
+/// The live options and the step of the param group of engine block `b`.
+struct BlockOptions {
+  const ShampooOptions& options;
+  int64_t step;
+};
+BlockOptions options_of_block(const StepInputs& in, int64_t b) {
+  const auto group = in.params[in.blocks[b].param].group;
+  return {*in.group_options[group], in.group_steps[group]};
+}
+
+}  // namespace
+
 /// Per-step bookkeeping of one stack.
-struct StackStep {
+struct VirtualGroup::StackStep {
   Rows rows;                         // members with a gradient this step
   RowScalars scalars;                // aligned with rows
   std::vector<bool> amortize;        // aligned with rows
@@ -91,7 +63,11 @@ struct StackStep {
   at::Tensor filtered;  // [rows, block_shape]: Ḡ (aliases gradients without filtering)
 };
 
-}  // namespace
+/// One step of the group: a StackStep per stack and the chain entries of every stepped block.
+struct VirtualGroup::Plan {
+  std::vector<StackStep> stacks;
+  std::vector<ChainBlockTensors> chain;
+};
 
 std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order) {
   std::vector<double> exponents(order, 1.0 / (2.0 * static_cast<double>(order)));
@@ -110,6 +86,15 @@ VirtualGroup::VirtualGroup(const ShampooOptions& structure, std::vector<int64_t>
                            std::vector<int64_t> owned, const std::vector<BlockEntry>& blocks,
                            const std::vector<ParamEntry>& params, FailureInjector inject_failure)
     : structure_(structure), user_groups_(std::move(user_groups)), owned_(std::move(owned)) {
+  build_stacks(blocks, params);
+  std::vector<StackSpec> specs;
+  for (const auto& s : stacks_) specs.push_back(s.spec);
+  preconditioner_ = make_preconditioner(structure_, specs, std::move(inject_failure));
+  elementwise_ = std::make_unique<ElementwiseState>(grafting_kind(structure_.grafting()), specs);
+}
+
+void VirtualGroup::build_stacks(const std::vector<BlockEntry>& blocks,
+                                const std::vector<ParamEntry>& params) {
   for (const int64_t b : owned_) {
     const auto& block = blocks[b];
     const auto& param = params[block.param].param;
@@ -130,26 +115,6 @@ VirtualGroup::VirtualGroup(const ShampooOptions& structure, std::vector<int64_t>
     it->blocks.push_back(b);
     it->ids.push_back(block.id);
   }
-  std::vector<StackSpec> specs;
-  for (const auto& s : stacks_) specs.push_back(s.spec);
-  preconditioner_ = make_preconditioner(structure_, specs, std::move(inject_failure));
-  diagonal_method_ = diagonal_method_of(structure_.grafting());
-  if (diagonal_method_ != DiagonalMethod::kNone) {
-    diagonal_ = std::make_unique<DiagonalPreconditionerList>(diagonal_method_, specs);
-  }
-  filter_state_.resize(stacks_.size());
-  momentum_state_.resize(stacks_.size());
-}
-
-at::Tensor& VirtualGroup::lazy_state(std::vector<at::Tensor>& states, int64_t stack) {
-  auto& state = states[stack];
-  if (!state.defined()) {
-    const auto& spec = stacks_[stack].spec;
-    std::vector<int64_t> shape{spec.size()};
-    shape.insert(shape.end(), spec.block_shape.begin(), spec.block_shape.end());
-    state = at::zeros(shape, spec.options);
-  }
-  return state;
 }
 
 Rows VirtualGroup::rows_with_gradients(int64_t s, const StepInputs& in) const {
@@ -162,47 +127,32 @@ Rows VirtualGroup::rows_with_gradients(int64_t s, const StepInputs& in) const {
   return rows;
 }
 
-bool VirtualGroup::amortized_at(int64_t t) const {
-  const int64_t start = structure_.resolved_start_preconditioning_step();
-  return (t % structure_.precondition_frequency() == 0 && t > start) || t == start;
-}
-
 bool VirtualGroup::may_raise(const StepInputs& in) const {
   bool may_raise = false;
   for (size_t s = 0; s < stacks_.size(); ++s) {
     const auto& stack = stacks_[s];
     Rows due;
     RowScalars scalars;
-    std::vector<double> gradient_bound;
+    std::vector<double> bounds;
     for (const int64_t row : rows_with_gradients(static_cast<int64_t>(s), in).rows) {
       const auto& block = in.blocks[stack.blocks[row]];
-      const auto& options = *in.group_options[in.params[block.param].group];
-      const int64_t t = in.group_steps[in.params[block.param].group];
-      if (!amortized_at(t)) continue;
+      const auto [options, t] = options_of_block(in, stack.blocks[row]);
+      if (!amortized_at(structure_, t)) continue;
       due.rows.push_back(row);
-      push_row_scalars(options, t, scalars);
-      // max |G'| with G' = G + wd·W under L2 weight decay.
-      double bound = in.grad_abs_max[block.param];
-      if (options.weight_decay_type() == WeightDecayType::kL2 && options.weight_decay() != 0.0) {
-        const auto& w = in.param_blocks[block.param][block.id.block];
-        bound += options.weight_decay() *
-                 at::linalg_vector_norm(w, INFINITY, c10::nullopt, false, at::kDouble)
-                     .item<double>();
-      }
-      gradient_bound.push_back(bound);
+      push_statistics_scalars(options, t, scalars);
+      bounds.push_back(gradient_bound(options, in.grad_abs_max[block.param],
+                                      in.param_blocks[block.param][block.id.block]));
     }
     due.all = due.size() == stack.spec.size();
-    may_raise |= preconditioner_->amortization_may_raise(static_cast<int64_t>(s), due, scalars,
-                                                         gradient_bound);
+    may_raise |=
+        preconditioner_->amortization_may_raise(static_cast<int64_t>(s), due, scalars, bounds);
   }
   return may_raise;
 }
 
 BlockState VirtualGroup::export_member(int64_t s, int64_t r) const {
   auto state = preconditioner_->export_member(s, r);
-  if (diagonal_) state.merge(diagonal_->export_member(s, r));
-  if (filter_state_[s].defined()) state["filter"] = filter_state_[s][r].clone();
-  if (momentum_state_[s].defined()) state["momentum"] = momentum_state_[s][r].clone();
+  elementwise_->export_member(s, r, state);
   return state;
 }
 
@@ -210,12 +160,7 @@ void VirtualGroup::save(const StepInputs& in, StepJournal::GroupMark& mark, bool
                         StepJournal& journal) const {
   if (first_save) {
     mark.counters = preconditioner_->counters();
-    mark.filter_defined.clear();
-    mark.momentum_defined.clear();
-    for (size_t s = 0; s < stacks_.size(); ++s) {
-      mark.filter_defined.push_back(filter_state_[s].defined());
-      mark.momentum_defined.push_back(momentum_state_[s].defined());
-    }
+    mark.allocated = elementwise_->allocated();
   }
   for (size_t s = 0; s < stacks_.size(); ++s) {
     for (const int64_t row : rows_with_gradients(static_cast<int64_t>(s), in).rows) {
@@ -230,145 +175,91 @@ void VirtualGroup::save(const StepInputs& in, StepJournal::GroupMark& mark, bool
 
 void VirtualGroup::restore(const StepJournal::GroupMark& mark, const StepJournal& journal) {
   import_states(journal.states, /*require_all=*/false);
-  for (size_t s = 0; s < stacks_.size(); ++s) {
-    if (!mark.filter_defined[s]) filter_state_[s] = at::Tensor();
-    if (!mark.momentum_defined[s]) momentum_state_[s] = at::Tensor();
-  }
+  elementwise_->release_since(mark.allocated);
   preconditioner_->set_counters(mark.counters);
 }
 
 void VirtualGroup::step(const StepInputs& in) {
-  const bool distributed = in.distributor.distributed();
-  const bool grafting = diagonal_method_ != DiagonalMethod::kNone;
-  const bool diagonal_state = diagonal_ && diagonal_->has_state();
-  const int64_t start = structure_.resolved_start_preconditioning_step();
+  StepUpdates updates(in.distributor);
+  auto plan = plan_step(in, updates);
+  if (plan.chain.empty()) return;
+  run_chain_pre(plan.chain);  // L2 weight decay, grafting statistics, β1/β3 filtering
+  update_statistics(plan);    // Kronecker factors, amortized roots
+  if (in.fault) in.fault(StepPhase::kStatisticsUpdated);
+  precondition(plan);           // the matrix preconditioner applied to Ḡ
+  run_chain_norms(plan.chain);  // the grafting norms
+  if (in.fault) in.fault(StepPhase::kBeforeUpdate);
+  run_chain_post(plan.chain);  // graft, decoupled weight decay, momentum, × −lr, apply
+  updates.finish();
+}
 
-  std::vector<ChainBlockTensors> chain;
-  std::vector<StackStep> steps(stacks_.size());
-  // Single process, parameter blocks that are not contiguous: their updates are added after the
-  // chain. Distributed with a communication dtype other than the parameters': cast-copied.
-  std::vector<at::Tensor> apply_to, apply_from;
-  std::vector<at::Tensor> cast_to, cast_from;
-
+VirtualGroup::Plan VirtualGroup::plan_step(const StepInputs& in, StepUpdates& updates) {
+  Plan plan;
+  plan.stacks.resize(stacks_.size());
   for (size_t s = 0; s < stacks_.size(); ++s) {
     const auto& stack = stacks_[s];
-    auto& st = steps[s];
+    auto& st = plan.stacks[s];
     st.rows = rows_with_gradients(static_cast<int64_t>(s), in);
     if (st.rows.size() == 0) continue;
     bool any_filter = false;
     for (const int64_t r : st.rows.rows) {
-      const auto& block = in.blocks[stack.blocks[r]];
-      any_filter |= std::get<0>(in.group_options[in.params[block.param].group]->betas()) != 0.0;
+      any_filter |= std::get<0>(options_of_block(in, stack.blocks[r]).options.betas()) != 0.0;
     }
     std::vector<int64_t> shape{st.rows.size()};
     shape.insert(shape.end(), stack.spec.block_shape.begin(), stack.spec.block_shape.end());
     st.gradients = at::empty(shape, stack.spec.options);
     st.filtered = any_filter ? at::empty(shape, stack.spec.options) : st.gradients;
-
     for (int64_t i = 0; i < st.rows.size(); ++i) {
-      const int64_t row = st.rows.rows[i];
-      const int64_t b = stack.blocks[row];
-      const auto& block = in.blocks[b];
-      const auto& param = in.params[block.param];
-      const auto& options = *in.group_options[param.group];
-      const int64_t t = in.group_steps[param.group];
-      const double beta1 = std::get<0>(options.betas());
-
-      push_row_scalars(options, t, st.scalars);
-      st.amortize.push_back(amortized_at(t));
-      // Before start: the grafting method alone, or (without grafting) the preconditioner, which
-      // for root-inverse Shampoo is still the identity and is skipped.
-      st.preconditioned.push_back(t >= start ||
-                                  (!grafting && !preconditioner_->identity_before_amortization()));
-
-      ChainBlockTensors c;
-      const auto& param_view = in.param_blocks[block.param][block.id.block];
-      const auto& grad_view = in.grad_blocks[block.param][block.id.block];
-      c.gradient_out = st.gradients[i];
-      c.filtered_out = st.filtered[i];
-      if (grad_view.is_contiguous()) {
-        c.grad = grad_view;
-      } else {
-        // A column block of a matrix: copied once, straight into its row (the pre pass then
-        // reads and rewrites it in place).
-        c.gradient_out.copy_(grad_view);
-        c.grad = c.gradient_out;
-      }
-      if (beta1 != 0.0) c.filter_state = lazy_state(filter_state_, s)[row];
-      if (diagonal_state) c.diagonal_state = diagonal_->state(s)[row];
-      if (options.momentum() != 0.0) c.momentum_state = lazy_state(momentum_state_, s)[row];
-
-      auto& k = c.scalars;
-      const double weight_decay = options.weight_decay();
-      const bool l2 = options.weight_decay_type() == WeightDecayType::kL2;
-      k.l2_weight_decay = l2 ? weight_decay : 0.0;
-      k.decoupled_weight_decay = l2 ? 0.0 : weight_decay;
-      k.beta1 = beta1;
-      k.beta3 = options.resolved_beta3();
-      k.separate_beta3 = beta1 != 0.0 && k.beta3 != beta1;
-      k.filter_bias_correction = options.use_bias_correction() && beta1 != 0.0
-                                     ? 1.0 - k.beta3 * std::pow(beta1, static_cast<double>(t - 1))
-                                     : 1.0;
-      if (grafting) {
-        fill_chain_scalars(diagonal_method_, diagonal_hyperparams_of(options.grafting()), t, k);
-      }
-      k.direction_mode =
-          static_cast<int32_t>(t < start ? (grafting ? kernels::DirectionMode::kGraft
-                                                     : kernels::DirectionMode::kPreconditioned)
-                                         : (grafting ? kernels::DirectionMode::kGraftNorm
-                                                     : kernels::DirectionMode::kPreconditioned));
-      k.momentum = options.momentum();
-      k.dampening = options.dampening();
-      k.nesterov = options.use_nesterov() ? 1 : 0;
-      k.lr = options.lr();
-      k.output_updated_param = in.distributor.communicate_params() ? 1 : 0;
-
-      // The parameter is read only for weight decay and to write updated values; a copy only
-      // for a non-contiguous block that needs it.
-      const bool in_place = !distributed && param_view.is_contiguous();
-      if (in_place) {
-        c.param = param_view;
-        c.param_out = param_view;
-      } else if (k.l2_weight_decay != 0.0 || k.decoupled_weight_decay != 0.0 ||
-                 k.output_updated_param != 0) {
-        c.param = param_view.contiguous();
-      }
-      if (distributed) {
-        auto slot = in.distributor.slot(b);
-        if (slot.scalar_type() == param_view.scalar_type()) {
-          c.update_out = slot;
-        } else {
-          // Staged in the block's filtered row: the post pass reads each element of a row
-          // before it writes the same element.
-          c.update_out = c.filtered_out;
-          cast_to.push_back(slot);
-          cast_from.push_back(c.update_out.reshape(-1));
-        }
-        in.distributor.mark_updated(b);
-      } else if (!in_place) {
-        c.update_out = c.filtered_out;  // as above; added to the parameter after the chain
-        apply_to.push_back(param_view);
-        apply_from.push_back(c.update_out.view(param_view.sizes()));
-      }
+      const int64_t b = stack.blocks[st.rows.rows[i]];
+      st.chain.push_back(plan.chain.size());
+      plan.chain.push_back(
+          chain_entry(in, static_cast<int64_t>(s), st.rows.rows[i], i, st, updates));
       in.computed[b] = true;
-      st.chain.push_back(chain.size());
-      chain.push_back(std::move(c));
     }
   }
-  if (chain.empty()) return;
+  return plan;
+}
 
-  run_chain_pre(chain);
+ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int64_t row,
+                                            int64_t i, StackStep& st, StepUpdates& updates) {
+  const int64_t b = stacks_[s].blocks[row];
+  const auto& block = in.blocks[b];
+  const auto [options, t] = options_of_block(in, b);
+  push_statistics_scalars(options, t, st.scalars);
+  st.amortize.push_back(amortized_at(structure_, t));
+  st.preconditioned.push_back(
+      matrix_preconditioned_at(structure_, t, preconditioner_->identity_before_amortization()));
 
+  ChainBlockTensors c;
+  c.scalars = chain_scalars(options, t, in.distributor.communicate_params());
+  c.gradient_out = st.gradients[i];
+  c.filtered_out = st.filtered[i];
+  const auto& grad_view = in.grad_blocks[block.param][block.id.block];
+  if (grad_view.is_contiguous()) {
+    c.grad = grad_view;
+  } else {
+    // A column block of a matrix: copied once, straight into its row (the pre pass then reads
+    // and rewrites it in place).
+    c.gradient_out.copy_(grad_view);
+    c.grad = c.gradient_out;
+  }
+  elementwise_->bind(s, row, c.scalars.beta1 != 0.0, c.scalars.momentum != 0.0, c);
+  updates.route(b, in.param_blocks[block.param][block.id.block], c.filtered_out, c);
+  return c;
+}
+
+void VirtualGroup::update_statistics(Plan& plan) {
   for (size_t s = 0; s < stacks_.size(); ++s) {
-    auto& st = steps[s];
+    auto& st = plan.stacks[s];
     if (st.rows.size() == 0) continue;
     preconditioner_->update(static_cast<int64_t>(s), st.rows, st.gradients, st.scalars,
                             st.amortize);
   }
-  if (in.fault) in.fault(StepPhase::kStatisticsUpdated);
+}
 
+void VirtualGroup::precondition(Plan& plan) {
   for (size_t s = 0; s < stacks_.size(); ++s) {
-    auto& st = steps[s];
+    auto& st = plan.stacks[s];
     if (st.rows.size() == 0) continue;
     auto [rows, scalars] = select_rows(st.rows, st.scalars, st.preconditioned);
     if (rows.size() == 0) continue;
@@ -391,16 +282,9 @@ void VirtualGroup::step(const StepInputs& in) {
     }
     preconditioner_->precondition(static_cast<int64_t>(s), rows, filtered, scalars, preconditioned);
     for (size_t j = 0; j < chain_of.size(); ++j) {
-      chain[chain_of[j]].preconditioned = preconditioned[static_cast<int64_t>(j)];
+      plan.chain[chain_of[j]].preconditioned = preconditioned[static_cast<int64_t>(j)];
     }
   }
-
-  run_chain_norms(chain);
-  if (in.fault) in.fault(StepPhase::kBeforeUpdate);
-  run_chain_post(chain);
-
-  if (!apply_to.empty()) at::_foreach_add_(apply_to, apply_from);
-  for (size_t i = 0; i < cast_to.size(); ++i) cast_to[i].copy_(cast_from[i]);
 }
 
 void VirtualGroup::export_states(std::map<BlockId, BlockState>& out) const {
@@ -421,19 +305,8 @@ void VirtualGroup::import_states(const std::map<BlockId, BlockState>& states, bo
                     " (the checkpoint was written for another model or another rank layout)");
         continue;
       }
-      const auto& state = it->second;
-      preconditioner_->import_member(static_cast<int64_t>(s), r, state);
-      if (diagonal_) diagonal_->import_member(static_cast<int64_t>(s), r, state);
-      if (state.count("filter") != 0) {
-        auto& m = lazy_state(filter_state_, static_cast<int64_t>(s));
-        m[r].copy_(checked_state(state, "filter", stack.spec.block_shape, m.options(),
-                                 stack.spec.names[r]));
-      }
-      if (state.count("momentum") != 0) {
-        auto& b = lazy_state(momentum_state_, static_cast<int64_t>(s));
-        b[r].copy_(checked_state(state, "momentum", stack.spec.block_shape, b.options(),
-                                 stack.spec.names[r]));
-      }
+      preconditioner_->import_member(static_cast<int64_t>(s), r, it->second);
+      elementwise_->import_member(static_cast<int64_t>(s), r, it->second);
     }
   }
 }
@@ -441,12 +314,7 @@ void VirtualGroup::import_states(const std::map<BlockId, BlockState>& states, bo
 AmortizedCounters VirtualGroup::counters() const { return preconditioner_->counters(); }
 
 int64_t VirtualGroup::state_bytes() const {
-  int64_t bytes = preconditioner_->state_bytes();
-  if (diagonal_) bytes += diagonal_->state_bytes();
-  for (const auto* states : {&filter_state_, &momentum_state_}) {
-    for (const auto& t : *states) bytes += tensor_bytes(t);
-  }
-  return bytes;
+  return preconditioner_->state_bytes() + elementwise_->state_bytes();
 }
 
 }  // namespace shampoo::detail

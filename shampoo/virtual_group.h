@@ -13,13 +13,15 @@
 
 #include "distributor/block_plan.h"
 #include "distributor/distributor.h"
-#include "grafting/diagonal_preconditioner_list.h"
-#include "preconditioners/elementwise_chain.h"
 #include "preconditioners/preconditioner_list.h"
 #include "shampoo/shampoo_options.h"
 #include "shampoo/step_phase.h"
+#include "update/elementwise_chain.h"
+#include "update/elementwise_state.h"
 
 namespace shampoo::detail {
+
+class StepUpdates;
 
 /// A registered parameter.
 struct ParamEntry {
@@ -47,8 +49,7 @@ struct StepJournal {
   /// Per virtual group: what is not per block.
   struct GroupMark {
     AmortizedCounters counters;
-    std::vector<bool> filter_defined;    // per stack: the lazily allocated filter state existed
-    std::vector<bool> momentum_defined;  // per stack: likewise the momentum state
+    ElementwiseState::Allocated allocated;  // which lazily allocated stacks existed
   };
   std::vector<GroupMark> groups;
   std::map<BlockId, BlockState> states;  ///< blocks about to change, as export_states gives them
@@ -86,8 +87,11 @@ class VirtualGroup {
   const std::vector<int64_t>& user_groups() const { return user_groups_; }
   int64_t owned_blocks() const { return static_cast<int64_t>(owned_.size()); }
 
-  /// Computes the step of every owned block with a gradient: applies it in place (single
-  /// process) or writes it into the distributor's slot and marks it (distributed).
+  /// Computes the step of every owned block with a gradient, in the phases of docs/math.md:
+  /// plan (rows, per-block scalars, where updates go) → gradient statistics (L2 weight decay,
+  /// grafting statistics, filtering) → Kronecker factors and amortized roots → matrix
+  /// preconditioning → grafting norms → graft, decoupled weight decay, momentum, × −lr → apply
+  /// (in place in a single process, into the distributor's slot when distributed).
   void step(const StepInputs& in);
 
   /// Whether step(in) could throw after it has started changing state (an amortized computation
@@ -115,24 +119,32 @@ class VirtualGroup {
     std::vector<int64_t> blocks;  // engine block indices, one per member (row)
     std::vector<BlockId> ids;     // their ids
   };
-  /// Stacked elementwise state (filter M, momentum B), allocated on first use.
-  at::Tensor& lazy_state(std::vector<at::Tensor>& states, int64_t stack);
+  struct StackStep;
+  struct Plan;
+  /// Phase 1: the rows with a gradient of every stack, their scalars and masks, the step's
+  /// buffers and the chain entries (with where each update goes).
+  Plan plan_step(const StepInputs& in, StepUpdates& updates);
+  /// The chain entry of member `row` (the i-th row with a gradient) of stack `s`.
+  ChainBlockTensors chain_entry(const StepInputs& in, int64_t s, int64_t row, int64_t i,
+                                StackStep& st, StepUpdates& updates);
+  /// Phase 3: the factor statistics of every stepped row and the amortized computations due.
+  void update_statistics(Plan& plan);
+  /// Phase 4: the matrix preconditioning of Ḡ of the rows that need it (their chain entries
+  /// then point to the result).
+  void precondition(Plan& plan);
+  /// Places the groups and stacks of `blocks` into stacks_ (constructor).
+  void build_stacks(const std::vector<BlockEntry>& blocks, const std::vector<ParamEntry>& params);
   /// Copies of every state tensor of member r of stack s (checkpoints, rebuilds, journals).
   BlockState export_member(int64_t s, int64_t r) const;
   /// Rows (members) of stack `s` whose parameter has a gradient in `in`.
   Rows rows_with_gradients(int64_t s, const StepInputs& in) const;
-  /// Whether the amortized computation runs at step t (NUMERICS.md step 3).
-  bool amortized_at(int64_t t) const;
 
   ShampooOptions structure_;
   std::vector<int64_t> user_groups_;
   std::vector<int64_t> owned_;
   std::vector<Stack> stacks_;
-  DiagonalMethod diagonal_method_ = DiagonalMethod::kNone;
   std::unique_ptr<PreconditionerList> preconditioner_;
-  std::unique_ptr<DiagonalPreconditionerList> diagonal_;
-  std::vector<at::Tensor> filter_state_;
-  std::vector<at::Tensor> momentum_state_;
+  std::unique_ptr<ElementwiseState> elementwise_;
 };
 
 /// Exponent of the root-inverse preconditioner along each dim of a block of order `order`

@@ -6,7 +6,7 @@
 #include "support/test_support.h"
 
 #if SHAMPOO_WITH_CUDA
-#include "preconditioners/cuda_eigh.h"
+#include "preconditioners/cuda/cuda_eigh.h"
 #endif
 #include "preconditioners/matrix_functions.h"
 

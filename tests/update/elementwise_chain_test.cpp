@@ -1,7 +1,7 @@
 // The fused elementwise chain against a plain ATen formulation of NUMERICS.md steps 1, 2 (the
 // diagonal statistics), 4 and 5-8, for every direction mode, with per-block scalars; on CUDA the
 // kernels against the CPU path.
-#include "preconditioners/elementwise_chain.h"
+#include "update/elementwise_chain.h"
 
 #include <ATen/Context.h>
 
@@ -13,12 +13,12 @@ namespace {
 
 using shampoo::detail::ChainBlockTensors;
 using shampoo::kernels::ChainScalars;
-using shampoo::kernels::DiagonalKind;
 using shampoo::kernels::DirectionMode;
 using shampoo::testing::all_close;
 
 struct BlockCase {
   at::Tensor grad, param, filter, diagonal, momentum, preconditioned;
+  bool graft_statistics = false;  ///< V given (Adam-like grafting) or not (SGD grafting)
   ChainScalars s;
 };
 
@@ -30,7 +30,6 @@ ChainScalars scalars_for(int i, DirectionMode mode) {
   s.beta3 = (i % 4 == 1) ? 0.5 : s.beta1;
   s.separate_beta3 = s.beta1 != 0.0 && s.beta3 != s.beta1;
   s.filter_bias_correction = s.beta1 != 0.0 ? 1.0 - s.beta3 * std::pow(s.beta1, 2.0) : 1.0;
-  s.diagonal_kind = static_cast<int32_t>(i % 5 == 0 ? DiagonalKind::kSGD : DiagonalKind::kAdam);
   s.diagonal_beta2 = 0.99;
   s.diagonal_weight = 0.01;
   s.diagonal_bias_correction = 1.0 - std::pow(0.99, 3.0);
@@ -56,6 +55,7 @@ std::vector<BlockCase> make_blocks(at::ScalarType dtype, DirectionMode mode, at:
     b.diagonal = at::rand({sizes[i]}, o);
     b.momentum = at::randn({sizes[i]}, o) * 0.1;
     b.preconditioned = at::randn({sizes[i]}, o);
+    b.graft_statistics = i % 5 != 0;
     b.s = scalars_for(i, mode);
     out.push_back(b);
   }
@@ -70,7 +70,8 @@ std::vector<at::Tensor> reference(const BlockCase& c) {
   const auto& s = c.s;
   auto w = d(c.param);
   auto g = d(c.grad) + s.l2_weight_decay * w;
-  auto v = d(c.diagonal) * s.diagonal_beta2 + s.diagonal_weight * g * g;
+  auto v = d(c.diagonal);
+  if (c.graft_statistics) v = v * s.diagonal_beta2 + s.diagonal_weight * g * g;
   auto m = d(c.filter);
   at::Tensor filtered = g;
   if (s.beta1 != 0.0) {
@@ -80,7 +81,7 @@ std::vector<at::Tensor> reference(const BlockCase& c) {
     filtered = filtered / s.filter_bias_correction;
   }
   at::Tensor graft = filtered;
-  if (s.diagonal_kind == static_cast<int32_t>(DiagonalKind::kAdam)) {
+  if (c.graft_statistics) {
     graft = filtered / ((v / s.diagonal_bias_correction).sqrt() + s.diagonal_epsilon);
   }
   at::Tensor p;
@@ -117,7 +118,7 @@ void run_chain(std::vector<BlockCase>& blocks, bool in_place, std::vector<at::Te
     c.filtered_out = at::empty_like(b.grad);
     filtered.push_back(c.filtered_out);
     if (b.s.beta1 != 0.0) c.filter_state = b.filter;
-    c.diagonal_state = b.diagonal;
+    if (b.graft_statistics) c.diagonal_state = b.diagonal;
     if (b.s.momentum != 0.0) c.momentum_state = b.momentum;
     c.preconditioned = b.preconditioned;
     if (in_place) {
@@ -170,7 +171,7 @@ TEST_P(ElementwiseChain, UpdateOutEqualsInPlaceApplyBitForBit) {
   std::vector<BlockCase> b;
   for (const auto& x : a) {
     b.push_back({x.grad.clone(), x.param.clone(), x.filter.clone(), x.diagonal.clone(),
-                 x.momentum.clone(), x.preconditioned.clone(), x.s});
+                 x.momentum.clone(), x.preconditioned.clone(), x.graft_statistics, x.s});
   }
   std::vector<at::Tensor> updates, filtered;
   run_chain(a, /*in_place=*/true, updates, filtered);
@@ -189,7 +190,7 @@ TEST_P(ElementwiseChain, CudaKernelsMatchCpu) {
   std::vector<BlockCase> gpu;
   for (const auto& x : cpu) {
     gpu.push_back({x.grad.cuda(), x.param.cuda(), x.filter.cuda(), x.diagonal.cuda(),
-                   x.momentum.cuda(), x.preconditioned.cuda(), x.s});
+                   x.momentum.cuda(), x.preconditioned.cuda(), x.graft_statistics, x.s});
   }
   std::vector<at::Tensor> updates, filtered;
   run_chain(cpu, true, updates, filtered);

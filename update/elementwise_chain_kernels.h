@@ -6,7 +6,7 @@
 ///   norms: ‖P‖² and ‖P_graft‖² per block (only for blocks that match norms)
 ///   post:  grafting, decoupled weight decay, momentum, × (−lr), apply or write the update
 /// The per-element math is shared by the CPU path (this header) and the CUDA kernels
-/// (preconditioners/cuda/), so both compute the same formulas (NUMERICS.md).
+/// (update/cuda/), so both compute the same formulas (NUMERICS.md).
 
 #include <cmath>
 #include <cstdint>
@@ -26,9 +26,6 @@ enum class DirectionMode : int32_t {
   kGraftNorm = 2,       ///< P = preconditioned · ‖P_graft‖ / (‖preconditioned‖ + 1e−16)
 };
 
-/// Diagonal method used for grafting (P_graft) and its statistics V.
-enum class DiagonalKind : int32_t { kNone = 0, kSGD = 1, kAdaGrad = 2, kRMSprop = 3, kAdam = 4 };
-
 /// Per-block scalars of one step, resolved on the host (double; cast to the compute type).
 struct ChainScalars {
   double l2_weight_decay = 0.0;         ///< G' = G + wd·W (0 = off)
@@ -36,8 +33,7 @@ struct ChainScalars {
   double beta3 = 0.0;                   ///< Ḡ = lerp(M_prev, G', 1 − β3) when separate_beta3
   int32_t separate_beta3 = 0;           ///< β3 ≠ β1
   double filter_bias_correction = 1.0;  ///< Ḡ ← Ḡ / this
-  int32_t diagonal_kind = 0;            ///< DiagonalKind
-  double diagonal_beta2 = 1.0;          ///< V ← β2·V + weight·G'²
+  double diagonal_beta2 = 1.0;          ///< grafting statistics V ← β2·V + weight·G'² (update/grafting.h)
   double diagonal_weight = 1.0;
   double diagonal_bias_correction = 1.0;  ///< P_graft = Ḡ / (sqrt(V / bc2) + ε)
   double diagonal_epsilon = 0.0;
@@ -69,6 +65,13 @@ struct ChainBlock {
   ChainScalars s;
 };
 
+/// A chunk of one block, the unit of parallel work: elements [begin, end) of blocks[block].
+struct ChainWorkItem {
+  int64_t block;
+  int64_t begin;
+  int64_t end;
+};
+
 /// torch.lerp's formula (ATen/native/Lerp.h): exact at weight 0 and 1.
 template <typename T>
 SHAMPOO_HOST_DEVICE T lerp(T self, T end, T weight) {
@@ -76,14 +79,15 @@ SHAMPOO_HOST_DEVICE T lerp(T self, T end, T weight) {
                                                : end - (end - self) * (T(1) - weight);
 }
 
+/// The grafting direction P_graft of element i: Ḡ, divided by sqrt(V / bc2) + ε when the block
+/// has grafting statistics V (AdaGrad, RMSprop, Adam; SGD has none).
 template <typename T>
-SHAMPOO_HOST_DEVICE T graft_direction(const ChainScalars& s, T filtered, T diagonal) {
-  if (s.diagonal_kind == static_cast<int32_t>(DiagonalKind::kSGD) ||
-      s.diagonal_kind == static_cast<int32_t>(DiagonalKind::kNone)) {
-    return filtered;
-  }
+SHAMPOO_HOST_DEVICE T graft_direction(const ChainBlock<T>& b, int64_t i) {
+  const T filtered = b.filtered_out[i];
+  if (b.diagonal_state == nullptr) return filtered;
   using std::sqrt;
-  const T denom = sqrt(diagonal / T(s.diagonal_bias_correction)) + T(s.diagonal_epsilon);
+  const ChainScalars& s = b.s;
+  const T denom = sqrt(b.diagonal_state[i] / T(s.diagonal_bias_correction)) + T(s.diagonal_epsilon);
   return filtered / denom;
 }
 
@@ -115,8 +119,7 @@ SHAMPOO_HOST_DEVICE T chain_direction(const ChainBlock<T>& b, int64_t i) {
   const T filtered = b.filtered_out[i];
   switch (static_cast<DirectionMode>(s.direction_mode)) {
     case DirectionMode::kGraft:
-      return graft_direction<T>(s, filtered,
-                                b.diagonal_state != nullptr ? b.diagonal_state[i] : T(0));
+      return graft_direction<T>(b, i);
     case DirectionMode::kGraftNorm:
       return b.preconditioned[i] * T(s.graft_ratio);
     case DirectionMode::kPreconditioned:
@@ -130,8 +133,7 @@ template <typename T>
 SHAMPOO_HOST_DEVICE void chain_norm_element(const ChainBlock<T>& b, int64_t i,
                                             double& preconditioned_sq, double& graft_sq) {
   const double p = static_cast<double>(b.preconditioned[i]);
-  const double g = static_cast<double>(graft_direction<T>(
-      b.s, b.filtered_out[i], b.diagonal_state != nullptr ? b.diagonal_state[i] : T(0)));
+  const double g = static_cast<double>(graft_direction<T>(b, i));
   preconditioned_sq += p * p;
   graft_sq += g * g;
 }

@@ -1,4 +1,4 @@
-#include "preconditioners/cuda_eigh.h"
+#include "preconditioners/cuda/cuda_eigh.h"
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -1,4 +1,4 @@
-#include "preconditioners/elementwise_chain.h"
+#include "update/elementwise_chain.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -7,24 +7,13 @@
 #include "shampoo/config.h"
 
 #if SHAMPOO_WITH_CUDA
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-#include <cstring>
-
-#include "preconditioners/cuda/elementwise_chain_cuda.h"
+#include "update/cuda/chain_launch.h"
 #endif
 
 namespace shampoo::detail {
 namespace {
 
-/// A chunk of one block: the unit of parallel work.
-struct WorkItem {
-  int64_t block;
-  int64_t begin;
-  int64_t end;
-};
+using WorkItem = kernels::ChainWorkItem;
 
 void check_block(const ChainBlockTensors& b, at::ScalarType dtype, at::Device device) {
   const int64_t numel = b.grad.numel();
@@ -112,45 +101,6 @@ void for_each_item(const std::vector<WorkItem>& items, Fn&& fn) {
   });
 }
 
-#if SHAMPOO_WITH_CUDA
-/// Thin CUDA launcher: copies the block table and the work items to the device (pinned staging,
-/// asynchronous on the current stream) and converts launch errors into c10::Error.
-template <typename T>
-struct DeviceTables {
-  at::Tensor blocks;
-  at::Tensor items;
-  int64_t num_items = 0;
-};
-
-at::Tensor to_device_bytes(const void* data, size_t bytes, const at::Device& device) {
-  auto host = at::empty({static_cast<int64_t>(bytes)},
-                        at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), data, bytes);
-  return host.to(device, /*non_blocking=*/true);
-}
-
-template <typename T>
-DeviceTables<T> upload(const std::vector<kernels::ChainBlock<T>>& kblocks,
-                       const std::vector<WorkItem>& items, const at::Device& device) {
-  DeviceTables<T> t;
-  std::vector<kernels::cuda::ChainWorkItem> work;
-  work.reserve(items.size());
-  for (const auto& item : items) work.push_back({item.block, item.begin, item.end});
-  t.blocks = to_device_bytes(kblocks.data(), kblocks.size() * sizeof(kblocks[0]), device);
-  t.items = to_device_bytes(work.data(), work.size() * sizeof(work[0]), device);
-  t.num_items = static_cast<int64_t>(work.size());
-  return t;
-}
-
-template <typename T>
-const kernels::ChainBlock<T>* block_table(const DeviceTables<T>& t) {
-  return reinterpret_cast<const kernels::ChainBlock<T>*>(t.blocks.data_ptr());
-}
-template <typename T>
-const kernels::cuda::ChainWorkItem* item_table(const DeviceTables<T>& t) {
-  return reinterpret_cast<const kernels::cuda::ChainWorkItem*>(t.items.data_ptr());
-}
-#endif
 
 template <typename T>
 std::vector<kernels::ChainBlock<T>> to_kernel_blocks(const std::vector<ChainBlockTensors>& blocks) {
@@ -162,6 +112,32 @@ std::vector<kernels::ChainBlock<T>> to_kernel_blocks(const std::vector<ChainBloc
 
 enum class Pass { kPre, kPost };
 
+void check_cuda_kernels() {
+  TORCH_CHECK(chain_has_cuda_kernels(),
+              "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
+}
+
+/// Per work item {Σ P², Σ P_graft²} of the blocks flagged in `needed`.
+template <typename T>
+std::vector<double> norm_partials(const std::vector<ChainBlockTensors>& blocks,
+                                  const std::vector<bool>& needed, const at::Device& device,
+                                  const std::vector<WorkItem>& items) {
+  const auto kblocks = to_kernel_blocks<T>(blocks);
+  if (device.is_cuda()) {
+    check_cuda_kernels();
+#if SHAMPOO_WITH_CUDA
+    return launch_chain_norms_cuda<T>(kblocks, items, device);
+#endif
+  }
+  std::vector<double> partials(2 * items.size(), 0.0);
+  for_each_item(items, [&](const WorkItem& item) {
+    const auto i = static_cast<size_t>(&item - items.data());
+    kernels::chain_norm_range(kblocks[item.block], item.begin, item.end, partials[2 * i],
+                              partials[2 * i + 1]);
+  });
+  return partials;
+}
+
 /// The pre or post pass over every element of `blocks`: one kernel launch on CUDA tensors, the
 /// work items in parallel on the CPU.
 template <typename T>
@@ -169,17 +145,11 @@ void run_pass(Pass pass, const std::vector<ChainBlockTensors>& blocks, const at:
   const auto kblocks = to_kernel_blocks<T>(blocks);
   const auto items = make_work(blocks, nullptr);
   if (device.is_cuda()) {
+    check_cuda_kernels();
 #if SHAMPOO_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(device);
-    const auto tables = upload(kblocks, items, device);
-    const auto launch = pass == Pass::kPre ? kernels::cuda::launch_chain_pre<T>
-                                           : kernels::cuda::launch_chain_post<T>;
-    C10_CUDA_CHECK(launch(block_table(tables), item_table(tables), tables.num_items,
-                          c10::cuda::getCurrentCUDAStream()));
-    return;
-#else
-    TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
+    launch_chain_pass_cuda<T>(pass == Pass::kPre, kblocks, items, device);
 #endif
+    return;
   }
   const auto range =
       pass == Pass::kPre ? kernels::chain_pre_range<T> : kernels::chain_post_range<T>;
@@ -221,42 +191,13 @@ void run_chain_norms(std::vector<ChainBlockTensors>& blocks) {
   if (!any) return;
   std::vector<double> preconditioned_sq(blocks.size(), 0.0);
   std::vector<double> graft_sq(blocks.size(), 0.0);
+  const auto items = make_work(blocks, &needed);
   AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_norms", [&] {
-    const auto kblocks = to_kernel_blocks<scalar_t>(blocks);
-    if (device.is_cuda()) {
-#if SHAMPOO_WITH_CUDA
-      const c10::cuda::CUDAGuard guard(device);
-      const auto items = make_work(blocks, &needed);
-      const auto tables = upload(kblocks, items, device);
-      auto partials =
-          at::empty({2 * tables.num_items}, at::TensorOptions().dtype(at::kDouble).device(device));
-      C10_CUDA_CHECK(kernels::cuda::launch_chain_norms(
-          block_table(tables), item_table(tables), tables.num_items, partials.data_ptr<double>(),
-          c10::cuda::getCurrentCUDAStream()));
-      const auto host = partials.cpu();
-      const double* data = host.data_ptr<double>();
-      // Combined in chunk order, as on the CPU.
-      for (size_t i = 0; i < items.size(); ++i) {
-        preconditioned_sq[items[i].block] += data[2 * i];
-        graft_sq[items[i].block] += data[2 * i + 1];
-      }
-      return;
-#else
-      TORCH_CHECK(false, "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
-#endif
-    }
-    const auto items = make_work(blocks, &needed);
-    std::vector<double> partial_p(items.size(), 0.0);
-    std::vector<double> partial_g(items.size(), 0.0);
-    for_each_item(items, [&](const WorkItem& item) {
-      const auto i = static_cast<size_t>(&item - items.data());
-      kernels::chain_norm_range(kblocks[item.block], item.begin, item.end, partial_p[i],
-                                partial_g[i]);
-    });
-    // Combine in chunk order: the sum does not depend on the thread count.
+    const auto partials = norm_partials<scalar_t>(blocks, needed, device, items);
+    // Combine in chunk order: the sum does not depend on the thread count or the device.
     for (size_t i = 0; i < items.size(); ++i) {
-      preconditioned_sq[items[i].block] += partial_p[i];
-      graft_sq[items[i].block] += partial_g[i];
+      preconditioned_sq[items[i].block] += partials[2 * i];
+      graft_sq[items[i].block] += partials[2 * i + 1];
     }
   });
   for (size_t i = 0; i < blocks.size(); ++i) {

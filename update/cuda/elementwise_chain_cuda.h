@@ -1,22 +1,17 @@
 #pragma once
 /// CUDA kernel layer of the elementwise chain (no LibTorch): block tables and work items in
 /// device memory, one launch per pass for all blocks of a virtual group. Per-element math is the
-/// same inline code as the CPU path (preconditioners/elementwise_chain_kernels.h).
+/// same inline code as the CPU path (update/elementwise_chain_kernels.h).
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
-#include "preconditioners/elementwise_chain_kernels.h"
+#include "update/elementwise_chain_kernels.h"
 
 namespace shampoo::kernels::cuda {
 
-/// A chunk of one block: elements [begin, end) of blocks[block].
-struct ChainWorkItem {
-  int64_t block;
-  int64_t begin;
-  int64_t end;
-};
+using shampoo::kernels::ChainWorkItem;
 
 /// Pre pass over every work item. `blocks` and `items` point to device memory.
 template <typename T>

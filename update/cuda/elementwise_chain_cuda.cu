@@ -1,4 +1,4 @@
-#include "preconditioners/cuda/elementwise_chain_cuda.h"
+#include "update/cuda/elementwise_chain_cuda.h"
 
 namespace shampoo::kernels::cuda {
 namespace {

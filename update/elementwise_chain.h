@@ -7,7 +7,7 @@
 
 #include <vector>
 
-#include "preconditioners/elementwise_chain_kernels.h"
+#include "update/elementwise_chain_kernels.h"
 
 namespace shampoo::detail {
 

@@ -1,0 +1,42 @@
+#pragma once
+/// The one place where a param group's live options meet the kernels: what a block's options
+/// mean at step t (its schedule, the scalars of its statistics and of its elementwise chain).
+/// The float options are read here from each group's live options at every step; the structural
+/// ones (equal across a virtual group) decide the schedule. docs/math.md has the formulas.
+
+#include <ATen/ATen.h>
+
+#include "preconditioners/rows.h"
+#include "shampoo/shampoo_options.h"
+#include "update/elementwise_chain_kernels.h"
+
+namespace shampoo::detail {
+
+/// Whether the amortized computation (roots, eigenbases) runs at step t (docs/math.md, step 3):
+/// at the start step, then every precondition_frequency steps.
+bool amortized_at(const ShampooOptions& structure, int64_t t);
+
+/// Whether the block is matrix-preconditioned at step t. Before the start step: with grafting the
+/// grafting method runs alone; without it the preconditioner runs unless it is still the
+/// identity (root-inverse Shampoo before its first root), which is skipped.
+bool matrix_preconditioned_at(const ShampooOptions& structure, int64_t t,
+                              bool identity_before_amortization);
+
+/// Appends the scalars of the factor statistics of one block at step t (docs/math.md, steps 2
+/// and 3): β2, the factor weight, the bias correction, ε, t.
+void push_statistics_scalars(const ShampooOptions& options, int64_t t, RowScalars& scalars);
+
+/// The scalars of the elementwise chain of one block at step t: L2 or decoupled weight decay,
+/// β1/β3 filtering and its bias correction, the grafting coefficients and the direction mode,
+/// momentum, dampening, Nesterov, lr. `communicate_params`: the block's owner sends W + U.
+kernels::ChainScalars chain_scalars(const ShampooOptions& options, int64_t t,
+                                    bool communicate_params);
+
+/// Whether the chain of this block reads the parameter W (weight decay, or W + U written out).
+bool chain_reads_param(const kernels::ChainScalars& scalars);
+
+/// A bound on max |G'| of a block, G' = G + wd·W under L2 weight decay, from max |G|.
+double gradient_bound(const ShampooOptions& options, double grad_abs_max,
+                      const at::Tensor& param_block);
+
+}  // namespace shampoo::detail

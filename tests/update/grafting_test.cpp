@@ -1,0 +1,148 @@
+// The grafting method table (coefficients per method, configs by kind, checkpoint codes) and the
+// elementwise state of the update (grafting statistics V, lazily allocated filter and momentum)
+// against closed forms, driven through the fused chain as in a step.
+#include "update/grafting.h"
+
+#include <cmath>
+
+#include "support/test_support.h"
+#include "update/elementwise_state.h"
+
+namespace {
+
+using shampoo::detail::ChainBlockTensors;
+using shampoo::detail::ElementwiseState;
+using shampoo::detail::GraftingFloats;
+using shampoo::detail::GraftingKind;
+using shampoo::detail::StackSpec;
+using shampoo::testing::all_close;
+
+StackSpec spec(int64_t n) {
+  StackSpec s;
+  s.block_shape = {3, 2};
+  s.options = at::TensorOptions().dtype(at::kDouble);
+  s.dim_exponents = {0.25, 0.25};
+  for (int64_t i = 0; i < n; ++i) s.names.push_back("block " + std::to_string(i));
+  return s;
+}
+
+shampoo::detail::GraftingCoefficients coefficients(GraftingKind kind, GraftingFloats f,
+                                                   int64_t t) {
+  return shampoo::detail::grafting_method(kind).coefficients(f, t);
+}
+
+TEST(GraftingMethods, CoefficientsPerMethod) {
+  const GraftingFloats f{0.9, 1e-8};
+  const auto ada = coefficients(GraftingKind::kAdaGrad, f, 5);
+  EXPECT_EQ(ada.beta2, 1.0);
+  EXPECT_EQ(ada.weight, 1.0);
+  EXPECT_EQ(ada.bias_correction2, 1.0);
+  EXPECT_EQ(ada.epsilon, 1e-8);
+  const auto rms = coefficients(GraftingKind::kRMSprop, f, 5);
+  EXPECT_DOUBLE_EQ(rms.weight, 0.1);
+  EXPECT_EQ(rms.bias_correction2, 1.0);
+  const auto adam = coefficients(GraftingKind::kAdam, f, 5);
+  EXPECT_DOUBLE_EQ(adam.bias_correction2, 1.0 - std::pow(0.9, 5));
+  EXPECT_EQ(coefficients(GraftingKind::kSGD, f, 5).epsilon, 0.0);
+  EXPECT_FALSE(shampoo::detail::grafting_method(GraftingKind::kSGD).has_state);
+  EXPECT_TRUE(shampoo::detail::grafting_method(GraftingKind::kAdaGrad).has_state);
+}
+
+TEST(GraftingMethods, KindsConfigsAndFloatsAgree) {
+  for (int64_t code = 0; code < shampoo::detail::kGraftingKinds; ++code) {
+    const auto kind = shampoo::detail::grafting_kind_from_code(code);
+    const auto config = shampoo::detail::default_grafting(kind);
+    EXPECT_EQ(shampoo::detail::grafting_kind(config), kind);
+    EXPECT_EQ(shampoo::detail::grafting_method(kind).kind, kind);
+  }
+  const shampoo::GraftingConfig adam = shampoo::AdamGraftingConfig{0.95, 1e-6};
+  EXPECT_EQ(shampoo::detail::grafting_floats(adam), (GraftingFloats{0.95, 1e-6}));
+  const auto ada = shampoo::detail::with_grafting_floats(shampoo::AdaGradGraftingConfig{},
+                                                         GraftingFloats{0.5, 1e-3});
+  EXPECT_EQ(std::get<shampoo::AdaGradGraftingConfig>(ada).epsilon, 1e-3);  // beta2: none
+  EXPECT_EQ(shampoo::detail::grafting_floats(ada), (GraftingFloats{0.0, 1e-3}));
+  shampoo::testing::expect_error([] { shampoo::detail::grafting_kind_from_code(5); },
+                                 {"grafting kind", "5", "0..4"});
+}
+
+TEST(GraftingChainScalars, FilledFromTheTable) {
+  shampoo::kernels::ChainScalars s;
+  shampoo::detail::fill_chain_scalars(shampoo::RMSpropGraftingConfig{0.99, 1e-6}, 4, s);
+  EXPECT_DOUBLE_EQ(s.diagonal_beta2, 0.99);
+  EXPECT_DOUBLE_EQ(s.diagonal_weight, 1.0 - 0.99);
+  EXPECT_DOUBLE_EQ(s.diagonal_epsilon, 1e-6);
+  EXPECT_EQ(s.diagonal_bias_correction, 1.0);
+}
+
+/// One grafting-only chain step (P = P_graft, lr 1) of member `row` of stack 0 with gradient `g`.
+at::Tensor graft_step(ElementwiseState& state, int64_t row, const shampoo::GraftingConfig& config,
+                      int64_t t, const at::Tensor& g) {
+  ChainBlockTensors c;
+  c.scalars.direction_mode = static_cast<int32_t>(shampoo::kernels::DirectionMode::kGraft);
+  c.scalars.lr = 1.0;
+  shampoo::detail::fill_chain_scalars(config, t, c.scalars);
+  c.grad = g.contiguous();
+  c.gradient_out = at::empty_like(c.grad);
+  c.filtered_out = at::empty_like(c.grad);
+  c.update_out = at::empty_like(c.grad);
+  state.bind(0, row, /*filter=*/false, /*momentum=*/false, c);
+  shampoo::detail::run_chain_pre({c});
+  shampoo::detail::run_chain_post({c});
+  return -c.update_out;
+}
+
+TEST(ElementwiseState, AdamStatisticsMatchTheClosedFormOverSteps) {
+  at::manual_seed(1);
+  ElementwiseState state(GraftingKind::kAdam, {spec(2)});
+  const std::vector<shampoo::GraftingConfig> configs{shampoo::AdamGraftingConfig{0.9, 1e-8},
+                                                     shampoo::AdamGraftingConfig{0.5, 1e-3}};
+  std::vector<at::Tensor> v{at::zeros({3, 2}, at::kDouble), at::zeros({3, 2}, at::kDouble)};
+  for (int64_t t = 1; t <= 3; ++t) {
+    for (int64_t row = 0; row < 2; ++row) {
+      const auto& adam = std::get<shampoo::AdamGraftingConfig>(configs[row]);
+      const auto g = at::randn({3, 2}, at::kDouble);
+      const auto p = graft_step(state, row, configs[row], t, g);
+      v[row] = adam.beta2 * v[row] + (1.0 - adam.beta2) * g * g;
+      const auto expected =
+          g / ((v[row] / (1 - std::pow(adam.beta2, t))).sqrt() + adam.epsilon);
+      EXPECT_TRUE(all_close(p, expected)) << "row " << row << " step " << t;
+    }
+  }
+  std::map<std::string, at::Tensor> exported;
+  state.export_member(0, 1, exported);
+  EXPECT_TRUE(all_close(exported.at("diagonal"), v[1]));
+}
+
+TEST(ElementwiseState, SgdKeepsNoStatisticsAndGraftsTheGradient) {
+  ElementwiseState state(GraftingKind::kSGD, {spec(1)});
+  EXPECT_EQ(state.state_bytes(), 0);
+  const auto g = at::randn({3, 2}, at::kDouble);
+  EXPECT_TRUE(at::equal(graft_step(state, 0, shampoo::SGDGraftingConfig{}, 1, g), g));
+}
+
+TEST(ElementwiseState, ExportImportRoundTripAndLazyStacks) {
+  ElementwiseState a(GraftingKind::kRMSprop, {spec(2)});
+  ChainBlockTensors c;
+  a.bind(0, 1, /*filter=*/true, /*momentum=*/false, c);
+  c.diagonal_state.copy_(at::rand({3, 2}, at::kDouble));
+  c.filter_state.fill_(0.5);
+  std::map<std::string, at::Tensor> exported;
+  a.export_member(0, 1, exported);
+  EXPECT_EQ(exported.count("filter"), 1u);
+  EXPECT_EQ(exported.count("momentum"), 0u);  // never used: not allocated
+
+  ElementwiseState b(GraftingKind::kRMSprop, {spec(2)});
+  const auto before = b.allocated();
+  b.import_member(0, 1, exported);
+  std::map<std::string, at::Tensor> back;
+  b.export_member(0, 1, back);
+  EXPECT_TRUE(at::equal(back.at("diagonal"), exported.at("diagonal")));
+  EXPECT_TRUE(at::equal(back.at("filter"), exported.at("filter")));
+  b.release_since(before);  // the filter stack was allocated by the import: dropped again
+  std::map<std::string, at::Tensor> released;
+  b.export_member(0, 1, released);
+  EXPECT_EQ(released.count("filter"), 0u);
+  shampoo::testing::expect_error([&] { b.import_member(0, 0, {}); }, {"block 0", "diagonal"});
+}
+
+}  // namespace

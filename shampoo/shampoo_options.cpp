@@ -16,25 +16,6 @@ void check_unit_interval(double value, const char* field, bool allow_one) {
               allow_one ? "1]" : "1)");
 }
 
-void check_grafting(const GraftingConfig& grafting) {
-  std::visit(
-      [](const auto& g) {
-        using G = std::decay_t<decltype(g)>;
-        if constexpr (std::is_same_v<G, AdaGradGraftingConfig>) {
-          TORCH_CHECK(g.epsilon > 0.0, "ShampooOptions.grafting (AdaGrad).epsilon: got ", g.epsilon,
-                      ", expected > 0");
-        } else if constexpr (std::is_same_v<G, RMSpropGraftingConfig> ||
-                             std::is_same_v<G, AdamGraftingConfig>) {
-          const char* name = std::is_same_v<G, AdamGraftingConfig> ? "Adam" : "RMSprop";
-          TORCH_CHECK(g.epsilon > 0.0, "ShampooOptions.grafting (", name, ").epsilon: got ",
-                      g.epsilon, ", expected > 0");
-          TORCH_CHECK(g.beta2 > 0.0 && g.beta2 <= 1.0, "ShampooOptions.grafting (", name,
-                      ").beta2: got ", g.beta2, ", expected a value in (0, 1]");
-        }
-      },
-      grafting);
-}
-
 }  // namespace
 
 double ShampooOptions::resolved_beta3() const {
@@ -77,7 +58,7 @@ void ShampooOptions::validate() const {
                   factor_matrix_dtype() == c10::ScalarType::Double,
               "ShampooOptions.factor_matrix_dtype: got ", factor_matrix_dtype(),
               ", expected Float or Double");
-  check_grafting(grafting());
+  detail::check_grafting(grafting());
   for (const auto& [order, dims] : inverse_exponent_override()) {
     TORCH_CHECK(order >= 1, "ShampooOptions.inverse_exponent_override: order ", order,
                 " is not a block order (expected >= 1)");

@@ -84,6 +84,22 @@ GraftingConfig with_grafting_floats(GraftingConfig config, const GraftingFloats&
   return config;
 }
 
+void check_grafting(const GraftingConfig& config) {
+  const char* name = grafting_method(grafting_kind(config)).name;
+  std::visit(
+      [name](const auto& g) {
+        if constexpr (requires { g.epsilon; }) {
+          TORCH_CHECK(g.epsilon > 0.0, "ShampooOptions.grafting (", name, ").epsilon: got ",
+                      g.epsilon, ", expected > 0");
+        }
+        if constexpr (requires { g.beta2; }) {
+          TORCH_CHECK(g.beta2 > 0.0 && g.beta2 <= 1.0, "ShampooOptions.grafting (", name,
+                      ").beta2: got ", g.beta2, ", expected a value in (0, 1]");
+        }
+      },
+      config);
+}
+
 void fill_chain_scalars(const GraftingConfig& config, int64_t step, kernels::ChainScalars& s) {
   const auto c = grafting_method(grafting_kind(config)).coefficients(grafting_floats(config), step);
   s.diagonal_beta2 = c.beta2;

@@ -90,6 +90,10 @@ GraftingFloats grafting_floats(const GraftingConfig& config);
 /// The config with its kind kept and the values its method has set from `floats`.
 GraftingConfig with_grafting_floats(GraftingConfig config, const GraftingFloats& floats);
 
+/// Checks the values of a config (an error naming the method, the field, the value and the range):
+/// epsilon > 0 and beta2 in (0, 1] for the methods that have them.
+void check_grafting(const GraftingConfig& config);
+
 /// Writes the grafting fields of the chain scalars of one block at step t.
 void fill_chain_scalars(const GraftingConfig& config, int64_t step, kernels::ChainScalars& scalars);
 

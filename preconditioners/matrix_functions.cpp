@@ -3,6 +3,8 @@
 #include "preconditioners/kronecker_contractions.h"
 #include "shampoo/config.h"
 
+#include "preconditioners/decomposition.h"
+
 #if SHAMPOO_WITH_CUDA
 #include "preconditioners/cuda/cuda_eigh.h"
 #endif
@@ -33,54 +35,8 @@ bool try_eigh(const at::Tensor& matrix, at::Tensor& eigenvalues, at::Tensor& eig
 }
 
 /// Decomposes every matrix of `stack` one at a time (LAPACK's batched results depend on the
-/// batch; see kronecker_contractions.h), from an aligned copy, retried in float64 when allowed.
-/// Returns eigenvalues [n, d] and eigenvectors [n, d, d]; rows of failed matrices are left as
-/// is. Matrices decomposed in float64 keep float64 values in `*_double` so callers can finish
-/// their computation in float64 before casting back.
-struct Decomposition {
-  /// For a stack of n matrices: nothing failed, nothing in float64 yet.
-  explicit Decomposition(int64_t n)
-      : failed(n, false), in_double(n, false), eigenvalues_double(n), eigenvectors_double(n) {}
-
-  at::Tensor eigenvalues;
-  at::Tensor eigenvectors;
-  std::vector<bool> failed;
-  std::vector<bool> in_double;
-  std::vector<at::Tensor> eigenvalues_double;
-  std::vector<at::Tensor> eigenvectors_double;
-  int64_t retried = 0;
-};
-
-#if SHAMPOO_WITH_CUDA
-/// CUDA: cuSOLVER on the whole stack (batched Jacobi for small blocks), then a float64 retry of
-/// the matrices that did not converge or came out non-finite.
-Decomposition decompose_cuda(const at::Tensor& stack, bool retry_double_precision) {
-  const int64_t n = stack.size(0);
-  Decomposition out(n);
-  auto first = cuda_eigh(stack);
-  const auto finite = at::logical_and(at::isfinite(first.eigenvalues).all(1),
-                                      at::isfinite(first.eigenvectors).flatten(1).all(1))
-                          .cpu();
-  const bool* finite_row = finite.data_ptr<bool>();
-  out.eigenvalues = first.eigenvalues;
-  out.eigenvectors = first.eigenvectors;
-  for (int64_t i = 0; i < n; ++i) {
-    if (first.converged[i] && finite_row[i]) continue;
-    if (retry_double_precision && stack.scalar_type() != at::kDouble) {
-      ++out.retried;
-      auto retry = cuda_eigh(stack.narrow(0, i, 1).to(at::kDouble), /*batched_jacobi=*/false);
-      if (retry.converged[0] && at::isfinite(retry.eigenvectors).all().item<bool>()) {
-        out.in_double[i] = true;
-        out.eigenvalues_double[i] = retry.eigenvalues[0];
-        out.eigenvectors_double[i] = retry.eigenvectors[0];
-        continue;
-      }
-    }
-    out.failed[i] = true;
-  }
-  return out;
-}
-#endif
+/// batch; see kronecker_contractions.h), from an aligned copy, retried in float64 when allowed;
+/// CUDA stacks go to cuSOLVER (preconditioners/cuda/cuda_eigh.h).
 
 Decomposition decompose(const at::Tensor& stack, bool retry_double_precision) {
 #if SHAMPOO_WITH_CUDA

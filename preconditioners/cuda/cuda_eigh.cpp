@@ -88,4 +88,33 @@ CudaEighResult cuda_eigh(const at::Tensor& stack, bool batched_jacobi) {
   return run<float>(stack, batched_jacobi);
 }
 
+/// CUDA: cuSOLVER on the whole stack (batched Jacobi for small blocks), then a float64 retry of
+/// the matrices that did not converge or came out non-finite.
+Decomposition decompose_cuda(const at::Tensor& stack, bool retry_double_precision) {
+  const int64_t n = stack.size(0);
+  Decomposition out(n);
+  auto first = cuda_eigh(stack);
+  const auto finite = at::logical_and(at::isfinite(first.eigenvalues).all(1),
+                                      at::isfinite(first.eigenvectors).flatten(1).all(1))
+                          .cpu();
+  const bool* finite_row = finite.data_ptr<bool>();
+  out.eigenvalues = first.eigenvalues;
+  out.eigenvectors = first.eigenvectors;
+  for (int64_t i = 0; i < n; ++i) {
+    if (first.converged[i] && finite_row[i]) continue;
+    if (retry_double_precision && stack.scalar_type() != at::kDouble) {
+      ++out.retried;
+      auto retry = cuda_eigh(stack.narrow(0, i, 1).to(at::kDouble), /*batched_jacobi=*/false);
+      if (retry.converged[0] && at::isfinite(retry.eigenvectors).all().item<bool>()) {
+        out.in_double[i] = true;
+        out.eigenvalues_double[i] = retry.eigenvalues[0];
+        out.eigenvectors_double[i] = retry.eigenvectors[0];
+        continue;
+      }
+    }
+    out.failed[i] = true;
+  }
+  return out;
+}
+
 }  // namespace shampoo::detail

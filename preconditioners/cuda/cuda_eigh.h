@@ -8,6 +8,8 @@
 
 #include <vector>
 
+#include "preconditioners/decomposition.h"
+
 namespace shampoo::detail {
 
 struct CudaEighResult {
@@ -20,5 +22,10 @@ struct CudaEighResult {
 /// Double): one batched Jacobi call when d ≤ 32 and `batched_jacobi`, else divide and conquer
 /// one matrix at a time.
 CudaEighResult cuda_eigh(const at::Tensor& stack, bool batched_jacobi = true);
+
+/// The stack's decompositions on CUDA: cuSOLVER on the whole stack (batched Jacobi for small
+/// blocks), then a float64 retry (divide and conquer) of the matrices that did not converge or
+/// came out non-finite, when `retry_double_precision`.
+Decomposition decompose_cuda(const at::Tensor& stack, bool retry_double_precision);
 
 }  // namespace shampoo::detail

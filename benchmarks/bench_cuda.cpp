@@ -6,25 +6,27 @@
 //   3. a training step (forward + backward + optimizer) of the CIFAR-10 ConvNet with
 //      DistributedShampoo (precondition_frequency 100) vs torch::optim::Adam (target ≤ 1.10×).
 // Without a CUDA device it says so and measures nothing.
+#include <fmt/format.h>
 #include <shampoo/shampoo.h>
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 
 #include <cmath>
-#include <fstream>
-#include <iomanip>
-#include <iostream>
+#include <functional>
+#include <string>
+#include <vector>
 
 #include "benchmarks/bench_support.h"
 #include "models.h"
-#include "update/elementwise_chain.h"
 #include "preconditioners/matrix_functions.h"
+#include "update/elementwise_chain.h"
 
 namespace {
 
 using shampoo::bench::Clock;
 using shampoo::bench::elapsed_ms;
+using shampoo::bench::Json;
 using shampoo::bench::median;
 
 void synchronize() { torch::cuda::synchronize(); }
@@ -48,15 +50,12 @@ at::Tensor spd_stack(int64_t n, int64_t d) {
   return at::bmm(g, g.transpose(1, 2)) / (2.0 * static_cast<double>(d));
 }
 
-std::string roots_section(int64_t repetitions) {
-  std::cout << "\n1. inverse roots (exponent 1/4) of a stack, median ms\n";
-  std::cout << std::setw(14) << "stack" << std::setw(14) << "ours batched" << std::setw(16)
-            << "ours per block" << std::setw(18) << "linalg_eigh+bmm" << std::setw(12) << "per/ours"
-            << std::setw(12) << "torch/ours"
-            << "\n";
-  std::ostringstream json;
-  json << "[";
-  bool first = true;
+Json roots_section(int64_t repetitions) {
+  fmt::print(
+      "\n1. inverse roots (exponent 1/4) of a stack, median ms\n{:>14}{:>14}{:>16}{:>18}{:>12}"
+      "{:>12}\n",
+      "stack", "ours batched", "ours per block", "linalg_eigh+bmm", "per/ours", "torch/ours");
+  Json json = Json::array();
   for (const auto& [n, d] :
        std::vector<std::pair<int64_t, int64_t>>{{256, 16}, {64, 32}, {16, 256}, {4, 1024}}) {
     const auto a = spd_stack(n, d);
@@ -73,94 +72,60 @@ std::string roots_section(int64_t repetitions) {
       auto [values, vectors] = at::linalg_eigh(regularized);
       at::bmm(vectors * values.pow(-0.25).unsqueeze(1), vectors.transpose(1, 2));
     });
-    std::cout << std::setw(14) << (std::to_string(n) + "x" + std::to_string(d)) << std::setw(14)
-              << ours << std::setw(16) << per_block << std::setw(18) << torch_eigh << std::setw(11)
-              << per_block / ours << "x" << std::setw(11) << torch_eigh / ours << "x\n";
-    json << (first ? "" : ",") << "{\"n\":" << n << ",\"d\":" << d << ",\"ours_ms\":" << ours
-         << ",\"per_block_ms\":" << per_block << ",\"torch_ms\":" << torch_eigh << "}";
-    first = false;
+    fmt::print("{:>14}{:>14.6g}{:>16.6g}{:>18.6g}{:>11.6g}x{:>11.6g}x\n",
+               fmt::format("{}x{}", n, d), ours, per_block, torch_eigh, per_block / ours,
+               torch_eigh / ours);
+    json.push_back({{"n", n},
+                    {"d", d},
+                    {"ours_ms", ours},
+                    {"per_block_ms", per_block},
+                    {"torch_ms", torch_eigh}});
   }
-  json << "]";
-  return json.str();
+  return json;
 }
 
-std::string chain_section(int64_t repetitions) {
-  std::cout << "\n2. elementwise chain of a virtual group (Adam grafting, momentum, weight "
-               "decay), median ms\n";
-  std::ostringstream json;
-  json << "[";
-  bool first = true;
+/// The chain's math with ATen ops, block by block.
+void chain_per_block(shampoo::bench::ChainTensors& t) {
+  for (size_t i = 0; i < t.grad.size(); ++i) {
+    auto g = t.grad[i];
+    t.diagonal[i].mul_(0.999).addcmul_(g, g, 0.001);
+    t.filter[i].lerp_(g, 0.1);
+    const auto gbar = t.filter[i] / 0.5;
+    const auto graft = gbar / ((t.diagonal[i] / 0.01).sqrt() + 1e-8);
+    const auto ratio = graft.norm() / (t.pre[i].norm() + 1e-16);
+    auto p = t.pre[i] * ratio + 1e-4 * t.param[i];
+    t.momentum[i].mul_(0.9).add_(p);
+    t.param[i].add_(t.momentum[i], -1e-3);
+  }
+}
+
+Json chain_section(int64_t repetitions) {
+  fmt::print(
+      "\n2. elementwise chain of a virtual group (Adam grafting, momentum, weight "
+      "decay), median ms\n");
+  Json json = Json::array();
   for (const auto& [count, numel] :
        std::vector<std::pair<int64_t, int64_t>>{{256, 16384}, {64, 262144}, {1024, 1024}}) {
-    const auto options = at::TensorOptions().device(at::kCUDA);
-    std::vector<at::Tensor> grad, param, filter, diagonal, momentum, pre, filtered;
-    for (int64_t i = 0; i < count; ++i) {
-      grad.push_back(at::randn({numel}, options));
-      param.push_back(at::randn({numel}, options));
-      filter.push_back(at::zeros({numel}, options));
-      diagonal.push_back(at::zeros({numel}, options));
-      momentum.push_back(at::zeros({numel}, options));
-      pre.push_back(at::randn({numel}, options));
-      filtered.push_back(at::empty({numel}, options));
-    }
-    shampoo::kernels::ChainScalars s;
-    s.beta1 = 0.9;
-    s.beta3 = 0.9;
-    s.filter_bias_correction = 0.5;
-    s.diagonal_beta2 = 0.999;
-    s.diagonal_weight = 0.001;
-    s.diagonal_bias_correction = 0.01;
-    s.diagonal_epsilon = 1e-8;
-    s.direction_mode = static_cast<int32_t>(shampoo::kernels::DirectionMode::kGraftNorm);
-    s.decoupled_weight_decay = 1e-4;
-    s.momentum = 0.9;
-    s.lr = 1e-3;
-    std::vector<shampoo::detail::ChainBlockTensors> chain(count);
-    for (int64_t i = 0; i < count; ++i) {
-      auto& c = chain[i];
-      c.grad = grad[i];
-      c.param = param[i];
-      c.param_out = param[i];
-      c.gradient_out = filtered[i];
-      c.filtered_out = filtered[i];
-      c.filter_state = filter[i];
-      c.diagonal_state = diagonal[i];
-      c.momentum_state = momentum[i];
-      c.preconditioned = pre[i];
-      c.scalars = s;
-    }
+    auto chain = shampoo::bench::make_chain(count, {numel}, at::TensorOptions().device(at::kCUDA));
     const double fused = time_ms(repetitions, [&] {
-      shampoo::detail::run_chain_pre(chain);
-      shampoo::detail::run_chain_norms(chain);
-      shampoo::detail::run_chain_post(chain);
+      shampoo::detail::run_chain_pre(chain.blocks);
+      shampoo::detail::run_chain_norms(chain.blocks);
+      shampoo::detail::run_chain_post(chain.blocks);
     });
-    // The same math with ATen ops, block by block.
-    const double per_block = time_ms(repetitions, [&] {
-      for (int64_t i = 0; i < count; ++i) {
-        auto g = grad[i];
-        diagonal[i].mul_(0.999).addcmul_(g, g, 0.001);
-        filter[i].lerp_(g, 0.1);
-        const auto gbar = filter[i] / 0.5;
-        const auto graft = gbar / ((diagonal[i] / 0.01).sqrt() + 1e-8);
-        const auto ratio = graft.norm() / (pre[i].norm() + 1e-16);
-        auto p = pre[i] * ratio + 1e-4 * param[i];
-        momentum[i].mul_(0.9).add_(p);
-        param[i].add_(momentum[i], -1e-3);
-      }
-    });
-    std::cout << "  " << count << " blocks x " << numel << ": multi-tensor " << fused
-              << " ms, per-block ATen " << per_block << " ms (" << per_block / fused << "x)\n";
-    json << (first ? "" : ",") << "{\"blocks\":" << count << ",\"numel\":" << numel
-         << ",\"fused_ms\":" << fused << ",\"per_block_ms\":" << per_block << "}";
-    first = false;
+    const double per_block = time_ms(repetitions, [&] { chain_per_block(chain); });
+    fmt::print("  {} blocks x {}: multi-tensor {:.6g} ms, per-block ATen {:.6g} ms ({:.6g}x)\n",
+               count, numel, fused, per_block, per_block / fused);
+    json.push_back(
+        {{"blocks", count}, {"numel", numel}, {"fused_ms", fused}, {"per_block_ms", per_block}});
   }
-  json << "]";
-  return json.str();
+  return json;
 }
 
-std::string training_section(int64_t repetitions, int64_t batch, int64_t frequency) {
-  std::cout << "\n3. CIFAR-10 ConvNet training step (forward + backward + optimizer), batch "
-            << batch << ", Shampoo precondition_frequency " << frequency << "\n";
+Json training_section(int64_t repetitions, int64_t batch, int64_t frequency) {
+  fmt::print(
+      "\n3. CIFAR-10 ConvNet training step (forward + backward + optimizer), batch {}, "
+      "Shampoo precondition_frequency {}\n",
+      batch, frequency);
   const auto inputs = at::randn({batch, 3, 32, 32}, at::TensorOptions().device(at::kCUDA));
   const auto labels =
       at::randint(10, {batch}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
@@ -202,13 +167,15 @@ std::string training_section(int64_t repetitions, int64_t batch, int64_t frequen
     ratios.push_back(s / a);
   }
   const double ratio = median(ratios);
-  std::cout << "  Adam " << median(adam_ms) << " ms/step, Shampoo " << median(shampoo_ms)
-            << " ms/step (amortized over " << frequency << " steps), ratio " << ratio
-            << "x (target <= 1.10x: " << (ratio <= 1.10 ? "met" : "missed") << ")\n";
-  std::ostringstream json;
-  json << "{\"adam_ms\":" << median(adam_ms) << ",\"shampoo_ms\":" << median(shampoo_ms)
-       << ",\"ratio\":" << ratio << ",\"batch\":" << batch << ",\"frequency\":" << frequency << "}";
-  return json.str();
+  fmt::print(
+      "  Adam {:.6g} ms/step, Shampoo {:.6g} ms/step (amortized over {} steps), ratio "
+      "{:.6g}x (target <= 1.10x: {})\n",
+      median(adam_ms), median(shampoo_ms), frequency, ratio, ratio <= 1.10 ? "met" : "missed");
+  return Json{{"adam_ms", median(adam_ms)},
+              {"shampoo_ms", median(shampoo_ms)},
+              {"ratio", ratio},
+              {"batch", batch},
+              {"frequency", frequency}};
 }
 
 }  // namespace
@@ -217,27 +184,21 @@ int main(int argc, char** argv) {
   int64_t repetitions = 5, batch = 128, frequency = 100;
   std::string json_path, label;
   shampoo::bench::Flags flags("bench_cuda", "GPU roots, elementwise chain and training step");
-  flags.add_int("--repetitions", &repetitions, 1);
-  flags.add_int("--batch", &batch, 1);
-  flags.add_int("--frequency", &frequency, 1);
-  flags.add_string("--json", &json_path);
-  flags.add_string("--label", &label);
-  flags.parse(argc, argv);
+  flags.add("repetitions", repetitions, "repetitions (medians are over them)", 1)
+      .add("batch", batch, "batch size of the training step", 1)
+      .add("frequency", frequency, "Shampoo's precondition_frequency in the training step", 1);
+  shampoo::bench::add_output_flags(flags, json_path, label);
+  shampoo::bench::parse_flags_or_exit(flags, "bench_cuda", argc, argv);
   if (!torch::cuda::is_available()) {
-    std::cout << "bench_cuda: no CUDA device, nothing measured\n";
+    fmt::print("bench_cuda: no CUDA device, nothing measured\n");
     return 0;
   }
   const double load_before = shampoo::bench::load_average();
-  const auto roots = roots_section(repetitions);
-  const auto chain = chain_section(repetitions);
-  const auto training = training_section(repetitions, batch, frequency);
-  if (!json_path.empty()) {
-    std::ofstream out(json_path);
-    out << "{\"benchmark\":\"bench_cuda\",\"label\":" << shampoo::bench::json_string(label)
-        << ",\"machine\":"
-        << shampoo::bench::machine_json(load_before, shampoo::bench::load_average())
-        << ",\"roots\":" << roots << ",\"chain\":" << chain << ",\"training\":" << training
-        << "}\n";
-  }
-  return 0;
+  Json json{{"benchmark", "bench_cuda"}, {"label", label}, {"machine", nullptr}};
+  json["roots"] = roots_section(repetitions);
+  json["chain"] = chain_section(repetitions);
+  json["training"] = training_section(repetitions, batch, frequency);
+  json["machine"] = shampoo::bench::machine_json(load_before, shampoo::bench::load_average());
+  if (json_path.empty()) return 0;
+  return shampoo::bench::write_json(json_path, json, "bench_cuda") ? 0 : 1;
 }

@@ -39,20 +39,19 @@
 /// Results and how to read them: benchmarks/RESULTS.md.
 
 #include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <shampoo/shampoo.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
-#include <iomanip>
-#include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "benchmarks/bench_support.h"
@@ -116,6 +115,29 @@ struct CaseRun {
   std::vector<RankStats> ranks;
 };
 
+/// Communication model: as many AllGathers as the step issued, together as many bytes, on buffers
+/// of their own (the optimizer's buffers are private), timed like the steps; the median.
+double communication_model_ms(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                              const shampoo::ShampooStats& s, const Args& args) {
+  const int64_t count = s.collectives_last_step;
+  const int64_t elements = s.bytes_sent_per_step / 4;  // float32 communication
+  std::vector<at::Tensor> sends, receives;
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t n = elements / count + (c < elements % count ? 1 : 0);
+    sends.push_back(at::zeros({n}));
+    receives.push_back(at::zeros({n * group->getSize()}));
+  }
+  auto backend = group->getBackend(c10::DeviceType::CPU);
+  std::vector<double> comm;
+  for (int64_t i = 0; i < args.comm_repetitions; ++i) {
+    barrier(group);
+    const auto begin = Clock::now();
+    for (int64_t c = 0; c < count; ++c) backend->_allgather_base(receives[c], sends[c])->wait();
+    comm.push_back(max_over_ranks(group, elapsed_ms(begin, Clock::now())));
+  }
+  return median(comm);
+}
+
 /// The part of a case that one rank runs (group null: the single-process case).
 CaseRun run_rank(const CaseSpec& spec, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                  const std::vector<at::Tensor>& init,
@@ -154,29 +176,7 @@ CaseRun run_rank(const CaseSpec& spec, const c10::intrusive_ptr<c10d::ProcessGro
     }
   }
   const auto s = optimizer.stats();
-  if (group && s.collectives_last_step > 0) {
-    // Communication model: as many AllGathers as the step issued, together as many bytes, on
-    // buffers of their own (the optimizer's buffers are private), timed like the steps.
-    const int64_t count = s.collectives_last_step;
-    const int64_t elements = s.bytes_sent_per_step / 4;  // float32 communication
-    std::vector<at::Tensor> sends, receives;
-    for (int64_t c = 0; c < count; ++c) {
-      const int64_t n = elements / count + (c < elements % count ? 1 : 0);
-      sends.push_back(at::zeros({n}));
-      receives.push_back(at::zeros({n * group->getSize()}));
-    }
-    auto backend = group->getBackend(c10::DeviceType::CPU);
-    std::vector<double> comm;
-    for (int64_t i = 0; i < args.comm_repetitions; ++i) {
-      barrier(group);
-      const auto begin = Clock::now();
-      for (int64_t c = 0; c < count; ++c) {
-        backend->_allgather_base(receives[c], sends[c])->wait();
-      }
-      comm.push_back(max_over_ranks(group, elapsed_ms(begin, Clock::now())));
-    }
-    run.comm_ms = median(comm);
-  }
+  if (group && s.collectives_last_step > 0) run.comm_ms = communication_model_ms(group, s, args);
   const std::vector<int64_t> mine{s.state_bytes,
                                   s.owned_blocks,
                                   s.total_blocks,
@@ -214,8 +214,8 @@ std::vector<CaseSpec> selected_cases(const Args& args, int torchrun_world) {
     const bool named = std::find(names.begin(), names.end(), c.name) != names.end();
     if (torchrun_world > 0 && c.world != torchrun_world) {
       if (named) {
-        throw std::runtime_error("case " + c.name + " needs world " + std::to_string(c.world) +
-                                 ", this torchrun launch has " + std::to_string(torchrun_world));
+        throw std::runtime_error(fmt::format("case {} needs world {}, this torchrun launch has {}",
+                                             c.name, c.world, torchrun_world));
       }
       continue;
     }
@@ -231,210 +231,235 @@ std::vector<CaseSpec> selected_cases(const Args& args, int torchrun_world) {
   return out;
 }
 
+Args parse_args(int argc, char** argv) {
+  Args args;
+  Flags flags("bench_distributed",
+              "The Distributor on CPU/Gloo: step time, bytes communicated and state per rank at "
+              "world 1, 2, 4, and 64 param groups merged vs unmerged (benchmarks/RESULTS.md).");
+  flags.add("repetitions", args.repetitions, "repetitions (medians are over them)", 1)
+      .add("window", args.window, "timed steps per case and repetition", 1)
+      .add("frequency", args.frequency, "precondition_frequency", 2)
+      .add("start-step", args.start, "start_preconditioning_step (the first root computation)", 1)
+      .add("threads", args.threads, "intra-op threads per rank", 1)
+      .add("grad-pool", args.grad_pool, "distinct gradient sets, cycled", 1)
+      .add("batch", args.batch, "batch size of the passes that make the gradients", 1)
+      .add("comm-repetitions", args.comm_repetitions,
+           "repetitions of the communication model (the step's AllGathers replayed alone)", 1)
+      .add("cases", args.cases,
+           "comma-separated cases among single, w1, w2, w4, w2_g64_merged, w2_g64_unmerged "
+           "(none: all; with --torchrun those of its world size)")
+      .add_bool("torchrun", args.torchrun,
+                "run as one rank of a torchrun launch (init_process_group_from_env)");
+  add_output_flags(flags, args.json, args.label);
+  parse_flags_or_exit(flags, "bench_distributed", argc, argv);
+  return args;
+}
+
+/// What every rank shares: the torchrun group (if any), the cases, the model's parameters and
+/// gradients.
+struct Setup {
+  c10::intrusive_ptr<c10d::ProcessGroup> torchrun_group;
+  bool report = true;  // rank 0 prints and writes
+  std::vector<CaseSpec> cases;
+  std::vector<at::Tensor> init;
+  std::vector<std::vector<at::Tensor>> pool;
+  std::string launcher;
+};
+
+Setup make_setup(const Args& args) {
+  Setup s;
+  if (args.torchrun) s.torchrun_group = shampoo::init_process_group_from_env();
+  s.report = !s.torchrun_group || s.torchrun_group->getRank() == 0;
+  s.cases = selected_cases(args, s.torchrun_group ? s.torchrun_group->getSize() : 0);
+  torch::manual_seed(0);  // every rank builds the same model and gradients
+  auto model = make_layered_mlp(kLayers, kWidth);
+  s.init = model->parameters();
+  s.pool = make_gradient_pool(model, args.grad_pool, args.batch, kWidth, kWidth);
+  s.launcher = s.torchrun_group ? "torchrun (one process per rank)" : "threads of one process";
+  return s;
+}
+
+/// runs[case][repetition]: every case once per repetition, the order rotated every repetition.
+std::vector<std::vector<CaseRun>> run_all(const Setup& s, const Args& args) {
+  std::vector<std::vector<CaseRun>> runs(s.cases.size());
+  for (int64_t r = 0; r < args.repetitions; ++r) {
+    if (s.report) fmt::print("  repetition {}/{} (ms):", r + 1, args.repetitions);
+    for (size_t k = 0; k < s.cases.size(); ++k) {
+      const size_t c = (k + static_cast<size_t>(r)) % s.cases.size();
+      runs[c].push_back(run_case(s.cases[c], s.torchrun_group, s.init, s.pool, args));
+      if (s.report) fmt::print(" {} {:.2f};", s.cases[c].name, median(runs[c].back().step_ms));
+      std::fflush(stdout);
+    }
+    if (s.report) fmt::print("\n");
+    std::fflush(stdout);
+  }
+  return runs;
+}
+
+/// The medians of one case over the repetitions.
+struct Row {
+  double median_ms = 0;
+  double comm_ms = 0;
+  double cpu_ms = 0;
+  std::optional<double> ratio;  // vs single, median of same-repetition ratios (no single case: -)
+  std::vector<double> per_rep;
+};
+
+std::vector<Row> summarize(const std::vector<CaseSpec>& cases,
+                           const std::vector<std::vector<CaseRun>>& runs) {
+  const auto single =
+      std::find_if(cases.begin(), cases.end(), [](const CaseSpec& c) { return c.world == 0; });
+  const auto single_index = static_cast<size_t>(single - cases.begin());
+  std::vector<Row> rows(cases.size());
+  for (size_t c = 0; c < cases.size(); ++c) {
+    std::vector<double> ratios, comm, cpu;
+    for (size_t r = 0; r < runs[c].size(); ++r) {
+      rows[c].per_rep.push_back(median(runs[c][r].step_ms));
+      if (single != cases.end()) {
+        ratios.push_back(rows[c].per_rep.back() / median(runs[single_index][r].step_ms));
+      }
+      comm.push_back(runs[c][r].comm_ms);
+      cpu.push_back(median(runs[c][r].cpu_ms));
+    }
+    rows[c].median_ms = median(rows[c].per_rep);
+    rows[c].comm_ms = median(comm);
+    rows[c].cpu_ms = median(cpu);
+    if (single != cases.end()) rows[c].ratio = median(ratios);
+  }
+  return rows;
+}
+
+void print_table(const std::vector<CaseSpec>& cases, const std::vector<std::vector<CaseRun>>& runs,
+                 const std::vector<Row>& rows) {
+  fmt::print(
+      "\n{:<17}{:>11}{:>11}{:>10}{:>10}{:>8}{:>14}{:>14}{:>14}{:>14}{:>14}{:>14}\n{:-<151}\n",
+      "case", "step ms", "/single", "cpu ms", "comm ms", "coll.", "sent B/step", "recv B/step",
+      "state max", "state min", "total/world", "blocks", "");
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const auto& ranks = runs[c].back().ranks;
+    int64_t state_max = 0, state_min = INT64_MAX, state_total = 0, sent = 0, received = 0;
+    std::vector<int64_t> owned;
+    for (const auto& s : ranks) {
+      state_max = std::max(state_max, s.state_bytes);
+      state_min = std::min(state_min, s.state_bytes);
+      state_total += s.state_bytes;
+      sent = std::max(sent, s.bytes_sent);
+      received = std::max(received, s.bytes_received);
+      owned.push_back(s.owned_blocks);
+    }
+    const std::string ratio = rows[c].ratio ? fmt::format("{:.3f}x", *rows[c].ratio) : "";
+    fmt::print("{:<17}{:>11.2f}{:>11}{:>10.2f}{:>10.2f}{:>8}{:>14}{:>14}{:>14}{:>14}{:>14}{:>14}\n",
+               cases[c].name, rows[c].median_ms, ratio, rows[c].cpu_ms, rows[c].comm_ms,
+               ranks[0].collectives, sent, received, state_max, state_min,
+               state_total / static_cast<int64_t>(ranks.size()),
+               fmt::format("{}", fmt::join(owned, "+")));
+  }
+  fmt::print(
+      "(step ms: median over repetitions of the median timed step, each step the slowest "
+      "rank's; cpu ms: CPU time of the busiest rank's thread in the step (median); comm ms: "
+      "the step's AllGathers replayed alone; coll.: collectives in the last step on rank 0; "
+      "blocks: owned per rank; virtual groups:");
+  size_t roots = 0;
+  for (size_t c = 0; c < cases.size(); ++c) {
+    fmt::print(" {} {}", cases[c].name, runs[c].back().ranks[0].virtual_groups);
+    for (const auto& run : runs[c]) roots += run.root_ms.size();
+  }
+  fmt::print(")\nroot-computation steps timed: {}\n", roots);
+}
+
+Json case_json(const CaseSpec& spec, const std::vector<CaseRun>& runs, const Row& row) {
+  const auto& ranks = runs.back().ranks;
+  auto per_rank = [&](int64_t RankStats::*field) {
+    std::vector<int64_t> v;
+    for (const auto& s : ranks) v.push_back(s.*field);
+    return v;
+  };
+  Json json{{"name", spec.name},
+            {"world", spec.world},
+            {"param_groups", spec.groups},
+            {"merged", spec.merged},
+            {"median_ms", row.median_ms},
+            {"communication_model_ms", row.comm_ms},
+            {"busiest_rank_thread_cpu_ms", row.cpu_ms}};
+  if (row.ratio) json["ratio_vs_single"] = *row.ratio;
+  json["per_repetition_ms"] = row.per_rep;
+  json["virtual_groups"] = ranks[0].virtual_groups;
+  json["total_blocks"] = ranks[0].total_blocks;
+  json["collectives_last_step"] = per_rank(&RankStats::collectives);
+  json["state_bytes"] = per_rank(&RankStats::state_bytes);
+  json["owned_blocks"] = per_rank(&RankStats::owned_blocks);
+  json["bytes_sent_per_step"] = per_rank(&RankStats::bytes_sent);
+  json["bytes_received_per_step"] = per_rank(&RankStats::bytes_received);
+  return json;
+}
+
+Json results_json(const Setup& s, const std::vector<std::vector<CaseRun>>& runs,
+                  const std::vector<Row>& rows, const Args& args) {
+  Json settings{{"repetitions", args.repetitions},
+                {"window", args.window},
+                {"precondition_frequency", args.frequency},
+                {"start_preconditioning_step", args.start},
+                {"grad_pool", args.grad_pool},
+                {"batch", args.batch},
+                {"comm_repetitions", args.comm_repetitions}};
+  settings["shampoo"] = {{"lr", 1e-3},
+                         {"betas", {0.9, 0.999}},
+                         {"epsilon", 1e-12},
+                         {"max_preconditioner_dim", 1024},
+                         {"grafting", "adam(0.999, 1e-8)"}};
+  Json cases = Json::array();
+  for (size_t c = 0; c < s.cases.size(); ++c)
+    cases.push_back(case_json(s.cases[c], runs[c], rows[c]));
+  return Json{{"benchmark", "distributed"},
+              {"label", args.label},
+              {"launcher", s.launcher},
+              {"model", layered_mlp_name(kLayers, kWidth)},
+              {"parameters", numel_of(s.init)},
+              {"parameter_tensors", s.init.size()},
+              {"machine", nullptr},  // set by the caller
+              {"settings", settings},
+              {"timed_section_s", nullptr},  // set by the caller
+              {"cases", cases}};
+}
+
+int run(const Args& args) {
+  const Setup s = make_setup(args);
+  const double load_before = load_average();
+  if (s.report) {
+    fmt::print(
+        "bench_distributed: {} ({} parameters, {} tensors), LibTorch {}, {} thread(s) per "
+        "rank, ranks as {}, CPU {}\n  repetitions {}, window {} steps, "
+        "precondition_frequency {}, start_preconditioning_step {}\n",
+        layered_mlp_name(kLayers, kWidth), numel_of(s.init), s.init.size(), TORCH_VERSION,
+        at::get_num_threads(), s.launcher, cpu_model(), args.repetitions, args.window,
+        args.frequency, args.start);
+    std::fflush(stdout);
+  }
+  const auto run_begin = Clock::now();
+  const auto runs = run_all(s, args);
+  const double run_s = elapsed_ms(run_begin, Clock::now()) / 1000.0;
+  const double load_after = load_average();
+  if (!s.report) return 0;
+
+  const auto rows = summarize(s.cases, runs);
+  print_table(s.cases, runs, rows);
+  print_timed_section(run_s, load_before, load_after);
+  if (args.json.empty()) return 0;
+  Json json = results_json(s, runs, rows, args);
+  json["machine"] = machine_json(load_before, load_after);
+  json["timed_section_s"] = run_s;
+  return write_json(args.json, json, "bench_distributed") ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  Args args;
-  Flags flags("bench_distributed",
-              "[--repetitions R] [--window W] [--frequency F] [--start-step S] [--threads T]\n"
-              "       [--grad-pool K] [--batch B] [--comm-repetitions C] [--cases a,b,...]\n"
-              "       [--torchrun] [--json PATH] [--label TEXT]\n"
-              "cases: single, w1, w2, w4, w2_g64_merged, w2_g64_unmerged");
-  flags.add_int("--repetitions", &args.repetitions, 1);
-  flags.add_int("--window", &args.window, 1);
-  flags.add_int("--frequency", &args.frequency, 2);
-  flags.add_int("--start-step", &args.start, 1);
-  flags.add_int("--threads", &args.threads, 1);
-  flags.add_int("--grad-pool", &args.grad_pool, 1);
-  flags.add_int("--batch", &args.batch, 1);
-  flags.add_int("--comm-repetitions", &args.comm_repetitions, 1);
-  flags.add_string("--cases", &args.cases);
-  flags.add_bool("--torchrun", &args.torchrun);
-  flags.add_string("--json", &args.json);
-  flags.add_string("--label", &args.label);
-  flags.parse(argc, argv);
+  const Args args = parse_args(argc, argv);
   at::set_num_threads(static_cast<int>(args.threads));
-
   try {
-    c10::intrusive_ptr<c10d::ProcessGroup> torchrun_group;
-    if (args.torchrun) torchrun_group = shampoo::init_process_group_from_env();
-    const int rank = torchrun_group ? torchrun_group->getRank() : 0;
-    const bool report = rank == 0;
-    const auto cases = selected_cases(args, torchrun_group ? torchrun_group->getSize() : 0);
-
-    torch::manual_seed(0);  // every rank builds the same model and gradients
-    auto model = make_layered_mlp(kLayers, kWidth);
-    const auto init = model->parameters();
-    const int64_t num_params = numel_of(init);
-    const auto pool = make_gradient_pool(model, args.grad_pool, args.batch, kWidth, kWidth);
-    const double load_before = load_average();
-    const std::string launcher =
-        torchrun_group ? "torchrun (one process per rank)" : "threads of one process";
-    if (report) {
-      std::cout << "bench_distributed: " << layered_mlp_name(kLayers, kWidth) << " (" << num_params
-                << " parameters, " << init.size() << " tensors), LibTorch " << TORCH_VERSION << ", "
-                << at::get_num_threads() << " thread(s) per rank, ranks as " << launcher << ", CPU "
-                << cpu_model() << "\n"
-                << "  repetitions " << args.repetitions << ", window " << args.window
-                << " steps, precondition_frequency " << args.frequency
-                << ", start_preconditioning_step " << args.start << "\n"
-                << std::flush;
-    }
-
-    // runs[case][repetition]
-    std::vector<std::vector<CaseRun>> runs(cases.size());
-    const auto run_begin = Clock::now();
-    for (int64_t r = 0; r < args.repetitions; ++r) {
-      if (report) std::cout << "  repetition " << r + 1 << "/" << args.repetitions << " (ms):";
-      for (size_t k = 0; k < cases.size(); ++k) {
-        const size_t c = (k + static_cast<size_t>(r)) % cases.size();
-        runs[c].push_back(run_case(cases[c], torchrun_group, init, pool, args));
-        if (report) {
-          std::cout << " " << cases[c].name << " " << std::fixed << std::setprecision(2)
-                    << median(runs[c].back().step_ms) << ";" << std::flush;
-        }
-      }
-      if (report) std::cout << "\n" << std::flush;
-    }
-    const double run_s = elapsed_ms(run_begin, Clock::now()) / 1000.0;
-    const double load_after = load_average();
-    if (!report) return 0;
-
-    const auto single =
-        std::find_if(cases.begin(), cases.end(), [](const CaseSpec& c) { return c.world == 0; });
-    const auto single_index = static_cast<size_t>(single - cases.begin());
-    struct Row {
-      double median_ms = 0;
-      double comm_ms = 0;
-      double cpu_ms = 0;
-      double ratio = 0;  // vs single, median of same-repetition ratios (0: no single case)
-      std::vector<double> per_rep;
-    };
-    std::vector<Row> rows(cases.size());
-    for (size_t c = 0; c < cases.size(); ++c) {
-      std::vector<double> ratios;
-      for (size_t r = 0; r < runs[c].size(); ++r) {
-        rows[c].per_rep.push_back(median(runs[c][r].step_ms));
-        if (single != cases.end()) {
-          ratios.push_back(rows[c].per_rep.back() / median(runs[single_index][r].step_ms));
-        }
-      }
-      rows[c].median_ms = median(rows[c].per_rep);
-      std::vector<double> comm, cpu;
-      for (const auto& run : runs[c]) {
-        comm.push_back(run.comm_ms);
-        cpu.push_back(median(run.cpu_ms));
-      }
-      rows[c].comm_ms = median(comm);
-      rows[c].cpu_ms = median(cpu);
-      rows[c].ratio = median(ratios);
-    }
-
-    std::cout << "\n"
-              << std::left << std::setw(17) << "case" << std::right << std::setw(11) << "step ms"
-              << std::setw(11) << "/single" << std::setw(10) << "cpu ms" << std::setw(10)
-              << "comm ms" << std::setw(8) << "coll." << std::setw(14) << "sent B/step"
-              << std::setw(14) << "recv B/step" << std::setw(14) << "state max" << std::setw(14)
-              << "state min" << std::setw(14) << "total/world" << std::setw(14) << "blocks"
-              << "\n"
-              << std::string(151, '-') << "\n";
-    for (size_t c = 0; c < cases.size(); ++c) {
-      const auto& last = runs[c].back();
-      int64_t state_max = 0, state_min = INT64_MAX, state_total = 0, sent = 0, received = 0;
-      std::ostringstream owned;
-      for (size_t r = 0; r < last.ranks.size(); ++r) {
-        const auto& s = last.ranks[r];
-        state_max = std::max(state_max, s.state_bytes);
-        state_min = std::min(state_min, s.state_bytes);
-        state_total += s.state_bytes;
-        sent = std::max(sent, s.bytes_sent);
-        received = std::max(received, s.bytes_received);
-        owned << (r ? "+" : "") << s.owned_blocks;
-      }
-      std::ostringstream ratio;
-      if (single != cases.end())
-        ratio << std::fixed << std::setprecision(3) << rows[c].ratio << "x";
-      std::cout << std::left << std::setw(17) << cases[c].name << std::right << std::fixed
-                << std::setprecision(2) << std::setw(11) << rows[c].median_ms << std::setw(11)
-                << ratio.str() << std::setw(10) << rows[c].cpu_ms << std::setw(10)
-                << rows[c].comm_ms << std::setw(8) << last.ranks[0].collectives << std::setw(14)
-                << sent << std::setw(14) << received << std::setw(14) << state_max << std::setw(14)
-                << state_min << std::setw(14)
-                << state_total / static_cast<int64_t>(last.ranks.size()) << std::setw(14)
-                << owned.str() << "\n";
-    }
-    std::cout
-        << "(step ms: median over repetitions of the median timed step, each step the "
-           "slowest rank's; cpu ms: CPU time of the busiest rank's thread in the step (median); "
-           "comm ms: the step's AllGathers replayed alone; coll.: "
-           "collectives in the last step on rank 0; blocks: owned per rank; virtual groups:";
-    for (size_t c = 0; c < cases.size(); ++c) {
-      std::cout << " " << cases[c].name << " " << runs[c].back().ranks[0].virtual_groups;
-    }
-    std::cout << ")\nroot-computation steps timed: ";
-    size_t roots = 0;
-    for (const auto& case_runs : runs) {
-      for (const auto& run : case_runs) roots += run.root_ms.size();
-    }
-    std::cout << roots << "\n";
-    print_timed_section(std::cout, run_s, load_before, load_after);
-
-    if (!args.json.empty()) {
-      std::ofstream out(args.json);
-      if (!out) {
-        std::cerr << "bench_distributed: cannot write " << args.json << "\n";
-        return 1;
-      }
-      out << std::setprecision(6);
-      out << "{\n"
-          << "  \"benchmark\": \"distributed\",\n"
-          << "  \"label\": " << json_string(args.label) << ",\n"
-          << "  \"launcher\": " << json_string(launcher) << ",\n"
-          << "  \"model\": " << json_string(layered_mlp_name(kLayers, kWidth)) << ",\n"
-          << "  \"parameters\": " << num_params << ",\n"
-          << "  \"parameter_tensors\": " << init.size() << ",\n"
-          << "  \"machine\": " << machine_json(load_before, load_after) << ",\n"
-          << "  \"settings\": {\"repetitions\": " << args.repetitions
-          << ", \"window\": " << args.window << ", \"precondition_frequency\": " << args.frequency
-          << ", \"start_preconditioning_step\": " << args.start
-          << ", \"grad_pool\": " << args.grad_pool << ", \"batch\": " << args.batch
-          << ", \"comm_repetitions\": " << args.comm_repetitions
-          << ", \"shampoo\": {\"lr\": 1e-3, \"betas\": [0.9, 0.999], \"epsilon\": 1e-12, "
-             "\"max_preconditioner_dim\": 1024, \"grafting\": \"adam(0.999, 1e-8)\"}},\n"
-          << "  \"timed_section_s\": " << run_s << ",\n"
-          << "  \"cases\": [";
-      for (size_t c = 0; c < cases.size(); ++c) {
-        const auto& last = runs[c].back();
-        std::vector<int64_t> state, owned, sent, received, collectives;
-        for (const auto& s : last.ranks) {
-          state.push_back(s.state_bytes);
-          owned.push_back(s.owned_blocks);
-          sent.push_back(s.bytes_sent);
-          received.push_back(s.bytes_received);
-          collectives.push_back(s.collectives);
-        }
-        out << (c ? "," : "") << "\n    {\"name\": " << json_string(cases[c].name)
-            << ", \"world\": " << cases[c].world << ", \"param_groups\": " << cases[c].groups
-            << ", \"merged\": " << (cases[c].merged ? "true" : "false")
-            << ", \"median_ms\": " << rows[c].median_ms
-            << ", \"communication_model_ms\": " << rows[c].comm_ms
-            << ", \"busiest_rank_thread_cpu_ms\": " << rows[c].cpu_ms;
-        if (single != cases.end()) out << ", \"ratio_vs_single\": " << rows[c].ratio;
-        out << ", \"per_repetition_ms\": " << json_array(rows[c].per_rep)
-            << ", \"virtual_groups\": " << last.ranks[0].virtual_groups
-            << ", \"total_blocks\": " << last.ranks[0].total_blocks
-            << ", \"collectives_last_step\": " << json_array(collectives)
-            << ", \"state_bytes\": " << json_array(state)
-            << ", \"owned_blocks\": " << json_array(owned)
-            << ", \"bytes_sent_per_step\": " << json_array(sent)
-            << ", \"bytes_received_per_step\": " << json_array(received) << "}";
-      }
-      out << "\n  ]\n}\n";
-      std::cout << "\nwrote " << args.json << "\n";
-    }
+    return run(args);
   } catch (const std::exception& e) {
-    std::cerr << "bench_distributed: " << e.what() << "\n";
+    fmt::print(stderr, "bench_distributed: {}\n", e.what());
     return 1;
   }
-  return 0;
 }

@@ -37,19 +37,17 @@
 /// Results and how to read them: benchmarks/RESULTS.md.
 
 #include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <shampoo/shampoo.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
-#include <iomanip>
-#include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -297,275 +295,293 @@ ShardedRow measure_sharded(int world, const std::vector<at::Tensor>& init,
   return row;
 }
 
+Args parse_args(int argc, char** argv) {
+  Args args;
+  Flags flags("bench_in_backward",
+              "Memory and time of a training step with and without optimizer-in-backward, and "
+              "optimizer-state bytes per rank of ShardedOptimizer (benchmarks/RESULTS.md).");
+  flags.add("repetitions", args.repetitions, "repetitions of the time section (c)", 1)
+      .add("window", args.window, "timed steps of each variant per repetition", 1)
+      .add("threads", args.threads, "intra-op threads (per rank)", 1)
+      .add("batch", args.batch, "batch size", 1)
+      .add("sharded-steps", args.sharded_steps, "timed steps of ShardedOptimizer per world", 1)
+      .add_bool("no-shampoo", args.no_shampoo, "measure the memory of Adam only")
+      .add_bool("peak-breakdown", args.peak_breakdown,
+                "print the live bytes at each variant's peak by allocating top-level operator");
+  add_output_flags(flags, args.json, args.label);
+  parse_flags_or_exit(flags, "bench_in_backward", argc, argv);
+  return args;
+}
+
+/// (a, b) memory, each variant alone.
+std::vector<MemoryRow> measure_memory_rows(const std::vector<at::Tensor>& init, const Batch& batch,
+                                           TrackingAllocator& tracker, const Args& args) {
+  std::vector<MemoryRow> memory;
+  memory.push_back(
+      measure_memory("adam", init, adam_factory(), false, batch, 1, tracker, args.peak_breakdown));
+  memory.push_back(measure_memory("adam in backward", init, adam_factory(), true, batch, 1, tracker,
+                                  args.peak_breakdown));
+  if (!args.no_shampoo) {
+    // Step 1 grafting only, step 2 the first root computation, step 3 measured.
+    memory.push_back(measure_memory("shampoo", init, shampoo_factory(), false, batch, 2, tracker,
+                                    args.peak_breakdown));
+    memory.push_back(measure_memory("shampoo in backward", init, shampoo_factory(), true, batch, 2,
+                                    tracker, args.peak_breakdown));
+  }
+  return memory;
+}
+
+void print_memory(const std::vector<MemoryRow>& memory, int64_t param_bytes) {
+  fmt::print(
+      "\n(a, b) memory of one training step, each variant alone (bytes):\n"
+      "{:<22}{:>14}{:>14}{:>14}{:>14}{:>16}{:>14}{:>9}\n{:-<117}\n",
+      "variant", "grads alive", "resting", "peak", "peak-resting", "bwd peak-rest.", "opt. state",
+      "step ms", "");
+  for (const auto& row : memory) {
+    const auto& m = row.step;
+    const int64_t base = row.live_before_build;
+    fmt::print("{:<22}{:>14}{:>14}{:>14}{:>14}{:>16}{:>14}{:>9.1f}\n", row.name, m.grads_alive,
+               m.live_start - base, m.peak - base, m.peak - m.live_start,
+               m.peak_to_backward - m.live_start, row.state, m.ms);
+  }
+  fmt::print(
+      "(grads alive: when loss.backward() returned; resting: the variant's live bytes "
+      "before the step (parameters + optimizer state), peak: its high-water mark during the "
+      "step, both above the {} bytes the process held before it was built; bwd peak-rest.: "
+      "the same up to the end of loss.backward(); parameters {} bytes)\n"
+      "live bytes before build / after teardown:",
+      row_base(memory), param_bytes);
+  for (const auto& row : memory) {
+    fmt::print(" {} {}/{};", row.name, row.live_before_build, row.live_after_teardown);
+  }
+  fmt::print("\n");
+  std::fflush(stdout);
+}
+
+void print_peak_breakdown(const std::vector<MemoryRow>& memory) {
+  for (const auto& row : memory) {
+    std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> ops(row.at_peak.begin(),
+                                                                         row.at_peak.end());
+    std::sort(ops.begin(), ops.end(),
+              [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+    int64_t total = 0;
+    for (const auto& op : ops) total += op.second.first;
+    fmt::print("live bytes at the peak of a {} step by allocating top-level operator (total {}):\n",
+               row.name, total);
+    for (const auto& [op, bytes] : ops) {
+      if (bytes.first < 1000000) continue;
+      fmt::print("  {:<34}{:>14} in {} allocations\n",
+                 op.empty() ? "(before the step / no operator)" : op, bytes.first, bytes.second);
+    }
+  }
+  std::fflush(stdout);
+}
+
+/// (c) medians per repetition: Adam ordinary, Adam in backward, their ratio.
+struct TimeRows {
+  std::vector<double> ordinary, in_backward, ratio;
+};
+
+/// (c) time, Adam ordinary vs in backward, both alive, steps alternating one by one.
+TimeRows measure_time(const std::vector<at::Tensor>& init, const Batch& batch, const Args& args) {
+  TimeRows t;
+  auto ordinary = make_subject("adam", init, adam_factory(), false);
+  auto in_backward = make_subject("adam in backward", init, adam_factory(), true);
+  train_step(ordinary, batch, nullptr);  // warm-up: creates the state
+  train_step(in_backward, batch, nullptr);
+  for (int64_t r = 0; r < args.repetitions; ++r) {
+    std::vector<double> a, b;
+    for (int64_t w = 0; w < args.window; ++w) {
+      if ((w + r) % 2 == 0) {
+        a.push_back(train_step(ordinary, batch, nullptr).ms);
+        b.push_back(train_step(in_backward, batch, nullptr).ms);
+      } else {
+        b.push_back(train_step(in_backward, batch, nullptr).ms);
+        a.push_back(train_step(ordinary, batch, nullptr).ms);
+      }
+    }
+    t.ordinary.push_back(median(a));
+    t.in_backward.push_back(median(b));
+    t.ratio.push_back(t.in_backward.back() / t.ordinary.back());
+    fmt::print("  (c) repetition {}/{}: adam {:.1f} ms, in backward {:.1f} ms\n", r + 1,
+               args.repetitions, t.ordinary.back(), t.in_backward.back());
+    std::fflush(stdout);
+  }
+  // Same parameters after the same steps: in-backward Adam equals ordinary Adam.
+  const auto pa = ordinary.model->parameters();
+  const auto pb = in_backward.model->parameters();
+  bool same = true;
+  for (size_t i = 0; i < pa.size(); ++i) same &= at::equal(pa[i], pb[i]);
+  fmt::print("  (c) parameters of the two after {} steps bit-identical: {}\n", ordinary.steps,
+             same ? "yes" : "NO");
+  fmt::print(
+      "\n(c) training step time (forward + backward + Adam), median ms:\n  adam {:.2f}, "
+      "adam in backward {:.2f}, ratio in backward / ordinary {:.3f}x\n",
+      median(t.ordinary), median(t.in_backward), median(t.ratio));
+  std::fflush(stdout);
+  return t;
+}
+
+/// Gradients of one forward/backward pass of the model on `batch`.
+std::vector<at::Tensor> one_pass_gradients(const std::vector<at::Tensor>& init,
+                                           const Batch& batch) {
+  auto model = make_model(init);
+  torch::nn::functional::cross_entropy(model->forward(batch.x), batch.y).backward();
+  std::vector<at::Tensor> grads;
+  for (const auto& p : model->parameters()) grads.push_back(p.grad().detach().clone());
+  return grads;
+}
+
+void print_sharded(const std::vector<ShardedRow>& sharded, int64_t unsharded_state) {
+  fmt::print(
+      "\n(d) ShardedOptimizer (Adam inside), state bytes per rank; unsharded Adam {}:\n"
+      "{:<7}{:>14}{:>14}{:>14}{:>10}{:>14}{:>12}{:>10}{:>10}{:>10}\n{:-<115}\n",
+      unsharded_state, "world", "max/rank", "min/rank", "total/world", "max/ideal", "sum",
+      "tensors", "step ms", "cpu ms", "comm ms", "");
+  for (const auto& row : sharded) {
+    int64_t sum = 0;
+    for (const int64_t bytes : row.state_bytes) sum += bytes;
+    const auto mx = *std::max_element(row.state_bytes.begin(), row.state_bytes.end());
+    const auto mn = *std::min_element(row.state_bytes.begin(), row.state_bytes.end());
+    const double ideal = static_cast<double>(unsharded_state) / row.world;
+    fmt::print("{:<7}{:>14}{:>14}{:>14}{:>9.3f}x{:>14}{:>12}{:>10.1f}{:>10.1f}{:>10.1f}\n",
+               row.world, mx, mn, unsharded_state / row.world, mx / ideal, sum,
+               fmt::format("{}", fmt::join(row.owned_params, "+")), row.step_ms, row.cpu_ms,
+               row.comm_ms);
+  }
+  fmt::print(
+      "(max/ideal: largest rank's state over unsharded/world; tensors: parameters owned per "
+      "rank; step ms: slowest rank, median; cpu ms: CPU time of the busiest rank's thread "
+      "in the step, median (Gloo's transfers run on its own threads); comm ms: the step's "
+      "AllGather replayed alone, median; ranks as threads on {} hardware threads)\n",
+      std::thread::hardware_concurrency());
+}
+
+Json memory_json(const std::vector<MemoryRow>& memory) {
+  Json rows = Json::array();
+  for (const auto& row : memory) {
+    const auto& m = row.step;
+    Json json{{"variant", row.name},
+              {"grad_bytes_alive_after_backward", m.grads_alive},
+              {"live_bytes_start", m.live_start},
+              {"live_bytes_after_backward", m.live_after_backward},
+              {"peak_bytes_to_backward_end", m.peak_to_backward},
+              {"peak_bytes", m.peak},
+              {"live_bytes_end", m.live_end},
+              {"live_bytes_before_build", row.live_before_build},
+              {"peak_minus_start", m.peak - m.live_start},
+              {"optimizer_state_bytes", row.state},
+              {"step_ms", m.ms}};
+    if (!row.at_peak.empty()) {
+      Json by_operator = Json::object();
+      for (const auto& [op, bytes] : row.at_peak)
+        by_operator[op.empty() ? "(none)" : op] = bytes.first;
+      json["live_bytes_at_peak_by_operator"] = by_operator;
+    }
+    rows.push_back(json);
+  }
+  return rows;
+}
+
+Json sharded_json(const std::vector<ShardedRow>& sharded, int64_t unsharded_state) {
+  Json worlds = Json::array();
+  for (const auto& row : sharded) {
+    worlds.push_back({{"world", row.world},
+                      {"state_bytes", row.state_bytes},
+                      {"owned_params", row.owned_params},
+                      {"owned_numel", row.owned_numel},
+                      {"step_ms", row.step_ms},
+                      {"busiest_rank_thread_cpu_ms", row.cpu_ms},
+                      {"communication_model_ms", row.comm_ms}});
+  }
+  return Json{{"unsharded_adam_state_bytes", unsharded_state}, {"worlds", worlds}};
+}
+
+Json settings_json(const Args& args) {
+  Json settings{{"repetitions", args.repetitions},
+                {"window", args.window},
+                {"batch", args.batch},
+                {"sharded_steps", args.sharded_steps}};
+  settings["adam"] = {{"lr", 1e-3}, {"betas", {0.9, 0.999}}};
+  settings["shampoo"] = {{"lr", 1e-3},
+                         {"betas", {0.9, 0.999}},
+                         {"epsilon", 1e-12},
+                         {"max_preconditioner_dim", 1024},
+                         {"precondition_frequency", 1000},
+                         {"start_preconditioning_step", 2},
+                         {"grafting", "adam(0.999, 1e-8)"}};
+  return settings;
+}
+
+int run(const Args& args, TrackingAllocator& tracker) {
+  torch::manual_seed(0);
+  std::vector<at::Tensor> init;
+  for (const auto& p : make_mlp(kLayerSizes)->parameters()) init.push_back(p.detach().clone());
+  const Batch batch{
+      torch::randn({args.batch, kLayerSizes[0]}),
+      torch::randint(kLayerSizes[std::size(kLayerSizes) - 1], {args.batch}, torch::kLong)};
+  const double load_before = load_average();
+  fmt::print(
+      "bench_in_backward: {} ({} parameters, {} tensors, {}), batch {}, LibTorch {}, {} "
+      "thread(s), CPU {}\n",
+      mlp_name(kLayerSizes), numel_of(init), init.size(), format_bytes(nbytes_of(init)), args.batch,
+      TORCH_VERSION, at::get_num_threads(), cpu_model());
+  std::fflush(stdout);
+
+  auto section_begin = Clock::now();
+  const auto memory = measure_memory_rows(init, batch, tracker, args);
+  const double memory_s = elapsed_ms(section_begin, Clock::now()) / 1000.0;
+  print_memory(memory, nbytes_of(init));
+  if (args.peak_breakdown) print_peak_breakdown(memory);
+
+  section_begin = Clock::now();
+  const TimeRows time = measure_time(init, batch, args);
+  const double time_s = elapsed_ms(section_begin, Clock::now()) / 1000.0;
+
+  const auto grads = one_pass_gradients(init, batch);
+  const int64_t unsharded_state = memory.front().state;
+  section_begin = Clock::now();
+  std::vector<ShardedRow> sharded;
+  for (const int world : {1, 2, 4}) sharded.push_back(measure_sharded(world, init, grads, args));
+  const double sharded_s = elapsed_ms(section_begin, Clock::now()) / 1000.0;
+  const double load_after = load_average();
+  print_sharded(sharded, unsharded_state);
+  fmt::print(
+      "sections: memory {:.1f} s, time {:.1f} s, sharded {:.1f} s; load average (1 min) "
+      "{:.2f} before, {:.2f} after\n",
+      memory_s, time_s, sharded_s, load_before, load_after);
+  if (args.json.empty()) return 0;
+
+  const Json json{{"benchmark", "in_backward"},
+                  {"label", args.label},
+                  {"model", mlp_name(kLayerSizes)},
+                  {"parameters", numel_of(init)},
+                  {"parameter_tensors", init.size()},
+                  {"parameter_bytes", nbytes_of(init)},
+                  {"machine", machine_json(load_before, load_after)},
+                  {"settings", settings_json(args)},
+                  {"memory", memory_json(memory)},
+                  {"time",
+                   {{"adam_median_ms", median(time.ordinary)},
+                    {"adam_in_backward_median_ms", median(time.in_backward)},
+                    {"ratio_in_backward_vs_ordinary", median(time.ratio)},
+                    {"adam_per_repetition_ms", time.ordinary},
+                    {"adam_in_backward_per_repetition_ms", time.in_backward}}},
+                  {"sharded", sharded_json(sharded, unsharded_state)}};
+  return write_json(args.json, json, "bench_in_backward") ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   // First, before any tensor: every later allocation passes through the tracker.
   auto& tracker = TrackingAllocator::install();
-
-  Args args;
-  Flags flags("bench_in_backward",
-              "[--repetitions R] [--window W] [--threads T] [--batch B] [--sharded-steps S]\n"
-              "       [--no-shampoo] [--peak-breakdown] [--json PATH] [--label TEXT]");
-  flags.add_int("--repetitions", &args.repetitions, 1);
-  flags.add_int("--window", &args.window, 1);
-  flags.add_int("--threads", &args.threads, 1);
-  flags.add_int("--batch", &args.batch, 1);
-  flags.add_int("--sharded-steps", &args.sharded_steps, 1);
-  flags.add_bool("--no-shampoo", &args.no_shampoo);
-  flags.add_bool("--peak-breakdown", &args.peak_breakdown);
-  flags.add_string("--json", &args.json);
-  flags.add_string("--label", &args.label);
-  flags.parse(argc, argv);
+  const Args args = parse_args(argc, argv);
   at::set_num_threads(static_cast<int>(args.threads));
-
   try {
-    torch::manual_seed(0);
-    std::vector<at::Tensor> init;
-    {
-      auto model = make_mlp(kLayerSizes);
-      for (const auto& p : model->parameters()) init.push_back(p.detach().clone());
-    }
-    const int64_t num_params = numel_of(init);
-    const int64_t param_bytes = nbytes_of(init);
-    const Batch batch{
-        torch::randn({args.batch, kLayerSizes[0]}),
-        torch::randint(kLayerSizes[std::size(kLayerSizes) - 1], {args.batch}, torch::kLong)};
-    const double load_before = load_average();
-    std::cout << "bench_in_backward: " << mlp_name(kLayerSizes) << " (" << num_params
-              << " parameters, " << init.size() << " tensors, " << format_bytes(param_bytes)
-              << "), batch " << args.batch << ", LibTorch " << TORCH_VERSION << ", "
-              << at::get_num_threads() << " thread(s), CPU " << cpu_model() << "\n"
-              << std::flush;
-
-    // (a, b) memory, each variant alone.
-    const auto memory_begin = Clock::now();
-    std::vector<MemoryRow> memory;
-    memory.push_back(measure_memory("adam", init, adam_factory(), false, batch, 1, tracker,
-                                    args.peak_breakdown));
-    memory.push_back(measure_memory("adam in backward", init, adam_factory(), true, batch, 1,
-                                    tracker, args.peak_breakdown));
-    if (!args.no_shampoo) {
-      // Step 1 grafting only, step 2 the first root computation, step 3 measured.
-      memory.push_back(measure_memory("shampoo", init, shampoo_factory(), false, batch, 2, tracker,
-                                      args.peak_breakdown));
-      memory.push_back(measure_memory("shampoo in backward", init, shampoo_factory(), true, batch,
-                                      2, tracker, args.peak_breakdown));
-    }
-    const double memory_s = elapsed_ms(memory_begin, Clock::now()) / 1000.0;
-
-    std::cout << "\n(a, b) memory of one training step, each variant alone (bytes):\n"
-              << std::left << std::setw(22) << "variant" << std::right << std::setw(14)
-              << "grads alive" << std::setw(14) << "resting" << std::setw(14) << "peak"
-              << std::setw(14) << "peak-resting" << std::setw(16) << "bwd peak-rest."
-              << std::setw(14) << "opt. state" << std::setw(9) << "step ms"
-              << "\n"
-              << std::string(117, '-') << "\n";
-    for (const auto& row : memory) {
-      const auto& m = row.step;
-      const int64_t base = row.live_before_build;
-      std::cout << std::left << std::setw(22) << row.name << std::right << std::setw(14)
-                << m.grads_alive << std::setw(14) << m.live_start - base << std::setw(14)
-                << m.peak - base << std::setw(14) << m.peak - m.live_start << std::setw(16)
-                << m.peak_to_backward - m.live_start << std::setw(14) << row.state << std::fixed
-                << std::setprecision(1) << std::setw(9) << m.ms << "\n";
-    }
-    std::cout << "(grads alive: when loss.backward() returned; resting: the variant's live bytes "
-                 "before the step (parameters + optimizer state), peak: its high-water mark "
-                 "during the step, both above the "
-              << row_base(memory)
-              << " bytes the process held before it was built; bwd "
-                 "peak-rest.: the same up to the end of loss.backward(); parameters "
-              << param_bytes << " bytes)\nlive bytes before build / after teardown:";
-    for (const auto& row : memory) {
-      std::cout << " " << row.name << " " << row.live_before_build << "/" << row.live_after_teardown
-                << ";";
-    }
-    std::cout << "\n" << std::flush;
-    if (args.peak_breakdown) {
-      for (const auto& row : memory) {
-        std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> ops(row.at_peak.begin(),
-                                                                             row.at_peak.end());
-        std::sort(ops.begin(), ops.end(),
-                  [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
-        int64_t total = 0;
-        for (const auto& op : ops) total += op.second.first;
-        std::cout << "live bytes at the peak of a " << row.name << " step by allocating "
-                  << "top-level operator (total " << total << "):\n";
-        for (const auto& [op, bytes] : ops) {
-          if (bytes.first < 1000000) continue;
-          std::cout << "  " << std::left << std::setw(34)
-                    << (op.empty() ? "(before the step / no operator)" : op) << std::right
-                    << std::setw(14) << bytes.first << " in " << bytes.second << " allocations\n";
-        }
-      }
-      std::cout << std::flush;
-    }
-
-    // (c) time, Adam ordinary vs in backward, alternating.
-    std::vector<double> ordinary_rep, in_backward_rep, ratio_rep;
-    const auto time_begin = Clock::now();
-    {
-      auto ordinary = make_subject("adam", init, adam_factory(), false);
-      auto in_backward = make_subject("adam in backward", init, adam_factory(), true);
-      train_step(ordinary, batch, nullptr);  // warm-up: creates the state
-      train_step(in_backward, batch, nullptr);
-      for (int64_t r = 0; r < args.repetitions; ++r) {
-        std::vector<double> a, b;
-        for (int64_t w = 0; w < args.window; ++w) {
-          if ((w + r) % 2 == 0) {
-            a.push_back(train_step(ordinary, batch, nullptr).ms);
-            b.push_back(train_step(in_backward, batch, nullptr).ms);
-          } else {
-            b.push_back(train_step(in_backward, batch, nullptr).ms);
-            a.push_back(train_step(ordinary, batch, nullptr).ms);
-          }
-        }
-        ordinary_rep.push_back(median(a));
-        in_backward_rep.push_back(median(b));
-        ratio_rep.push_back(in_backward_rep.back() / ordinary_rep.back());
-        std::cout << "  (c) repetition " << r + 1 << "/" << args.repetitions << ": adam "
-                  << std::setprecision(1) << ordinary_rep.back() << " ms, in backward "
-                  << in_backward_rep.back() << " ms\n"
-                  << std::flush;
-      }
-      // Same parameters after the same steps: in-backward Adam equals ordinary Adam.
-      const auto pa = ordinary.model->parameters();
-      const auto pb = in_backward.model->parameters();
-      bool same = true;
-      for (size_t i = 0; i < pa.size(); ++i) same &= at::equal(pa[i], pb[i]);
-      std::cout << "  (c) parameters of the two after " << ordinary.steps
-                << " steps bit-identical: " << (same ? "yes" : "NO") << "\n";
-    }
-    const double time_s = elapsed_ms(time_begin, Clock::now()) / 1000.0;
-    std::cout << "\n(c) training step time (forward + backward + Adam), median ms:\n"
-              << "  adam " << std::setprecision(2) << median(ordinary_rep) << ", adam in backward "
-              << median(in_backward_rep) << ", ratio in backward / "
-              << "ordinary " << std::setprecision(3) << median(ratio_rep) << "x\n"
-              << std::flush;
-
-    // (d) sharded optimizer state per rank.
-    std::vector<at::Tensor> grads;
-    {
-      auto model = make_model(init);
-      torch::nn::functional::cross_entropy(model->forward(batch.x), batch.y).backward();
-      for (const auto& p : model->parameters()) grads.push_back(p.grad().detach().clone());
-    }
-    const int64_t unsharded_state = memory.front().state;
-    const auto sharded_begin = Clock::now();
-    std::vector<ShardedRow> sharded;
-    for (const int world : {1, 2, 4}) sharded.push_back(measure_sharded(world, init, grads, args));
-    const double sharded_s = elapsed_ms(sharded_begin, Clock::now()) / 1000.0;
-    const double load_after = load_average();
-
-    std::cout << "\n(d) ShardedOptimizer (Adam inside), state bytes per rank; unsharded Adam "
-              << unsharded_state << ":\n"
-              << std::left << std::setw(7) << "world" << std::right << std::setw(14) << "max/rank"
-              << std::setw(14) << "min/rank" << std::setw(14) << "total/world" << std::setw(10)
-              << "max/ideal" << std::setw(14) << "sum" << std::setw(12) << "tensors"
-              << std::setw(10) << "step ms" << std::setw(10) << "cpu ms" << std::setw(10)
-              << "comm ms"
-              << "\n"
-              << std::string(115, '-') << "\n";
-    for (const auto& row : sharded) {
-      int64_t sum = 0;
-      std::ostringstream tensors;
-      for (size_t r = 0; r < row.state_bytes.size(); ++r) {
-        sum += row.state_bytes[r];
-        tensors << (r ? "+" : "") << row.owned_params[r];
-      }
-      const auto mx = *std::max_element(row.state_bytes.begin(), row.state_bytes.end());
-      const auto mn = *std::min_element(row.state_bytes.begin(), row.state_bytes.end());
-      const double ideal = static_cast<double>(unsharded_state) / row.world;
-      std::cout << std::left << std::setw(7) << row.world << std::right << std::setw(14) << mx
-                << std::setw(14) << mn << std::setw(14) << unsharded_state / row.world
-                << std::setw(9) << std::setprecision(3) << mx / ideal << "x" << std::setw(14) << sum
-                << std::setw(12) << tensors.str() << std::setprecision(1) << std::setw(10)
-                << row.step_ms << std::setw(10) << row.cpu_ms << std::setw(10) << row.comm_ms
-                << "\n";
-    }
-    std::cout
-        << "(max/ideal: largest rank's state over unsharded/world; tensors: parameters "
-           "owned per rank; step ms: slowest rank, median; cpu ms: CPU time of the busiest rank's "
-           "thread in the step, median (Gloo's transfers run on its own threads); comm ms: the "
-           "step's AllGather replayed alone, median; ranks as "
-           "threads on "
-        << std::thread::hardware_concurrency() << " hardware threads)\n"
-        << "sections: memory " << std::setprecision(1) << memory_s << " s, time " << time_s
-        << " s, sharded " << sharded_s << " s; load average (1 min) " << std::setprecision(2)
-        << load_before << " before, " << load_after << " after\n";
-
-    if (!args.json.empty()) {
-      std::ofstream out(args.json);
-      if (!out) {
-        std::cerr << "bench_in_backward: cannot write " << args.json << "\n";
-        return 1;
-      }
-      out << std::setprecision(6);
-      out << "{\n"
-          << "  \"benchmark\": \"in_backward\",\n"
-          << "  \"label\": " << json_string(args.label) << ",\n"
-          << "  \"model\": " << json_string(mlp_name(kLayerSizes)) << ",\n"
-          << "  \"parameters\": " << num_params << ",\n"
-          << "  \"parameter_tensors\": " << init.size() << ",\n"
-          << "  \"parameter_bytes\": " << param_bytes << ",\n"
-          << "  \"machine\": " << machine_json(load_before, load_after) << ",\n"
-          << "  \"settings\": {\"repetitions\": " << args.repetitions
-          << ", \"window\": " << args.window << ", \"batch\": " << args.batch
-          << ", \"sharded_steps\": " << args.sharded_steps
-          << ", \"adam\": {\"lr\": 1e-3, \"betas\": [0.9, 0.999]}"
-          << ", \"shampoo\": {\"lr\": 1e-3, \"betas\": [0.9, 0.999], \"epsilon\": 1e-12, "
-             "\"max_preconditioner_dim\": 1024, \"precondition_frequency\": 1000, "
-             "\"start_preconditioning_step\": 2, \"grafting\": \"adam(0.999, 1e-8)\"}},\n"
-          << "  \"memory\": [";
-      for (size_t i = 0; i < memory.size(); ++i) {
-        const auto& row = memory[i];
-        const auto& m = row.step;
-        out << (i ? "," : "") << "\n    {\"variant\": " << json_string(row.name)
-            << ", \"grad_bytes_alive_after_backward\": " << m.grads_alive
-            << ", \"live_bytes_start\": " << m.live_start
-            << ", \"live_bytes_after_backward\": " << m.live_after_backward
-            << ", \"peak_bytes_to_backward_end\": " << m.peak_to_backward
-            << ", \"peak_bytes\": " << m.peak << ", \"live_bytes_end\": " << m.live_end
-            << ", \"live_bytes_before_build\": " << row.live_before_build
-            << ", \"peak_minus_start\": " << m.peak - m.live_start
-            << ", \"optimizer_state_bytes\": " << row.state << ", \"step_ms\": " << m.ms;
-        if (!row.at_peak.empty()) {
-          out << ", \"live_bytes_at_peak_by_operator\": {";
-          bool first = true;
-          for (const auto& [op, bytes] : row.at_peak) {
-            out << (first ? "" : ", ") << json_string(op.empty() ? "(none)" : op) << ": "
-                << bytes.first;
-            first = false;
-          }
-          out << "}";
-        }
-        out << "}";
-      }
-      out << "\n  ],\n"
-          << "  \"time\": {\"adam_median_ms\": " << median(ordinary_rep)
-          << ", \"adam_in_backward_median_ms\": " << median(in_backward_rep)
-          << ", \"ratio_in_backward_vs_ordinary\": " << median(ratio_rep)
-          << ", \"adam_per_repetition_ms\": " << json_array(ordinary_rep)
-          << ", \"adam_in_backward_per_repetition_ms\": " << json_array(in_backward_rep) << "},\n"
-          << "  \"sharded\": {\"unsharded_adam_state_bytes\": " << unsharded_state
-          << ", \"worlds\": [";
-      for (size_t i = 0; i < sharded.size(); ++i) {
-        const auto& row = sharded[i];
-        out << (i ? "," : "") << "\n    {\"world\": " << row.world
-            << ", \"state_bytes\": " << json_array(row.state_bytes)
-            << ", \"owned_params\": " << json_array(row.owned_params)
-            << ", \"owned_numel\": " << json_array(row.owned_numel)
-            << ", \"step_ms\": " << row.step_ms
-            << ", \"busiest_rank_thread_cpu_ms\": " << row.cpu_ms
-            << ", \"communication_model_ms\": " << row.comm_ms << "}";
-      }
-      out << "\n  ]}\n}\n";
-      std::cout << "\nwrote " << args.json << "\n";
-    }
+    return run(args, tracker);
   } catch (const std::exception& e) {
-    std::cerr << "bench_in_backward: " << e.what() << "\n";
+    fmt::print(stderr, "bench_in_backward: {}\n", e.what());
     return 1;
   }
-  return 0;
 }

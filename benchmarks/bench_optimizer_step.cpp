@@ -28,6 +28,8 @@
 /// Results and how to read them: benchmarks/RESULTS.md.
 
 #include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <shampoo/shampoo.h>
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -35,12 +37,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <fstream>
-#include <iomanip>
-#include <iostream>
 #include <iterator>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -75,22 +73,21 @@ struct Args {
 Args parse_args(int argc, char** argv) {
   Args args;
   Flags flags("bench_optimizer_step",
-              "[--repetitions R] [--steps S] [--window W]\n"
-              "                            [--frequency F] [--threads T] [--grad-pool K]\n"
-              "                            [--batch B] [--json PATH] [--label TEXT] [--no-phases]\n"
-              "                            [--verbose]");
-  flags.add_int("--repetitions", &args.repetitions, 1);
-  flags.add_int("--steps", &args.steps, 1);
-  flags.add_int("--window", &args.window, 1);
-  flags.add_int("--frequency", &args.frequency, 2);
-  flags.add_int("--threads", &args.threads, 1);
-  flags.add_int("--grad-pool", &args.grad_pool, 1);
-  flags.add_int("--batch", &args.batch, 1);
-  flags.add_bool("--no-phases", &args.no_phases);
-  flags.add_bool("--verbose", &args.verbose);
-  flags.add_string("--json", &args.json);
-  flags.add_string("--label", &args.label);
-  flags.parse(argc, argv);
+              "Optimizer step time: DistributedShampoo (Adam grafting) against torch::optim::Adam "
+              "on the same parameter shapes, in the same run (benchmarks/RESULTS.md).");
+  flags.add("repetitions", args.repetitions, "repetitions (medians are over them)", 1)
+      .add("steps", args.steps, "timed steps of shampoo_f1 per repetition", 1)
+      .add("window", args.window,
+           "timed consecutive steps of shampoo_fN per repetition (-1 = --frequency)", 1)
+      .add("frequency", args.frequency, "precondition_frequency N of shampoo_fN", 2)
+      .add("threads", args.threads, "intra-op threads (0 = LibTorch's default)", 1)
+      .add("grad-pool", args.grad_pool, "distinct gradient sets, cycled", 1)
+      .add("batch", args.batch, "batch size of the passes that make the gradients", 1)
+      .add_bool("no-phases", args.no_phases, "skip the phase model")
+      .add_bool("verbose", args.verbose,
+                "print every step with its CLOCK_MONOTONIC start (for perf_by_step.py)");
+  add_output_flags(flags, args.json, args.label);
+  parse_flags_or_exit(flags, "bench_optimizer_step", argc, argv);
   if (args.window < 0) args.window = args.frequency;
   return args;
 }
@@ -119,11 +116,9 @@ double timed_step(Subject& s, const std::vector<std::vector<at::Tensor>>& pool,
   ++s.steps_taken;
   const double ms = elapsed_ms(begin, end);
   if (verbose) {
-    std::cout << "    step " << s.name << " " << s.steps_taken << " start " << std::fixed
-              << std::setprecision(6)
-              << std::chrono::duration<double>(begin.time_since_epoch()).count() << " s, "
-              << std::setprecision(2) << ms << " ms\n"
-              << std::flush;
+    fmt::print("    step {} {} start {:.6f} s, {:.2f} ms\n", s.name, s.steps_taken,
+               std::chrono::duration<double>(begin.time_since_epoch()).count(), ms);
+    std::fflush(stdout);
   }
   return ms;
 }
@@ -219,10 +214,8 @@ std::vector<PhaseRow> phase_model(const std::vector<BlockStack>& stacks) {
     const auto n = stacked.size(0);
     for (int64_t k = 0; k < static_cast<int64_t>(s.shape.size()); ++k) {
       PhaseRow row;
-      std::ostringstream name;
-      name << n << "x" << at::IntArrayRef(s.shape);
-      row.stack = name.str();
-      row.factor = "dim " + std::to_string(k) + " (" + std::to_string(s.shape[k]) + ")";
+      row.stack = fmt::format("{}x[{}]", n, fmt::join(s.shape, ", "));
+      row.factor = fmt::format("dim {} ({})", k, s.shape[k]);
       const auto x = dim_major(stacked, k);
       auto factor = at::zeros({n, s.shape[k], s.shape[k]});
       // Outer products of a few gradients, so that eigh sees a factor like the real one.
@@ -246,6 +239,216 @@ std::vector<PhaseRow> phase_model(const std::vector<BlockStack>& stacks) {
   return rows;
 }
 
+// ---- the measurement ----------------------------------------------------------------------------
+
+/// The three optimizers on copies of the same initial parameters, and the gradient pool.
+struct Bench {
+  std::vector<at::Tensor> init;
+  std::vector<std::vector<at::Tensor>> pool;
+  Subject adam, f1, fn;
+  std::vector<double> grafting_phase_ms;  // steps 1..N-1 of shampoo_fN: Adam grafting only
+};
+
+/// One repetition: medians of its steps and their ratios to Adam.
+struct Rep {
+  double adam_median = 0;
+  double f1_median = 0;
+  double fn_mean = 0;              // amortized: every step of the window
+  double fn_plain_median = 0;      // steps of the window without a root computation
+  std::vector<double> fn_root_ms;  // steps of the window with a root computation
+  double f1_ratio = 0, fn_ratio = 0, fn_plain_ratio = 0;
+};
+
+void print_header(const Bench& b, const Args& args) {
+  fmt::print(
+      "bench_optimizer_step: {} ({} parameters, {} tensors), LibTorch {}, {} threads, CPU {}\n"
+      "  repetitions {}, shampoo_f1 steps/rep {}, shampoo_f{} window {} steps/rep, gradient pool "
+      "{} x batch {}\n",
+      mlp_name(kLayerSizes), numel_of(b.init), b.init.size(), TORCH_VERSION, at::get_num_threads(),
+      cpu_model(), args.repetitions, args.steps, args.frequency, args.window, args.grad_pool,
+      args.batch);
+  std::fflush(stdout);
+}
+
+/// Warm-up: allocations and the first root computations, not timed in the results. shampoo_fN
+/// is brought to its first root computation (step N), so every later window of N steps holds
+/// exactly one root computation per block.
+void warm_up(Bench& b, const Args& args) {
+  const auto warm_begin = Clock::now();
+  auto warm_step = [&](Subject& s) { return timed_step(s, b.pool, args.verbose); };
+  for (int i = 0; i < 3; ++i) warm_step(b.adam);
+  for (int i = 0; i < 2; ++i) warm_step(b.f1);
+  for (int64_t i = 0; i < args.frequency; ++i) {
+    const double ms = warm_step(b.fn);
+    if (i + 1 < args.frequency) b.grafting_phase_ms.push_back(ms);
+  }
+  fmt::print("  warm-up {:.1f} s\n", elapsed_ms(warm_begin, Clock::now()) / 1000.0);
+  std::fflush(stdout);
+}
+
+/// Adam steps alternate one by one with the Shampoo steps; the order of the two phases flips
+/// every repetition.
+Rep run_repetition(Bench& b, const Args& args, int64_t r) {
+  Rep rep;
+  std::vector<double> adam_ms, f1_ms, fn_ms, fn_plain_ms;
+  auto phase_f1 = [&] {
+    for (int64_t i = 0; i < args.steps; ++i) {
+      adam_ms.push_back(timed_step(b.adam, b.pool, args.verbose));
+      f1_ms.push_back(timed_step(b.f1, b.pool, args.verbose));
+    }
+  };
+  auto phase_fn = [&] {
+    for (int64_t i = 0; i < args.window; ++i) {
+      const auto computations = b.fn.shampoo->stats().amortized_computations;
+      const double ms = timed_step(b.fn, b.pool, args.verbose);
+      fn_ms.push_back(ms);
+      const bool root = b.fn.shampoo->stats().amortized_computations != computations;
+      (root ? rep.fn_root_ms : fn_plain_ms).push_back(ms);
+      adam_ms.push_back(timed_step(b.adam, b.pool, args.verbose));
+    }
+  };
+  if (r % 2 == 0) {
+    phase_f1();
+    phase_fn();
+  } else {
+    phase_fn();
+    phase_f1();
+  }
+  rep.adam_median = median(adam_ms);
+  rep.f1_median = median(f1_ms);
+  rep.fn_mean = mean(fn_ms);
+  rep.fn_plain_median = median(fn_plain_ms);
+  rep.f1_ratio = rep.f1_median / rep.adam_median;
+  rep.fn_ratio = rep.fn_mean / rep.adam_median;
+  rep.fn_plain_ratio = rep.fn_plain_median / rep.adam_median;
+  fmt::print(
+      "  repetition {}/{}: adam {:.2f} ms, shampoo_f1 {:.2f} ms, shampoo_f{} amortized "
+      "{:.2f} ms (plain step {:.2f} ms, {} root step(s) [{:.6g}] ms)\n",
+      r + 1, args.repetitions, rep.adam_median, rep.f1_median, args.frequency, rep.fn_mean,
+      rep.fn_plain_median, rep.fn_root_ms.size(), fmt::join(rep.fn_root_ms, ", "));
+  std::fflush(stdout);
+  return rep;
+}
+
+/// The medians over repetitions (and every per-repetition value) of one configuration.
+struct Summary {
+  std::vector<double> adam, f1, fn, fn_plain, f1_ratio, fn_ratio, fn_plain_ratio, fn_root;
+};
+
+Summary summarize(const std::vector<Rep>& reps) {
+  Summary s;
+  for (const auto& r : reps) {
+    s.adam.push_back(r.adam_median);
+    s.f1.push_back(r.f1_median);
+    s.fn.push_back(r.fn_mean);
+    s.fn_plain.push_back(r.fn_plain_median);
+    s.f1_ratio.push_back(r.f1_ratio);
+    s.fn_ratio.push_back(r.fn_ratio);
+    s.fn_plain_ratio.push_back(r.fn_plain_ratio);
+    s.fn_root.insert(s.fn_root.end(), r.fn_root_ms.begin(), r.fn_root_ms.end());
+  }
+  return s;
+}
+
+void print_table(const Bench& b, const Summary& s, const Args& args) {
+  const std::string fn_name = fmt::format("shampoo_f{}", args.frequency);
+  fmt::print("\n{:<34}{:>14}{:>16}\n{:-<64}\n", "configuration", "median ms", "ratio vs adam", "");
+  auto row = [](const std::string& name, double ms, double ratio) {
+    fmt::print("{:<34}{:>14.2f}{:>15.2f}x\n", name, ms, ratio);
+  };
+  const double adam = median(s.adam);
+  row("adam", adam, 1.0);
+  row("shampoo_f1", median(s.f1), median(s.f1_ratio));
+  row(fn_name + " amortized (mean)", median(s.fn), median(s.fn_ratio));
+  row(fn_name + " step without root", median(s.fn_plain), median(s.fn_plain_ratio));
+  row(fn_name + " step with root", median(s.fn_root), median(s.fn_root) / adam);
+  row(fn_name + " grafting phase", median(b.grafting_phase_ms), median(b.grafting_phase_ms) / adam);
+  const auto stats = b.fn.shampoo->stats();
+  const int64_t adam_bytes = adam_state_bytes(*b.adam.optimizer);
+  fmt::print(
+      "(ratios: median over repetitions of the same-repetition ratio; the last two rows "
+      "divide medians)\nblocks {}, virtual groups {}; state bytes: shampoo {} ({:.1f} MiB), "
+      "adam {} ({:.1f} MiB)\n",
+      stats.total_blocks, stats.virtual_groups, stats.state_bytes, stats.state_bytes / 1048576.0,
+      adam_bytes, adam_bytes / 1048576.0);
+}
+
+void print_phase_model(const std::vector<PhaseRow>& phases) {
+  PhaseRow total;
+  fmt::print(
+      "\nphase model (LibTorch primitives on the block stacks, ms):\n"
+      "{:<18}{:<14}{:>12}{:>14}{:>12}\n{:-<70}\n",
+      "stack", "factor", "update", "precondition", "root", "");
+  for (const auto& p : phases) {
+    fmt::print("{:<18}{:<14}{:>12.2f}{:>14.2f}{:>12.2f}\n", p.stack, p.factor, p.update_ms,
+               p.precondition_ms, p.root_ms);
+    total.update_ms += p.update_ms;
+    total.precondition_ms += p.precondition_ms;
+    total.root_ms += p.root_ms;
+  }
+  fmt::print("{:<32}{:>12.2f}{:>14.2f}{:>12.2f}\n", "total", total.update_ms, total.precondition_ms,
+             total.root_ms);
+}
+
+Json results_json(const Bench& b, const Summary& s, const std::vector<PhaseRow>& phases,
+                  const Args& args) {
+  const std::string fn = fmt::format("shampoo_f{}", args.frequency);
+  const auto f1_stats = b.f1.shampoo->stats();
+  const auto fn_stats = b.fn.shampoo->stats();
+  Json settings{{"repetitions", args.repetitions}, {"shampoo_f1_steps", args.steps},
+                {"frequency", args.frequency},     {"window", args.window},
+                {"grad_pool", args.grad_pool},     {"batch", args.batch}};
+  settings["shampoo"] = {{"lr", 1e-3},
+                         {"betas", {0.9, 0.999}},
+                         {"epsilon", 1e-12},
+                         {"max_preconditioner_dim", 1024},
+                         {"grafting", "adam(0.999, 1e-8)"}};
+  settings["adam"] = {{"lr", 1e-3}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}};
+  Json phase_rows = Json::array();
+  for (const auto& p : phases) {
+    phase_rows.push_back({{"stack", p.stack},
+                          {"factor", p.factor},
+                          {"update", p.update_ms},
+                          {"precondition", p.precondition_ms},
+                          {"root", p.root_ms}});
+  }
+  return Json{{"benchmark", "optimizer_step"},
+              {"label", args.label},
+              {"model", mlp_name(kLayerSizes)},
+              {"parameters", numel_of(b.init)},
+              {"parameter_tensors", b.init.size()},
+              {"machine", nullptr},  // set by the caller
+              {"settings", settings},
+              {"median_ms",
+               {{"adam", median(s.adam)},
+                {"shampoo_f1", median(s.f1)},
+                {fn + "_amortized", median(s.fn)},
+                {fn + "_without_root", median(s.fn_plain)},
+                {fn + "_with_root", median(s.fn_root)},
+                {fn + "_grafting_phase", median(b.grafting_phase_ms)}}},
+              {"ratio_vs_adam",
+               {{"shampoo_f1", median(s.f1_ratio)},
+                {fn + "_amortized", median(s.fn_ratio)},
+                {fn + "_without_root", median(s.fn_plain_ratio)}}},
+              {"per_repetition_ms",
+               {{"adam", s.adam},
+                {"shampoo_f1", s.f1},
+                {fn + "_amortized", s.fn},
+                {fn + "_without_root", s.fn_plain},
+                {fn + "_with_root", s.fn_root}}},
+              {"shampoo_stats",
+               {{"total_blocks", fn_stats.total_blocks},
+                {"virtual_groups", fn_stats.virtual_groups},
+                {"state_bytes", fn_stats.state_bytes},
+                {"shampoo_f1_amortized_computations", f1_stats.amortized_computations},
+                {fn + "_amortized_computations", fn_stats.amortized_computations},
+                {"failed_amortized_computations",
+                 f1_stats.failed_amortized_computations + fn_stats.failed_amortized_computations}}},
+              {"adam_state_bytes", adam_state_bytes(*b.adam.optimizer)},
+              {"timed_section_s", nullptr},  // set by the caller
+              {"phase_model_ms", phase_rows}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -254,217 +457,33 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
 
   auto model = make_mlp(kLayerSizes);
-  const auto init = model->parameters();
-  const int64_t num_params = numel_of(init);
-  const auto pool = make_gradient_pool(model, args.grad_pool, args.batch, kInFeatures, kClasses);
+  Bench b;
+  b.init = model->parameters();
+  b.pool = make_gradient_pool(model, args.grad_pool, args.batch, kInFeatures, kClasses);
   const double load_before = load_average();
+  b.adam = make_adam(b.init);
+  b.f1 = make_shampoo(b.init, 1);
+  b.fn = make_shampoo(b.init, args.frequency);
+  print_header(b, args);
+  warm_up(b, args);
 
-  auto adam = make_adam(init);
-  auto f1 = make_shampoo(init, 1);
-  auto fn = make_shampoo(init, args.frequency);
-
-  std::cout << "bench_optimizer_step: " << mlp_name(kLayerSizes) << " (" << num_params
-            << " parameters, " << init.size() << " tensors), LibTorch " << TORCH_VERSION << ", "
-            << at::get_num_threads() << " threads, CPU " << cpu_model() << "\n"
-            << "  repetitions " << args.repetitions << ", shampoo_f1 steps/rep " << args.steps
-            << ", shampoo_f" << args.frequency << " window " << args.window
-            << " steps/rep, gradient pool " << args.grad_pool << " x batch " << args.batch << "\n"
-            << std::flush;
-
-  // Warm-up: allocations and the first root computations, not timed in the results. shampoo_fN
-  // is brought to its first root computation (step N), so every later window of N steps holds
-  // exactly one root computation per block.
-  const auto warm_begin = Clock::now();
-  auto warm_step = [&](Subject& s) { return timed_step(s, pool, args.verbose); };
-  for (int i = 0; i < 3; ++i) warm_step(adam);
-  for (int i = 0; i < 2; ++i) warm_step(f1);
-  std::vector<double> grafting_phase_ms;  // steps 1..N-1 of shampoo_fN: Adam grafting only
-  for (int64_t i = 0; i < args.frequency; ++i) {
-    const double ms = warm_step(fn);
-    if (i + 1 < args.frequency) grafting_phase_ms.push_back(ms);
-  }
-  std::cout << "  warm-up " << std::fixed << std::setprecision(1)
-            << elapsed_ms(warm_begin, Clock::now()) / 1000.0 << " s\n"
-            << std::flush;
-
-  struct Rep {
-    double adam_median = 0;
-    double f1_median = 0;
-    double fn_mean = 0;              // amortized: every step of the window
-    double fn_plain_median = 0;      // steps of the window without a root computation
-    std::vector<double> fn_root_ms;  // steps of the window with a root computation
-    double f1_ratio = 0, fn_ratio = 0, fn_plain_ratio = 0;
-  };
   std::vector<Rep> reps;
   const auto run_begin = Clock::now();
-  for (int64_t r = 0; r < args.repetitions; ++r) {
-    Rep rep;
-    std::vector<double> adam_ms, f1_ms, fn_ms, fn_plain_ms;
-    auto phase_f1 = [&] {
-      for (int64_t i = 0; i < args.steps; ++i) {
-        adam_ms.push_back(timed_step(adam, pool, args.verbose));
-        f1_ms.push_back(timed_step(f1, pool, args.verbose));
-      }
-    };
-    auto phase_fn = [&] {
-      for (int64_t i = 0; i < args.window; ++i) {
-        const auto computations = fn.shampoo->stats().amortized_computations;
-        const double ms = timed_step(fn, pool, args.verbose);
-        fn_ms.push_back(ms);
-        if (fn.shampoo->stats().amortized_computations != computations) {
-          rep.fn_root_ms.push_back(ms);
-        } else {
-          fn_plain_ms.push_back(ms);
-        }
-        adam_ms.push_back(timed_step(adam, pool, args.verbose));
-      }
-    };
-    if (r % 2 == 0) {
-      phase_f1();
-      phase_fn();
-    } else {
-      phase_fn();
-      phase_f1();
-    }
-    rep.adam_median = median(adam_ms);
-    rep.f1_median = median(f1_ms);
-    rep.fn_mean = mean(fn_ms);
-    rep.fn_plain_median = median(fn_plain_ms);
-    rep.f1_ratio = rep.f1_median / rep.adam_median;
-    rep.fn_ratio = rep.fn_mean / rep.adam_median;
-    rep.fn_plain_ratio = rep.fn_plain_median / rep.adam_median;
-    std::cout << "  repetition " << r + 1 << "/" << args.repetitions << std::setprecision(2)
-              << ": adam " << rep.adam_median << " ms, shampoo_f1 " << rep.f1_median
-              << " ms, shampoo_f" << args.frequency << " amortized " << rep.fn_mean
-              << " ms (plain step " << rep.fn_plain_median << " ms, " << rep.fn_root_ms.size()
-              << " root step(s) " << json_array(rep.fn_root_ms) << " ms)\n"
-              << std::flush;
-    reps.push_back(std::move(rep));
-  }
+  for (int64_t r = 0; r < args.repetitions; ++r) reps.push_back(run_repetition(b, args, r));
   const double run_s = elapsed_ms(run_begin, Clock::now()) / 1000.0;
   const double load_after = load_average();
 
-  auto collect = [&](auto field) {
-    std::vector<double> v;
-    for (const auto& rep : reps) v.push_back(field(rep));
-    return v;
-  };
-  const auto adam_v = collect([](const Rep& r) { return r.adam_median; });
-  const auto f1_v = collect([](const Rep& r) { return r.f1_median; });
-  const auto fn_v = collect([](const Rep& r) { return r.fn_mean; });
-  const auto fn_plain_v = collect([](const Rep& r) { return r.fn_plain_median; });
-  const auto f1_ratio_v = collect([](const Rep& r) { return r.f1_ratio; });
-  const auto fn_ratio_v = collect([](const Rep& r) { return r.fn_ratio; });
-  const auto fn_plain_ratio_v = collect([](const Rep& r) { return r.fn_plain_ratio; });
-  std::vector<double> fn_root_v;
-  for (const auto& rep : reps) {
-    fn_root_v.insert(fn_root_v.end(), rep.fn_root_ms.begin(), rep.fn_root_ms.end());
-  }
-
-  const auto f1_stats = f1.shampoo->stats();
-  const auto fn_stats = fn.shampoo->stats();
-  const int64_t adam_bytes = adam_state_bytes(*adam.optimizer);
-
-  const std::string fn_name = "shampoo_f" + std::to_string(args.frequency);
-  std::cout << "\n"
-            << std::left << std::setw(34) << "configuration" << std::right << std::setw(14)
-            << "median ms" << std::setw(16) << "ratio vs adam"
-            << "\n"
-            << std::string(64, '-') << "\n";
-  auto table_row = [](const std::string& name, double ms, double ratio) {
-    std::cout << std::left << std::setw(34) << name << std::right << std::fixed
-              << std::setprecision(2) << std::setw(14) << ms << std::setw(15) << ratio << "x\n";
-  };
-  table_row("adam", median(adam_v), 1.0);
-  table_row("shampoo_f1", median(f1_v), median(f1_ratio_v));
-  table_row(fn_name + " amortized (mean)", median(fn_v), median(fn_ratio_v));
-  table_row(fn_name + " step without root", median(fn_plain_v), median(fn_plain_ratio_v));
-  table_row(fn_name + " step with root", median(fn_root_v), median(fn_root_v) / median(adam_v));
-  table_row(fn_name + " grafting phase", median(grafting_phase_ms),
-            median(grafting_phase_ms) / median(adam_v));
-  std::cout << "(ratios: median over repetitions of the same-repetition ratio; the last two rows"
-               " divide medians)\n"
-            << "blocks " << fn_stats.total_blocks << ", virtual groups " << fn_stats.virtual_groups
-            << "; state bytes: shampoo " << fn_stats.state_bytes << " (" << std::setprecision(1)
-            << fn_stats.state_bytes / 1048576.0 << " MiB), adam " << adam_bytes << " ("
-            << adam_bytes / 1048576.0 << " MiB)\n";
-  print_timed_section(std::cout, run_s, load_before, load_after);
-
+  const Summary summary = summarize(reps);
+  print_table(b, summary, args);
+  print_timed_section(run_s, load_before, load_after);
   std::vector<PhaseRow> phases;
   if (!args.no_phases) {
-    phases = phase_model(block_stacks(init, pool[0]));
-    PhaseRow total;
-    std::cout << "\nphase model (LibTorch primitives on the block stacks, ms):\n"
-              << std::left << std::setw(18) << "stack" << std::setw(14) << "factor" << std::right
-              << std::setw(12) << "update" << std::setw(14) << "precondition" << std::setw(12)
-              << "root"
-              << "\n"
-              << std::string(70, '-') << "\n";
-    for (const auto& p : phases) {
-      std::cout << std::left << std::setw(18) << p.stack << std::setw(14) << p.factor << std::right
-                << std::setprecision(2) << std::setw(12) << p.update_ms << std::setw(14)
-                << p.precondition_ms << std::setw(12) << p.root_ms << "\n";
-      total.update_ms += p.update_ms;
-      total.precondition_ms += p.precondition_ms;
-      total.root_ms += p.root_ms;
-    }
-    std::cout << std::left << std::setw(32) << "total" << std::right << std::setw(12)
-              << total.update_ms << std::setw(14) << total.precondition_ms << std::setw(12)
-              << total.root_ms << "\n";
+    phases = phase_model(block_stacks(b.init, b.pool[0]));
+    print_phase_model(phases);
   }
-
-  if (!args.json.empty()) {
-    std::ofstream out(args.json);
-    if (!out) {
-      std::cerr << "bench_optimizer_step: cannot write " << args.json << "\n";
-      return 1;
-    }
-    out << std::setprecision(6);
-    out << "{\n"
-        << "  \"benchmark\": \"optimizer_step\",\n"
-        << "  \"label\": " << json_string(args.label) << ",\n"
-        << "  \"model\": " << json_string(mlp_name(kLayerSizes)) << ",\n"
-        << "  \"parameters\": " << num_params << ",\n"
-        << "  \"parameter_tensors\": " << init.size() << ",\n"
-        << "  \"machine\": " << machine_json(load_before, load_after) << ",\n"
-        << "  \"settings\": {\"repetitions\": " << args.repetitions
-        << ", \"shampoo_f1_steps\": " << args.steps << ", \"frequency\": " << args.frequency
-        << ", \"window\": " << args.window << ", \"grad_pool\": " << args.grad_pool
-        << ", \"batch\": " << args.batch
-        << ", \"shampoo\": {\"lr\": 1e-3, \"betas\": [0.9, 0.999], \"epsilon\": 1e-12, "
-           "\"max_preconditioner_dim\": 1024, \"grafting\": \"adam(0.999, 1e-8)\"}"
-        << ", \"adam\": {\"lr\": 1e-3, \"betas\": [0.9, 0.999], \"eps\": 1e-8}},\n"
-        << "  \"median_ms\": {\"adam\": " << median(adam_v) << ", \"shampoo_f1\": " << median(f1_v)
-        << ", \"" << fn_name << "_amortized\": " << median(fn_v) << ", \"" << fn_name
-        << "_without_root\": " << median(fn_plain_v) << ", \"" << fn_name
-        << "_with_root\": " << median(fn_root_v) << ", \"" << fn_name
-        << "_grafting_phase\": " << median(grafting_phase_ms) << "},\n"
-        << "  \"ratio_vs_adam\": {\"shampoo_f1\": " << median(f1_ratio_v) << ", \"" << fn_name
-        << "_amortized\": " << median(fn_ratio_v) << ", \"" << fn_name
-        << "_without_root\": " << median(fn_plain_ratio_v) << "},\n"
-        << "  \"per_repetition_ms\": {\"adam\": " << json_array(adam_v)
-        << ", \"shampoo_f1\": " << json_array(f1_v) << ", \"" << fn_name
-        << "_amortized\": " << json_array(fn_v) << ", \"" << fn_name
-        << "_without_root\": " << json_array(fn_plain_v) << ", \"" << fn_name
-        << "_with_root\": " << json_array(fn_root_v) << "},\n"
-        << "  \"shampoo_stats\": {\"total_blocks\": " << fn_stats.total_blocks
-        << ", \"virtual_groups\": " << fn_stats.virtual_groups
-        << ", \"state_bytes\": " << fn_stats.state_bytes
-        << ", \"shampoo_f1_amortized_computations\": " << f1_stats.amortized_computations << ", \""
-        << fn_name << "_amortized_computations\": " << fn_stats.amortized_computations
-        << ", \"failed_amortized_computations\": "
-        << f1_stats.failed_amortized_computations + fn_stats.failed_amortized_computations << "},\n"
-        << "  \"adam_state_bytes\": " << adam_bytes << ",\n"
-        << "  \"timed_section_s\": " << run_s << ",\n"
-        << "  \"phase_model_ms\": [";
-    for (size_t i = 0; i < phases.size(); ++i) {
-      const auto& p = phases[i];
-      out << (i ? "," : "") << "\n    {\"stack\": " << json_string(p.stack)
-          << ", \"factor\": " << json_string(p.factor) << ", \"update\": " << p.update_ms
-          << ", \"precondition\": " << p.precondition_ms << ", \"root\": " << p.root_ms << "}";
-    }
-    out << "\n  ]\n}\n";
-    std::cout << "\nwrote " << args.json << "\n";
-  }
-  return 0;
+  if (args.json.empty()) return 0;
+  Json json = results_json(b, summary, phases, args);
+  json["machine"] = machine_json(load_before, load_after);
+  json["timed_section_s"] = run_s;
+  return write_json(args.json, json, "bench_optimizer_step") ? 0 : 1;
 }

@@ -1,6 +1,8 @@
 #include "benchmarks/bench_support.h"
 
 #include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <time.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
@@ -13,10 +15,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
-#include <iomanip>
-#include <iostream>
 #include <numeric>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -54,73 +53,34 @@ double min_of(const std::vector<double>& v) {
   return v.empty() ? 0.0 : *std::min_element(v.begin(), v.end());
 }
 
-// ---- command line -------------------------------------------------------------------------------
+// ---- command line and JSON ---------------------------------------------------------------------
 
-void Flags::add_int(const std::string& flag, int64_t* value, int64_t min) {
-  ints_[flag] = {value, min};
-}
-void Flags::add_string(const std::string& flag, std::string* value) { strings_[flag] = value; }
-void Flags::add_bool(const std::string& flag, bool* value) { bools_[flag] = value; }
-
-void Flags::usage(const std::string& error) const {
-  if (!error.empty()) std::cerr << program_ << ": " << error << "\n";
-  std::cerr << "usage: " << program_ << " " << usage_ << "\n";
-  std::exit(error.empty() ? 0 : 2);
+void add_output_flags(Flags& flags, std::string& json, std::string& label) {
+  flags.add("json", json, "write the results as JSON to this file")
+      .add("label", label, "free text copied into the JSON (run_all.sh: the git revision)");
 }
 
-void Flags::parse(int argc, char** argv) const {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") usage("");
-    if (const auto it = bools_.find(a); it != bools_.end()) {
-      *it->second = true;
-      continue;
-    }
-    if (i + 1 >= argc && (ints_.count(a) != 0 || strings_.count(a) != 0)) {
-      usage(a + " needs a value");
-    }
-    if (const auto it = ints_.find(a); it != ints_.end()) {
-      char* end = nullptr;
-      const long long v = std::strtoll(argv[++i], &end, 10);
-      if (end == nullptr || *end != '\0' || v < it->second.second) {
-        usage(a + ": got '" + argv[i] +
-              "', expected an integer >= " + std::to_string(it->second.second));
-      }
-      *it->second.first = static_cast<int64_t>(v);
-    } else if (const auto it = strings_.find(a); it != strings_.end()) {
-      *it->second = argv[++i];
-    } else {
-      usage("unknown argument '" + a + "'");
-    }
+void parse_flags_or_exit(Flags& flags, const std::string& program, int argc, char** argv) {
+  try {
+    if (!flags.parse(argc, argv)) std::exit(0);
+  } catch (const std::invalid_argument& e) {
+    fmt::print(stderr, "{}: {} (see --help)\n", program, e.what());
+    std::exit(2);
   }
 }
 
-// ---- JSON and machine ---------------------------------------------------------------------------
-
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
+bool write_json(const std::string& path, const Json& json, const std::string& program) {
+  std::ofstream out(path);
+  out << json.dump(2) << "\n";
+  if (!out) {
+    fmt::print(stderr, "{}: cannot write {}\n", program, path);
+    return false;
   }
-  return out + "\"";
+  fmt::print("\nwrote {}\n", path);
+  return true;
 }
 
-std::string json_array(const std::vector<double>& v) {
-  std::ostringstream out;
-  out << std::setprecision(6) << "[";
-  for (size_t i = 0; i < v.size(); ++i) out << (i ? ", " : "") << v[i];
-  out << "]";
-  return out.str();
-}
-
-std::string json_array(const std::vector<int64_t>& v) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < v.size(); ++i) out << (i ? ", " : "") << v[i];
-  out << "]";
-  return out.str();
-}
+// ---- machine ------------------------------------------------------------------------------------
 
 double load_average() {
   std::ifstream in("/proc/loadavg");
@@ -141,21 +101,20 @@ std::string cpu_model() {
   return "unknown";
 }
 
-std::string machine_json(double load_before, double load_after) {
-  std::ostringstream out;
-  out << std::setprecision(6) << "{\"cpu\": " << json_string(cpu_model())
-      << ", \"hardware_threads\": " << std::thread::hardware_concurrency()
-      << ", \"threads\": " << at::get_num_threads()
-      << ", \"libtorch\": " << json_string(TORCH_VERSION)
-      << ", \"load_average_before\": " << load_before << ", \"load_average_after\": " << load_after
-      << "}";
-  return out.str();
+Json machine_json(double load_before, double load_after) {
+  return Json{{"cpu", cpu_model()},
+              {"hardware_threads", std::thread::hardware_concurrency()},
+              {"threads", at::get_num_threads()},
+              {"libtorch", TORCH_VERSION},
+              {"load_average_before", load_before},
+              {"load_average_after", load_after}};
 }
 
-void print_timed_section(std::ostream& out, double seconds, double load_before, double load_after) {
-  out << "timed section " << std::fixed << std::setprecision(1) << seconds
-      << " s; load average (1 min) " << std::setprecision(2) << load_before << " before, "
-      << load_after << " after on " << std::thread::hardware_concurrency() << " hardware threads\n";
+void print_timed_section(double seconds, double load_before, double load_after) {
+  fmt::print(
+      "timed section {:.1f} s; load average (1 min) {:.2f} before, {:.2f} after on {} "
+      "hardware threads\n",
+      seconds, load_before, load_after, std::thread::hardware_concurrency());
 }
 
 // ---- models, gradients and Shampoo settings -----------------------------------------------------
@@ -170,12 +129,7 @@ torch::nn::Sequential make_mlp(at::IntArrayRef sizes) {
   return model;
 }
 
-std::string mlp_name(at::IntArrayRef sizes) {
-  std::ostringstream name;
-  name << "mlp ";
-  for (size_t l = 0; l < sizes.size(); ++l) name << (l ? "-" : "") << sizes[l];
-  return name.str();
-}
+std::string mlp_name(at::IntArrayRef sizes) { return fmt::format("mlp {}", fmt::join(sizes, "-")); }
 
 torch::nn::Sequential make_layered_mlp(int64_t layers, int64_t width) {
   torch::nn::Sequential model;
@@ -188,10 +142,7 @@ torch::nn::Sequential make_layered_mlp(int64_t layers, int64_t width) {
 }
 
 std::string layered_mlp_name(int64_t layers, int64_t width) {
-  std::ostringstream name;
-  name << "mlp " << layers << " x [Linear(" << width << ", " << width << "), LayerNorm(" << width
-       << "), ReLU]";
-  return name.str();
+  return fmt::format("mlp {} x [Linear({}, {}), LayerNorm({}), ReLU]", layers, width, width, width);
 }
 
 std::vector<std::vector<at::Tensor>> make_gradient_pool(torch::nn::Sequential& model, int64_t k,
@@ -307,10 +258,58 @@ std::string format_bytes(int64_t bytes) {
     if (i > 0 && (digits.size() - i) % 3 == 0) grouped += ',';
     grouped += digits[i];
   }
-  std::ostringstream out;
-  out << (bytes < 0 ? "-" : "") << grouped << " (" << std::fixed << std::setprecision(1)
-      << static_cast<double>(bytes) / 1048576.0 << " MiB)";
-  return out.str();
+  return fmt::format("{}{} ({:.1f} MiB)", bytes < 0 ? "-" : "", grouped,
+                     static_cast<double>(bytes) / 1048576.0);
+}
+
+// ---- elementwise chain -------------------------------------------------------------------------
+
+namespace {
+
+/// Adam grafting, momentum, decoupled weight decay.
+shampoo::kernels::ChainScalars chain_scalars() {
+  shampoo::kernels::ChainScalars s;
+  s.beta1 = 0.9;
+  s.beta3 = 0.9;
+  s.filter_bias_correction = 0.5;
+  s.diagonal_beta2 = 0.999;
+  s.diagonal_weight = 0.001;
+  s.diagonal_bias_correction = 0.01;
+  s.diagonal_epsilon = 1e-8;
+  s.direction_mode = static_cast<int32_t>(shampoo::kernels::DirectionMode::kGraftNorm);
+  s.decoupled_weight_decay = 1e-4;
+  s.momentum = 0.9;
+  s.lr = 1e-3;
+  return s;
+}
+
+}  // namespace
+
+ChainTensors make_chain(int64_t count, at::IntArrayRef block_shape,
+                        const at::TensorOptions& options) {
+  ChainTensors t;
+  for (int64_t i = 0; i < count; ++i) {
+    t.grad.push_back(at::randn(block_shape, options));
+    t.param.push_back(at::randn(block_shape, options));
+    t.filter.push_back(at::zeros(block_shape, options));
+    t.diagonal.push_back(at::zeros(block_shape, options));
+    t.momentum.push_back(at::zeros(block_shape, options));
+    t.pre.push_back(at::randn(block_shape, options));
+    t.filtered.push_back(at::empty(block_shape, options));
+    shampoo::detail::ChainBlockTensors c;
+    c.grad = t.grad[i];
+    c.param = t.param[i];
+    c.param_out = t.param[i];
+    c.gradient_out = t.filtered[i];
+    c.filtered_out = t.filtered[i];
+    c.filter_state = t.filter[i];
+    c.diagonal_state = t.diagonal[i];
+    c.momentum_state = t.momentum[i];
+    c.preconditioned = t.pre[i];
+    c.scalars = chain_scalars();
+    t.blocks.push_back(c);
+  }
+  return t;
 }
 
 }  // namespace shampoo::bench

@@ -1,8 +1,8 @@
 #pragma once
-/// Helpers shared by the benchmark programs: timing and medians, a small command-line parser,
-/// JSON fragments, what the machine was doing (CPU, load average), the benchmarked models, their
-/// gradients and the benchmarks' Shampoo settings, and ranks as threads of one process for the
-/// multi-rank benchmarks.
+/// Helpers shared by the benchmark programs: timing and medians, the flags every benchmark takes
+/// (the examples' CommandLine, CLI11), JSON output (nlohmann-json), what the machine was doing
+/// (CPU, load average), the benchmarked models, their gradients and the benchmarks' Shampoo
+/// settings, and ranks as threads of one process for the multi-rank benchmarks.
 
 #include <ATen/ATen.h>
 #include <shampoo/shampoo.h>
@@ -12,11 +12,13 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <map>
-#include <ostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
+
+#include "examples/command_line.h"
+#include "update/elementwise_chain.h"
 
 namespace shampoo::bench {
 
@@ -32,39 +34,28 @@ double mean(const std::vector<double>& v);
 double max_of(const std::vector<double>& v);
 double min_of(const std::vector<double>& v);
 
-/// Command line: flags registered with where their value goes. `--help` prints the usage.
-class Flags {
- public:
-  Flags(std::string program, std::string usage)
-      : program_(std::move(program)), usage_(std::move(usage)) {}
-  void add_int(const std::string& flag, int64_t* value, int64_t min);
-  void add_string(const std::string& flag, std::string* value);
-  void add_bool(const std::string& flag, bool* value);  ///< present = true
-  /// Exits with the usage on an unknown flag or a bad value.
-  void parse(int argc, char** argv) const;
-  [[noreturn]] void usage(const std::string& error) const;
+/// The flags of a benchmark: the examples' CommandLine.
+using Flags = shampoo::examples::CommandLine;
+/// Adds the flags every benchmark takes: --json PATH (machine-readable results) and --label TEXT
+/// (free text copied into the JSON; run_all.sh passes the git revision).
+void add_output_flags(Flags& flags, std::string& json, std::string& label);
+/// Parses argv; exits 0 after --help, and 2 with "<program>: <error>" on stderr on a bad flag.
+void parse_flags_or_exit(Flags& flags, const std::string& program, int argc, char** argv);
 
- private:
-  std::string program_;
-  std::string usage_;
-  std::map<std::string, std::pair<int64_t*, int64_t>> ints_;
-  std::map<std::string, std::string*> strings_;
-  std::map<std::string, bool*> bools_;
-};
-
-/// JSON fragments.
-std::string json_string(const std::string& s);
-std::string json_array(const std::vector<double>& v);
-std::string json_array(const std::vector<int64_t>& v);
+/// JSON with keys in the order they were written, as the benchmarks write their results.
+using Json = nlohmann::ordered_json;
+/// Writes `json` (indented by two) to `path` and says so on stdout; on failure says why on stderr
+/// and returns false.
+bool write_json(const std::string& path, const Json& json, const std::string& program);
 
 /// 1-minute load average: on a shared machine, how busy it was around the measurement.
 double load_average();
 std::string cpu_model();
 /// {"cpu": ..., "hardware_threads": ..., "threads": ..., "libtorch": ..., load averages}.
-std::string machine_json(double load_before, double load_after);
-/// Writes "timed section S s; load average (1 min) B before, A after on N hardware threads\n"
-/// (S with one decimal, the loads with two; leaves `out` fixed with precision 2).
-void print_timed_section(std::ostream& out, double seconds, double load_before, double load_after);
+Json machine_json(double load_before, double load_after);
+/// Prints "timed section S s; load average (1 min) B before, A after on N hardware threads\n"
+/// (S with one decimal, the loads with two) on stdout.
+void print_timed_section(double seconds, double load_before, double load_after);
 
 /// Models. An MLP of Linear layers sizes[0] -> sizes[1] -> ... -> sizes.back(), ReLU between them,
 /// and its name "mlp 784-2048-1024-512-10".
@@ -124,6 +115,15 @@ std::vector<std::vector<int64_t>> gather_from_ranks(
 /// Sum of nbytes of the tensors (undefined ones count 0).
 int64_t nbytes_of(const std::vector<at::Tensor>& tensors);
 
-std::string format_bytes(int64_t bytes);  ///< "12,345,678 (11.8 MiB)"
+std::string format_bytes(int64_t bytes);
+
+/// The tensors of a virtual group's elementwise chain over `count` blocks of one shape, and the
+/// chain's blocks over them: Adam grafting, momentum 0.9, decoupled weight decay 1e-4, lr 1e-3.
+struct ChainTensors {
+  std::vector<at::Tensor> grad, param, filter, diagonal, momentum, pre, filtered;
+  std::vector<shampoo::detail::ChainBlockTensors> blocks;
+};
+ChainTensors make_chain(int64_t count, at::IntArrayRef block_shape,
+                        const at::TensorOptions& options);  ///< "12,345,678 (11.8 MiB)"
 
 }  // namespace shampoo::bench

@@ -35,20 +35,17 @@
 /// Results and how to read them: benchmarks/RESULTS.md.
 
 #include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <shampoo/shampoo.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
-#include <iomanip>
-#include <iostream>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "benchmarks/bench_support.h"
@@ -135,98 +132,73 @@ StepTime timed_step(Config& c, const std::vector<std::vector<at::Tensor>>& pool)
   return {elapsed_ms(begin, end), cpu};
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+Args parse_args(int argc, char** argv) {
   Args args;
   Flags flags("bench_virtual_groups",
-              "[--repetitions R] [--window W] [--frequency F] [--start-step S] [--threads T]\n"
-              "       [--grad-pool K] [--batch B] [--json PATH] [--label TEXT] [--ops-detail]\n"
-              "       [--verbose]");
-  flags.add_int("--repetitions", &args.repetitions, 1);
-  flags.add_int("--window", &args.window, 1);
-  flags.add_int("--frequency", &args.frequency, 2);
-  flags.add_int("--start-step", &args.start, 1);
-  flags.add_int("--threads", &args.threads, 1);
-  flags.add_int("--grad-pool", &args.grad_pool, 1);
-  flags.add_int("--batch", &args.batch, 1);
-  flags.add_string("--json", &args.json);
-  flags.add_string("--label", &args.label);
-  flags.add_bool("--ops-detail", &args.ops_detail);
-  flags.add_bool("--verbose", &args.verbose);
-  flags.parse(argc, argv);
-  at::set_num_threads(static_cast<int>(args.threads));
-  torch::manual_seed(0);
+              "Step time of DistributedShampoo with 1, 8, 64 or 256 param groups that differ only "
+              "in their lr, merged into virtual groups or not (benchmarks/RESULTS.md).");
+  flags.add("repetitions", args.repetitions, "repetitions (medians are over them)", 1)
+      .add("window", args.window, "rounds (one step of every configuration) per repetition", 1)
+      .add("frequency", args.frequency, "precondition_frequency", 2)
+      .add("start-step", args.start, "start_preconditioning_step (the first root computation)", 1)
+      .add("threads", args.threads, "intra-op threads", 1)
+      .add("grad-pool", args.grad_pool, "distinct gradient sets, cycled", 1)
+      .add("batch", args.batch, "batch size of the passes that make the gradients", 1)
+      .add_bool("ops-detail", args.ops_detail,
+                "print the top-level operator histogram of merged N=1 vs N=256")
+      .add_bool("verbose", args.verbose,
+                "print every timed step with its CLOCK_MONOTONIC start and end (perf_by_step.py)");
+  add_output_flags(flags, args.json, args.label);
+  parse_flags_or_exit(flags, "bench_virtual_groups", argc, argv);
+  return args;
+}
 
-  auto model = make_layered_mlp(kLayers, kWidth);
-  const auto init = model->parameters();
-  const int64_t num_params = numel_of(init);
-  const auto pool = make_gradient_pool(model, args.grad_pool, args.batch, kWidth, kWidth);
-  const double load_before = load_average();
-
-  std::vector<Config> configs;
-  for (const int64_t n : kGroupCounts) {
-    for (const bool merged : {true, false}) configs.push_back(make_config(init, n, merged, args));
+/// One round: one step of every configuration, the order rotated by `round`.
+void run_round(std::vector<Config>& configs, const std::vector<std::vector<at::Tensor>>& pool,
+               const Args& args, int64_t round) {
+  const auto n = static_cast<int64_t>(configs.size());
+  for (int64_t k = 0; k < n; ++k) {
+    auto& c = configs[static_cast<size_t>((k + round) % n)];
+    const int64_t t = c.steps_taken + 1;
+    const auto time = timed_step(c, pool);
+    if (args.verbose) {
+      // steady_clock is CLOCK_MONOTONIC, what `perf record -k mono` stamps samples with.
+      const double end_s = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+      fmt::print("    step {} {} start {:.6f} s, end {:.6f} s, {:.2f} ms\n", c.name, t,
+                 end_s - time.ms / 1000.0, end_s, time.ms);
+    }
+    if (is_root_step(t, args.start, args.frequency)) {
+      c.root_ms.push_back(time.ms);
+    } else {
+      c.plain_ms.push_back(time.ms);
+      c.plain_cpu.push_back(time.cpu_ms);
+    }
   }
-  std::cout << "bench_virtual_groups: " << layered_mlp_name(kLayers, kWidth) << " (" << num_params
-            << " parameters, " << init.size() << " tensors), LibTorch " << TORCH_VERSION << ", "
-            << at::get_num_threads() << " thread(s), CPU " << cpu_model() << "\n"
-            << "  " << configs.size() << " configurations, repetitions " << args.repetitions
-            << " x " << args.window << " rounds, precondition_frequency " << args.frequency
-            << ", start_preconditioning_step " << args.start << "\n"
-            << std::flush;
+}
 
-  // Warm-up: steps 1 ... S (the first root computation at S), untimed.
-  const auto warm_begin = Clock::now();
-  for (int64_t t = 1; t <= args.start; ++t) {
-    for (auto& c : configs) timed_step(c, pool);
-  }
-  std::cout << "  warm-up " << std::fixed << std::setprecision(1)
-            << elapsed_ms(warm_begin, Clock::now()) / 1000.0 << " s (" << args.start
-            << " steps each)\n"
-            << std::flush;
-
-  const auto run_begin = Clock::now();
+void run_repetitions(std::vector<Config>& configs, const std::vector<std::vector<at::Tensor>>& pool,
+                     const Args& args) {
   int64_t round = 0;
   for (int64_t r = 0; r < args.repetitions; ++r) {
     for (auto& c : configs) {
       c.plain_ms.clear();
       c.plain_cpu.clear();
     }
-    for (int64_t w = 0; w < args.window; ++w, ++round) {
-      const auto n = static_cast<int64_t>(configs.size());
-      for (int64_t k = 0; k < n; ++k) {
-        auto& c = configs[static_cast<size_t>((k + round) % n)];
-        const int64_t t = c.steps_taken + 1;
-        const auto time = timed_step(c, pool);
-        if (args.verbose) {
-          // steady_clock is CLOCK_MONOTONIC, what `perf record -k mono` stamps samples with.
-          const double end_s =
-              std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
-          std::cout << "    step " << c.name << " " << t << " start " << std::setprecision(6)
-                    << end_s - time.ms / 1000.0 << " s, end " << end_s << " s, "
-                    << std::setprecision(2) << time.ms << " ms\n";
-        }
-        if (is_root_step(t, args.start, args.frequency)) {
-          c.root_ms.push_back(time.ms);
-        } else {
-          c.plain_ms.push_back(time.ms);
-          c.plain_cpu.push_back(time.cpu_ms);
-        }
-      }
-    }
-    std::cout << "  repetition " << r + 1 << "/" << args.repetitions << " (ms):";
+    for (int64_t w = 0; w < args.window; ++w, ++round) run_round(configs, pool, args, round);
+    fmt::print("  repetition {}/{} (ms):", r + 1, args.repetitions);
     for (auto& c : configs) {
       c.rep_median_ms.push_back(median(c.plain_ms));
       c.rep_median_cpu.push_back(median(c.plain_cpu));
-      std::cout << " " << c.name << " " << std::setprecision(2) << c.rep_median_ms.back() << ";";
+      fmt::print(" {} {:.2f};", c.name, c.rep_median_ms.back());
     }
-    std::cout << "\n" << std::flush;
+    fmt::print("\n");
+    std::fflush(stdout);
   }
-  const double run_s = elapsed_ms(run_begin, Clock::now()) / 1000.0;
-  const double load_after = load_average();
+}
 
-  // Operator calls of one root-free step of each configuration.
+/// Operator calls and tensor allocations of one root-free step of each configuration.
+void count_operators(std::vector<Config>& configs, const std::vector<std::vector<at::Tensor>>& pool,
+                     const Args& args) {
   while (is_root_step(configs.front().steps_taken + 1, args.start, args.frequency)) {
     for (auto& c : configs) timed_step(c, pool);
   }
@@ -247,164 +219,201 @@ int main(int argc, char** argv) {
     c.large_allocations = tracker.large_allocations_by_op();
   }
   TrackingAllocator::uninstall();
+}
 
-  // Merged and unmerged of the same N saw the same gradients and options: same parameters.
-  std::vector<std::string> identical;
+/// Merged and unmerged of the same N saw the same gradients and options: same parameters.
+/// identical[i / 2] for the pair configs[i], configs[i + 1].
+std::vector<bool> identical_pairs(const std::vector<Config>& configs) {
+  std::vector<bool> identical;
   for (size_t i = 0; i + 1 < configs.size(); i += 2) {
     bool same = true;
     for (size_t p = 0; p < configs[i].params.size(); ++p) {
       same &= at::equal(configs[i].params[p], configs[i + 1].params[p]);
     }
-    identical.push_back(same ? "yes" : "NO");
+    identical.push_back(same);
   }
+  return identical;
+}
 
-  // Ratios: per repetition, config median / merged N=1 median; then the median over repetitions.
+/// Per repetition, a configuration's median over merged N=1's; the median over repetitions. Of
+/// the wall times, or (`cpu`) of the CPU times.
+double ratio_to_base(const Config& c, const Config& base, bool cpu) {
+  const auto& mine = cpu ? c.rep_median_cpu : c.rep_median_ms;
+  const auto& theirs = cpu ? base.rep_median_cpu : base.rep_median_ms;
+  std::vector<double> ratios;
+  for (size_t r = 0; r < mine.size(); ++r) ratios.push_back(mine[r] / theirs[r]);
+  return median(ratios);
+}
+
+void print_group_table(const std::vector<Config>& configs, const std::vector<bool>& identical) {
+  fmt::print("\n{:<8}{:>12}{:>14}{:>12}{:>12}{:>10}{:>10}{:>10}{:>16}{:>18}{:>11}\n", "groups",
+             "merged ms", "unmerged ms", "merged/", "unmerged/", "cpu m/", "cpu u/", "virtual",
+             "top-level ops", "all ops", "identical");
+  fmt::print("{:<8}{:>12}{:>14}{:>12}{:>12}{:>10}{:>10}{:>10}{:>16}{:>18}\n{:-<133}\n", "", "", "",
+             "merged(1)", "merged(1)", "m(1)", "m(1)", "groups", "merged/unm.", "merged/unm.", "");
   const auto& base = configs.front();
-  auto ratio_of = [&](const Config& c) {
-    std::vector<double> ratios;
-    for (size_t r = 0; r < c.rep_median_ms.size(); ++r) {
-      ratios.push_back(c.rep_median_ms[r] / base.rep_median_ms[r]);
-    }
-    return median(ratios);
-  };
-  auto cpu_ratio_of = [&](const Config& c) {
-    std::vector<double> ratios;
-    for (size_t r = 0; r < c.rep_median_cpu.size(); ++r) {
-      ratios.push_back(c.rep_median_cpu[r] / base.rep_median_cpu[r]);
-    }
-    return median(ratios);
-  };
-
-  std::cout << "\n"
-            << std::left << std::setw(8) << "groups" << std::right << std::setw(12) << "merged ms"
-            << std::setw(14) << "unmerged ms" << std::setw(12) << "merged/" << std::setw(12)
-            << "unmerged/" << std::setw(10) << "cpu m/" << std::setw(10) << "cpu u/"
-            << std::setw(10) << "virtual" << std::setw(16) << "top-level ops" << std::setw(18)
-            << "all ops" << std::setw(11) << "identical"
-            << "\n"
-            << std::left << std::setw(8) << "" << std::right << std::setw(12) << "" << std::setw(14)
-            << "" << std::setw(12) << "merged(1)" << std::setw(12) << "merged(1)" << std::setw(10)
-            << "m(1)" << std::setw(10) << "m(1)" << std::setw(10) << "groups" << std::setw(16)
-            << "merged/unm." << std::setw(18) << "merged/unm."
-            << "\n"
-            << std::string(133, '-') << "\n";
   for (size_t i = 0; i + 1 < configs.size(); i += 2) {
     const auto& m = configs[i];
     const auto& u = configs[i + 1];
-    std::ostringstream vg, top, all;
-    vg << m.optimizer->stats().virtual_groups << "/" << u.optimizer->stats().virtual_groups;
-    top << m.ops_top_level << "/" << u.ops_top_level;
-    all << m.ops_all << "/" << u.ops_all;
-    std::cout << std::left << std::setw(8) << m.groups << std::right << std::fixed
-              << std::setprecision(2) << std::setw(12) << median(m.rep_median_ms) << std::setw(14)
-              << median(u.rep_median_ms) << std::setprecision(3) << std::setw(11) << ratio_of(m)
-              << "x" << std::setw(11) << ratio_of(u) << "x" << std::setw(9) << cpu_ratio_of(m)
-              << "x" << std::setw(9) << cpu_ratio_of(u) << "x" << std::setw(10) << vg.str()
-              << std::setw(16) << top.str() << std::setw(18) << all.str() << std::setw(11)
-              << identical[i / 2] << "\n";
+    fmt::print(
+        "{:<8}{:>12.2f}{:>14.2f}{:>11.3f}x{:>11.3f}x{:>9.3f}x{:>9.3f}x{:>10}{:>16}{:>18}{:>11}\n",
+        m.groups, median(m.rep_median_ms), median(u.rep_median_ms), ratio_to_base(m, base, false),
+        ratio_to_base(u, base, false), ratio_to_base(m, base, true), ratio_to_base(u, base, true),
+        fmt::format("{}/{}", m.optimizer->stats().virtual_groups,
+                    u.optimizer->stats().virtual_groups),
+        fmt::format("{}/{}", m.ops_top_level, u.ops_top_level),
+        fmt::format("{}/{}", m.ops_all, u.ops_all), identical[i / 2] ? "yes" : "NO");
   }
-  std::cout << "\ntensor allocations of one root-free step (tracking allocator):\n"
-            << std::left << std::setw(16) << "configuration" << std::right << std::setw(13)
-            << "allocations" << std::setw(14) << "MiB" << std::setw(16) << ">=128KiB allocs"
-            << std::setw(14) << ">=128KiB MiB"
-            << "\n"
-            << std::string(73, '-') << "\n";
+}
+
+void print_allocation_table(const std::vector<Config>& configs) {
+  fmt::print(
+      "\ntensor allocations of one root-free step (tracking allocator):\n"
+      "{:<16}{:>13}{:>14}{:>16}{:>14}\n{:-<73}\n",
+      "configuration", "allocations", "MiB", ">=128KiB allocs", ">=128KiB MiB", "");
   for (const auto& c : configs) {
     int64_t large_count = 0, large_bytes = 0;
     for (const auto& [op, entry] : c.large_allocations) {
       large_bytes += entry.first;
       large_count += entry.second;
     }
-    std::cout << std::left << std::setw(16) << c.name << std::right << std::setw(13)
-              << c.allocations << std::setw(14) << std::setprecision(2)
-              << c.allocated_bytes / 1048576.0 << std::setw(16) << large_count << std::setw(14)
-              << large_bytes / 1048576.0 << "\n";
+    fmt::print("{:<16}{:>13}{:>14.2f}{:>16}{:>14.2f}\n", c.name, c.allocations,
+               c.allocated_bytes / 1048576.0, large_count, large_bytes / 1048576.0);
   }
+}
+
+void print_summary(const std::vector<Config>& configs) {
+  const auto& base = configs.front();
   const auto stats = base.optimizer->stats();
-  std::cout << "(ms: median over repetitions of the median root-free step; ratios: median over "
-               "repetitions of the same-repetition ratio; cpu m/m(1), cpu u/m(1): the same "
-               "ratios of the steps' CPU time (this thread); ops: one root-free step)\n"
-            << "target merged(256)/merged(1) <= 1.1: " << std::setprecision(3)
-            << ratio_of(configs[6]) << "x -> " << (ratio_of(configs[6]) <= 1.1 ? "met" : "MISSED")
-            << " (CPU time " << cpu_ratio_of(configs[6]) << "x)"
-            << "\n"
-            << "blocks " << stats.total_blocks << ", state bytes "
-            << format_bytes(stats.state_bytes) << "\nroot-computation steps (ms, all timed ones):";
-  for (const auto& c : configs) std::cout << " " << c.name << " " << json_array(c.root_ms) << ";";
-  std::cout << "\n";
-  print_timed_section(std::cout, run_s, load_before, load_after);
+  const double target = ratio_to_base(configs[6], base, false);
+  fmt::print(
+      "(ms: median over repetitions of the median root-free step; ratios: median over "
+      "repetitions of the same-repetition ratio; cpu m/m(1), cpu u/m(1): the same ratios "
+      "of the steps' CPU time (this thread); ops: one root-free step)\n"
+      "target merged(256)/merged(1) <= 1.1: {:.3f}x -> {} (CPU time {:.3f}x)\n"
+      "blocks {}, state bytes {}\nroot-computation steps (ms, all timed ones):",
+      target, target <= 1.1 ? "met" : "MISSED", ratio_to_base(configs[6], base, true),
+      stats.total_blocks, format_bytes(stats.state_bytes));
+  for (const auto& c : configs) fmt::print(" {} [{:.6g}];", c.name, fmt::join(c.root_ms, ", "));
+  fmt::print("\n");
+}
 
-  if (args.ops_detail) {
-    const auto& one = configs[0].ops_by_name;
-    const auto& many = configs[6].ops_by_name;
-    std::map<std::string, std::pair<int64_t, int64_t>> both;
-    for (const auto& [name, n] : one) both[name].first = n;
-    for (const auto& [name, n] : many) both[name].second = n;
-    std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> rows(both.begin(), both.end());
-    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
-      return a.second.second - a.second.first > b.second.second - b.second.first;
-    });
-    std::cout << "\ntop-level operator calls of one step, merged N=1 vs merged N=256:\n";
-    for (const auto& [name, counts] : rows) {
-      std::cout << "  " << std::left << std::setw(40) << name << std::right << std::setw(8)
-                << counts.first << std::setw(8) << counts.second << "\n";
-    }
-    for (const size_t i : {size_t{0}, size_t{7}}) {
-      std::cout << "allocations >= 128 KiB of one step of " << configs[i].name
-                << " by top-level operator (bytes, count):\n";
-      for (const auto& [op, entry] : configs[i].large_allocations) {
-        std::cout << "  " << std::left << std::setw(40) << (op.empty() ? "(no operator)" : op)
-                  << std::right << std::setw(12) << entry.first << std::setw(8) << entry.second
-                  << "\n";
-      }
+void print_ops_detail(const std::vector<Config>& configs) {
+  std::map<std::string, std::pair<int64_t, int64_t>> both;
+  for (const auto& [name, n] : configs[0].ops_by_name) both[name].first = n;
+  for (const auto& [name, n] : configs[6].ops_by_name) both[name].second = n;
+  std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> rows(both.begin(), both.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
+    return a.second.second - a.second.first > b.second.second - b.second.first;
+  });
+  fmt::print("\ntop-level operator calls of one step, merged N=1 vs merged N=256:\n");
+  for (const auto& [name, counts] : rows) {
+    fmt::print("  {:<40}{:>8}{:>8}\n", name, counts.first, counts.second);
+  }
+  for (const size_t i : {size_t{0}, size_t{7}}) {
+    fmt::print("allocations >= 128 KiB of one step of {} by top-level operator (bytes, count):\n",
+               configs[i].name);
+    for (const auto& [op, entry] : configs[i].large_allocations) {
+      fmt::print("  {:<40}{:>12}{:>8}\n", op.empty() ? "(no operator)" : op, entry.first,
+                 entry.second);
     }
   }
+}
 
-  if (!args.json.empty()) {
-    std::ofstream out(args.json);
-    if (!out) {
-      std::cerr << "bench_virtual_groups: cannot write " << args.json << "\n";
-      return 1;
-    }
-    out << std::setprecision(6);
-    out << "{\n"
-        << "  \"benchmark\": \"virtual_groups\",\n"
-        << "  \"label\": " << json_string(args.label) << ",\n"
-        << "  \"model\": " << json_string(layered_mlp_name(kLayers, kWidth)) << ",\n"
-        << "  \"parameters\": " << num_params << ",\n"
-        << "  \"parameter_tensors\": " << init.size() << ",\n"
-        << "  \"machine\": " << machine_json(load_before, load_after) << ",\n"
-        << "  \"settings\": {\"repetitions\": " << args.repetitions
-        << ", \"window\": " << args.window << ", \"precondition_frequency\": " << args.frequency
-        << ", \"start_preconditioning_step\": " << args.start
-        << ", \"grad_pool\": " << args.grad_pool << ", \"batch\": " << args.batch
-        << ", \"shampoo\": {\"lr\": \"1e-3 * (1 + g / N)\", \"betas\": [0.9, 0.999], "
-           "\"epsilon\": 1e-12, \"max_preconditioner_dim\": 1024, \"grafting\": "
-           "\"adam(0.999, 1e-8)\"}},\n"
-        << "  \"total_blocks\": " << stats.total_blocks << ",\n"
-        << "  \"state_bytes\": " << stats.state_bytes << ",\n"
-        << "  \"timed_section_s\": " << run_s << ",\n"
-        << "  \"configurations\": [";
-    for (size_t i = 0; i < configs.size(); ++i) {
-      const auto& c = configs[i];
-      out << (i ? "," : "") << "\n    {\"groups\": " << c.groups
-          << ", \"merged\": " << (c.merged ? "true" : "false")
-          << ", \"virtual_groups\": " << c.optimizer->stats().virtual_groups
-          << ", \"median_ms\": " << median(c.rep_median_ms)
-          << ", \"ratio_vs_merged_1\": " << ratio_of(c)
-          << ", \"median_cpu_ms\": " << median(c.rep_median_cpu)
-          << ", \"cpu_ratio_vs_merged_1\": " << cpu_ratio_of(c)
-          << ", \"per_repetition_ms\": " << json_array(c.rep_median_ms)
-          << ", \"root_step_ms\": " << json_array(c.root_ms)
-          << ", \"top_level_ops_per_step\": " << c.ops_top_level
-          << ", \"all_ops_per_step\": " << c.ops_all
-          << ", \"allocations_per_step\": " << c.allocations
-          << ", \"allocated_bytes_per_step\": " << c.allocated_bytes
-          << ", \"identical_to_other_mode\": " << (identical[i / 2] == "yes" ? "true" : "false")
-          << "}";
-    }
-    out << "\n  ]\n}\n";
-    std::cout << "\nwrote " << args.json << "\n";
+Json results_json(const std::vector<Config>& configs, const std::vector<bool>& identical,
+                  const std::vector<at::Tensor>& init, const Args& args) {
+  const auto& base = configs.front();
+  const auto stats = base.optimizer->stats();
+  Json settings{{"repetitions", args.repetitions},
+                {"window", args.window},
+                {"precondition_frequency", args.frequency},
+                {"start_preconditioning_step", args.start},
+                {"grad_pool", args.grad_pool},
+                {"batch", args.batch}};
+  settings["shampoo"] = {{"lr", "1e-3 * (1 + g / N)"},
+                         {"betas", {0.9, 0.999}},
+                         {"epsilon", 1e-12},
+                         {"max_preconditioner_dim", 1024},
+                         {"grafting", "adam(0.999, 1e-8)"}};
+  Json rows = Json::array();
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const auto& c = configs[i];
+    rows.push_back({{"groups", c.groups},
+                    {"merged", c.merged},
+                    {"virtual_groups", c.optimizer->stats().virtual_groups},
+                    {"median_ms", median(c.rep_median_ms)},
+                    {"ratio_vs_merged_1", ratio_to_base(c, base, false)},
+                    {"median_cpu_ms", median(c.rep_median_cpu)},
+                    {"cpu_ratio_vs_merged_1", ratio_to_base(c, base, true)},
+                    {"per_repetition_ms", c.rep_median_ms},
+                    {"root_step_ms", c.root_ms},
+                    {"top_level_ops_per_step", c.ops_top_level},
+                    {"all_ops_per_step", c.ops_all},
+                    {"allocations_per_step", c.allocations},
+                    {"allocated_bytes_per_step", c.allocated_bytes},
+                    {"identical_to_other_mode", static_cast<bool>(identical[i / 2])}});
   }
-  return 0;
+  return Json{{"benchmark", "virtual_groups"},
+              {"label", args.label},
+              {"model", layered_mlp_name(kLayers, kWidth)},
+              {"parameters", numel_of(init)},
+              {"parameter_tensors", init.size()},
+              {"machine", nullptr},  // set by the caller
+              {"settings", settings},
+              {"total_blocks", stats.total_blocks},
+              {"state_bytes", stats.state_bytes},
+              {"timed_section_s", nullptr},  // set by the caller
+              {"configurations", rows}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse_args(argc, argv);
+  at::set_num_threads(static_cast<int>(args.threads));
+  torch::manual_seed(0);
+
+  auto model = make_layered_mlp(kLayers, kWidth);
+  const auto init = model->parameters();
+  const auto pool = make_gradient_pool(model, args.grad_pool, args.batch, kWidth, kWidth);
+  const double load_before = load_average();
+  std::vector<Config> configs;
+  for (const int64_t n : kGroupCounts) {
+    for (const bool merged : {true, false}) configs.push_back(make_config(init, n, merged, args));
+  }
+  fmt::print(
+      "bench_virtual_groups: {} ({} parameters, {} tensors), LibTorch {}, {} thread(s), CPU "
+      "{}\n  {} configurations, repetitions {} x {} rounds, precondition_frequency {}, "
+      "start_preconditioning_step {}\n",
+      layered_mlp_name(kLayers, kWidth), numel_of(init), init.size(), TORCH_VERSION,
+      at::get_num_threads(), cpu_model(), configs.size(), args.repetitions, args.window,
+      args.frequency, args.start);
+  std::fflush(stdout);
+
+  // Warm-up: steps 1 ... S (the first root computation at S), untimed.
+  const auto warm_begin = Clock::now();
+  for (int64_t t = 1; t <= args.start; ++t) {
+    for (auto& c : configs) timed_step(c, pool);
+  }
+  fmt::print("  warm-up {:.1f} s ({} steps each)\n", elapsed_ms(warm_begin, Clock::now()) / 1000.0,
+             args.start);
+  std::fflush(stdout);
+
+  const auto run_begin = Clock::now();
+  run_repetitions(configs, pool, args);
+  const double run_s = elapsed_ms(run_begin, Clock::now()) / 1000.0;
+  const double load_after = load_average();
+  count_operators(configs, pool, args);
+  const auto identical = identical_pairs(configs);
+
+  print_group_table(configs, identical);
+  print_allocation_table(configs);
+  print_summary(configs);
+  print_timed_section(run_s, load_before, load_after);
+  if (args.ops_detail) print_ops_detail(configs);
+  if (args.json.empty()) return 0;
+  Json json = results_json(configs, identical, init, args);
+  json["machine"] = machine_json(load_before, load_after);
+  json["timed_section_s"] = run_s;
+  return write_json(args.json, json, "bench_virtual_groups") ? 0 : 1;
 }

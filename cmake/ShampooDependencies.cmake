@@ -1,4 +1,6 @@
-# LibTorch (from the torch wheel, see scripts/install_deps.sh), fmt, and CUDA libraries.
+# LibTorch (from the torch wheel, see scripts/install_deps.sh), fmt, CUDA libraries, and what the
+# examples and benchmarks use: CLI11 (flags), nlohmann-json (benchmark results), Google Benchmark
+# (micro-benchmarks).
 
 # TorchConfig probes the CUDA toolkit itself; keep its messages but not its warnings about
 # CMAKE_CUDA_ARCHITECTURES (we set those for our own kernels).
@@ -29,8 +31,28 @@ if(NOT SHAMPOO_GLOO_INCLUDE_DIR)
   message(FATAL_ERROR "gloo headers not found: install Debian's libgloo-dev (make deps does)")
 endif()
 
-# fmt: the torch wheel bundles its own fmt headers, which would shadow Debian's; we format with
-# c10::str and std::ostringstream instead of linking libfmt.
+# fmt: the fmt 12 headers that the torch wheel ships in its include folder, header-only
+# (FMT_HEADER_ONLY), through the target shampoo_fmt. Not Debian's libfmt-dev (fmt 9): torch's
+# include folder comes before /usr/include on every target that uses LibTorch, so `<fmt/...>`
+# would be fmt 12 while libfmt.so is fmt 9 (undefined or mismatched symbols); and libtorch does not
+# export the compiled part of its fmt (fmt::vformat and friends), so header-only is the one way
+# to use torch's headers. Consistently: every target that includes fmt links shampoo_fmt.
+find_path(SHAMPOO_FMT_INCLUDE_DIR fmt/base.h PATHS ${TORCH_INCLUDE_DIRS} NO_DEFAULT_PATH)
+if(NOT SHAMPOO_FMT_INCLUDE_DIR)
+  message(FATAL_ERROR "fmt headers not found in LibTorch's include folders (${TORCH_INCLUDE_DIRS})")
+endif()
+add_library(shampoo_fmt INTERFACE)
+target_include_directories(shampoo_fmt SYSTEM INTERFACE ${SHAMPOO_FMT_INCLUDE_DIR})
+target_compile_definitions(shampoo_fmt INTERFACE FMT_HEADER_ONLY)
+
+# Debian packages (scripts/install_deps.sh), header-only except Google Benchmark.
+if(SHAMPOO_BUILD_EXAMPLES OR SHAMPOO_BUILD_BENCHMARKS)
+  find_package(CLI11 2.1 CONFIG REQUIRED)  # libcli11-dev
+endif()
+if(SHAMPOO_BUILD_BENCHMARKS)
+  find_package(nlohmann_json 3.10 CONFIG REQUIRED)  # nlohmann-json3-dev
+  find_package(benchmark 1.7 CONFIG REQUIRED)       # libbenchmark-dev
+endif()
 
 
 if(SHAMPOO_HAS_CUDA)

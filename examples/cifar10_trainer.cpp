@@ -16,16 +16,15 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/utils.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <iostream>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -52,12 +51,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-std::string format(const char* pattern, auto... args) {
-  char text[512];
-  std::snprintf(text, sizeof(text), pattern, args...);
-  return text;
 }
 
 /// Rank and world size, and the process group when launched by torchrun (WORLD_SIZE set).
@@ -127,12 +120,11 @@ Evaluation evaluate(ImageClassifier& model, const ImageDataset& data, int64_t ba
 }
 
 std::string run_signature(const TrainerConfig& config, int world_size, int64_t train_examples) {
-  return "dataset=" + dataset_name(config.dataset) + " model=" + config.model +
-         " optimizer=" + optimizer_name(config.optimizer) +
-         " world_size=" + std::to_string(world_size) +
-         " local_batch_size=" + std::to_string(config.local_batch_size) +
-         " train_examples=" + std::to_string(train_examples) +
-         " seed=" + std::to_string(config.seed);
+  return fmt::format(
+      "dataset={} model={} optimizer={} world_size={} local_batch_size={} train_examples={} "
+      "seed={}",
+      dataset_name(config.dataset), config.model, optimizer_name(config.optimizer), world_size,
+      config.local_batch_size, train_examples, config.seed);
 }
 
 /// LibTorch's CPU allocator takes every tensor from malloc. glibc serves blocks above its mmap
@@ -147,6 +139,243 @@ void keep_large_allocations_on_the_heap() {
 #endif
 }
 
+/// Log lines: every rank's (with a "[rank r] " prefix when there are several) or rank 0's,
+/// printed through the progress bar so that it is not garbled.
+class Log {
+ public:
+  Log(ProgressBar& bar, const Distributed& d)
+      : bar_(bar),
+        lead_(d.rank == 0),
+        rank_prefix_(d.world_size > 1 ? fmt::format("[rank {}] ", d.rank) : "") {}
+  void every_rank(const std::string& line) { bar_.print_line(rank_prefix_ + line); }
+  void lead(const std::string& line) {
+    if (lead_) bar_.print_line(line);
+  }
+
+ private:
+  ProgressBar& bar_;
+  bool lead_;
+  std::string rank_prefix_;
+};
+
+ProgressBar make_progress_bar(const TrainerConfig& config, const Distributed& d) {
+  const bool show =
+      d.rank == 0 && (config.progress == ProgressMode::kOn ||
+                      (config.progress == ProgressMode::kAuto && ProgressBar::is_terminal(stderr)));
+  return ProgressBar(stderr, show);
+}
+
+/// Everything a training run holds, built in the order the steps below need it.
+struct Trainer {
+  Trainer(const TrainerConfig& config_, const Distributed& d_, ImageDataset data_,
+          int64_t full_train_size_)
+      : config(config_),
+        d(d_),
+        progress_bar(make_progress_bar(config_, d_)),
+        log(progress_bar, d_),
+        data(std::move(data_)),
+        full_train_size(full_train_size_),
+        sampler(data.train.size(), config_.local_batch_size, d_.world_size, d_.rank, config_.seed),
+        metrics(config_.window_size) {}
+
+  const TrainerConfig& config;
+  Distributed d;
+  ProgressBar progress_bar;
+  Log log;
+  ImageDataset data;
+  int64_t full_train_size = 0;
+  DistributedBatchSampler sampler;
+  std::shared_ptr<ImageClassifier> model;
+  std::optional<CheckpointDir> checkpoints;
+  int64_t resume_epoch = 0;
+  std::unique_ptr<shampoo::GradientSynchronizer> synchronizer;
+  std::vector<ParamGroupPlan> plans;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::unique_ptr<CosineAnnealingLr> scheduler;
+  LossMetrics metrics;
+  TrainingProgress progress;
+  std::optional<MetricsCsv> csv;
+};
+
+/// Every rank holds the (uint8) data set and reads its slices of the global batches.
+ImageDataset load_data(const TrainerConfig& config, int64_t* full_train_size) {
+  ImageDataset data = load_image_dataset(config.dataset, config.data_dir);
+  *full_train_size = data.train.size();
+  if (config.limit_train > 0 && config.limit_train < data.train.size()) {
+    data.train.images = data.train.images.slice(0, 0, config.limit_train);
+    data.train.labels = data.train.labels.slice(0, 0, config.limit_train);
+  }
+  return data;
+}
+
+/// Model, checkpoints, synchronizer, optimizer, scheduler; resumes from the latest checkpoint.
+void build_model_and_optimizer(Trainer& t) {
+  const auto& config = t.config;
+  // The same seed on every rank (the synchronizer also broadcasts rank 0's weights).
+  torch::manual_seed(config.seed);
+  t.model = make_image_classifier(config.model, t.data.channels(), t.data.num_classes,
+                                  t.data.height(), t.data.width());
+  // Resume: the model is loaded before the synchronizer and optimizer take its parameters.
+  if (!config.checkpoint_dir.empty()) {
+    t.checkpoints.emplace(config.checkpoint_dir, t.d.group,
+                          run_signature(config, t.d.world_size, t.data.train.size()));
+    t.resume_epoch = t.checkpoints->find_resume_epoch();
+    if (t.resume_epoch > 0) t.checkpoints->load_model(t.resume_epoch, *t.model);
+  }
+  if (t.d.group && t.d.world_size > 1) {
+    t.synchronizer =
+        std::make_unique<shampoo::GradientSynchronizer>(t.model->parameters(), t.d.group);
+  }
+  t.plans = plan_param_groups(t.model->named_parameters(), config);
+  t.optimizer = make_optimizer(config, t.plans, t.d.group);
+  if (config.lr_schedule == LrSchedule::kCosine) {
+    // Made before a checkpoint is loaded: its base rates are the configured ones.
+    t.scheduler = std::make_unique<CosineAnnealingLr>(
+        *t.optimizer, t.sampler.batches_per_epoch() * config.epochs);
+  }
+  if (t.resume_epoch > 0) {
+    t.progress = t.checkpoints->load_training_state(t.resume_epoch, *t.optimizer, t.metrics);
+    if (t.scheduler) t.scheduler->resume(t.progress.iteration);
+  }
+  if (t.d.rank == 0 && !config.metrics_dir.empty()) {
+    t.csv.emplace(config.metrics_dir, t.resume_epoch, t.progress.iteration);
+  }
+}
+
+const shampoo::DistributedShampoo* as_shampoo(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<const shampoo::DistributedShampoo*>(&optimizer);
+}
+
+void print_setup(Trainer& t) {
+  const auto& config = t.config;
+  int64_t num_parameters = 0;
+  for (const auto& p : t.model->parameters()) num_parameters += p.numel();
+  t.log.lead(config.command_line);
+  t.log.lead(fmt::format(
+      "Data: {} from {}: {} training examples (of {}), {} test examples, "
+      "{}x{}x{}",
+      dataset_name(config.dataset), config.data_dir.string(), t.data.train.size(),
+      t.full_train_size, t.data.test.size(), t.data.channels(), t.data.height(), t.data.width()));
+  t.log.lead(
+      fmt::format("Model: {}, {} parameters | ranks: {} | global batch {} ({} per rank), "
+                  "{} iterations per epoch | {} thread(s) per rank",
+                  config.model, num_parameters, t.d.world_size, t.sampler.global_batch_size(),
+                  config.local_batch_size, t.sampler.batches_per_epoch(), at::get_num_threads()));
+  std::string optimizer_line = fmt::format("Optimizer: {}, {} param group(s)",
+                                           optimizer_name(config.optimizer), t.plans.size());
+  if (const auto* shampoo_optimizer = as_shampoo(*t.optimizer)) {
+    const auto stats = shampoo_optimizer->stats();
+    optimizer_line +=
+        fmt::format(" -> {} virtual group(s), {} blocks ({} owned by rank 0), grafting {}",
+                    stats.virtual_groups, stats.total_blocks, stats.owned_blocks,
+                    grafting_name(config.grafting));
+  }
+  t.log.lead(optimizer_line);
+  std::string groups = describe_param_groups(t.plans);
+  if (!groups.empty() && groups.back() == '\n') groups.pop_back();
+  t.log.lead(groups);
+  if (t.resume_epoch > 0) {
+    t.log.lead(fmt::format("Resumed from {}: {} epoch(s), {} iterations done",
+                           t.checkpoints->file(t.resume_epoch).string(), t.progress.epoch,
+                           t.progress.iteration));
+  }
+}
+
+/// One optimizer step on batch `batch` of the epoch's order; returns the local loss.
+double train_step(Trainer& t, const at::Tensor& order, int64_t batch) {
+  const auto index = t.sampler.local_batch(order, batch);
+  const auto images = t.data.normalize(t.data.train.images.index_select(0, index));
+  const auto labels = t.data.train.labels.index_select(0, index);
+  t.optimizer->zero_grad();
+  const auto loss = torch::nn::functional::cross_entropy(t.model->forward(images), labels);
+  loss.backward();
+  if (t.synchronizer) t.synchronizer->synchronize();
+  t.optimizer->step();
+  if (t.scheduler) t.scheduler->step();
+  return loss.item<double>();
+}
+
+/// The loss lines of an iteration: every rank's local losses, rank 0's global ones.
+void log_losses(Trainer& t, int64_t epoch, const IterationLosses& local,
+                const IterationLosses& global) {
+  t.log.every_rank(fmt::format(
+      "Epoch: {} | Iteration: {} | Local Lifetime Loss: {:.6f} | Local Window Loss: {:.6f}", epoch,
+      t.progress.iteration, local.lifetime_loss, local.window_loss));
+  if (t.d.world_size > 1) {
+    t.log.lead(fmt::format(
+        "Epoch: {} | Iteration: {} | Global Lifetime Loss: {:.6f} | Global Window Loss: {:.6f}",
+        epoch, t.progress.iteration, global.lifetime_loss, global.window_loss));
+  }
+}
+
+/// The training iterations of one epoch; returns the global losses after its last one.
+IterationLosses train_epoch(Trainer& t, int64_t epoch) {
+  const auto order = t.sampler.epoch_order(epoch);
+  const int64_t batches = t.sampler.batches_per_epoch();
+  t.progress_bar.start(fmt::format("epoch {}/{}", epoch, t.config.epochs), batches);
+  t.model->train();
+  IterationLosses global;
+  for (int64_t batch = 0; batch < batches; ++batch) {
+    t.metrics.update(train_step(t, order, batch));
+    ++t.progress.iteration;
+    const IterationLosses local = t.metrics.local();
+    global = t.metrics.global(t.d.group);
+    if (t.csv) {
+      t.csv->add_iteration(epoch, t.progress.iteration, local, global,
+                           t.optimizer->param_groups()[0].options().get_lr());
+    }
+    t.progress_bar.update(batch + 1, fmt::format("loss {:.4f}", global.window_loss));
+    if (t.progress.iteration % t.config.log_every == 0 || batch + 1 == batches) {
+      log_losses(t, epoch, local, global);
+    }
+  }
+  t.progress_bar.finish();
+  return global;
+}
+
+/// Trains the epochs of this run, evaluating and checkpointing after each; returns the last
+/// evaluation (nullopt when there was nothing left to train).
+std::optional<Evaluation> train(Trainer& t, int64_t last_epoch) {
+  std::optional<Evaluation> evaluation;
+  for (int64_t epoch = t.progress.epoch + 1; epoch <= last_epoch; ++epoch) {
+    const auto epoch_start = Clock::now();
+    const IterationLosses global = train_epoch(t, epoch);
+    const double train_seconds = seconds_since(epoch_start);
+    average_buffers(*t.model, t.d);
+    evaluation = evaluate(*t.model, t.data, t.config.eval_batch_size, t.d);
+    t.progress.epoch = epoch;
+    const double epoch_seconds = seconds_since(epoch_start);
+    t.log.lead(fmt::format(
+        "Epoch: {} | Test Loss: {:.4f} | Test Accuracy: {:.4f} | Global "
+        "Lifetime Loss: {:.4f} | Time: {:.1f} s (train {:.1f} s, {:.1f} it/s)",
+        epoch, evaluation->loss, evaluation->accuracy, global.lifetime_loss, epoch_seconds,
+        train_seconds, static_cast<double>(t.sampler.batches_per_epoch()) / train_seconds));
+    if (t.csv) {
+      t.csv->add_epoch(epoch, t.progress.iteration, evaluation->loss, evaluation->accuracy,
+                       global.lifetime_loss, epoch_seconds);
+    }
+    if (t.checkpoints) t.checkpoints->save(t.progress, *t.model, *t.optimizer, t.metrics);
+  }
+  return evaluation;
+}
+
+void print_summary(Trainer& t, const Evaluation& evaluation, Clock::time_point run_start) {
+  if (const auto* shampoo_optimizer = as_shampoo(*t.optimizer)) {
+    const auto stats = shampoo_optimizer->stats();
+    t.log.lead(
+        fmt::format("Shampoo on rank 0: {} amortized root computations ({} failed), {} "
+                    "collective(s) per step",
+                    stats.amortized_computations, stats.failed_amortized_computations,
+                    stats.collectives_last_step));
+  }
+  if (t.csv) {
+    t.log.lead(
+        fmt::format("Metrics: {}, {}", t.csv->train_path().string(), t.csv->eval_path().string()));
+  }
+  t.log.lead(fmt::format("Total time: {:.1f} s", seconds_since(run_start)));
+  t.log.lead(fmt::format("Final test accuracy: {:.4f}", evaluation.accuracy));
+}
+
 int run(int argc, const char* const* argv) {
   keep_large_allocations_on_the_heap();
   const auto config_or_help = parse_trainer_config(argc, argv);
@@ -156,190 +385,28 @@ int run(int argc, const char* const* argv) {
   if (config.threads > 0) at::set_num_threads(static_cast<int>(config.threads));
 
   const Distributed d = join_process_group();
-  const bool lead = d.rank == 0;
-  const std::string rank_prefix =
-      d.world_size > 1 ? "[rank " + std::to_string(d.rank) + "] " : std::string();
-  const bool show_progress =
-      lead && (config.progress == ProgressMode::kOn ||
-               (config.progress == ProgressMode::kAuto && ProgressBar::is_terminal(stderr)));
-  ProgressBar progress_bar(stderr, show_progress);
-  auto print = [&](const std::string& line) { progress_bar.print_line(line); };
-  auto print_lead = [&](const std::string& line) {
-    if (lead) print(line);
-  };
+  int64_t full_train_size = 0;
+  ImageDataset data = load_data(config, &full_train_size);
+  Trainer t(config, d, std::move(data), full_train_size);
+  build_model_and_optimizer(t);
+  print_setup(t);
 
-  // Data: every rank holds the (uint8) data set and reads its slices of the global batches.
-  ImageDataset data = load_image_dataset(config.dataset, config.data_dir);
-  const int64_t full_train_size = data.train.size();
-  if (config.limit_train > 0 && config.limit_train < data.train.size()) {
-    data.train.images = data.train.images.slice(0, 0, config.limit_train);
-    data.train.labels = data.train.labels.slice(0, 0, config.limit_train);
-  }
-  const DistributedBatchSampler sampler(data.train.size(), config.local_batch_size, d.world_size,
-                                        d.rank, config.seed);
-
-  print_lead(config.command_line);
-  print_lead(format("Data: %s from %s: %" PRId64 " training examples (of %" PRId64 "), %" PRId64
-                    " test examples, %" PRId64 "x%" PRId64 "x%" PRId64,
-                    dataset_name(config.dataset).c_str(), config.data_dir.c_str(),
-                    data.train.size(), full_train_size, data.test.size(), data.channels(),
-                    data.height(), data.width()));
-
-  // Model: the same seed on every rank (the synchronizer also broadcasts rank 0's weights).
-  torch::manual_seed(config.seed);
-  const auto model = make_image_classifier(config.model, data.channels(), data.num_classes,
-                                           data.height(), data.width());
-  int64_t num_parameters = 0;
-  for (const auto& p : model->parameters()) num_parameters += p.numel();
-
-  // Resume: the model is loaded before the synchronizer and optimizer take its parameters.
-  std::optional<CheckpointDir> checkpoints;
-  int64_t resume_epoch = 0;
-  if (!config.checkpoint_dir.empty()) {
-    checkpoints.emplace(config.checkpoint_dir, d.group,
-                        run_signature(config, d.world_size, data.train.size()));
-    resume_epoch = checkpoints->find_resume_epoch();
-    if (resume_epoch > 0) checkpoints->load_model(resume_epoch, *model);
-  }
-
-  std::unique_ptr<shampoo::GradientSynchronizer> synchronizer;
-  if (d.group && d.world_size > 1) {
-    synchronizer = std::make_unique<shampoo::GradientSynchronizer>(model->parameters(), d.group);
-  }
-  const auto plans = plan_param_groups(model->named_parameters(), config);
-  const auto optimizer = make_optimizer(config, plans, d.group);
-  const int64_t total_iterations = sampler.batches_per_epoch() * config.epochs;
-  std::unique_ptr<CosineAnnealingLr> scheduler;
-  if (config.lr_schedule == LrSchedule::kCosine) {
-    // Made before a checkpoint is loaded: its base rates are the configured ones.
-    scheduler = std::make_unique<CosineAnnealingLr>(*optimizer, total_iterations);
-  }
-
-  LossMetrics metrics(config.window_size);
-  TrainingProgress progress;
-  if (resume_epoch > 0) {
-    progress = checkpoints->load_training_state(resume_epoch, *optimizer, metrics);
-    if (scheduler) scheduler->resume(progress.iteration);
-  }
-
-  print_lead(format("Model: %s, %" PRId64 " parameters | ranks: %d | global batch %" PRId64
-                    " (%" PRId64 " per rank), %" PRId64 " iterations per epoch | %d thread(s) "
-                    "per rank",
-                    config.model.c_str(), num_parameters, d.world_size, sampler.global_batch_size(),
-                    config.local_batch_size, sampler.batches_per_epoch(), at::get_num_threads()));
-  std::string optimizer_line = "Optimizer: " + optimizer_name(config.optimizer) + ", " +
-                               std::to_string(plans.size()) + " param group(s)";
-  if (const auto* shampoo_optimizer =
-          dynamic_cast<const shampoo::DistributedShampoo*>(optimizer.get())) {
-    const auto stats = shampoo_optimizer->stats();
-    optimizer_line += format(" -> %" PRId64 " virtual group(s), %" PRId64 " blocks (%" PRId64
-                             " owned by rank 0), grafting %s",
-                             stats.virtual_groups, stats.total_blocks, stats.owned_blocks,
-                             grafting_name(config.grafting).c_str());
-  }
-  print_lead(optimizer_line);
-  std::string groups = describe_param_groups(plans);
-  if (!groups.empty() && groups.back() == '\n') groups.pop_back();
-  print_lead(groups);
-  if (resume_epoch > 0) {
-    print_lead(format("Resumed from %s: %" PRId64 " epoch(s), %" PRId64 " iterations done",
-                      checkpoints->file(resume_epoch).c_str(), progress.epoch, progress.iteration));
-  }
-
-  std::optional<MetricsCsv> csv;
-  if (lead && !config.metrics_dir.empty()) {
-    csv.emplace(config.metrics_dir, resume_epoch, progress.iteration);
-  }
-
-  Evaluation evaluation;
-  bool evaluated = false;
   const int64_t last_epoch = config.stop_after_epoch > 0
                                  ? std::min(config.stop_after_epoch, config.epochs)
                                  : config.epochs;
-  for (int64_t epoch = progress.epoch + 1; epoch <= last_epoch; ++epoch) {
-    const auto epoch_start = Clock::now();
-    const auto order = sampler.epoch_order(epoch);
-    progress_bar.start(format("epoch %" PRId64 "/%" PRId64, epoch, config.epochs),
-                       sampler.batches_per_epoch());
-    model->train();
-    IterationLosses global;
-    for (int64_t batch = 0; batch < sampler.batches_per_epoch(); ++batch) {
-      const auto index = sampler.local_batch(order, batch);
-      const auto images = data.normalize(data.train.images.index_select(0, index));
-      const auto labels = data.train.labels.index_select(0, index);
-
-      optimizer->zero_grad();
-      const auto loss = torch::nn::functional::cross_entropy(model->forward(images), labels);
-      loss.backward();
-      if (synchronizer) synchronizer->synchronize();
-      optimizer->step();
-      if (scheduler) scheduler->step();
-
-      metrics.update(loss.item<double>());
-      ++progress.iteration;
-      const IterationLosses local = metrics.local();
-      global = metrics.global(d.group);
-      if (csv) {
-        csv->add_iteration(epoch, progress.iteration, local, global,
-                           optimizer->param_groups()[0].options().get_lr());
-      }
-      progress_bar.update(batch + 1, format("loss %.4f", global.window_loss));
-      const bool last_batch = batch + 1 == sampler.batches_per_epoch();
-      if (progress.iteration % config.log_every == 0 || last_batch) {
-        print(rank_prefix + format("Epoch: %" PRId64 " | Iteration: %" PRId64
-                                   " | Local Lifetime Loss: %.6f | Local Window Loss: %.6f",
-                                   epoch, progress.iteration, local.lifetime_loss,
-                                   local.window_loss));
-        if (d.world_size > 1) {
-          print_lead(format("Epoch: %" PRId64 " | Iteration: %" PRId64
-                            " | Global Lifetime Loss: %.6f | Global Window Loss: %.6f",
-                            epoch, progress.iteration, global.lifetime_loss, global.window_loss));
-        }
-      }
-    }
-    progress_bar.finish();
-    const double train_seconds = seconds_since(epoch_start);
-
-    average_buffers(*model, d);
-    evaluation = evaluate(*model, data, config.eval_batch_size, d);
-    evaluated = true;
-    progress.epoch = epoch;
-    const double epoch_seconds = seconds_since(epoch_start);
-    print_lead(format("Epoch: %" PRId64 " | Test Loss: %.4f | Test Accuracy: %.4f | Global "
-                      "Lifetime Loss: %.4f | Time: %.1f s (train %.1f s, %.1f it/s)",
-                      epoch, evaluation.loss, evaluation.accuracy, global.lifetime_loss,
-                      epoch_seconds, train_seconds,
-                      static_cast<double>(sampler.batches_per_epoch()) / train_seconds));
-    if (csv) {
-      csv->add_epoch(epoch, progress.iteration, evaluation.loss, evaluation.accuracy,
-                     global.lifetime_loss, epoch_seconds);
-    }
-    if (checkpoints) checkpoints->save(progress, *model, *optimizer, metrics);
+  auto evaluation = train(t, last_epoch);
+  if (last_epoch < config.epochs && t.progress.epoch == last_epoch) {
+    t.log.lead(fmt::format("Stopped after epoch {} of {} (--stop-after-epoch)", last_epoch,
+                           config.epochs));
   }
-  if (last_epoch < config.epochs && progress.epoch == last_epoch) {
-    print_lead(format("Stopped after epoch %" PRId64 " of %" PRId64 " (--stop-after-epoch)",
-                      last_epoch, config.epochs));
+  if (!evaluation) {
+    t.log.lead(
+        fmt::format("Nothing to train: the checkpoint has {} epoch(s), last epoch of this "
+                    "run {}",
+                    t.progress.epoch, last_epoch));
+    evaluation = evaluate(*t.model, t.data, config.eval_batch_size, d);
   }
-
-  if (!evaluated) {
-    print_lead(format("Nothing to train: the checkpoint has %" PRId64 " epoch(s), last epoch of "
-                      "this run %" PRId64,
-                      progress.epoch, last_epoch));
-    evaluation = evaluate(*model, data, config.eval_batch_size, d);
-  }
-  if (const auto* shampoo_optimizer =
-          dynamic_cast<const shampoo::DistributedShampoo*>(optimizer.get())) {
-    const auto stats = shampoo_optimizer->stats();
-    print_lead(format("Shampoo on rank 0: %" PRId64 " amortized root computations (%" PRId64
-                      " failed), %" PRId64 " collective(s) per step",
-                      stats.amortized_computations, stats.failed_amortized_computations,
-                      stats.collectives_last_step));
-  }
-  if (csv) {
-    print_lead("Metrics: " + csv->train_path().string() + ", " + csv->eval_path().string());
-  }
-  print_lead(format("Total time: %.1f s", seconds_since(run_start)));
-  print_lead(format("Final test accuracy: %.4f", evaluation.accuracy));
+  print_summary(t, *evaluation, run_start);
   return 0;
 }
 
@@ -349,13 +416,13 @@ int main(int argc, char** argv) {
   try {
     return run(argc, argv);
   } catch (const std::invalid_argument& e) {
-    std::cerr << "cifar10_trainer: " << e.what() << " (see --help)\n";
+    fmt::print(stderr, "cifar10_trainer: {} (see --help)\n", e.what());
     return 2;
   } catch (const c10::Error& e) {
-    std::cerr << "cifar10_trainer: " << e.what_without_backtrace() << "\n";
+    fmt::print(stderr, "cifar10_trainer: {}\n", e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "cifar10_trainer: " << e.what() << "\n";
+    fmt::print(stderr, "cifar10_trainer: {}\n", e.what());
     return 1;
   }
 }

@@ -2,6 +2,7 @@
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -83,12 +84,9 @@ at::Tensor read_idx_ubyte(const std::filesystem::path& path, int64_t expected_di
   const uint32_t expected_magic =
       (uint32_t{kIdxTypeUnsignedByte} << 8) | static_cast<uint32_t>(expected_dims);
   if (magic != expected_magic) {
-    char got[11];
-    char want[11];
-    std::snprintf(got, sizeof(got), "0x%08x", magic);
-    std::snprintf(want, sizeof(want), "0x%08x", expected_magic);
-    TORCH_CHECK(false, path.string(), ": wrong magic number ", got, ", expected ", want,
-                " (IDX unsigned-byte file with ", expected_dims, " dims)");
+    TORCH_CHECK(false, fmt::format("{}: wrong magic number {:#010x}, expected {:#010x} (IDX "
+                                   "unsigned-byte file with {} dims)",
+                                   path.string(), magic, expected_magic, expected_dims));
   }
 
   std::vector<int64_t> shape;

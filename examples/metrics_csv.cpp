@@ -1,6 +1,7 @@
 #include "examples/metrics_csv.h"
 
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -20,11 +21,7 @@ constexpr const char* kTrainHeader =
 constexpr const char* kEvalHeader =
     "epoch,iteration,test_loss,test_accuracy,train_lifetime_loss,epoch_seconds";
 
-std::string number(double value) {
-  char text[40];
-  std::snprintf(text, sizeof(text), "%.17g", value);
-  return text;
-}
+std::string number(double value) { return fmt::format("{:.17g}", value); }
 
 /// Rewrites `path` with `header` and the existing rows whose column `key_column` (an integer) is
 /// ≤ `keep_up_to`; with keep_up_to < 0 only the header. Then opens it for appending.

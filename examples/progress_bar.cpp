@@ -1,9 +1,9 @@
 #include "examples/progress_bar.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cinttypes>
 #include <utility>
 
 namespace shampoo::examples {
@@ -15,14 +15,10 @@ constexpr auto kRedrawInterval = std::chrono::milliseconds(100);
 
 std::string format_duration(double seconds) {
   const auto total = static_cast<int64_t>(seconds + 0.5);
-  char text[32];
   if (total >= 3600) {
-    std::snprintf(text, sizeof(text), "%" PRId64 ":%02" PRId64 ":%02" PRId64, total / 3600,
-                  (total / 60) % 60, total % 60);
-  } else {
-    std::snprintf(text, sizeof(text), "%" PRId64 ":%02" PRId64, total / 60, total % 60);
+    return fmt::format("{}:{:02}:{:02}", total / 3600, (total / 60) % 60, total % 60);
   }
-  return text;
+  return fmt::format("{}:{:02}", total / 60, total % 60);
 }
 
 }  // namespace
@@ -62,8 +58,7 @@ void ProgressBar::finish() {
 void ProgressBar::print_line(const std::string& line) {
   const bool redraw = visible_;
   erase();
-  std::fputs(line.c_str(), stdout);
-  std::fputc('\n', stdout);
+  fmt::print("{}\n", line);
   std::fflush(stdout);
   if (redraw) draw();
 }
@@ -78,8 +73,8 @@ void ProgressBar::draw() {
   const std::string eta =
       rate > 0 ? format_duration(static_cast<double>(total_ - done_) / rate) : "?";
   // \r: back to the start of the line; \033[K: clear what a longer previous draw left.
-  std::fprintf(stream_, "\r%s [%s] %" PRId64 "/%" PRId64 "  %.1f it/s  ETA %s  %s\033[K",
-               label_.c_str(), bar.c_str(), done_, total_, rate, eta.c_str(), status_.c_str());
+  fmt::print(stream_, "\r{} [{}] {}/{}  {:.1f} it/s  ETA {}  {}\033[K", label_, bar, done_, total_,
+             rate, eta, status_);
   std::fflush(stream_);
   visible_ = true;
 }

@@ -1,11 +1,12 @@
 #include "examples/trainer_optimizer.h"
 
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include <sstream>
 #include <utility>
 
 #include "shampoo/shampoo.h"
@@ -139,18 +140,18 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
 }
 
 std::string describe_param_groups(const std::vector<ParamGroupPlan>& plans) {
-  std::ostringstream out;
+  std::string out;
   for (size_t g = 0; g < plans.size(); ++g) {
     const auto& plan = plans[g];
-    out << "  group " << g << ": ";
-    if (plan.names.size() == 1) {
-      out << plan.names[0] << " " << plan.params[0].sizes();
-    } else {
-      out << plan.names.size() << " parameters";
-    }
-    out << ", lr " << plan.lr << ", weight decay " << plan.weight_decay << "\n";
+    const std::string members =
+        plan.names.size() == 1
+            ? fmt::format("{} [{}]", plan.names[0], fmt::join(plan.params[0].sizes(), ", "))
+            : fmt::format("{} parameters", plan.names.size());
+    // {:g}: the lr and weight decay as a stream prints them (6 significant digits).
+    out += fmt::format("  group {}: {}, lr {:g}, weight decay {:g}\n", g, members, plan.lr,
+                       plan.weight_decay);
   }
-  return out.str();
+  return out;
 }
 
 }  // namespace shampoo::examples

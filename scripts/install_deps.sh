@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the build needs and is missing; idempotent, and downloads nothing on a second run.
-#   - Debian packages: compiler, CMake, fmt, GoogleTest, Google Benchmark, ccache, gloo headers,
-#     zlib, the Fashion-MNIST data set.
+#   - Debian packages: compiler, CMake, GoogleTest, Google Benchmark, CLI11, nlohmann-json, ccache,
+#     gloo headers, zlib, the Fashion-MNIST data set. fmt comes with LibTorch (its headers, used
+#     header-only; cmake/ShampooDependencies.cmake says why not Debian's libfmt-dev).
 #   - LibTorch from the `torch` wheel on PyPI (pinned, TORCH_VERSION overrides), unpacked into
 #     DEPS_DIR, plus the three CUDA runtime libraries the wheel loads that the CUDA toolkit in
 #     /usr/local/cuda lacks (cuFile, cuSPARSELt, NVSHMEM), so libtorch_cuda.so loads on CPU machines.
@@ -18,8 +19,8 @@ DEPS_DIR="${DEPS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/distributed-shampoo}"
 
 log() { printf '[deps] %s\n' "$*" >&2; }
 
-debian_packages=(cmake g++ make libfmt-dev googletest libgtest-dev libgmock-dev libbenchmark-dev
-                 ccache libgloo-dev zlib1g-dev dataset-fashion-mnist python3-pip)
+debian_packages=(cmake g++ make googletest libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
+                 nlohmann-json3-dev ccache libgloo-dev zlib1g-dev dataset-fashion-mnist python3-pip)
 install_debian() {
   command -v dpkg-query >/dev/null || { log "not a Debian system; install by hand: ${debian_packages[*]}"; return; }
   local missing=()

@@ -6,8 +6,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <stdexcept>
+#include <string>
 #include <tuple>
 #include <variant>
+#include <vector>
 
 #include "examples/trainer_optimizer.h"
 #include "shampoo/shampoo.h"
@@ -18,9 +21,13 @@ using shampoo::examples::GraftingKind;
 using shampoo::examples::OptimizerKind;
 using shampoo::examples::TrainerConfig;
 
+std::optional<TrainerConfig> parse(std::vector<const char*> args) {
+  args.insert(args.begin(), "cifar10_trainer");
+  return shampoo::examples::parse_trainer_config(static_cast<int>(args.size()), args.data());
+}
+
 TrainerConfig parse_no_flags() {
-  const char* argv[] = {"cifar10_trainer"};
-  const auto config = shampoo::examples::parse_trainer_config(1, argv);
+  const auto config = parse({});
   EXPECT_TRUE(config.has_value());
   return *config;
 }
@@ -63,6 +70,82 @@ TEST(TrainerDefaults, ReachTheOptimizer) {
   // The library keeps the reference's defaults; the trainer chooses its own.
   EXPECT_EQ(shampoo::ShampooOptions().precondition_frequency(), 1);
   EXPECT_TRUE(std::holds_alternative<std::monostate>(shampoo::ShampooOptions().grafting()));
+}
+
+TEST(TrainerFlags, ReachTheConfig) {
+  const auto config = parse({"--dataset",
+                             "fashion-mnist",
+                             "--optimizer=adamw",
+                             "--betas",
+                             "0.8,0.99",
+                             "--seed",
+                             "7",
+                             "--no-merge-groups",
+                             "--communication-dtype",
+                             "bf16",
+                             "--bias-weight-decay",
+                             "0.01",
+                             "--lrs",
+                             "0.1,0.05",
+                             "--use-bias-correction=false",
+                             "--lr-schedule",
+                             "cosine",
+                             "--grafting",
+                             "rmsprop",
+                             "--checkpoint-dir",
+                             "ckpt"});
+  ASSERT_TRUE(config.has_value());
+  EXPECT_EQ(config->dataset, shampoo::examples::DatasetKind::kFashionMnist);
+  EXPECT_EQ(config->data_dir, shampoo::examples::default_data_dir(config->dataset));
+  EXPECT_EQ(config->optimizer, OptimizerKind::kAdamW);
+  EXPECT_EQ(config->beta1, 0.8);
+  EXPECT_EQ(config->beta2, 0.99);
+  EXPECT_EQ(config->seed, 7u);
+  EXPECT_FALSE(config->merge_groups);
+  EXPECT_EQ(config->communication_dtype, c10::ScalarType::BFloat16);
+  EXPECT_EQ(config->bias_weight_decay, 0.01);
+  EXPECT_EQ(config->lrs, (std::vector<double>{0.1, 0.05}));
+  EXPECT_FALSE(config->use_bias_correction);
+  EXPECT_EQ(config->lr_schedule, shampoo::examples::LrSchedule::kCosine);
+  EXPECT_EQ(config->grafting, GraftingKind::kRmsProp);
+  EXPECT_EQ(config->checkpoint_dir, "ckpt");
+  EXPECT_NE(config->command_line.find("--betas 0.8,0.99"), std::string::npos);
+}
+
+TEST(TrainerFlags, BadValuesAreErrorsNamingTheFlagTheValueAndWhatIsAllowed) {
+  const std::vector<std::pair<std::vector<const char*>, std::string>> cases{
+      {{"--epochs", "0"}, "--epochs: got '0', expected an integer >= 1"},
+      {{"--seed", "-1"}, "--seed: got '-1', expected an integer >= 0"},
+      {{"--threads", "two"}, "--threads: got 'two', expected an integer"},
+      {{"--lr", "-0.1"}, "--lr: got '-0.1', expected a number >= 0"},
+      {{"--lrs", "0.1,-1"}, "--lrs: got '0.1,-1', expected numbers >= 0"},
+      {{"--betas", "0.9"}, "--betas: got '0.9', expected 2 numbers beta1,beta2"},
+      {{"--optimizer", "lamb"},
+       "--optimizer: got 'lamb', expected one of sgd, adam, adamw, shampoo"},
+      {{"--communicate-params=perhaps"}, "--communicate-params: got 'perhaps', expected true or"},
+      {{"--epoch", "2"}, "unknown flag --epoch"},
+  };
+  for (const auto& [args, expected] : cases) {
+    try {
+      parse(args);
+      ADD_FAILURE() << "no error; expected " << expected;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos)
+          << "message '" << e.what() << "' lacks '" << expected << "'";
+    }
+  }
+}
+
+TEST(TrainerFlags, HelpPrintsEveryFlagAndReturnsNothing) {
+  testing::internal::CaptureStdout();
+  EXPECT_FALSE(parse({"--help"}).has_value());
+  const std::string usage = testing::internal::GetCapturedStdout();
+  for (const char* text :
+       {"Usage: cifar10_trainer", "--optimizer {sgd,adam,adamw,shampoo}",
+        "--precondition-frequency <value>", "(default: 50)", "--no-merge-groups[=true|false]",
+        "--grafting {none,sgd,adagrad,rmsprop,adam}"}) {
+    EXPECT_NE(usage.find(text), std::string::npos) << text << "\n" << usage;
+  }
 }
 
 }  // namespace

@@ -1,0 +1,149 @@
+/// Micro-benchmarks (Google Benchmark) of the kernels under a Shampoo step, on the CPU, float32:
+///   InverseRootEigh/n/d     stacked_inverse_root (eigh, exponent 1/4, ε 1e-12) of n SPD d×d
+///   ElementwiseChain/n/d    run_chain_pre + _norms + _post over n blocks d×d (Adam grafting,
+///                           momentum, decoupled weight decay): the per-step elementwise work
+///   OuterProduct/n/d/dim    stacked_outer_product of n d×d gradient blocks along a dim (the
+///                           Kronecker factor update)
+///   MultiplyAlongDim/n/d/dim stacked_multiply_along_dim: n d×d blocks times n d×d matrices (the
+///                           preconditioner product)
+/// Each runs --repetitions (5) repetitions and reports mean, median, stddev and cv (Google
+/// Benchmark's aggregates); --json PATH writes Google Benchmark's JSON (it becomes
+/// --benchmark_out=PATH
+/// --benchmark_out_format=json), and every --benchmark_* flag goes to Google Benchmark.
+///
+///   bench_micro [--repetitions 5] [--threads 1] [--json PATH] [--label TEXT]
+///   [--benchmark_filter=REGEX] ...
+/// Results: benchmarks/RESULTS.md, "Micro-benchmarks".
+
+// The library internals measured; kept together (elementwise_chain.h is moving to update/).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "benchmarks/bench_support.h"
+#include "preconditioners/kronecker_contractions.h"
+#include "preconditioners/matrix_functions.h"
+#include "update/elementwise_chain.h"
+
+namespace {
+
+using shampoo::bench::Flags;
+
+/// n symmetric positive definite d×d matrices, well conditioned: G·Gᵀ / (2d) of Gaussian G [d, 2d].
+at::Tensor spd_stack(int64_t n, int64_t d) {
+  const auto g = at::randn({n, d, 2 * d});
+  return at::bmm(g, g.transpose(1, 2)) / (2.0 * static_cast<double>(d));
+}
+
+void InverseRootEigh(benchmark::State& state) {
+  const int64_t n = state.range(0), d = state.range(1);
+  const auto a = spd_stack(n, d);
+  const std::vector<double> epsilons(n, 1e-12), exponents(n, 0.25);
+  for (auto _ : state) {
+    auto result = shampoo::detail::stacked_inverse_root(a, epsilons, exponents, true);
+    benchmark::DoNotOptimize(result.values.data_ptr());
+  }
+  state.counters["matrices/s"] =
+      benchmark::Counter(static_cast<double>(n * state.iterations()), benchmark::Counter::kIsRate);
+}
+
+void ElementwiseChain(benchmark::State& state) {
+  const int64_t n = state.range(0), d = state.range(1);
+  auto chain = shampoo::bench::make_chain(n, {d, d}, at::TensorOptions());
+  for (auto _ : state) {
+    shampoo::detail::run_chain_pre(chain.blocks);
+    shampoo::detail::run_chain_norms(chain.blocks);
+    shampoo::detail::run_chain_post(chain.blocks);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * n * d * d * static_cast<int64_t>(sizeof(float)));
+}
+
+void OuterProduct(benchmark::State& state) {
+  const int64_t n = state.range(0), d = state.range(1), dim = state.range(2);
+  const auto blocks = at::randn({n, d, d});
+  for (auto _ : state) {
+    auto factor = shampoo::detail::stacked_outer_product(blocks, dim);
+    benchmark::DoNotOptimize(factor.data_ptr());
+  }
+}
+
+void MultiplyAlongDim(benchmark::State& state) {
+  const int64_t n = state.range(0), d = state.range(1), dim = state.range(2);
+  const auto blocks = at::randn({n, d, d});
+  const auto matrices = spd_stack(n, d);
+  for (auto _ : state) {
+    auto product = shampoo::detail::stacked_multiply_along_dim(blocks, matrices, dim);
+    benchmark::DoNotOptimize(product.data_ptr());
+  }
+}
+
+BENCHMARK(InverseRootEigh)
+    ->ArgNames({"n", "d"})
+    ->Args({8, 128})
+    ->Args({2, 512})
+    ->Unit(benchmark::kMillisecond)
+    ->ReportAggregatesOnly(true);
+BENCHMARK(ElementwiseChain)
+    ->ArgNames({"n", "d"})
+    ->Args({64, 64})
+    ->Unit(benchmark::kMicrosecond)
+    ->ReportAggregatesOnly(true);
+/// The block stacks of the contractions: 8 blocks 128×128 along either dim, 2 blocks 512×512.
+void contraction_shapes(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"n", "d", "dim"})
+      ->Args({8, 128, 0})
+      ->Args({8, 128, 1})
+      ->Args({2, 512, 0})
+      ->Unit(benchmark::kMicrosecond)
+      ->ReportAggregatesOnly(true);
+}
+BENCHMARK(OuterProduct)->Apply(contraction_shapes);
+BENCHMARK(MultiplyAlongDim)->Apply(contraction_shapes);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // --benchmark_* flags go to Google Benchmark, the rest (shared with every benchmark, for
+  // run_all.sh) to our parser.
+  std::vector<char*> ours{argv[0]}, theirs{argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    (std::string_view(argv[i]).rfind("--benchmark_", 0) == 0 ? theirs : ours).push_back(argv[i]);
+  }
+  int64_t repetitions = 5, threads = 1;
+  std::string json, label;
+  Flags flags("bench_micro",
+              "Google Benchmark micro-benchmarks of inverse roots, the elementwise chain and the "
+              "Kronecker contractions; every --benchmark_* flag (--benchmark_filter=REGEX, "
+              "--benchmark_repetitions=N, ...) goes to Google Benchmark.");
+  flags.add("repetitions", repetitions, "repetitions of every benchmark (medians are over them)", 1)
+      .add("threads", threads, "intra-op threads", 1);
+  shampoo::bench::add_output_flags(flags, json, label);
+  shampoo::bench::parse_flags_or_exit(flags, "bench_micro", static_cast<int>(ours.size()),
+                                      ours.data());
+  std::string repeat = fmt::format("--benchmark_repetitions={}", repetitions);
+  std::string out = "--benchmark_out=" + json, out_format = "--benchmark_out_format=json";
+  theirs.insert(theirs.begin() + 1, repeat.data());  // a --benchmark_repetitions given wins
+  if (!json.empty()) {
+    theirs.push_back(out.data());
+    theirs.push_back(out_format.data());
+  }
+  int their_count = static_cast<int>(theirs.size());
+  benchmark::Initialize(&their_count, theirs.data());
+  if (benchmark::ReportUnrecognizedArguments(their_count, theirs.data())) return 2;
+
+  at::set_num_threads(static_cast<int>(threads));
+  at::manual_seed(0);
+  benchmark::AddCustomContext("libtorch_threads", std::to_string(at::get_num_threads()));
+  benchmark::AddCustomContext("label", label);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  if (!json.empty()) fmt::print("\nwrote {}\n", json);
+  return 0;
+}

@@ -1,9 +1,8 @@
 #include "preconditioners/matrix_functions.h"
 
+#include "preconditioners/decomposition.h"
 #include "preconditioners/kronecker_contractions.h"
 #include "shampoo/config.h"
-
-#include "preconditioners/decomposition.h"
 
 #if SHAMPOO_WITH_CUDA
 #include "preconditioners/cuda/cuda_eigh.h"
@@ -83,8 +82,8 @@ at::Tensor reconstruct(const at::Tensor& eigenvectors, const at::Tensor& powers)
 at::Tensor shifted_powers(const at::Tensor& eigenvalues, const at::Tensor& epsilons,
                           const at::Tensor& exponents) {
   const auto lambda_min = eigenvalues.narrow(-1, 0, 1);
-  const auto shifted = at::where(lambda_min < epsilons, (eigenvalues - lambda_min) + epsilons,
-                                 eigenvalues);
+  const auto shifted =
+      at::where(lambda_min < epsilons, (eigenvalues - lambda_min) + epsilons, eigenvalues);
   return at::pow(shifted, -exponents);
 }
 

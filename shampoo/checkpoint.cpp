@@ -140,8 +140,8 @@ void check_header(torch::serialize::InputArchive& archive, const Distributor& di
               "; loading at a different world size is not supported (each rank's file holds "
               "the blocks that rank owned)");
   const int64_t rank = read_int(header, "rank", "shampoo/");
-  TORCH_CHECK(rank == distributor.rank(), "checkpoint: written by rank ", rank,
-              ", loaded by rank ", distributor.rank(), "; every rank loads its own file");
+  TORCH_CHECK(rank == distributor.rank(), "checkpoint: written by rank ", rank, ", loaded by rank ",
+              distributor.rank(), "; every rank loads its own file");
 }
 
 /// The parameter list: the same number of parameters with the same shapes.
@@ -182,8 +182,8 @@ void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t nu
     TORCH_CHECK(false, "checkpoint: param group ", g, ": ", e.msg());
   }
   const auto* differing = structural_difference(saved, current);
-  TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name,
-              ": got ", differing->describe(saved), " in the checkpoint, expected ",
+  TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name, ": got ",
+              differing->describe(saved), " in the checkpoint, expected ",
               differing->describe(current),
               " as in this optimizer (a structural option; build the optimizer with the "
               "checkpoint's value)");
@@ -201,8 +201,8 @@ std::map<BlockId, BlockState> read_block_states(torch::serialize::InputArchive& 
     if (!distributor.owns(b)) continue;
     const auto& id = blocks[b].id;
     torch::serialize::InputArchive block;
-    TORCH_CHECK(all_blocks.try_read(id.key(), block), "checkpoint: no state for ",
-                id.to_string(), " (written for another model or another rank layout)");
+    TORCH_CHECK(all_blocks.try_read(id.key(), block), "checkpoint: no state for ", id.to_string(),
+                " (written for another model or another rank layout)");
     BlockState state;
     for (const auto& name : block.keys()) {
       at::Tensor tensor;

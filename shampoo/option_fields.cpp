@@ -223,8 +223,9 @@ OptionField grafting_floats_field() {
   };
   // After the grafting kind row: sets the floats of the kind read there.
   f.read = [](InputArchive& a, ShampooOptions& o) {
-    o.grafting(with_grafting_floats(o.grafting(), GraftingFloats{read_double(a, "grafting_beta2"),
-                                                                 read_double(a, "grafting_epsilon")}));
+    o.grafting(with_grafting_floats(
+        o.grafting(),
+        GraftingFloats{read_double(a, "grafting_beta2"), read_double(a, "grafting_epsilon")}));
   };
   f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
     to.grafting(with_grafting_floats(to.grafting(), grafting_floats(from.grafting())));
@@ -311,8 +312,8 @@ std::string describe_overrides(const ShampooOptions& o) {
   for (const auto& [order, dims] : o.inverse_exponent_override()) {
     std::vector<std::string> entries;
     for (const auto& [dim, exponent] : dims) {
-      entries.push_back(
-          c10::str(dim == kAllDims ? std::string("kAllDims") : std::to_string(dim), ": ", exponent));
+      entries.push_back(c10::str(dim == kAllDims ? std::string("kAllDims") : std::to_string(dim),
+                                 ": ", exponent));
     }
     orders.push_back(c10::str(order, ": {", c10::Join(", ", entries), "}"));
   }
@@ -358,7 +359,9 @@ OptionField inverse_exponent_override_field() {
     }
     a.write("inverse_exponent_override", c10::IValue(triples));
   };
-  f.read = [](InputArchive& a, ShampooOptions& o) { o.inverse_exponent_override(read_overrides(a)); };
+  f.read = [](InputArchive& a, ShampooOptions& o) {
+    o.inverse_exponent_override(read_overrides(a));
+  };
   f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
     to.inverse_exponent_override(from.inverse_exponent_override());
   };

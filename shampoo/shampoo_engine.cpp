@@ -1,12 +1,13 @@
 #include "shampoo/shampoo_engine.h"
 
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/autograd/generated/variable_factories.h>
 
 #include <cmath>
 #include <numeric>
 #include <optional>
-#include <sstream>
 #include <unordered_map>
 
 #include "shampoo/option_fields.h"
@@ -157,22 +158,20 @@ void ShampooEngine::check_ranks_agree(
   const std::vector<int64_t> mine{static_cast<int64_t>(hash), static_cast<int64_t>(params_.size()),
                                   numel, static_cast<int64_t>(groups.size())};
   const auto all = distributor_->gather_from_all_ranks(mine);
-  std::ostringstream differing;
+  std::string differing;
   for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r] != all[0]) {
-      differing << " rank " << r << " has " << all[r][1] << " parameters (" << all[r][2]
-                << " elements) in " << all[r][3] << " groups, rank 0 has " << all[0][1] << " ("
-                << all[0][2] << " elements) in " << all[0][3] << " groups"
-                << (all[r][1] == all[0][1] && all[r][2] == all[0][2]
-                        ? " with other shapes, dtypes or structural options"
-                        : "")
-                << ";";
-    }
+    if (all[r] == all[0]) continue;
+    const bool same_counts = all[r][1] == all[0][1] && all[r][2] == all[0][2];
+    differing += fmt::format(
+        " rank {} has {} parameters ({} elements) in {} groups, rank 0 has {} ({} elements) in {} "
+        "groups{};",
+        r, all[r][1], all[r][2], all[r][3], all[0][1], all[0][2], all[0][3],
+        same_counts ? " with other shapes, dtypes or structural options" : "");
   }
-  TORCH_CHECK(differing.str().empty(),
+  TORCH_CHECK(differing.empty(),
               "DistributedShampoo: the ranks registered different "
               "parameters or structural options:",
-              differing.str(), " every rank must build the same model and param groups");
+              differing, " every rank must build the same model and param groups");
 }
 
 void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -375,9 +374,8 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
   // The step being computed: one past each group's count (advanced when the step completes).
   std::vector<int64_t> next_steps(group_steps_);
   for (auto& t : next_steps) ++t;
-  const StepInputs inputs{params_,       blocks_,      group_options, next_steps,
-                          grad_blocks,   param_blocks, grad_abs_max,  *distributor_,
-                          fault_,        computed_};
+  const StepInputs inputs{params_,      blocks_,      group_options, next_steps, grad_blocks,
+                          param_blocks, grad_abs_max, *distributor_, fault_,     computed_};
 
   bool protect = protect_all_;
   for (const auto& vg : virtual_groups_) protect = vg->may_raise(inputs) || protect;
@@ -425,7 +423,7 @@ void ShampooEngine::close_step(bool completed) {
     std::vector<bool> advance(group_steps_.size(), false);
     for (size_t b = 0; b < blocks_.size(); ++b) {
       const bool updated = distributor_->distributed() ? distributor_->received_updated(b)
-                                                        : static_cast<bool>(computed_[b]);
+                                                       : static_cast<bool>(computed_[b]);
       if (updated) advance[params_[blocks_[b].param].group] = true;
     }
     for (size_t g = 0; g < group_steps_.size(); ++g) group_steps_[g] += advance[g] ? 1 : 0;
@@ -462,11 +460,10 @@ void ShampooEngine::finish_step() {
   }
   const auto& failed = distributor_->failed_ranks();
   if (!failed.empty()) {
-    std::ostringstream ranks;
-    for (size_t i = 0; i < failed.size(); ++i) ranks << (i ? ", " : "") << failed[i];
     restore_journal();
     close_step(/*completed=*/false);
-    TORCH_CHECK(false, "DistributedShampoo: the step failed on rank(s) ", ranks.str(),
+    TORCH_CHECK(false, "DistributedShampoo: the step failed on rank(s) ",
+                fmt::format("{}", fmt::join(failed, ", ")),
                 " of the trainer group (the error is reported there); every rank undid this "
                 "step, so parameters, state and step counts are as before it");
   }

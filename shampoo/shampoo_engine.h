@@ -34,8 +34,7 @@ class ShampooEngine {
   /// (abort_step) and rethrows. What can throw is checked before anything changes; where a
   /// later phase can still throw (distributed, incremental, an amortized computation at the
   /// limit of the failure policy), the state the step changes is saved first.
-  void begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups,
-                  bool incremental = false);
+  void begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups, bool incremental = false);
   void compute_params(std::vector<torch::optim::OptimizerParamGroup>& groups,
                       const std::vector<int64_t>& params);
   void finish_step();

@@ -3,10 +3,9 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
+#include <fmt/format.h>
 
 #include <algorithm>
-#include <iomanip>
-#include <sstream>
 #include <variant>
 
 #include "distributor/block_plan.h"
@@ -38,9 +37,7 @@ int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64
 }
 
 std::string megabytes(int64_t bytes) {
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(1) << static_cast<double>(bytes) / 1e6 << " MB";
-  return out.str();
+  return fmt::format("{:.1f} MB", static_cast<double>(bytes) / 1e6);
 }
 
 }  // namespace
@@ -95,12 +92,11 @@ bool warn_if_state_is_large(const std::vector<torch::optim::OptimizerParamGroup>
       groups[e.largest_param_group].has_options()
           ? static_cast<const ShampooOptions&>(groups[e.largest_param_group].options())
           : defaults;
-  std::ostringstream ratio;
-  ratio << std::fixed << std::setprecision(0)
-        << static_cast<double>(e.state_bytes) /
-               static_cast<double>(std::max<int64_t>(1, e.param_bytes));
+  const auto ratio =
+      fmt::format("{:.0f}", static_cast<double>(e.state_bytes) /
+                                static_cast<double>(std::max<int64_t>(1, e.param_bytes)));
   TORCH_WARN(
-      "DistributedShampoo: Shampoo's state will take ", megabytes(e.state_bytes), ", ", ratio.str(),
+      "DistributedShampoo: Shampoo's state will take ", megabytes(e.state_bytes), ", ", ratio,
       "x the ", megabytes(e.param_bytes),
       " of the parameters it preconditions (this warning: state above ", kStateSizeWarningRatio,
       "x the parameters and ", kStateSizeWarningMinBytes >> 20, " MiB). Largest: parameter ",

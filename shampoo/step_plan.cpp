@@ -67,8 +67,7 @@ kernels::ChainScalars chain_scalars(const ShampooOptions& options, int64_t t,
 }
 
 bool chain_reads_param(const kernels::ChainScalars& k) {
-  return k.l2_weight_decay != 0.0 || k.decoupled_weight_decay != 0.0 ||
-         k.output_updated_param != 0;
+  return k.l2_weight_decay != 0.0 || k.decoupled_weight_decay != 0.0 || k.output_updated_param != 0;
 }
 
 double gradient_bound(const ShampooOptions& options, double grad_abs_max,

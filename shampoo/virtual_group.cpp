@@ -220,8 +220,8 @@ VirtualGroup::Plan VirtualGroup::plan_step(const StepInputs& in, StepUpdates& up
   return plan;
 }
 
-ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int64_t row,
-                                            int64_t i, StackStep& st, StepUpdates& updates) {
+ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int64_t row, int64_t i,
+                                            StackStep& st, StepUpdates& updates) {
   const int64_t b = stacks_[s].blocks[row];
   const auto& block = in.blocks[b];
   const auto [options, t] = options_of_block(in, b);

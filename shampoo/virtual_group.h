@@ -54,7 +54,7 @@ struct StepJournal {
   std::vector<GroupMark> groups;
   std::map<BlockId, BlockState> states;  ///< blocks about to change, as export_states gives them
   std::vector<std::pair<at::Tensor, at::Tensor>> params;  ///< (parameter, copy) updated in place
-  int64_t bytes = 0;                                       ///< bytes copied
+  int64_t bytes = 0;                                      ///< bytes copied
 };
 
 /// What a virtual group needs to read during a step.

@@ -101,7 +101,6 @@ void for_each_item(const std::vector<WorkItem>& items, Fn&& fn) {
   });
 }
 
-
 template <typename T>
 std::vector<kernels::ChainBlock<T>> to_kernel_blocks(const std::vector<ChainBlockTensors>& blocks) {
   std::vector<kernels::ChainBlock<T>> out;

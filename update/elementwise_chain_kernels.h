@@ -33,7 +33,7 @@ struct ChainScalars {
   double beta3 = 0.0;                   ///< Ḡ = lerp(M_prev, G', 1 − β3) when separate_beta3
   int32_t separate_beta3 = 0;           ///< β3 ≠ β1
   double filter_bias_correction = 1.0;  ///< Ḡ ← Ḡ / this
-  double diagonal_beta2 = 1.0;          ///< grafting statistics V ← β2·V + weight·G'² (update/grafting.h)
+  double diagonal_beta2 = 1.0;  ///< grafting statistics V ← β2·V + weight·G'² (update/grafting.h)
   double diagonal_weight = 1.0;
   double diagonal_bias_correction = 1.0;  ///< P_graft = Ḡ / (sqrt(V / bc2) + ε)
   double diagonal_epsilon = 0.0;

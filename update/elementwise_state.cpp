@@ -16,10 +16,7 @@ int64_t tensor_bytes(const at::Tensor& t) {
 }  // namespace
 
 ElementwiseState::ElementwiseState(GraftingKind grafting, const std::vector<StackSpec>& stacks)
-    : stacks_(stacks),
-      filter_(stacks.size()),
-      diagonal_(stacks.size()),
-      momentum_(stacks.size()) {
+    : stacks_(stacks), filter_(stacks.size()), diagonal_(stacks.size()), momentum_(stacks.size()) {
   if (!grafting_method(grafting).has_state) return;
   for (size_t s = 0; s < stacks_.size(); ++s) diagonal_[s] = zeros_for(stacks_[s]);
 }

@@ -26,8 +26,7 @@ StackSpec spec(int64_t n) {
   return s;
 }
 
-shampoo::detail::GraftingCoefficients coefficients(GraftingKind kind, GraftingFloats f,
-                                                   int64_t t) {
+shampoo::detail::GraftingCoefficients coefficients(GraftingKind kind, GraftingFloats f, int64_t t) {
   return shampoo::detail::grafting_method(kind).coefficients(f, t);
 }
 
@@ -103,8 +102,7 @@ TEST(ElementwiseState, AdamStatisticsMatchTheClosedFormOverSteps) {
       const auto g = at::randn({3, 2}, at::kDouble);
       const auto p = graft_step(state, row, configs[row], t, g);
       v[row] = adam.beta2 * v[row] + (1.0 - adam.beta2) * g * g;
-      const auto expected =
-          g / ((v[row] / (1 - std::pow(adam.beta2, t))).sqrt() + adam.epsilon);
+      const auto expected = g / ((v[row] / (1 - std::pow(adam.beta2, t))).sqrt() + adam.epsilon);
       EXPECT_TRUE(all_close(p, expected)) << "row " << row << " step " << t;
     }
   }

@@ -47,9 +47,10 @@ void launch_chain_pass_cuda(bool pre, const std::vector<kernels::ChainBlock<T>>&
                             const at::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
   const DeviceTables<T> tables(blocks, items, device);
-  const auto launch = pre ? kernels::cuda::launch_chain_pre<T> : kernels::cuda::launch_chain_post<T>;
-  C10_CUDA_CHECK(launch(tables.blocks(), tables.items(), tables.num_items,
-                        c10::cuda::getCurrentCUDAStream()));
+  const auto launch =
+      pre ? kernels::cuda::launch_chain_pre<T> : kernels::cuda::launch_chain_post<T>;
+  C10_CUDA_CHECK(
+      launch(tables.blocks(), tables.items(), tables.num_items, c10::cuda::getCurrentCUDAStream()));
 }
 
 template <typename T>
@@ -68,12 +69,12 @@ std::vector<double> launch_chain_norms_cuda(const std::vector<kernels::ChainBloc
   return std::vector<double>(data, data + 2 * tables.num_items);
 }
 
-#define SHAMPOO_INSTANTIATE_CHAIN_LAUNCH(T)                                                      \
-  template void launch_chain_pass_cuda<T>(bool, const std::vector<kernels::ChainBlock<T>>&,      \
-                                          const std::vector<kernels::ChainWorkItem>&,            \
-                                          const at::Device&);                                    \
-  template std::vector<double> launch_chain_norms_cuda<T>(                                       \
-      const std::vector<kernels::ChainBlock<T>>&, const std::vector<kernels::ChainWorkItem>&,    \
+#define SHAMPOO_INSTANTIATE_CHAIN_LAUNCH(T)                                                   \
+  template void launch_chain_pass_cuda<T>(bool, const std::vector<kernels::ChainBlock<T>>&,   \
+                                          const std::vector<kernels::ChainWorkItem>&,         \
+                                          const at::Device&);                                 \
+  template std::vector<double> launch_chain_norms_cuda<T>(                                    \
+      const std::vector<kernels::ChainBlock<T>>&, const std::vector<kernels::ChainWorkItem>&, \
       const at::Device&);
 SHAMPOO_INSTANTIATE_CHAIN_LAUNCH(float)
 SHAMPOO_INSTANTIATE_CHAIN_LAUNCH(double)

@@ -12,7 +12,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
-#include "distributor/process_group.h"
+#include "parallel/process_group.h"
 
 namespace shampoo::testing {
 

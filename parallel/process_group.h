@@ -31,7 +31,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     std::chrono::milliseconds timeout, bool with_nccl);
 
-/// The Gloo backend of c10d (distributor/gloo_backend.cpp, the only file that includes
+/// The Gloo backend of c10d (parallel/gloo_backend.cpp, the only file that includes
 /// ProcessGroupGloo.hpp).
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                     int rank, int size,

@@ -20,8 +20,8 @@
 #include <memory>
 #include <vector>
 
-#include "distributor/gradient_synchronizer.h"
-#include "distributor/optimizer_factory.h"
+#include "parallel/gradient_synchronizer.h"
+#include "parallel/optimizer_factory.h"
 
 namespace shampoo {
 

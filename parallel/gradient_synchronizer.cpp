@@ -1,4 +1,4 @@
-#include "distributor/gradient_synchronizer.h"
+#include "parallel/gradient_synchronizer.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -6,7 +6,7 @@
 #include <map>
 #include <tuple>
 
-#include "distributor/grad_ready_hooks.h"
+#include "parallel/grad_ready_hooks.h"
 
 namespace shampoo {
 namespace {

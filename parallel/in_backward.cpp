@@ -1,4 +1,4 @@
-#include "shampoo/in_backward.h"
+#include "parallel/in_backward.h"
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -10,7 +10,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "distributor/grad_ready_hooks.h"
+#include "parallel/grad_ready_hooks.h"
 #include "parallel/phased_backward_step.h"
 
 namespace shampoo {

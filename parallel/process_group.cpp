@@ -1,4 +1,4 @@
-#include "distributor/process_group.h"
+#include "parallel/process_group.h"
 
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>

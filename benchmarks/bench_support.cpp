@@ -19,7 +19,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "distributor/process_group.h"
+#include "support/rank_threads.h"
 
 namespace shampoo::bench {
 
@@ -216,8 +216,8 @@ std::vector<torch::optim::OptimizerParamGroup> lr_param_groups(
 void run_ranks_as_threads(
     int world, int threads_per_rank,
     const std::function<void(int, const c10::intrusive_ptr<c10d::ProcessGroup>&)>& fn) {
-  shampoo::detail::run_ranks_as_threads(world, fn, std::chrono::minutes(5), /*with_nccl=*/false,
-                                        threads_per_rank);
+  shampoo::testing::run_ranks_as_threads(world, fn, std::chrono::minutes(5), /*with_nccl=*/false,
+                                         threads_per_rank);
 }
 
 void barrier(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {

@@ -95,7 +95,7 @@ bool is_root_step(int64_t t, int64_t start, int64_t frequency);
 std::vector<torch::optim::OptimizerParamGroup> lr_param_groups(
     const std::vector<at::Tensor>& params, int64_t groups, const shampoo::ShampooOptions& options);
 
-/// shampoo::detail::run_ranks_as_threads (distributor/process_group.h) over Gloo with a
+/// shampoo::testing::run_ranks_as_threads (tests/support/rank_threads.h) over Gloo with a
 /// five-minute timeout, each rank's thread using `threads_per_rank` intra-op threads.
 void run_ranks_as_threads(
     int world, int threads_per_rank,

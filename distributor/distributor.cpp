@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <map>
 
-#include "distributor/block_assignment.h"
-#include "distributor/process_group.h"
+#include "parallel/block_assignment.h"
+#include "parallel/process_group.h"
 
 namespace shampoo::detail {
 namespace {

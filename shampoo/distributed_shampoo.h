@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel/phased_backward_step.h"
 #include "shampoo/shampoo_options.h"
 #include "shampoo/step_phase.h"
 
@@ -26,7 +27,6 @@ namespace shampoo {
 namespace detail {
 class ShampooEngine;
 }
-class InBackwardOptimizer;
 
 /// Counters of the optimizer on this rank.
 struct ShampooStats {
@@ -54,7 +54,7 @@ struct ShampooStats {
   int64_t bytes_received_per_step = 0;
 };
 
-class DistributedShampoo : public torch::optim::Optimizer {
+class DistributedShampoo : public torch::optim::Optimizer, public PhasedBackwardStep {
  public:
   explicit DistributedShampoo(std::vector<torch::Tensor> params, ShampooOptions defaults = {},
                               DistributedOptions distributed = {});
@@ -97,16 +97,16 @@ class DistributedShampoo : public torch::optim::Optimizer {
   void set_fault_injector_for_testing(StepFaultInjector fn);
 
  private:
-  friend class InBackwardOptimizer;
-  /// Optimizer-in-backward: the step split into begin, per-parameter block work as gradients
-  /// arrive, and finish (the one AllGather). While `in_backward` is set, step() is an error.
-  void set_in_backward(bool in_backward) { in_backward_ = in_backward; }
-  bool backward_step_open() const;
-  void begin_backward_step();
-  void step_parameters(const std::vector<torch::Tensor>& params);
-  void finish_backward_step();
+  /// Optimizer-in-backward (PhasedBackwardStep, called through that interface): the step split
+  /// into begin, per-parameter block work as gradients arrive, and finish (the one AllGather).
+  /// While `in_backward` is set, step() is an error.
+  void set_in_backward(bool in_backward) override { in_backward_ = in_backward; }
+  bool backward_step_open() const override;
+  void begin_backward_step() override;
+  void step_parameters(const std::vector<torch::Tensor>& params) override;
+  void finish_backward_step() override;
   /// Undoes the open backward step (after an error during backward).
-  void abort_backward_step();
+  void abort_backward_step() override;
 
   std::unique_ptr<detail::ShampooEngine> engine_;
   bool in_backward_ = false;

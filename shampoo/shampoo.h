@@ -3,12 +3,12 @@
 ///   #include <shampoo/shampoo.h>
 ///   CMake: find_package(DistributedShampoo) -> DistributedShampoo::shampoo
 
-#include "distributor/gradient_synchronizer.h"
-#include "distributor/optimizer_factory.h"
-#include "distributor/process_group.h"
-#include "distributor/sharded_optimizer.h"
+#include "parallel/gradient_synchronizer.h"
+#include "parallel/in_backward.h"
+#include "parallel/optimizer_factory.h"
+#include "parallel/process_group.h"
+#include "parallel/sharded_optimizer.h"
 #include "shampoo/checkpoint.h"
 #include "shampoo/config.h"
 #include "shampoo/distributed_shampoo.h"
-#include "shampoo/in_backward.h"
 #include "shampoo/shampoo_options.h"

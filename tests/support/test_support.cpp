@@ -9,8 +9,6 @@
 #include <mutex>
 #include <sstream>
 
-#include "distributor/process_group.h"
-
 namespace shampoo::testing {
 
 Tolerance tolerance_for(at::ScalarType dtype) {
@@ -143,7 +141,7 @@ double accuracy(torch::nn::Sequential& model, const Dataset& data) {
 
 void run_ranks(int world, const RankFunction& fn, std::chrono::milliseconds timeout,
                bool with_nccl) {
-  shampoo::detail::run_ranks_as_threads(world, fn, timeout, with_nccl);
+  run_ranks_as_threads(world, fn, timeout, with_nccl);
 }
 
 std::string temp_path(const std::string& name) {

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "distributor/process_group.h"
+#include "support/rank_threads.h"
 
 namespace shampoo::testing {
 
@@ -63,10 +63,9 @@ at::Tensor classification_loss(torch::nn::Sequential& model, const Dataset& data
 double accuracy(torch::nn::Sequential& model, const Dataset& data);
 
 /// Runs fn(rank, group) on `world` threads, each with its own Gloo process group over one shared
-/// in-memory store (ranks as threads, one process). Waits for all; rethrows the first failure
-/// with its rank. `timeout` bounds every collective. With `with_nccl` the groups also have an
-/// NCCL backend for CUDA tensors (NCCL wants one GPU per rank).
-using RankFunction = shampoo::detail::RankFunction;
+/// in-memory store (ranks as threads, one process: run_ranks_as_threads). Waits for all;
+/// rethrows the first failure with its rank. `timeout` bounds every collective. With `with_nccl`
+/// the groups also have an NCCL backend for CUDA tensors (NCCL wants one GPU per rank).
 void run_ranks(int world, const RankFunction& fn,
                std::chrono::milliseconds timeout = std::chrono::seconds(60),
                bool with_nccl = false);

@@ -3,11 +3,9 @@
 /// CPU tensors and, when LibTorch has CUDA and a GPU is present, NCCL for CUDA tensors.
 
 #include <chrono>
-#include <functional>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <vector>
 
 namespace shampoo {
 
@@ -33,7 +31,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     std::chrono::milliseconds timeout, bool with_nccl);
 
-/// The Gloo backend of c10d (distributor/gloo_backend.cpp, the only file that includes
+/// The Gloo backend of c10d (parallel/gloo_backend.cpp, the only file that includes
 /// ProcessGroupGloo.hpp).
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                     int rank, int size,
@@ -53,16 +51,6 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(
 
 /// Whether `group` has a backend for CUDA tensors.
 bool has_cuda_backend(const c10d::ProcessGroup& group);
-
-/// Ranks as threads of one process, for tests and benchmarks: runs fn(rank, group) for every
-/// rank on its own thread, each with a process group (Gloo, plus NCCL when `with_nccl`) over one
-/// shared in-memory store; waits for all and rethrows the first failure naming its rank. With
-/// `threads_per_rank` > 0 each thread sets at::set_num_threads to it first (OpenMP's thread
-/// count is per thread). c10d's flight recorder is switched off unless TORCH_FR_BUFFER_SIZE is
-/// set: it is not safe when several ranks of one process enqueue collectives at once.
-using RankFunction = std::function<void(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>&)>;
-void run_ranks_as_threads(int world, const RankFunction& fn, std::chrono::milliseconds timeout,
-                          bool with_nccl = false, int threads_per_rank = 0);
 
 }  // namespace detail
 }  // namespace shampoo

@@ -1,4 +1,4 @@
-#include "distributor/block_assignment.h"
+#include "parallel/block_assignment.h"
 
 #include <c10/util/Exception.h>
 

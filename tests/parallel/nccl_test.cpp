@@ -8,7 +8,7 @@
 
 #include <functional>
 
-#include "distributor/process_group.h"
+#include "parallel/process_group.h"
 #include "support/test_support.h"
 
 namespace {

@@ -1,4 +1,4 @@
-# Script mode. OBJECT: the objects of shampoo_distributor (;-list). Fails if gloo_backend's object
+# Script mode. OBJECT: the objects of shampoo_parallel (;-list). Fails if gloo_backend's object
 # references or defines any symbol of namespace gloo (mangled _ZN4gloo / N4gloo).
 set(found "")
 foreach(object ${OBJECT})

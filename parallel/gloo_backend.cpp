@@ -3,12 +3,12 @@
 // emit any gloo code or data: all it does is call ProcessGroupGloo's out-of-line constructor and
 // Options::create_default in libtorch_cpu and hold the result through c10d::Backend, so the gloo
 // that runs is the one built into libtorch, whatever version of the headers compiled this file.
-// tests/distributor/gloo_object_check.cmake fails the build's tests if this object references or
+// tests/parallel/gloo_object_check.cmake fails the build's tests if this object references or
 // defines any gloo:: symbol.
 #define USE_C10D_GLOO 1
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
-#include "distributor/process_group.h"
+#include "parallel/process_group.h"
 
 namespace shampoo::detail {
 

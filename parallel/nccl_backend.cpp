@@ -3,7 +3,7 @@
 // it only calls ProcessGroupNCCL's out-of-line constructor and keeps the result as a Backend.
 #include <c10/util/Exception.h>
 
-#include "distributor/process_group.h"
+#include "parallel/process_group.h"
 #include "shampoo/config.h"
 
 #if SHAMPOO_WITH_CUDA

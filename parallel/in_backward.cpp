@@ -1,4 +1,4 @@
-#include "shampoo/in_backward.h"
+#include "parallel/in_backward.h"
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -10,15 +10,15 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "distributor/grad_ready_hooks.h"
-#include "shampoo/distributed_shampoo.h"
+#include "parallel/grad_ready_hooks.h"
+#include "parallel/phased_backward_step.h"
 
 namespace shampoo {
 
 struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   struct Set {
     std::unique_ptr<torch::optim::Optimizer> optimizer;
-    DistributedShampoo* shampoo = nullptr;  // when the optimizer is a DistributedShampoo
+    PhasedBackwardStep* phased = nullptr;  // when the optimizer steps in phases in backward
     std::vector<at::Tensor> params;
   };
   struct Entry {
@@ -45,13 +45,13 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
     if (sync != nullptr) sync->set_enabled(next_pass_steps());
   }
 
-  /// After an error during backward: undoes the open step of every DistributedShampoo set (its
-  /// state and parameters as before the pass) and closes the pass, which does not count. Steps
-  /// that torch::optim optimizers took earlier in the pass stay (they have no undo).
+  /// After an error during backward: undoes the open step of every phased set (its state and
+  /// parameters as before the pass) and closes the pass, which does not count. Steps that
+  /// torch::optim optimizers took earlier in the pass stay (they have no undo).
   void abort_pass() {
     for (auto& set : sets) {
-      if (set.shampoo != nullptr && set.shampoo->backward_step_open()) {
-        set.shampoo->abort_backward_step();
+      if (set.phased != nullptr && set.phased->backward_step_open()) {
+        set.phased->abort_backward_step();
       }
     }
     pass_open = false;
@@ -101,9 +101,9 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
     }
     for (auto& [index, ready] : by_set) {
       auto& set = sets[index];
-      if (set.shampoo != nullptr) {
-        if (!set.shampoo->backward_step_open()) set.shampoo->begin_backward_step();
-        set.shampoo->step_parameters(ready);
+      if (set.phased != nullptr) {
+        if (!set.phased->backward_step_open()) set.phased->begin_backward_step();
+        set.phased->step_parameters(ready);
       } else {
         // A torch::optim optimizer steps every parameter with a gradient: hide the gradients of
         // the set's other parameters (still accumulating, or not produced yet) meanwhile.
@@ -132,12 +132,12 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
     if (stepping) {
       try {
         if (sync != nullptr) sync->synchronize();  // the remaining buckets step via the callback
-        // One AllGather per DistributedShampoo per step, on every rank, also if no gradient of
-        // its parameters arrived here.
+        // Every phased optimizer finishes its step on every rank (DistributedShampoo: its one
+        // AllGather), also if no gradient of its parameters arrived here.
         for (auto& set : sets) {
-          if (set.shampoo == nullptr) continue;
-          if (!set.shampoo->backward_step_open()) set.shampoo->begin_backward_step();
-          set.shampoo->finish_backward_step();
+          if (set.phased == nullptr) continue;
+          if (!set.phased->backward_step_open()) set.phased->begin_backward_step();
+          set.phased->finish_backward_step();
         }
       } catch (...) {
         abort_pass();
@@ -163,7 +163,7 @@ InBackwardOptimizer::~InBackwardOptimizer() {
     detail::remove_grad_ready_callback(entry.param, entry.hook);
   }
   for (auto& set : state_->sets) {
-    if (set.shampoo != nullptr) set.shampoo->set_in_backward(false);
+    if (set.phased != nullptr) set.phased->set_in_backward(false);
   }
   if (state_->sync != nullptr) state_->sync->set_bucket_ready_callback(nullptr);
 }
@@ -189,8 +189,8 @@ torch::optim::Optimizer& InBackwardOptimizer::add(std::vector<torch::Tensor> par
   State::Set set;
   set.optimizer = factory(params);
   TORCH_CHECK(set.optimizer != nullptr, "apply_optimizer_in_backward: the factory returned null");
-  set.shampoo = dynamic_cast<DistributedShampoo*>(set.optimizer.get());
-  if (set.shampoo != nullptr) set.shampoo->set_in_backward(true);
+  set.phased = dynamic_cast<PhasedBackwardStep*>(set.optimizer.get());
+  if (set.phased != nullptr) set.phased->set_in_backward(true);
   set.params = params;
   const size_t set_index = state_->sets.size();
   state_->sets.push_back(std::move(set));

@@ -4,7 +4,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
-#include "distributor/optimizer_factory.h"
+#include "parallel/optimizer_factory.h"
 
 namespace shampoo {
 namespace {

@@ -1,11 +1,11 @@
-#include "distributor/sharded_optimizer.h"
+#include "parallel/sharded_optimizer.h"
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
-#include "distributor/block_assignment.h"
+#include "parallel/block_assignment.h"
 
 namespace shampoo {
 namespace {

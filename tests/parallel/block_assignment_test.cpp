@@ -1,5 +1,5 @@
 // Owner assignment (NUMERICS.md "Distribution"): LPT by cost, ties to the lowest rank.
-#include "distributor/block_assignment.h"
+#include "parallel/block_assignment.h"
 
 #include "support/test_support.h"
 

@@ -14,7 +14,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
-#include "distributor/optimizer_factory.h"
+#include "parallel/optimizer_factory.h"
 
 namespace shampoo {
 

@@ -1,4 +1,4 @@
-#include "distributor/gradient_synchronizer.h"
+#include "parallel/gradient_synchronizer.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -6,7 +6,7 @@
 #include <map>
 #include <tuple>
 
-#include "distributor/grad_ready_hooks.h"
+#include "parallel/grad_ready_hooks.h"
 
 namespace shampoo {
 namespace {
@@ -18,17 +18,10 @@ KindKey kind_of(const at::Tensor& t) {
           static_cast<int>(t.device().index())};
 }
 
-}  // namespace
-
-GradientSynchronizer::GradientSynchronizer(std::vector<at::Tensor> params,
-                                           c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                           GradientSynchronizerOptions options)
-    : params_(std::move(params)), group_(std::move(group)), options_(options) {
-  TORCH_CHECK(group_, "GradientSynchronizer: process group is null");
-  TORCH_CHECK(options_.bucket_cap_bytes() > 0, "GradientSynchronizerOptions.bucket_cap_bytes: got ",
-              options_.bucket_cap_bytes(), ", expected > 0");
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& p = params_[i];
+/// Every parameter is a dense floating-point leaf tensor that requires grad.
+void check_params(const std::vector<at::Tensor>& params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
     TORCH_CHECK(p.defined() && p.is_leaf() && p.requires_grad(),
                 "GradientSynchronizer: "
                 "parameter ",
@@ -38,55 +31,77 @@ GradientSynchronizer::GradientSynchronizer(std::vector<at::Tensor> params,
                 "parameter ",
                 i, " must be a dense floating-point tensor");
   }
+}
 
-  if (options_.broadcast_parameters()) {
-    // One broadcast per dtype/device: rank 0's values everywhere.
-    std::map<KindKey, std::vector<at::Tensor>> by_kind;
-    for (const auto& p : params_) by_kind[kind_of(p)].push_back(p);
-    at::NoGradGuard no_grad;
-    for (auto& [kind, tensors] : by_kind) {
-      std::vector<at::Tensor> flat_parts;
-      for (const auto& t : tensors) flat_parts.push_back(t.detach().reshape(-1));
-      std::vector<at::Tensor> buffer{at::cat(flat_parts)};
-      c10d::BroadcastOptions broadcast;
-      broadcast.rootRank = 0;
-      group_->getBackend(buffer[0].device().type())->broadcast(buffer, broadcast)->wait();
-      int64_t offset = 0;
-      for (auto& t : tensors) {
-        t.detach().copy_(buffer[0].narrow(0, offset, t.numel()).view(t.sizes()));
-        offset += t.numel();
-      }
+/// Copies rank 0's parameter values to every rank: one broadcast per dtype/device.
+void broadcast_from_rank_zero(const std::vector<at::Tensor>& params, c10d::ProcessGroup& group) {
+  std::map<KindKey, std::vector<at::Tensor>> by_kind;
+  for (const auto& p : params) by_kind[kind_of(p)].push_back(p);
+  at::NoGradGuard no_grad;
+  for (auto& [kind, tensors] : by_kind) {
+    std::vector<at::Tensor> flat_parts;
+    for (const auto& t : tensors) flat_parts.push_back(t.detach().reshape(-1));
+    std::vector<at::Tensor> buffer{at::cat(flat_parts)};
+    c10d::BroadcastOptions broadcast;
+    broadcast.rootRank = 0;
+    group.getBackend(buffer[0].device().type())->broadcast(buffer, broadcast)->wait();
+    int64_t offset = 0;
+    for (auto& t : tensors) {
+      t.detach().copy_(buffer[0].narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
     }
   }
+}
 
-  // Buckets in reverse registration order (gradients arrive roughly last layer first), one
-  // dtype and device per bucket.
-  bucket_of_.assign(params_.size(), -1);
+/// The parameters (indices) of each bucket, buckets in the order they are opened: parameters in
+/// reverse registration order (gradients arrive roughly last layer first), one dtype and device
+/// per bucket, a bucket closed when the next parameter would take it over `cap_bytes`.
+std::vector<std::vector<int64_t>> bucket_members(const std::vector<at::Tensor>& params,
+                                                 int64_t cap_bytes) {
+  std::vector<std::vector<int64_t>> members;
+  std::vector<int64_t> bytes;  // per bucket
   std::map<KindKey, int64_t> open;
-  std::vector<int64_t> bytes;
-  for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
-    const auto& p = params_[i];
+  for (int64_t i = static_cast<int64_t>(params.size()) - 1; i >= 0; --i) {
+    const auto& p = params[i];
     const auto key = kind_of(p);
     const int64_t size = p.numel() * static_cast<int64_t>(p.element_size());
     auto it = open.find(key);
-    if (it == open.end() || bytes[it->second] + size > options_.bucket_cap_bytes()) {
-      buckets_.emplace_back();
+    if (it == open.end() || bytes[it->second] + size > cap_bytes) {
+      members.emplace_back();
       bytes.push_back(0);
-      it = open.insert_or_assign(key, static_cast<int64_t>(buckets_.size()) - 1).first;
+      it = open.insert_or_assign(key, static_cast<int64_t>(members.size()) - 1).first;
     }
-    auto& bucket = buckets_[it->second];
-    bucket.params.push_back(i);
+    members[it->second].push_back(i);
     bytes[it->second] += size;
-    bucket_of_[i] = it->second;
   }
-  for (auto& bucket : buckets_) {
-    int64_t offset = static_cast<int64_t>(bucket.params.size());  // flags first
-    for (const int64_t i : bucket.params) {
+  return members;
+}
+
+}  // namespace
+
+GradientSynchronizer::GradientSynchronizer(std::vector<at::Tensor> params,
+                                           c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                           GradientSynchronizerOptions options)
+    : params_(std::move(params)), group_(std::move(group)), options_(options) {
+  TORCH_CHECK(group_, "GradientSynchronizer: process group is null");
+  TORCH_CHECK(options_.bucket_cap_bytes() > 0, "GradientSynchronizerOptions.bucket_cap_bytes: got ",
+              options_.bucket_cap_bytes(), ", expected > 0");
+  check_params(params_);
+  if (options_.broadcast_parameters()) broadcast_from_rank_zero(params_, *group_);
+
+  bucket_of_.assign(params_.size(), -1);
+  for (auto& members : bucket_members(params_, options_.bucket_cap_bytes())) {
+    Bucket bucket;
+    int64_t offset = static_cast<int64_t>(members.size());  // flags first
+    for (const int64_t i : members) {
       bucket.offsets.push_back(offset);
       offset += params_[i].numel();
+      bucket_of_[i] = num_buckets();
     }
-    const auto& first = params_[bucket.params.front()];
+    const auto& first = params_[members.front()];
     bucket.buffer = at::zeros({offset}, first.options().requires_grad(false));
+    bucket.params = std::move(members);
+    buckets_.push_back(std::move(bucket));
   }
   arrived_.assign(params_.size(), false);
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -1,4 +1,4 @@
-#include "distributor/grad_ready_hooks.h"
+#include "parallel/grad_ready_hooks.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function_hook.h>

@@ -1,5 +1,5 @@
 #pragma once
-/// Blocking of parameters (NUMERICS.md "Blocking"): squeeze size-1 dims, merge small dims up to
+/// Blocking of parameters (docs/math.md "Blocking"): squeeze size-1 dims, merge small dims up to
 /// max_preconditioner_dim, split every dim into chunks of at most max_preconditioner_dim. The plan
 /// of a parameter is computed once; blocks are views of the parameter (and of its gradient).
 

@@ -1,5 +1,5 @@
 #pragma once
-/// Owner assignment of blocks to ranks (NUMERICS.md "Distribution"): greedy longest-processing-
+/// Owner assignment of blocks to ranks (docs/math.md "Distribution"): greedy longest-processing-
 /// time. Blocks sorted by cost descending (stable), each given to the least-loaded rank (ties:
 /// lowest rank). Deterministic: every rank computes the same map from the same inputs.
 

@@ -74,7 +74,7 @@ at::Tensor reconstruct(const at::Tensor& eigenvectors, const at::Tensor& powers)
   return at::mm(scaled, q.t());
 }
 
-/// Where λ_min < ε: λ ← λ − λ_min, then λ ← λ + ε, in two roundings (NUMERICS.md step 3), so
+/// Where λ_min < ε: λ ← λ − λ_min, then λ ← λ + ε, in two roundings (docs/math.md step 3), so
 /// the smallest eigenvalue becomes exactly ε. Adding (ε − λ_min) in one operation loses ε in
 /// the rounding of λ_min when |λ_min| ≫ ε (a rank-deficient float32 factor with ε = 1e-12):
 /// the smallest eigenvalue would become 0 and its power inf. Then λ^(−e). λ ascending, so

@@ -23,7 +23,7 @@ struct StackedMatrixResult {
 
 /// X_i = (A_i + ε_i·I)^(−exponent_i) for every matrix of the stack A [n, d, d].
 /// Where the smallest eigenvalue λ_min of A + ε·I is below ε, every eigenvalue is shifted in two
-/// steps, λ ← λ − λ_min then λ ← λ + ε, so the smallest is exactly ε (NUMERICS.md). A non-finite
+/// steps, λ ← λ − λ_min then λ ← λ + ε, so the smallest is exactly ε (docs/math.md). A non-finite
 /// input matrix is an error (c10::Error naming the matrix index); the caller checks its own
 /// context first to give a better message. `exponents[i] == 0` gives the identity.
 StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,

@@ -15,7 +15,7 @@ ShampooPreconditionerList::ShampooPreconditionerList(std::vector<StackSpec> stac
     const auto options = spec.options.dtype(factors_.settings().factor_dtype);
     for (const int64_t k : factors_.preconditioned_dims(s)) {
       const int64_t d = spec.block_shape[k];
-      // Inverse roots start as the identity (NUMERICS.md).
+      // Inverse roots start as the identity (docs/math.md).
       roots_[s][k] = at::eye(d, options).expand({spec.size(), d, d}).contiguous();
     }
   }

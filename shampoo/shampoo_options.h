@@ -1,7 +1,7 @@
 #pragma once
 /// Options of DistributedShampoo: the per-group ShampooOptions (TORCH_ARG fluent setters, like
 /// LibTorch's own optimizers) and the process-wide DistributedOptions. Defaults and meanings
-/// follow the reference Python implementation; the math is in shared/NUMERICS.md.
+/// follow the reference Python implementation; the math is in docs/math.md.
 
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>

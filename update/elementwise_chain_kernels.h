@@ -6,7 +6,7 @@
 ///   norms: ‖P‖² and ‖P_graft‖² per block (only for blocks that match norms)
 ///   post:  grafting, decoupled weight decay, momentum, × (−lr), apply or write the update
 /// The per-element math is shared by the CPU path (this header) and the CUDA kernels
-/// (update/cuda/), so both compute the same formulas (NUMERICS.md).
+/// (update/cuda/), so both compute the same formulas (docs/math.md).
 
 #include <cmath>
 #include <cstdint>
@@ -159,7 +159,7 @@ SHAMPOO_HOST_DEVICE void chain_post_element(const ChainBlock<T>& b, int64_t i) {
   }
 }
 
-/// Grafting ratio from the two squared norms (NUMERICS.md step 5).
+/// Grafting ratio from the two squared norms (docs/math.md step 5).
 inline double graft_ratio(double preconditioned_sq, double graft_sq) {
   return std::sqrt(graft_sq) / (std::sqrt(preconditioned_sq) + 1e-16);
 }

@@ -1,4 +1,4 @@
-// Blocking (NUMERICS.md): squeeze, merge small dims, split; blocks are views of the parameter.
+// Blocking (docs/math.md): squeeze, merge small dims, split; blocks are views of the parameter.
 #include "distributor/block_plan.h"
 
 #include "support/test_support.h"

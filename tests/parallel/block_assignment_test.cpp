@@ -1,4 +1,4 @@
-// Owner assignment (NUMERICS.md "Distribution"): LPT by cost, ties to the lowest rank.
+// Owner assignment (docs/math.md "Distribution"): LPT by cost, ties to the lowest rank.
 #include "parallel/block_assignment.h"
 
 #include "support/test_support.h"

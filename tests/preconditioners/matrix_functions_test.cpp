@@ -1,4 +1,4 @@
-// Inverse roots and eigenbases of stacks of symmetric matrices (NUMERICS.md step 3).
+// Inverse roots and eigenbases of stacks of symmetric matrices (docs/math.md step 3).
 #include "preconditioners/matrix_functions.h"
 
 #include <cmath>

@@ -1,4 +1,4 @@
-// The eigenvalue shift on tiny problems (NUMERICS.md step 3): float32 factors of rank-deficient
+// The eigenvalue shift on tiny problems (docs/math.md step 3): float32 factors of rank-deficient
 // blocks with the default epsilon 1e-12 (and 1e-10) must give finite roots. With the shift in
 // one rounding, λ + (ε − λ_min), these steps threw "the inverse root ... is not finite".
 //

@@ -1,4 +1,4 @@
-// Failure policy (NUMERICS.md step 3): a failed amortized computation keeps the previous root and
+// Failure policy (docs/math.md step 3): a failed amortized computation keeps the previous root and
 // warns once; more than num_tolerated_failed_amortized_computations consecutive failures raise;
 // a non-finite gradient or factor is an immediate, clear error and never reaches the parameters.
 #include <c10/util/Exception.h>

@@ -1,5 +1,5 @@
 // Reference test: an independent float64 implementation of full Shampoo steps, written from
-// shared/NUMERICS.md with plain ATen ops (no code of preconditioners/, grafting/, distributor/ or
+// docs/math.md with plain ATen ops (no code of preconditioners/, grafting/, distributor/ or
 // shampoo/), against which DistributedShampoo (float32 parameters, one process) is compared after
 // every step within float32 tolerance. Also closed-form one-step cases that check both.
 #include <ATen/ATen.h>
@@ -26,11 +26,11 @@ using shampoo::testing::all_close;
 using shampoo::testing::tolerance_for;
 
 // ----------------------------------------------------------------------------------------------
-// The float64 reference (NUMERICS.md), deliberately written as directly as possible: one block at
+// The float64 reference (docs/math.md), deliberately written as directly as possible: one block at
 // a time, one dim at a time, no fusing.
 // ----------------------------------------------------------------------------------------------
 
-/// NUMERICS.md "Blocking": drop size-1 dims, then merge from the last dim backwards while the
+/// docs/math.md "Blocking": drop size-1 dims, then merge from the last dim backwards while the
 /// product stays <= max_dim and more than one dim (the target dimensionality) remains.
 std::vector<int64_t> reference_merged_shape(at::IntArrayRef shape, int64_t max_dim, bool merge) {
   for (const int64_t s : shape) {
@@ -460,7 +460,7 @@ void add_cases(
   }
 }
 
-// Blockings (NUMERICS.md "Blocking") the cases run on.
+// Blockings (docs/math.md "Blocking") the cases run on.
 const ShapeSet kVector17{"vector17", {{17}}, 1024};
 const ShapeSet kMatrix8x12{"matrix8x12", {{8, 12}}, 12};     // 96 > 12: stays a matrix
 const ShapeSet kTensor4x5x6{"tensor4x5x6", {{4, 5, 6}}, 6};  // no product fits: three dims
@@ -573,7 +573,7 @@ const OptionCombo kSoapGrafting{"soap_adam_grafting_start3_decoupled", [](auto o
                                       .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
                                 }};
 // No grafting and start −1 = 2: step 1 runs before the first basis update, so the bases are the
-// identity and the step is AdaGrad on the raw gradient (NUMERICS.md: "with no basis update it
+// identity and the step is AdaGrad on the raw gradient (docs/math.md: "with no basis update it
 // reduces to Adam/AdaGrad"; steps before start without grafting still precondition, step 5).
 const OptionCombo kSoapBeforeStart{"soap_adagrad_freq2_no_grafting", [](auto o) {
                                      return o.betas({0.0, 1.0}).precondition_frequency(2);
@@ -695,7 +695,7 @@ TEST_P(ClosedForm, RankOneMatrixOneStepIsNormalizedGradient) {
 
 // Eigenvalue-corrected, one step before the first basis update (start −1 = frequency = 2, no
 // grafting): the bases are the identity and D = G² (β2 = 1), so P = G / (sqrt(G²) + ε) = G / (|G| +
-// ε) elementwise, AdaGrad's first step (NUMERICS.md: steps before start without grafting
+// ε) elementwise, AdaGrad's first step (docs/math.md: steps before start without grafting
 // precondition, step 5; with no basis update eigenvalue-corrected Shampoo reduces to AdaGrad).
 TEST_P(ClosedForm, EigenvalueCorrectedBeforeFirstBasisIsAdaGrad) {
   auto gen = make_generator(13);
@@ -720,7 +720,7 @@ INSTANTIATE_TEST_SUITE_P(FactorDtypes, ClosedForm, ::testing::Values(at::kFloat,
                                   "_factors";
                          });
 
-// Sanity of the reference blocking itself (NUMERICS.md examples).
+// Sanity of the reference blocking itself (docs/math.md examples).
 TEST(ReferenceBlocking, MatchesNumericsExamples) {
   EXPECT_EQ(reference_merged_shape({1, 2, 5, 1}, 10, true), (std::vector<int64_t>{10}));
   EXPECT_EQ(reference_merged_shape({32, 3, 64, 64}, 8192, true), (std::vector<int64_t>{96, 4096}));

@@ -1,5 +1,5 @@
 #pragma once
-/// Helpers shared by the test suites: the tolerances of NUMERICS.md (one helper, messages with
+/// Helpers shared by the test suites: the tolerances of docs/math.md (one helper, messages with
 /// the largest errors and where), small deterministic models and data.
 
 #include <ATen/ATen.h>
@@ -16,7 +16,7 @@
 
 namespace shampoo::testing {
 
-/// rtol/atol of torch.testing for a dtype (NUMERICS.md "Tolerances").
+/// rtol/atol of torch.testing for a dtype (docs/math.md "Tolerances").
 struct Tolerance {
   double rtol;
   double atol;

@@ -1,4 +1,4 @@
-// The fused elementwise chain against a plain ATen formulation of NUMERICS.md steps 1, 2 (the
+// The fused elementwise chain against a plain ATen formulation of docs/math.md steps 1, 2 (the
 // diagonal statistics), 4 and 5-8, for every direction mode, with per-block scalars; on CUDA the
 // kernels against the CPU path.
 #include "update/elementwise_chain.h"
@@ -64,7 +64,7 @@ std::vector<BlockCase> make_blocks(at::ScalarType dtype, DirectionMode mode, at:
 
 at::Tensor lerp_ref(const at::Tensor& a, const at::Tensor& b, double w) { return a + w * (b - a); }
 
-/// NUMERICS.md in float64; returns {param, filter, diagonal, momentum, filtered} after the step.
+/// docs/math.md in float64; returns {param, filter, diagonal, momentum, filtered} after the step.
 std::vector<at::Tensor> reference(const BlockCase& c) {
   auto d = [](const at::Tensor& t) { return t.to(at::kDouble).cpu(); };
   const auto& s = c.s;

@@ -1,6 +1,6 @@
 // Grafting equivalence: with preconditioning never started, DistributedShampoo with a grafting
 // method is that diagonal method, so it must follow LibTorch's own optimizer step for step
-// (NUMERICS.md "Grafting / diagonal methods"), within float32 tolerance.
+// (docs/math.md "Grafting / diagonal methods"), within float32 tolerance.
 #include <shampoo/shampoo.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>

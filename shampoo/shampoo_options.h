@@ -23,11 +23,35 @@ namespace shampoo {
 // AdamGraftingConfig and the GraftingConfig variant) are in update/grafting.h, with the method
 // table the step reads.
 
+/// How root-inverse Shampoo computes its inverse roots (docs/math.md, "Inverse-root solvers").
+enum class RootSolver {
+  /// Symmetric eigendecomposition, retried in float64 when it fails: exact, the default (as the
+  /// reference's default EigenConfig).
+  kEigh,
+  /// The reference's coupled inverse Newton iteration (its CoupledNewtonConfig): matrix products
+  /// only, Frobenius-norm scaling. Needs integer roots (every exponent 1/p, p a positive integer).
+  kCoupledNewton,
+  /// Coupled Newton–Schulz (inverse-free Denman–Beavers) square-root iterations, scaled by a
+  /// multi-vector power iteration; exponent 1/2^k in k passes. Other integer roots use coupled
+  /// Newton.
+  kNewtonDB,
+};
+
 /// Root-inverse Shampoo (the default): each block is preconditioned by A_k^(−e_k) along every dim
-/// k, A_k the Kronecker factor, the root computed every `precondition_frequency` steps through a
-/// symmetric eigendecomposition, retried in float64 when it fails in the factor dtype.
+/// k, A_k the Kronecker factor, the root computed every `precondition_frequency` steps by
+/// `solver`. The iterative solvers run all same-size blocks of a stack as one batch and stop a
+/// block when max|M − I| ≤ tolerance (or at its precision floor); a block that has not converged
+/// after `max_iterations` (or diverges) is computed by eigh instead.
 struct RootInvShampooConfig {
   bool retry_double_precision = true;
+  RootSolver solver = RootSolver::kEigh;
+  /// Iterative solvers: iteration budget per block (≥ 1). The reference's default.
+  int64_t max_iterations = 100;
+  /// Iterative solvers: convergence tolerance on max|M − I| (> 0). The reference's default.
+  double tolerance = 1e-6;
+  /// Iterative solvers on CUDA: TensorFloat-32 matrix products (about 5× faster, relative error
+  /// near 1e-2; raise `tolerance` to ~3e-2 with it). No effect on CPU.
+  bool tf32 = false;
   bool operator==(const RootInvShampooConfig&) const = default;
 };
 

@@ -10,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <tuple>
 
 namespace shampoo::detail {
@@ -87,36 +88,13 @@ at::Tensor shifted_powers(const at::Tensor& eigenvalues, const at::Tensor& epsil
   return at::pow(shifted, -exponents);
 }
 
-}  // namespace
-
-std::vector<bool> stacked_all_finite(const at::Tensor& A) {
-  const auto finite = at::isfinite(A).flatten(1).all(1).to(at::kCPU);
-  std::vector<bool> out(finite.size(0));
-  const auto* data = finite.data_ptr<bool>();
-  for (size_t i = 0; i < out.size(); ++i) out[i] = data[i];
-  return out;
-}
-
-StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
-                                         const std::vector<double>& exponents,
-                                         bool retry_double_precision) {
-  TORCH_INTERNAL_ASSERT(A.dim() == 3 && A.size(1) == A.size(2), "expected [n, d, d], got ",
-                        A.sizes());
+/// The eigh path of stacked_inverse_root for finite matrices.
+StackedMatrixResult eigh_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
+                                      const std::vector<double>& exponents,
+                                      bool retry_double_precision) {
   const int64_t n = A.size(0);
   const int64_t d = A.size(1);
-  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(epsilons.size()) == n &&
-                        static_cast<int64_t>(exponents.size()) == n);
   StackedMatrixResult result;
-  result.failed.assign(n, false);
-  if (n == 0) {
-    result.values = at::empty_like(A);
-    return result;
-  }
-  const auto finite = stacked_all_finite(A);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(finite[i], "inverse root: matrix ", i, " of the stack has non-finite entries");
-  }
-
   const auto eps = per_matrix_scalars(epsilons, A);  // [n, 1, 1]
   const auto eye = at::eye(d, A.options());
   const auto regularized = A + eye * eps;
@@ -145,6 +123,100 @@ StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<
     }
   }
   return result;
+}
+
+/// Rows of the stack grouped by exponent (insertion order of first appearance).
+std::vector<std::pair<double, std::vector<int64_t>>> rows_by_exponent(
+    const std::vector<double>& exponents) {
+  std::vector<std::pair<double, std::vector<int64_t>>> groups;
+  for (int64_t i = 0; i < static_cast<int64_t>(exponents.size()); ++i) {
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const auto& g) { return g.first == exponents[i]; });
+    if (it == groups.end()) it = groups.insert(groups.end(), {exponents[i], {}});
+    it->second.push_back(i);
+  }
+  return groups;
+}
+
+/// A's rows `rows`, without a copy when they are all of A in order.
+at::Tensor select_matrices(const at::Tensor& A, const std::vector<int64_t>& rows) {
+  if (static_cast<int64_t>(rows.size()) == A.size(0)) return A;
+  return A.index_select(0, at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(A.device()));
+}
+
+template <typename T>
+std::vector<T> pick(const std::vector<T>& values, const std::vector<int64_t>& rows) {
+  std::vector<T> out;
+  for (const int64_t r : rows) out.push_back(values[r]);
+  return out;
+}
+
+/// The iterative path of stacked_inverse_root: one solver batch per exponent, eigh for what the
+/// solver leaves unconverged and for non-integer roots.
+StackedMatrixResult solver_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
+                                        const std::vector<double>& exponents,
+                                        bool retry_double_precision,
+                                        const IterativeRootSettings& settings) {
+  StackedMatrixResult result{at::empty_like(A), std::vector<bool>(A.size(0), false), 0, 0};
+  std::vector<int64_t> by_eigh;
+  for (const auto& [exponent, rows] : rows_by_exponent(exponents)) {
+    const int64_t root = integer_root(exponent);
+    if (exponent == 0.0 || root == 0) {
+      by_eigh.insert(by_eigh.end(), rows.begin(), rows.end());
+      continue;
+    }
+    auto s = settings;
+    if (s.method == IterativeRootMethod::kNewtonDB && !newton_db_supports(root)) {
+      s.method = IterativeRootMethod::kCoupledNewton;
+    }
+    auto solved = iterative_inverse_root(select_matrices(A, rows), pick(epsilons, rows), root, s);
+    for (size_t j = 0; j < rows.size(); ++j) {
+      if (solved.converged[j]) {
+        result.values[rows[j]].copy_(solved.values[static_cast<int64_t>(j)]);
+      } else {
+        by_eigh.push_back(rows[j]);
+        ++result.solver_fallbacks;
+      }
+    }
+  }
+  if (by_eigh.empty()) return result;
+  auto exact = eigh_inverse_root(select_matrices(A, by_eigh), pick(epsilons, by_eigh),
+                                 pick(exponents, by_eigh), retry_double_precision);
+  result.retried_in_double = exact.retried_in_double;
+  for (size_t j = 0; j < by_eigh.size(); ++j) {
+    result.failed[by_eigh[j]] = exact.failed[j];
+    if (!exact.failed[j]) result.values[by_eigh[j]].copy_(exact.values[static_cast<int64_t>(j)]);
+  }
+  return result;
+}
+
+}  // namespace
+
+std::vector<bool> stacked_all_finite(const at::Tensor& A) {
+  const auto finite = at::isfinite(A).flatten(1).all(1).to(at::kCPU);
+  std::vector<bool> out(finite.size(0));
+  const auto* data = finite.data_ptr<bool>();
+  for (size_t i = 0; i < out.size(); ++i) out[i] = data[i];
+  return out;
+}
+
+StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
+                                         const std::vector<double>& exponents,
+                                         bool retry_double_precision,
+                                         const IterativeRootSettings* iterative) {
+  TORCH_INTERNAL_ASSERT(A.dim() == 3 && A.size(1) == A.size(2), "expected [n, d, d], got ",
+                        A.sizes());
+  const int64_t n = A.size(0);
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(epsilons.size()) == n &&
+                        static_cast<int64_t>(exponents.size()) == n);
+  if (n == 0) return StackedMatrixResult{at::empty_like(A), {}, 0, 0};
+  const auto finite = stacked_all_finite(A);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(finite[i], "inverse root: matrix ", i, " of the stack has non-finite entries");
+  }
+  if (iterative == nullptr)
+    return eigh_inverse_root(A, epsilons, exponents, retry_double_precision);
+  return solver_inverse_root(A, epsilons, exponents, retry_double_precision, *iterative);
 }
 
 StackedMatrixResult stacked_eigenbasis(const at::Tensor& A, bool retry_double_precision) {

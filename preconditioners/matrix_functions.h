@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "preconditioners/iterative_roots.h"
+
 namespace shampoo::detail {
 
 /// Outcome of a stacked matrix function: `values` [n, d, d] in the input dtype; `failed[i]` when
@@ -19,6 +21,8 @@ struct StackedMatrixResult {
   std::vector<bool> failed;
   /// Matrices that needed the float64 retry (diagnostics).
   int64_t retried_in_double = 0;
+  /// Matrices an iterative solver left unconverged, computed by eigh instead (diagnostics).
+  int64_t solver_fallbacks = 0;
 };
 
 /// X_i = (A_i + ε_i·I)^(−exponent_i) for every matrix of the stack A [n, d, d].
@@ -26,9 +30,15 @@ struct StackedMatrixResult {
 /// steps, λ ← λ − λ_min then λ ← λ + ε, so the smallest is exactly ε (docs/math.md). A non-finite
 /// input matrix is an error (c10::Error naming the matrix index); the caller checks its own
 /// context first to give a better message. `exponents[i] == 0` gives the identity.
+///
+/// With `iterative`, the matrices whose root p = 1/exponent is an integer are computed by that
+/// matmul-only solver (iterative_roots.h; Newton–DB routes roots that are not powers of two to
+/// coupled Newton), no eigenvalue shift: X = (A + ε·I)^(−1/p). Matrices it leaves unconverged,
+/// and non-integer roots, are computed by eigh as above.
 StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                          const std::vector<double>& exponents,
-                                         bool retry_double_precision);
+                                         bool retry_double_precision,
+                                         const IterativeRootSettings* iterative = nullptr);
 
 /// Eigenvectors Q_i (ascending eigenvalues) of every matrix of the stack A [n, d, d].
 StackedMatrixResult stacked_eigenbasis(const at::Tensor& A, bool retry_double_precision);

@@ -9,9 +9,11 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "preconditioners/iterative_roots.h"
 #include "preconditioners/rows.h"
 
 namespace shampoo::detail {
@@ -22,6 +24,8 @@ struct AmortizedCounters {
   int64_t failures = 0;
   /// Matrices whose decomposition failed in the factor dtype and was retried in float64.
   int64_t retried_in_double = 0;
+  /// Roots an iterative solver left unconverged, computed by eigh instead.
+  int64_t solver_fallbacks = 0;
 };
 
 /// Test seam: return true to make the amortized computation of (block name, dim) fail.
@@ -31,6 +35,8 @@ using FailureInjector = std::function<bool(const std::string& block, int64_t dim
 struct MatrixPreconditionerSettings {
   at::ScalarType factor_dtype = at::kFloat;
   bool retry_double_precision = true;
+  /// Root-inverse Shampoo: the matmul-only root solver; none = eigh.
+  std::optional<IterativeRootSettings> root_solver;
   int64_t tolerated_failures = 3;
   FailureInjector inject_failure;
 };

@@ -1,5 +1,7 @@
 #include "preconditioners/shampoo_preconditioner_list.h"
 
+#include <algorithm>
+
 #include "preconditioners/kronecker_contractions.h"
 #include "preconditioners/matrix_functions.h"
 
@@ -31,15 +33,40 @@ void ShampooPreconditionerList::update(int64_t stack, const Rows& rows, const at
 
 void ShampooPreconditionerList::compute_roots(int64_t stack, const Rows& rows,
                                               const RowScalars& scalars) {
+  // In chunks of at most kRootChunkBytes per factor: the bias-corrected copies and the solvers'
+  // working sets are then bounded by the chunk, not by the stack (a stack of 28 1024×1024
+  // factors would otherwise hold several 112 MB copies at once). Every matrix is computed on its
+  // own, so the chunking does not change a result.
+  const auto& spec = factors_.spec(stack);
+  int64_t largest = 1;
+  for (const int64_t k : factors_.preconditioned_dims(stack)) {
+    largest = std::max(largest, spec.block_shape[k] * spec.block_shape[k]);
+  }
+  const int64_t element = static_cast<int64_t>(c10::elementSize(factors_.settings().factor_dtype));
+  const int64_t per_chunk = std::max<int64_t>(1, kRootChunkBytes / (largest * element));
+  for (int64_t start = 0; start < rows.size(); start += per_chunk) {
+    std::vector<bool> selected(rows.size(), false);
+    std::fill(selected.begin() + start, selected.begin() + std::min(rows.size(), start + per_chunk),
+              true);
+    const auto [chunk, chunk_scalars] = select_rows(rows, scalars, selected);
+    compute_root_chunk(stack, chunk, chunk_scalars);
+  }
+}
+
+void ShampooPreconditionerList::compute_root_chunk(int64_t stack, const Rows& rows,
+                                                   const RowScalars& scalars) {
   if (rows.size() == 0) return;
   const auto& spec = factors_.spec(stack);
   std::vector<bool> member_failed(rows.size(), false);
   for (const int64_t k : factors_.preconditioned_dims(stack)) {
     const auto corrected = factors_.corrected_factors(stack, rows, k, scalars);
     const std::vector<double> exponents(rows.size(), spec.dim_exponents[k]);
+    const auto& solver = factors_.settings().root_solver;
     auto result = stacked_inverse_root(corrected, scalars.epsilon, exponents,
-                                       factors_.settings().retry_double_precision);
+                                       factors_.settings().retry_double_precision,
+                                       solver ? &*solver : nullptr);
     factors_.record_double_retries(result.retried_in_double);
+    factors_.record_solver_fallbacks(result.solver_fallbacks);
     for (int64_t i = 0; i < rows.size(); ++i) {
       if (factors_.injected_failure(stack, rows.rows[i], k)) result.failed[i] = true;
     }
@@ -66,12 +93,28 @@ void ShampooPreconditionerList::precondition(int64_t stack, const Rows& rows,
                                              const RowScalars& /*scalars*/, at::Tensor& out) const {
   const auto dtype = filtered.scalar_type();
   const auto& dims = factors_.preconditioned_dims(stack);
+  if (rows.size() == 0) return;
   if (filtered.is_cuda()) {
-    auto result = filtered;
-    for (const int64_t k : dims) {
-      result = stacked_multiply_along_dim(result, gather_rows(roots_[stack][k], rows).to(dtype), k);
+    // Batched, in chunks of at most kRootChunkBytes of blocks: each dim's product is a new
+    // tensor, so a whole stack at once would hold two stack-sized temporaries.
+    const int64_t block_bytes = filtered[0].numel() * static_cast<int64_t>(filtered.element_size());
+    const int64_t per_chunk =
+        std::max<int64_t>(1, kRootChunkBytes / std::max<int64_t>(1, block_bytes));
+    for (int64_t start = 0; start < rows.size(); start += per_chunk) {
+      const int64_t count = std::min(per_chunk, rows.size() - start);
+      Rows part;
+      part.rows.assign(rows.rows.begin() + start, rows.rows.begin() + start + count);
+      part.all = rows.all && count == rows.size();
+      auto result = filtered.narrow(0, start, count);
+      for (const int64_t k : dims) {
+        const auto roots = part.all   ? roots_[stack][k]
+                           : rows.all ? roots_[stack][k].narrow(0, start, count)
+                                      : gather_rows(roots_[stack][k], part);
+        result = stacked_multiply_along_dim(result, roots.to(dtype), k);
+      }
+      auto target = out.narrow(0, start, count);
+      if (!result.is_same(target)) target.copy_(result);
     }
-    if (!result.is_same(out)) out.copy_(result);
     return;
   }
   // One block at a time: the temporaries are block-sized, never a whole stack.

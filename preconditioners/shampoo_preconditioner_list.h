@@ -32,7 +32,11 @@ class ShampooPreconditionerList final : public PreconditionerList {
   const at::Tensor& roots(int64_t stack, int64_t dim) const { return roots_[stack][dim]; }
 
  private:
+  /// Bound of the factor bytes one root computation works on at once.
+  static constexpr int64_t kRootChunkBytes = int64_t{64} << 20;
+
   void compute_roots(int64_t stack, const Rows& rows, const RowScalars& scalars);
+  void compute_root_chunk(int64_t stack, const Rows& rows, const RowScalars& scalars);
 
   KroneckerFactors factors_;
   std::vector<std::vector<at::Tensor>> roots_;  // [stack][dim] -> [n, d, d]

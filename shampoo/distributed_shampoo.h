@@ -39,6 +39,8 @@ struct ShampooStats {
   int64_t failed_amortized_computations = 0;
   /// Decompositions that failed in the factor dtype and were retried in float64.
   int64_t double_precision_retries = 0;
+  /// Roots a matmul-only solver (RootInvShampooConfig::solver) left unconverged, computed by eigh.
+  int64_t root_solver_fallbacks = 0;
   /// Blocks in total and owned (computed) by this rank.
   int64_t total_blocks = 0;
   int64_t owned_blocks = 0;

@@ -233,60 +233,105 @@ OptionField grafting_floats_field() {
   return f;
 }
 
+/// The root solver of a preconditioner config as (solver, max_iterations, tolerance bits, tf32);
+/// zeros for eigenvalue-corrected Shampoo.
+std::vector<int64_t> root_solver_parts(const PreconditionerConfig& config) {
+  const auto* c = std::get_if<RootInvShampooConfig>(&config);
+  if (c == nullptr) return {0, 0, 0, 0};
+  return {static_cast<int64_t>(c->solver), c->max_iterations, double_bits(c->tolerance),
+          c->tf32 ? 1 : 0};
+}
+
+std::string describe_root_solver(const RootInvShampooConfig& c) {
+  constexpr const char* kNames[] = {"kEigh", "kCoupledNewton", "kNewtonDB"};
+  const auto name = kNames[static_cast<int>(c.solver)];
+  if (c.solver == RootSolver::kEigh) return c10::str("solver ", name);
+  return c10::str("solver ", name, ", max_iterations ", c.max_iterations, ", tolerance ",
+                  c.tolerance, ", tf32 ", c.tf32 ? "true" : "false");
+}
+
+/// (kind, retry_double_precision, eigenbasis_method or 0, root_solver_parts...)
+std::vector<int64_t> preconditioner_parts(const ShampooOptions& o) {
+  auto out = std::visit(
+      [&](const auto& c) -> std::vector<int64_t> {
+        using C = std::decay_t<decltype(c)>;
+        int64_t method = 0;
+        if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
+          method = static_cast<int64_t>(c.eigenbasis_method);
+        }
+        return {static_cast<int64_t>(o.preconditioner().index()), c.retry_double_precision ? 1 : 0,
+                method};
+      },
+      o.preconditioner());
+  const auto solver = root_solver_parts(o.preconditioner());
+  out.insert(out.end(), solver.begin(), solver.end());
+  return out;
+}
+
+std::string describe_preconditioner(const ShampooOptions& o) {
+  return std::visit(
+      [](const auto& c) -> std::string {
+        using C = std::decay_t<decltype(c)>;
+        const char* retry = c.retry_double_precision ? "true" : "false";
+        if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
+          return c10::str("eigenvalue-corrected Shampoo (eigenbasis_method ",
+                          c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
+                          ", retry_double_precision ", retry, ")");
+        } else {
+          return c10::str("root-inverse Shampoo (retry_double_precision ", retry, ", ",
+                          describe_root_solver(c), ")");
+        }
+      },
+      o.preconditioner());
+}
+
+void write_preconditioner(const ShampooOptions& o, OutputArchive& a) {
+  const auto p = preconditioner_parts(o);
+  a.write("preconditioner_kind", c10::IValue(p[0]));
+  a.write("preconditioner_retry_double_precision", c10::IValue(p[1]));
+  a.write("preconditioner_eigenbasis_method", c10::IValue(p[2]));
+  const auto* c = std::get_if<RootInvShampooConfig>(&o.preconditioner());
+  const RootInvShampooConfig solver = c != nullptr ? *c : RootInvShampooConfig{};
+  a.write("preconditioner_root_solver", c10::IValue(static_cast<int64_t>(solver.solver)));
+  a.write("preconditioner_max_iterations", c10::IValue(solver.max_iterations));
+  a.write("preconditioner_tolerance", c10::IValue(solver.tolerance));
+  a.write("preconditioner_tf32", c10::IValue(int64_t{solver.tf32 ? 1 : 0}));
+}
+
+void read_preconditioner(InputArchive& a, ShampooOptions& o) {
+  const int64_t kind =
+      read_index(a, "preconditioner_kind", std::variant_size_v<PreconditionerConfig>);
+  const bool retry = read_index(a, "preconditioner_retry_double_precision", 2) != 0;
+  const auto method =
+      static_cast<EigenbasisMethod>(read_index(a, "preconditioner_eigenbasis_method", 2));
+  if (kind != 0) {
+    o.preconditioner(EigenvalueCorrectedShampooConfig{method, retry});
+    return;
+  }
+  RootInvShampooConfig c;
+  c.retry_double_precision = retry;
+  c.solver = static_cast<RootSolver>(read_index(a, "preconditioner_root_solver", 3));
+  c.max_iterations = read_int(a, "preconditioner_max_iterations");
+  c.tolerance = read_double(a, "preconditioner_tolerance");
+  c.tf32 = read_index(a, "preconditioner_tf32", 2) != 0;
+  o.preconditioner(c);
+}
+
 OptionField preconditioner_field() {
   OptionField f;
   f.name = "preconditioner";
   f.kind = OptionKind::kStructural;
-  f.archive_keys = {"preconditioner_kind", "preconditioner_retry_double_precision",
-                    "preconditioner_eigenbasis_method"};
-  // (kind, retry_double_precision, eigenbasis_method or 0)
-  auto parts = [](const ShampooOptions& o) {
-    return std::visit(
-        [&](const auto& c) -> std::vector<int64_t> {
-          using C = std::decay_t<decltype(c)>;
-          int64_t method = 0;
-          if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
-            method = static_cast<int64_t>(c.eigenbasis_method);
-          }
-          return {static_cast<int64_t>(o.preconditioner().index()),
-                  c.retry_double_precision ? 1 : 0, method};
-        },
-        o.preconditioner());
-  };
-  f.code = parts;
-  f.describe = [](const ShampooOptions& o) {
-    return std::visit(
-        [](const auto& c) -> std::string {
-          using C = std::decay_t<decltype(c)>;
-          const char* retry = c.retry_double_precision ? "true" : "false";
-          if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
-            return c10::str("eigenvalue-corrected Shampoo (eigenbasis_method ",
-                            c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
-                            ", retry_double_precision ", retry, ")");
-          } else {
-            return c10::str("root-inverse Shampoo (retry_double_precision ", retry, ")");
-          }
-        },
-        o.preconditioner());
-  };
-  f.write = [parts](const ShampooOptions& o, OutputArchive& a) {
-    const auto p = parts(o);
-    a.write("preconditioner_kind", c10::IValue(p[0]));
-    a.write("preconditioner_retry_double_precision", c10::IValue(p[1]));
-    a.write("preconditioner_eigenbasis_method", c10::IValue(p[2]));
-  };
-  f.read = [](InputArchive& a, ShampooOptions& o) {
-    const int64_t kind =
-        read_index(a, "preconditioner_kind", std::variant_size_v<PreconditionerConfig>);
-    const bool retry = read_index(a, "preconditioner_retry_double_precision", 2) != 0;
-    const auto method =
-        static_cast<EigenbasisMethod>(read_index(a, "preconditioner_eigenbasis_method", 2));
-    if (kind == 0) {
-      o.preconditioner(RootInvShampooConfig{retry});
-    } else {
-      o.preconditioner(EigenvalueCorrectedShampooConfig{method, retry});
-    }
-  };
+  f.archive_keys = {"preconditioner_kind",
+                    "preconditioner_retry_double_precision",
+                    "preconditioner_eigenbasis_method",
+                    "preconditioner_root_solver",
+                    "preconditioner_max_iterations",
+                    "preconditioner_tolerance",
+                    "preconditioner_tf32"};
+  f.code = preconditioner_parts;
+  f.describe = describe_preconditioner;
+  f.write = write_preconditioner;
+  f.read = read_preconditioner;
   f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
     to.preconditioner(from.preconditioner());
   };

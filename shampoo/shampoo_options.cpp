@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "preconditioners/iterative_roots.h"
 #include "shampoo/option_fields.h"
 
 namespace shampoo {
@@ -14,6 +15,31 @@ void check_unit_interval(double value, const char* field, bool allow_one) {
   const bool ok = std::isfinite(value) && value >= 0.0 && (allow_one ? value <= 1.0 : value < 1.0);
   TORCH_CHECK(ok, "ShampooOptions.", field, ": got ", value, ", expected a value in [0, ",
               allow_one ? "1]" : "1)");
+}
+
+/// The iterative root solvers: a budget, a tolerance, and integer roots (every exponent 1/p).
+void check_root_solver(const PreconditionerConfig& preconditioner,
+                       const InverseExponentOverride& overrides) {
+  const auto* c = std::get_if<RootInvShampooConfig>(&preconditioner);
+  if (c == nullptr) return;
+  TORCH_CHECK(c->solver == RootSolver::kEigh || c->solver == RootSolver::kCoupledNewton ||
+                  c->solver == RootSolver::kNewtonDB,
+              "ShampooOptions.preconditioner.solver: got ", static_cast<int>(c->solver),
+              ", expected kEigh, kCoupledNewton or kNewtonDB");
+  if (c->solver == RootSolver::kEigh) return;
+  TORCH_CHECK(c->max_iterations >= 1, "ShampooOptions.preconditioner.max_iterations: got ",
+              c->max_iterations, ", expected >= 1");
+  TORCH_CHECK(std::isfinite(c->tolerance) && c->tolerance > 0.0,
+              "ShampooOptions.preconditioner.tolerance: got ", c->tolerance, ", expected > 0");
+  for (const auto& [order, dims] : overrides) {
+    for (const auto& [dim, exponent] : dims) {
+      TORCH_CHECK(exponent == 0.0 || detail::integer_root(exponent) != 0,
+                  "ShampooOptions.inverse_exponent_override[", order, "][", dim, "]: exponent ",
+                  exponent,
+                  " is not 1/p for an integer p; the iterative root solvers "
+                  "(kCoupledNewton, kNewtonDB) need integer roots (use RootSolver::kEigh)");
+    }
+  }
 }
 
 }  // namespace
@@ -59,6 +85,7 @@ void ShampooOptions::validate() const {
               "ShampooOptions.factor_matrix_dtype: got ", factor_matrix_dtype(),
               ", expected Float or Double");
   detail::check_grafting(grafting());
+  check_root_solver(preconditioner(), inverse_exponent_override());
   for (const auto& [order, dims] : inverse_exponent_override()) {
     TORCH_CHECK(order >= 1, "ShampooOptions.inverse_exponent_override: order ", order,
                 " is not a block order (expected >= 1)");

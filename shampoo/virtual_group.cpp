@@ -12,6 +12,18 @@
 namespace shampoo::detail {
 namespace {
 
+/// The matmul-only solver settings of a root-inverse config; none for eigh.
+std::optional<IterativeRootSettings> iterative_root_settings(const RootInvShampooConfig& config) {
+  if (config.solver == RootSolver::kEigh) return std::nullopt;
+  IterativeRootSettings s;
+  s.method = config.solver == RootSolver::kNewtonDB ? IterativeRootMethod::kNewtonDB
+                                                    : IterativeRootMethod::kCoupledNewton;
+  s.max_iterations = config.max_iterations;
+  s.tolerance = config.tolerance;
+  s.tf32 = config.tf32;
+  return s;
+}
+
 std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& structure,
                                                         std::vector<StackSpec> specs,
                                                         FailureInjector inject_failure) {
@@ -30,6 +42,7 @@ std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& st
           return std::make_unique<EigenvalueCorrectedPreconditionerList>(std::move(specs), settings,
                                                                          method);
         } else {
+          settings.root_solver = iterative_root_settings(config);
           return std::make_unique<ShampooPreconditionerList>(std::move(specs), settings);
         }
       },

@@ -87,6 +87,10 @@ std::vector<DistributedCase> cases() {
                                        .use_nesterov(true)},
       {"eigenvalue_corrected",
        ShampooOptions(base).preconditioner(shampoo::EigenvalueCorrectedShampooConfig{})},
+      {"coupled_newton", ShampooOptions(base).preconditioner(shampoo::RootInvShampooConfig{
+                             .solver = shampoo::RootSolver::kCoupledNewton})},
+      {"newton_db", ShampooOptions(base).preconditioner(
+                        shampoo::RootInvShampooConfig{.solver = shampoo::RootSolver::kNewtonDB})},
   };
 }
 

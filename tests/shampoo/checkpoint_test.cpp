@@ -67,6 +67,13 @@ class Resume : public ::testing::TestWithParam<int> {};
 TEST_P(Resume, ResumedRunEqualsUninterruptedBitForBit) {
   auto options = base_options();
   if (GetParam() == 1) options.preconditioner(shampoo::EigenvalueCorrectedShampooConfig{});
+  if (GetParam() == 3) {
+    options.preconditioner(
+        shampoo::RootInvShampooConfig{.solver = shampoo::RootSolver::kCoupledNewton});
+  }
+  if (GetParam() == 4) {
+    options.preconditioner(shampoo::RootInvShampooConfig{.solver = shampoo::RootSolver::kNewtonDB});
+  }
   if (GetParam() == 2)
     options.weight_decay(1e-3)
         .weight_decay_type(shampoo::WeightDecayType::kL2)
@@ -98,7 +105,7 @@ TEST_P(Resume, ResumedRunEqualsUninterruptedBitForBit) {
   std::filesystem::remove(path);
 }
 
-INSTANTIATE_TEST_SUITE_P(Configs, Resume, ::testing::Values(0, 1, 2));
+INSTANTIATE_TEST_SUITE_P(Configs, Resume, ::testing::Values(0, 1, 2, 3, 4));
 
 TEST(Resume, WithoutStateTheRunDiverges) {
   // The resume test above could not pass by accident: skipping the load changes the result.
@@ -226,6 +233,27 @@ TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
   std::filesystem::remove(path);
 }
 
+TEST(OptionsArchive, RootSolverRoundTripsThroughAFile) {
+  const auto written = ShampooOptions().preconditioner(
+      shampoo::RootInvShampooConfig{.retry_double_precision = false,
+                                    .solver = shampoo::RootSolver::kNewtonDB,
+                                    .max_iterations = 37,
+                                    .tolerance = 3e-2,
+                                    .tf32 = true});
+  const auto path = shampoo::testing::temp_path("options.pt");
+  {
+    torch::serialize::OutputArchive archive;
+    written.serialize(archive);
+    archive.save_to(path);
+  }
+  torch::serialize::InputArchive archive;
+  archive.load_from(path);
+  ShampooOptions read;
+  read.serialize(archive);
+  EXPECT_TRUE(read.preconditioner() == written.preconditioner());
+  std::filesystem::remove(path);
+}
+
 TEST(OptionsArchive, EveryRowOfTheOptionTableRoundTrips) {
   // Table-driven: a row added to shampoo/option_fields.cpp is covered here once
   // every_field_changed() sets it (the first expectation fails until it does).
@@ -283,6 +311,11 @@ INSTANTIATE_TEST_SUITE_P(
         StructuralCase{
             "preconditioner",
             [](ShampooOptions& o) { o.preconditioner(shampoo::RootInvShampooConfig{false}); }},
+        StructuralCase{"preconditioner",
+                       [](ShampooOptions& o) {
+                         o.preconditioner(shampoo::RootInvShampooConfig{
+                             .solver = shampoo::RootSolver::kCoupledNewton});
+                       }},
         StructuralCase{"inverse_exponent_override",
                        [](ShampooOptions& o) {
                          o.inverse_exponent_override({{2, {{shampoo::kAllDims, 0.5}}}});

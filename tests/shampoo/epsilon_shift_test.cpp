@@ -3,13 +3,13 @@
 // one rounding, λ + (ε − λ_min), these steps threw "the inverse root ... is not finite".
 //
 // The expected losses come from the reference implementation (facebookresearch/optimizers,
-// distributed_shampoo, commit f6066066 of 2026-08-05, torch 2.11.0 on CPU) run on the same problems: the same
-// seeds (torch.Generator().manual_seed(5) draws what at::CPUGeneratorImpl(5) draws), shapes,
-// group lrs and options, loss Σp², final loss after the given steps. With these defaults (no
-// grafting, ε ≤ 1e-10, roots every step) the loss of root-inverse Shampoo rises slightly and
-// eigenvalue-corrected Shampoo diverges in the reference as well: the near-null directions of
-// the factors are amplified by ε^(−1/2). Those directions hold rounding noise, which neither
-// implementation reproduces bit for bit, hence 1% on the loss and no comparison for SOAP.
+// distributed_shampoo, commit f6066066 of 2026-08-05, torch 2.11.0 on CPU) run on the same
+// problems: the same seeds (torch.Generator().manual_seed(5) draws what at::CPUGeneratorImpl(5)
+// draws), shapes, group lrs and options, loss Σp², final loss after the given steps. With these
+// defaults (no grafting, ε ≤ 1e-10, roots every step) the loss of root-inverse Shampoo rises
+// slightly and eigenvalue-corrected Shampoo diverges in the reference as well: the near-null
+// directions of the factors are amplified by ε^(−1/2). Those directions hold rounding noise, which
+// neither implementation reproduces bit for bit, hence 1% on the loss and no comparison for SOAP.
 #include <shampoo/shampoo.h>
 
 #include <functional>
@@ -60,11 +60,8 @@ std::vector<Problem> problems() {
       {"matrix_8x27", {{8, 27}}, ShampooOptions(), 20, 1909.767944},
       {"conv_8x3x3x3", {{8, 3, 3, 3}}, ShampooOptions().max_preconditioner_dim(8), 20, 1868.722412},
       {"recommended_8x8", {{8, 8}}, recommended(), 120, 734.136108},
-      {"merged_16_groups_8x5",
-       std::vector<std::vector<int64_t>>(16, {8, 5}),
-       ShampooOptions().epsilon(1e-10),
-       20,
-       5603.813477},
+      {"merged_16_groups_8x5", std::vector<std::vector<int64_t>>(16, {8, 5}),
+       ShampooOptions().epsilon(1e-10), 20, 5603.813477},
   };
 }
 
@@ -91,7 +88,8 @@ TEST_P(EpsilonShift, StepsStayFiniteAndFollowTheReference) {
   for (size_t g = 0; g < c.problem.shapes.size(); ++g) {
     params.push_back(at::randn(c.problem.shapes[g], gen).mul_(3.0).requires_grad_());
     auto group_options = options;
-    group_options.lr(options.lr() * (1.0 + 0.01 * static_cast<double>(g)));  // merged: floats differ
+    group_options.lr(options.lr() *
+                     (1.0 + 0.01 * static_cast<double>(g)));  // merged: floats differ
     groups.emplace_back(std::vector<at::Tensor>{params.back()},
                         std::make_unique<ShampooOptions>(group_options));
   }

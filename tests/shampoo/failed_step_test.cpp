@@ -245,7 +245,9 @@ TEST_P(FailedStep, TwoRanksBothUndoAndRecover) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Phases, FailedStep, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
 ShampooOptions failing_root_options() {
   return ShampooOptions(0.05)
@@ -304,9 +306,9 @@ TEST(FailedStepNatural, BadGradientsChangeNothing) {
   opt.step();
   const auto good = params[2].grad().clone();
   const auto bad_grads = std::vector<at::Tensor>{
-      at::zeros({3, 8}),                    // wrong shape
-      at::full({3, 4, 2}, NAN),             // non-finite
-      at::full({3, 4, 2}, 1e30),            // finite, but G·Gᵀ overflows float32 (factor check)
+      at::zeros({3, 8}),                   // wrong shape
+      at::full({3, 4, 2}, NAN),            // non-finite
+      at::full({3, 4, 2}, 1e30),           // finite, but G·Gᵀ overflows float32 (factor check)
       at::zeros({3, 4, 2}, at::kDouble)};  // wrong dtype
   for (size_t i = 0; i < bad_grads.size(); ++i) {
     set_grads(params, 2);
@@ -348,8 +350,8 @@ TEST(FailedStepNatural, InBackwardErrorUndoesTheStep) {
   fault.phase = StepPhase::kComputed;
   fault.skip = 3;  // the block work of the fourth parameter fails; three are applied already
   DistributedShampoo* shampoo_in_backward = nullptr;
-  auto in_backward = shampoo::apply_optimizer_in_backward(
-      model->parameters(), [&](std::vector<torch::Tensor> p) {
+  auto in_backward =
+      shampoo::apply_optimizer_in_backward(model->parameters(), [&](std::vector<torch::Tensor> p) {
         auto opt = std::make_unique<DistributedShampoo>(p, options);
         opt->set_fault_injector_for_testing(fault.injector());
         shampoo_in_backward = opt.get();

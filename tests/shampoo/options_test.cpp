@@ -47,6 +47,29 @@ TEST(OptionsValidation, BadValuesNameFieldValueAndRange) {
                {"num_tolerated_failed_amortized_computations", "-1"});
 }
 
+TEST(OptionsValidation, BadRootSolverSettingsNameFieldValueAndRange) {
+  auto build = [](ShampooOptions o) { return [o] { DistributedShampoo opt(params(), o); }; };
+  using shampoo::RootInvShampooConfig;
+  using shampoo::RootSolver;
+  expect_error(build(ShampooOptions().preconditioner(RootInvShampooConfig{
+                   .solver = RootSolver::kCoupledNewton, .max_iterations = 0})),
+               {"preconditioner.max_iterations", "0", ">= 1"});
+  expect_error(build(ShampooOptions().preconditioner(
+                   RootInvShampooConfig{.solver = RootSolver::kNewtonDB, .tolerance = 0.0})),
+               {"preconditioner.tolerance", "0", "> 0"});
+  expect_error(build(ShampooOptions()
+                         .preconditioner(RootInvShampooConfig{.solver = RootSolver::kNewtonDB})
+                         .inverse_exponent_override({{2, {{1, 0.3}}}})),
+               {"inverse_exponent_override[2][1]", "0.3", "integer"});
+  expect_error(
+      build(ShampooOptions().preconditioner(RootInvShampooConfig{.solver = RootSolver(7)})),
+      {"preconditioner.solver", "7"});
+  // eigh takes any exponent and ignores the iteration settings.
+  DistributedShampoo fine(params(), ShampooOptions()
+                                        .preconditioner(RootInvShampooConfig{.max_iterations = 0})
+                                        .inverse_exponent_override({{2, {{1, 0.3}}}}));
+}
+
 TEST(OptionsValidation, BadDistributedOptions) {
   expect_error(
       [] {

@@ -88,6 +88,34 @@ TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithLiveLearningRates) {
   EXPECT_EQ(merged.stats().amortized_computations, unmerged.stats().amortized_computations);
 }
 
+TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithEveryRootSolver) {
+  for (const auto solver : {shampoo::RootSolver::kCoupledNewton, shampoo::RootSolver::kNewtonDB}) {
+    auto merged_params = make_params(5);
+    auto unmerged_params = make_params(5);
+    auto with_solver = [&](const std::vector<at::Tensor>& params) {
+      auto groups = make_groups(params, 8);
+      for (auto& g : groups) {
+        static_cast<ShampooOptions&>(g.options())
+            .preconditioner(shampoo::RootInvShampooConfig{.solver = solver});
+      }
+      return groups;
+    };
+    DistributedShampoo merged(with_solver(merged_params));
+    DistributedShampoo unmerged(with_solver(unmerged_params), ShampooOptions(),
+                                DistributedOptions().merge_param_groups(false));
+    ASSERT_EQ(merged.stats().virtual_groups, 1);
+    for (int step = 1; step <= 9; ++step) {
+      set_grads(merged_params, step);
+      set_grads(unmerged_params, step);
+      merged.step();
+      unmerged.step();
+      ASSERT_TRUE(bit_equal(snapshot(merged_params), snapshot(unmerged_params)))
+          << "solver " << static_cast<int>(solver) << " step " << step;
+    }
+    EXPECT_GT(merged.stats().amortized_computations, merged.stats().root_solver_fallbacks);
+  }
+}
+
 TEST(VirtualGroups, SetLrChangesOnlyItsGroup) {
   auto a = make_params(2);
   auto b = make_params(2);

@@ -1,0 +1,266 @@
+#include "preconditioners/iterative_roots.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace shampoo::detail {
+namespace {
+
+/// The host reads the batch's "still active" flag once every this many iterations.
+constexpr int64_t kCheckEvery = 4;
+/// Working-set bound of one CUDA batch: matrices alive per member times the member's bytes.
+constexpr int64_t kWorkspaceBytes = int64_t{192} << 20;
+constexpr int64_t kLiveMatricesPerMember = 8;
+/// Power iteration of the Newton–DB scaling: vectors, iterations, seed of the fixed start
+/// vectors (drawn from a private generator: the user's random stream is not touched), and the
+/// margin over the estimate of λ_max.
+constexpr int64_t kPowerVectors = 4;
+constexpr int64_t kPowerIterations = 8;
+constexpr uint64_t kPowerSeed = 0x5eed;
+constexpr double kScaleMargin = 1.1;
+/// Precision floors: a matrix whose error stops decreasing once at or below the floor has
+/// converged as far as its arithmetic allows.
+constexpr double kFloor = 1e-3;
+constexpr double kFloorTf32 = 5e-2;
+
+/// Sets cuBLAS's TF32 mode for its lifetime and restores the previous mode.
+class Tf32Mode {
+ public:
+  explicit Tf32Mode(bool enable) : previous_(at::globalContext().allowTF32CuBLAS()) {
+    at::globalContext().setAllowTF32CuBLAS(enable);
+  }
+  ~Tf32Mode() { at::globalContext().setAllowTF32CuBLAS(previous_); }
+  Tf32Mode(const Tf32Mode&) = delete;
+  Tf32Mode& operator=(const Tf32Mode&) = delete;
+
+ private:
+  bool previous_;
+};
+
+/// max|P − I| per matrix of the stack: [n].
+at::Tensor distance_to_identity(const at::Tensor& P, const at::Tensor& eye) {
+  return (P - eye).abs().amax({1, 2});
+}
+
+at::Tensor per_member(const at::Tensor& values) { return values.view({-1, 1, 1}); }
+
+/// Per-matrix stopping state of one batch, kept on the device.
+class Progress {
+ public:
+  Progress(const at::Tensor& error, double tolerance, double floor)
+      : error_(error), tolerance_(tolerance), floor_(floor) {
+    const auto finite = at::isfinite(error);
+    converged_ = at::logical_and(finite, error <= tolerance);
+    active_ = at::logical_and(finite, error > tolerance);
+    iterations_ = at::zeros(error.sizes(), error.options().dtype(at::kLong));
+  }
+
+  /// One iteration produced candidates with errors `error`: returns the members that take them
+  /// ([n] bool). A member stops when it reaches the tolerance (converged), when its error stops
+  /// decreasing at or below the floor (converged; the previous iterate is kept), or when the
+  /// error is not finite (not converged). Above the floor the error need not decrease at every
+  /// iteration (Newton's early iterations are not monotone), so the candidate is taken.
+  at::Tensor advance(const at::Tensor& error) {
+    const auto finite = at::isfinite(error);
+    const auto stalled = active_ & finite & (error >= error_) & (error_ <= floor_);
+    const auto accept = active_ & finite & ~stalled;
+    error_ = at::where(accept, error, error_);
+    iterations_ += accept.to(at::kLong);
+    const auto reached = accept & (error <= tolerance_);
+    converged_ = converged_ | stalled | reached;
+    active_ = accept & ~reached;
+    return accept;
+  }
+
+  bool any_active() const { return active_.any().item<bool>(); }
+  const at::Tensor& converged() const { return converged_; }
+  const at::Tensor& iterations() const { return iterations_; }
+
+ private:
+  at::Tensor error_, converged_, active_, iterations_;
+  double tolerance_, floor_;
+};
+
+/// Runs `step(iteration)` until no member is active or the budget is spent; the host checks the
+/// batch once every kCheckEvery iterations.
+template <typename Step>
+void iterate(Progress& progress, int64_t max_iterations, Step&& step) {
+  if (!progress.any_active()) return;
+  for (int64_t k = 1; k <= max_iterations; ++k) {
+    step();
+    if (k % kCheckEvery == 0 && !progress.any_active()) return;
+  }
+}
+
+at::Tensor keep(const at::Tensor& accept, const at::Tensor& candidate, const at::Tensor& current) {
+  return at::where(per_member(accept), candidate, current);
+}
+
+/// M^p by repeated squaring, p ≥ 1.
+at::Tensor batched_power(const at::Tensor& M, int64_t p) {
+  at::Tensor result;
+  at::Tensor base = M;
+  while (true) {
+    if (p & 1) result = result.defined() ? at::bmm(result, base) : base;
+    p >>= 1;
+    if (p == 0) return result;
+    base = at::bmm(base, base);
+  }
+}
+
+double floor_of(const IterativeRootSettings& s, const at::Tensor& A) {
+  return s.tf32 && A.is_cuda() ? kFloorTf32 : kFloor;
+}
+
+struct BatchOutcome {
+  at::Tensor values;
+  at::Tensor converged;   // [n] bool
+  at::Tensor iterations;  // [n] long
+};
+
+/// The reference's coupled inverse Newton iteration for the root p of A (already regularized):
+/// z = (p + 1) / (2‖A‖_F), X ← z^(1/p)·I, M ← z·A, then X ← X·M_p, M ← M_p^p·M with
+/// M_p = (1 + 1/p)·I − M/p, until max|M − I| ≤ tolerance.
+BatchOutcome coupled_newton(const at::Tensor& A, int64_t p, const IterativeRootSettings& s) {
+  const auto eye = at::eye(A.size(1), A.options());
+  const auto z = per_member((p + 1.0) / (2.0 * at::linalg_vector_norm(A, 2, {1, 2})));
+  auto X = eye * at::pow(z, 1.0 / static_cast<double>(p));
+  auto M = A * z;
+  Progress progress(distance_to_identity(M, eye), s.tolerance, floor_of(s, A));
+  const double alpha = -1.0 / static_cast<double>(p);
+  iterate(progress, s.max_iterations, [&] {
+    const auto Mp = M * alpha + eye * (1.0 - alpha);
+    const auto X_next = at::bmm(X, Mp);
+    const auto M_next = at::bmm(batched_power(Mp, p), M);
+    const auto accept = progress.advance(distance_to_identity(M_next, eye));
+    X = keep(accept, X_next, X);
+    M = keep(accept, M_next, M);
+  });
+  return {X, progress.converged(), progress.iterations()};
+}
+
+/// λ_max estimate per matrix (≤ λ_max) by a power iteration on kPowerVectors fixed vectors:
+/// the largest ‖A·v‖ over the unit vectors v of the last iteration. [n].
+at::Tensor power_iteration_estimate(const at::Tensor& A) {
+  const int64_t n = A.size(0);
+  const int64_t d = A.size(1);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(kPowerSeed);
+  auto V = at::randn({d, kPowerVectors}, generator, at::TensorOptions().dtype(at::kDouble))
+               .to(A.options())
+               .expand({n, d, kPowerVectors});
+  at::Tensor norms;
+  for (int64_t k = 0; k < kPowerIterations; ++k) {
+    const auto W = at::bmm(A, V.contiguous());
+    norms = at::linalg_vector_norm(W, 2, {1}, /*keepdim=*/true);  // [n, 1, r]
+    V = W / norms;
+  }
+  return norms.amax({1, 2});
+}
+
+/// One coupled Newton–Schulz pass for the square root of B (eigenvalues in (0, 3)):
+/// Y ← Y·T, Z ← T·Z, T = (3·I − Z·Y)/2, Y₀ = B, Z₀ = I; Y → B^(1/2), Z → B^(−1/2).
+struct SquareRoots {
+  at::Tensor root, inverse_root;
+  BatchOutcome outcome;
+};
+SquareRoots newton_db_pass(const at::Tensor& B, const IterativeRootSettings& s) {
+  const auto eye = at::eye(B.size(1), B.options());
+  auto Y = B;
+  auto Z = eye.expand(B.sizes()).contiguous();
+  auto P = B;  // Z·Y
+  Progress progress(distance_to_identity(P, eye), s.tolerance, floor_of(s, B));
+  iterate(progress, s.max_iterations, [&] {
+    const auto T = eye * 1.5 - P * 0.5;
+    const auto Y_next = at::bmm(Y, T);
+    const auto Z_next = at::bmm(T, Z);
+    const auto P_next = at::bmm(Z_next, Y_next);
+    const auto accept = progress.advance(distance_to_identity(P_next, eye));
+    Y = keep(accept, Y_next, Y);
+    Z = keep(accept, Z_next, Z);
+    P = keep(accept, P_next, P);
+  });
+  return {Y, Z, {at::Tensor(), progress.converged(), progress.iterations()}};
+}
+
+/// A^(−1/p), p = 2^k: scale B = A/s with s = min(‖A‖_F, margin·λ̂_max), then k square-root
+/// passes (each on the previous pass's root), X = s^(−1/p)·Z_k.
+BatchOutcome newton_db(const at::Tensor& A, int64_t p, const IterativeRootSettings& s) {
+  const auto frobenius = at::linalg_vector_norm(A, 2, {1, 2});
+  const auto scale = per_member(at::minimum(frobenius, power_iteration_estimate(A) * kScaleMargin));
+  auto B = A / scale;
+  at::Tensor converged, iterations, Z;
+  for (int64_t q = 1; q < p; q *= 2) {
+    auto pass = newton_db_pass(B, s);
+    converged = converged.defined() ? converged & pass.outcome.converged : pass.outcome.converged;
+    iterations =
+        iterations.defined() ? iterations + pass.outcome.iterations : pass.outcome.iterations;
+    B = pass.root;
+    Z = pass.inverse_root;
+  }
+  return {Z * at::pow(scale, -1.0 / static_cast<double>(p)), converged, iterations};
+}
+
+BatchOutcome solve_batch(const at::Tensor& A, const at::Tensor& eps, int64_t root,
+                         const IterativeRootSettings& s) {
+  const auto regularized = A + at::eye(A.size(1), A.options()) * eps;
+  auto out = s.method == IterativeRootMethod::kNewtonDB ? newton_db(regularized, root, s)
+                                                        : coupled_newton(regularized, root, s);
+  out.converged = out.converged & at::isfinite(out.values).flatten(1).all(1);
+  return out;
+}
+
+/// Members per batch: one on CPU (every matrix alone, from its own aligned allocation, so that
+/// the result cannot depend on the batch), a workspace-bounded share on CUDA.
+int64_t batch_size(const at::Tensor& A) {
+  if (!A.is_cuda()) return 1;
+  const int64_t member = A.size(1) * A.size(1) * static_cast<int64_t>(A.element_size());
+  return std::max<int64_t>(1, kWorkspaceBytes / (kLiveMatricesPerMember * member));
+}
+
+}  // namespace
+
+bool newton_db_supports(int64_t root) { return root >= 2 && (root & (root - 1)) == 0; }
+
+int64_t integer_root(double exponent) {
+  if (!(exponent > 0.0)) return 0;
+  const double p = 1.0 / exponent;
+  const double rounded = std::round(p);
+  return rounded >= 1.0 && std::abs(p - rounded) <= 1e-9 * rounded ? static_cast<int64_t>(rounded)
+                                                                   : 0;
+}
+
+IterativeRootResult iterative_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
+                                           int64_t root, const IterativeRootSettings& settings) {
+  TORCH_INTERNAL_ASSERT(A.dim() == 3 && A.size(1) == A.size(2) && root >= 1);
+  TORCH_INTERNAL_ASSERT(settings.method != IterativeRootMethod::kNewtonDB ||
+                        newton_db_supports(root));
+  const int64_t n = A.size(0);
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(epsilons.size()) == n);
+  const Tf32Mode tf32(settings.tf32 && A.is_cuda());
+  const auto eps =
+      per_member(at::tensor(epsilons, at::TensorOptions().dtype(at::kDouble)).to(A.options()));
+  IterativeRootResult result{at::empty_like(A), {}, {}};
+  std::vector<at::Tensor> converged, iterations;
+  const int64_t step = batch_size(A);
+  for (int64_t start = 0; start < n; start += step) {
+    const int64_t len = std::min(step, n - start);
+    auto member = A.narrow(0, start, len);
+    if (!A.is_cuda()) member = member.clone();  // a fresh, aligned allocation
+    auto out = solve_batch(member, eps.narrow(0, start, len), root, settings);
+    result.values.narrow(0, start, len).copy_(out.values);
+    converged.push_back(out.converged);
+    iterations.push_back(out.iterations);
+  }
+  const auto all_converged = n > 0 ? at::cat(converged).cpu() : at::empty({0}, at::kBool);
+  const auto all_iterations = n > 0 ? at::cat(iterations).cpu() : at::empty({0}, at::kLong);
+  for (int64_t i = 0; i < n; ++i) {
+    result.converged.push_back(all_converged[i].item<bool>());
+    result.iterations.push_back(all_iterations[i].item<int64_t>());
+  }
+  return result;
+}
+
+}  // namespace shampoo::detail

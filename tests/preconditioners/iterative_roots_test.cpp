@@ -1,0 +1,211 @@
+// The matmul-only inverse-root solvers (coupled Newton, Newton–DB; docs/math.md, "Inverse-root
+// solvers") against float64 eigh: well- and ill-conditioned stacks, closed forms, the fallback
+// to eigh, independence of the batch, mixed exponents; CUDA ≡ CPU (skipped without a GPU).
+#include "preconditioners/iterative_roots.h"
+
+#include <torch/cuda.h>
+
+#include <cmath>
+
+#include "preconditioners/matrix_functions.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shampoo::detail::integer_root;
+using shampoo::detail::IterativeRootMethod;
+using shampoo::detail::IterativeRootSettings;
+using shampoo::detail::newton_db_supports;
+using shampoo::detail::stacked_inverse_root;
+using shampoo::testing::all_close;
+using shampoo::testing::bit_equal;
+
+constexpr auto kNewton = IterativeRootMethod::kCoupledNewton;
+constexpr auto kDB = IterativeRootMethod::kNewtonDB;
+
+IterativeRootSettings settings(IterativeRootMethod method, double tolerance = 1e-6,
+                               int64_t max_iterations = 100) {
+  IterativeRootSettings s;
+  s.method = method;
+  s.tolerance = tolerance;
+  s.max_iterations = max_iterations;
+  return s;
+}
+
+/// n matrices Q·diag(λ)·Qᵀ with λ log-spaced from 1 down to 1/condition, random Q.
+at::Tensor conditioned_spd(int64_t n, int64_t d, double condition, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  const auto q = std::get<0>(at::linalg_qr(at::randn({n, d, d}, gen, options)));
+  const auto lambda = at::logspace(0.0, -std::log10(condition), d, 10.0, options);
+  return at::matmul(q * lambda, q.transpose(1, 2));
+}
+
+/// (A + ε·I)^(−exponent) in float64 through eigh, without the eigenvalue shift (A is SPD here).
+at::Tensor exact_root(const at::Tensor& A, double epsilon, double exponent) {
+  const auto a = A.to(at::kDouble) + epsilon * at::eye(A.size(-1), at::kDouble);
+  const auto [lambda, q] = at::linalg_eigh(a);
+  return at::matmul(q * lambda.pow(-exponent).unsqueeze(-2), q.transpose(-1, -2));
+}
+
+double relative_error(const at::Tensor& actual, const at::Tensor& expected) {
+  const auto e = expected.to(at::kDouble);
+  return (actual.to(at::kDouble) - e).norm().item<double>() / e.norm().item<double>();
+}
+
+struct Case {
+  IterativeRootMethod method;
+  at::ScalarType dtype;
+  double condition;
+  double exponent;
+  double tolerance;
+  double bound;  // relative error (Frobenius) against float64 eigh
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << (c.method == kNewton ? "coupled Newton" : "Newton-DB") << ", " << c.dtype << ", condition "
+      << c.condition << ", exponent " << c.exponent << ", tolerance " << c.tolerance << ", bound "
+      << c.bound;
+}
+
+class AgainstEigh : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AgainstEigh, WithinTheStatedRelativeError) {
+  const auto c = GetParam();
+  const double eps = 1e-10;
+  const auto a = conditioned_spd(4, 24, c.condition, 7).to(c.dtype);
+  const std::vector<double> epsilons(4, eps);
+  const std::vector<double> exponents(4, c.exponent);
+  const auto s = settings(c.method, c.tolerance);
+  const auto r = stacked_inverse_root(a, epsilons, exponents, true, &s);
+  EXPECT_EQ(r.solver_fallbacks, 0);
+  for (int64_t i = 0; i < 4; ++i) {
+    ASSERT_FALSE(r.failed[i]);
+    const double error = relative_error(r.values[i], exact_root(a[i], eps, c.exponent));
+    EXPECT_LE(error, c.bound) << "matrix " << i;
+  }
+}
+
+// Bounds: float64 at tolerance 1e-12 near rounding; float32 at the default tolerance limited by
+// the float32 factor itself (the rounding of A perturbs its smallest eigenvalues by ~u·λ_max).
+INSTANTIATE_TEST_SUITE_P(Solvers, AgainstEigh,
+                         ::testing::Values(Case{kNewton, at::kDouble, 1e2, 0.25, 1e-12, 1e-10},
+                                           Case{kDB, at::kDouble, 1e2, 0.25, 1e-12, 1e-10},
+                                           Case{kNewton, at::kDouble, 1e8, 0.25, 1e-12, 1e-8},
+                                           Case{kDB, at::kDouble, 1e8, 0.25, 1e-12, 1e-8},
+                                           Case{kNewton, at::kDouble, 1e4, 1.0 / 6.0, 1e-12, 1e-10},
+                                           Case{kDB, at::kDouble, 1e4, 0.5, 1e-12, 1e-10},
+                                           Case{kNewton, at::kFloat, 1e2, 0.25, 1e-6, 1e-5},
+                                           Case{kDB, at::kFloat, 1e2, 0.25, 1e-6, 1e-5},
+                                           Case{kNewton, at::kFloat, 1e5, 0.25, 1e-6, 1e-3},
+                                           Case{kDB, at::kFloat, 1e5, 0.25, 1e-6, 1e-3}));
+
+TEST(IterativeRoot, DiagonalClosedForm) {
+  const auto a = at::diag(at::tensor({1.0, 4.0, 9.0, 16.0})).unsqueeze(0);
+  const auto expected = at::diag(at::tensor({1.0, 0.5, 1.0 / 3.0, 0.25}));
+  for (const auto method : {kNewton, kDB}) {
+    const auto s = settings(method, 1e-13);
+    const auto r = stacked_inverse_root(a, {0.0}, {0.5}, true, &s);
+    EXPECT_EQ(r.solver_fallbacks, 0);
+    EXPECT_TRUE(all_close(r.values[0], expected, {1e-12, 1e-12})) << static_cast<int>(method);
+  }
+}
+
+TEST(IterativeRoot, UnconvergedMatricesFallBackToEigh) {
+  // Condition 1e8 cannot converge in 3 iterations: every matrix is computed by eigh, exactly as
+  // the eigh path computes it.
+  const auto a = conditioned_spd(3, 16, 1e8, 3).to(at::kFloat);
+  const std::vector<double> eps(3, 1e-12), exponents(3, 0.25);
+  const auto eigh = stacked_inverse_root(a, eps, exponents, true);
+  for (const auto method : {kNewton, kDB}) {
+    const auto s = settings(method, 1e-6, 3);
+    const auto r = stacked_inverse_root(a, eps, exponents, true, &s);
+    EXPECT_EQ(r.solver_fallbacks, 3);
+    EXPECT_TRUE(bit_equal(r.values, eigh.values)) << static_cast<int>(method);
+  }
+}
+
+TEST(IterativeRoot, IndefiniteMatrixFallsBackToEigh) {
+  // A + ε·I indefinite (eigenvalue −1): the iteration cannot converge; eigh shifts it.
+  const auto a = at::diag(at::tensor({-1.0, 2.0, 3.0})).unsqueeze(0).to(at::kFloat);
+  const auto eigh = stacked_inverse_root(a, {0.1}, {0.5}, true);
+  for (const auto method : {kNewton, kDB}) {
+    const auto s = settings(method);
+    const auto r = stacked_inverse_root(a, {0.1}, {0.5}, true, &s);
+    EXPECT_EQ(r.solver_fallbacks, 1);
+    EXPECT_TRUE(bit_equal(r.values, eigh.values));
+  }
+}
+
+TEST(IterativeRoot, ResultOfAMatrixDoesNotDependOnTheBatch) {
+  // The distributed engine computes a rank's blocks only: a matrix must come out the same alone
+  // as in any stack, bit for bit.
+  auto a = at::cat({conditioned_spd(3, 12, 1e3, 1), conditioned_spd(2, 12, 1e6, 2)}).to(at::kFloat);
+  const std::vector<double> eps{1e-8, 1e-6, 1e-8, 1e-10, 1e-8};
+  const std::vector<double> exponents(5, 0.25);
+  for (const auto method : {kNewton, kDB}) {
+    const auto s = settings(method);
+    const auto stacked = stacked_inverse_root(a, eps, exponents, true, &s);
+    for (int64_t i = 0; i < 5; ++i) {
+      const auto alone = stacked_inverse_root(a.narrow(0, i, 1), {eps[i]}, {0.25}, true, &s);
+      EXPECT_TRUE(bit_equal(alone.values[0], stacked.values[i])) << "matrix " << i;
+    }
+  }
+}
+
+TEST(IterativeRoot, MixedExponentsInOneStack) {
+  // 1/2 and 1/4 by the solver, 1/6 by coupled Newton (also under Newton–DB), 0.3 (root 10/3)
+  // by eigh, 0 the identity.
+  const auto a = conditioned_spd(5, 10, 1e3, 5);
+  const std::vector<double> eps(5, 1e-9);
+  const std::vector<double> exponents{0.5, 0.25, 1.0 / 6.0, 0.3, 0.0};
+  const auto eigh = stacked_inverse_root(a, eps, exponents, true);
+  for (const auto method : {kNewton, kDB}) {
+    const auto s = settings(method, 1e-12);
+    const auto r = stacked_inverse_root(a, eps, exponents, true, &s);
+    EXPECT_EQ(r.solver_fallbacks, 0);
+    for (int64_t i = 0; i < 3; ++i) {
+      EXPECT_LE(relative_error(r.values[i], exact_root(a[i], 1e-9, exponents[i])), 1e-10);
+    }
+    EXPECT_TRUE(bit_equal(r.values[3], eigh.values[3]));
+    EXPECT_TRUE(bit_equal(r.values[4], at::eye(10, at::kDouble)));
+  }
+}
+
+TEST(IterativeRoot, IntegerRoots) {
+  EXPECT_EQ(integer_root(0.25), 4);
+  EXPECT_EQ(integer_root(1.0 / 6.0), 6);
+  EXPECT_EQ(integer_root(1.0), 1);
+  EXPECT_EQ(integer_root(0.3), 0);
+  EXPECT_EQ(integer_root(0.0), 0);
+  EXPECT_EQ(integer_root(2.0), 0);
+  EXPECT_TRUE(newton_db_supports(2));
+  EXPECT_TRUE(newton_db_supports(8));
+  EXPECT_FALSE(newton_db_supports(6));
+  EXPECT_FALSE(newton_db_supports(1));
+}
+
+TEST(IterativeRootCuda, MatchesCpuAndRestoresTf32Mode) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const auto a = conditioned_spd(6, 256, 1e4, 11).to(at::kFloat);
+  const std::vector<double> eps(6, 1e-8), exponents(6, 0.25);
+  at::globalContext().setAllowTF32CuBLAS(false);
+  for (const auto method : {kNewton, kDB}) {
+    auto s = settings(method);
+    const auto cpu = stacked_inverse_root(a, eps, exponents, true, &s);
+    const auto gpu = stacked_inverse_root(a.cuda(), eps, exponents, true, &s);
+    EXPECT_EQ(gpu.solver_fallbacks, 0);
+    for (int64_t i = 0; i < 6; ++i) {
+      EXPECT_LE(relative_error(gpu.values[i].cpu(), cpu.values[i]), 1e-4) << "matrix " << i;
+    }
+    s.tf32 = true;
+    s.tolerance = 3e-2;
+    const auto tf32 = stacked_inverse_root(a.cuda(), eps, exponents, true, &s);
+    EXPECT_FALSE(at::globalContext().allowTF32CuBLAS());
+    for (int64_t i = 0; i < 6; ++i) {
+      EXPECT_LE(relative_error(tf32.values[i].cpu(), exact_root(a[i], 1e-8, 0.25)), 5e-2);
+    }
+  }
+}
+
+}  // namespace

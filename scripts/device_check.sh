@@ -4,7 +4,9 @@
 # for Hopper, runs every test (the `cuda` label verbosely) and bench_cuda. Logs and the
 # benchmark's JSON go to $OUT (./device-out when unset).
 #   STAGES="build test bench" (default all), JOBS (default nproc), BENCH_ARGS (extra bench_cuda
-#   flags), BUILD (default /tmp/shampoo-build-gpu).
+#   flags), BUILD (default /tmp/shampoo-build-gpu), BUILD_TARGETS (default: everything; the build
+#   stage needs tests/preconditioners/cuda_test among them). scripts/device_perf.sh runs the build
+#   stage of this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/device-out}"
@@ -44,9 +46,12 @@ if has_stage build; then
     -DCMAKE_PREFIX_PATH="$root/usr;$torch_prefix" -DSHAMPOO_ENABLE_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DTORCH_CUDA_ARCH_LIST=9.0 -DSHAMPOO_USE_PCH=ON \
     "${extra[@]}" 2>&1 | tee "$OUT/configure.log" | grep -E "DistributedShampoo|Error|error" || true
-  log "build with $JOBS jobs"
+  targets=()
+  # shellcheck disable=SC2206
+  [ -n "${BUILD_TARGETS:-}" ] && targets=(--target ${BUILD_TARGETS})
+  log "build with $JOBS jobs${BUILD_TARGETS:+ (targets: $BUILD_TARGETS)}"
   set -o pipefail
-  cmake --build "$BUILD" -j "$JOBS" 2>&1 | tee "$OUT/build.log" | grep -E "error|warning" || true
+  cmake --build "$BUILD" -j "$JOBS" "${targets[@]}" 2>&1 | tee "$OUT/build.log" | grep -E "error|warning" || true
   [ -x "$BUILD/tests/preconditioners/cuda_test" ] || { log "build failed, see build.log"; exit 1; }
 fi
 

@@ -1,0 +1,541 @@
+/// The GPU workload of issue 13, "transformer-like": DistributedShampoo on 21 parameter tensors
+/// (29.4M parameters), for each root solver setting, measured with the protocol that
+/// benchmarks/reference_transformer.py applies to the reference Python implementation.
+///
+/// Workload: an embedding (4096, 1024); then twice: (3072, 1024), (3072), (1024, 1024), (1024),
+/// (4096, 1024), (4096), (1024, 4096), (1024), (1024), (1024). Parameters and three sets of
+/// gradients drawn once from torch's CPU generator seeded with 0 (the same numbers the Python
+/// script draws), moved to the device; step i copies set i mod 3 into the existing .grad
+/// tensors (untimed). Shampoo: lr 1e-3, betas (0.9, 0.999), epsilon 1e-8, decoupled weight decay
+/// 1e-5, max_preconditioner_dim 1024, Adam grafting (0.999, 1e-8), bias correction,
+/// start_preconditioning_step default (= precondition_frequency).
+///
+/// Per solver setting, with one optimizer alive at a time:
+///   f=N (precondition_frequency N, default 20): warm-up through the first root computation
+///     (step N), then `repetitions` windows of `window` consecutive steps (default 40, two root
+///     computations each). Amortized ms/step = mean over a window; plain step = median of the
+///     window's steps without a root computation; root step = median of those with one; root
+///     time = root step − plain step. Medians over the windows.
+///   f=1: two warm-up steps, then `steps` timed steps (a root computation each); their median.
+///   Peak memory: on CUDA the caching allocator's peak of allocated bytes, reset after setup; on
+///     the CPU the tracking allocator's peak of live tensor bytes. Both include the harness's own
+///     tensors (parameters, gradients, the three gradient sets), reported separately.
+/// Every step is synchronized before and after (torch::cuda::synchronize on CUDA).
+///
+///   bench_transformer [--device cuda|cpu] [--solvers eigh,coupled-newton,...] [--frequency 20]
+///                     [--window 40] [--steps 5] [--repetitions 3] [--one-group-per-tensor]
+///                     [--small] [--threads T] [--epsilon 1e-8] [--json PATH] [--label TEXT]
+/// Exits 1 when a setting failed (its row says why; the others are still measured).
+/// How to run it on a GPU machine: benchmarks/RESULTS.md ("GPU transformer workload").
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <shampoo/shampoo.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "benchmarks/bench_support.h"
+#include "benchmarks/tracking_allocator.h"
+
+#if SHAMPOO_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace {
+
+using namespace shampoo::bench;
+
+constexpr int64_t kGradientSets = 3;
+constexpr uint64_t kSeed = 0;
+/// --small divides every dimension (and max_preconditioner_dim) by this: the same blocks, smaller.
+constexpr int64_t kSmallDivisor = 8;
+
+// ---- command line -------------------------------------------------------------------------------
+
+struct Args {
+  std::string device = torch::cuda::is_available() ? "cuda" : "cpu";
+  std::string solvers = "eigh,coupled-newton,newton-db,newton-db-tf32,coupled-newton-tf32";
+  int64_t frequency = 20;
+  int64_t window = 40;
+  int64_t steps = 5;  // timed steps at frequency 1; 0 skips frequency 1
+  int64_t repetitions = 3;
+  int64_t threads = 0;  // 0 = LibTorch's default
+  double epsilon = 1e-8;
+  bool one_group_per_tensor = false;
+  bool small = false;
+  std::string json;
+  std::string label;
+};
+
+Args parse_args(int argc, char** argv) {
+  Args args;
+  Flags flags("bench_transformer",
+              "DistributedShampoo on the transformer-like workload of issue 13, per root solver "
+              "(benchmarks/RESULTS.md).");
+  flags.add_choice("device", args.device, {"cuda", "cpu"}, "device of the parameters")
+      .add("solvers", args.solvers,
+           "comma-separated root solver settings: eigh, coupled-newton, newton-db, "
+           "newton-db-tf32, coupled-newton-tf32")
+      .add("frequency", args.frequency, "precondition_frequency N of the amortized runs", 2)
+      .add("window", args.window, "timed consecutive steps per repetition at frequency N", 1)
+      .add("steps", args.steps, "timed steps at frequency 1 (0 skips frequency 1)", 0)
+      .add("repetitions", args.repetitions, "timed windows at frequency N (medians over them)", 1)
+      .add("threads", args.threads, "intra-op threads (0 = LibTorch's default)", 0)
+      .add("epsilon", args.epsilon, "Shampoo's epsilon (issue 13: 1e-8)", 0.0)
+      .add_bool("one-group-per-tensor", args.one_group_per_tensor,
+                "21 param groups, group i with lr 1e-3·(1 + i/21)")
+      .add_bool("small", args.small,
+                "every dimension and max_preconditioner_dim divided by 8 (CPU smoke runs)");
+  add_output_flags(flags, args.json, args.label);
+  parse_flags_or_exit(flags, "bench_transformer", argc, argv);
+  return args;
+}
+
+// ---- solver settings ----------------------------------------------------------------------------
+
+struct SolverSetting {
+  std::string name;
+  shampoo::RootInvShampooConfig config;
+};
+
+SolverSetting solver_setting(const std::string& name) {
+  using shampoo::RootSolver;
+  shampoo::RootInvShampooConfig c;
+  if (name == "eigh") {
+    c.solver = RootSolver::kEigh;
+  } else if (name == "coupled-newton" || name == "coupled-newton-tf32") {
+    c.solver = RootSolver::kCoupledNewton;
+  } else if (name == "newton-db" || name == "newton-db-tf32") {
+    c.solver = RootSolver::kNewtonDB;
+  } else {
+    throw std::invalid_argument(
+        fmt::format("--solvers: got '{}', expected a comma-separated list of eigh, coupled-newton, "
+                    "newton-db, newton-db-tf32, coupled-newton-tf32",
+                    name));
+  }
+  if (name.ends_with("-tf32")) {
+    c.tf32 = true;
+    c.tolerance = 3e-2;  // TF32 products floor the error near 1e-2 (shampoo_options.h)
+  }
+  return {name, c};
+}
+
+std::vector<SolverSetting> solver_settings(const std::string& list) {
+  std::vector<SolverSetting> settings;
+  std::stringstream in(list);
+  std::string name;
+  while (std::getline(in, name, ',')) {
+    if (!name.empty()) settings.push_back(solver_setting(name));
+  }
+  if (settings.empty()) throw std::invalid_argument("--solvers: got an empty list");
+  return settings;
+}
+
+std::string solver_name(shampoo::RootSolver s) {
+  switch (s) {
+    case shampoo::RootSolver::kEigh:
+      return "eigh";
+    case shampoo::RootSolver::kCoupledNewton:
+      return "coupled_newton";
+    case shampoo::RootSolver::kNewtonDB:
+      return "newton_db";
+  }
+  return "unknown";
+}
+
+// ---- device: synchronization and peak memory ----------------------------------------------------
+
+void synchronize(const at::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize();
+}
+
+/// Starts a new peak measurement at the bytes allocated now.
+void reset_peak_memory(const at::Device& device) {
+  if (device.is_cpu()) {
+    TrackingAllocator::install().reset_peak();
+    return;
+  }
+#if SHAMPOO_WITH_CUDA
+  c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+}
+
+/// Peak bytes allocated since reset_peak_memory; −1 when this build cannot read it.
+int64_t peak_memory_bytes(const at::Device& device) {
+  if (device.is_cpu()) return TrackingAllocator::install().peak();
+#if SHAMPOO_WITH_CUDA
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+  return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+      .peak;
+#else
+  return -1;
+#endif
+}
+
+// ---- workload -----------------------------------------------------------------------------------
+
+std::vector<std::vector<int64_t>> workload_shapes(bool small) {
+  std::vector<std::vector<int64_t>> shapes{{4096, 1024}};
+  for (int layer = 0; layer < 2; ++layer) {
+    for (const auto& s : std::vector<std::vector<int64_t>>{{3072, 1024},
+                                                           {3072},
+                                                           {1024, 1024},
+                                                           {1024},
+                                                           {4096, 1024},
+                                                           {4096},
+                                                           {1024, 4096},
+                                                           {1024},
+                                                           {1024},
+                                                           {1024}}) {
+      shapes.push_back(s);
+    }
+  }
+  if (small) {
+    for (auto& s : shapes) {
+      for (auto& d : s) d /= kSmallDivisor;
+    }
+  }
+  return shapes;
+}
+
+/// Parameters (with their .grad tensors allocated) and the gradient sets, on the device.
+struct Workload {
+  at::Device device{at::kCPU};
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<at::Tensor> params;
+  std::vector<std::vector<at::Tensor>> gradient_sets;
+  int64_t harness_bytes = 0;  // parameters + gradients + gradient sets
+  /// Sum of every initial parameter and gradient entry (float64): equal to the Python script's
+  /// when both drew the same numbers.
+  double checksum = 0.0;
+};
+
+/// Draws the initial parameters (0.02·N(0, 1)) and then the gradient sets (N(0, 1)) from the CPU
+/// generator seeded with kSeed, in that order, shape by shape: the numbers of the Python script.
+/// Returns the parameters' initial values on the CPU.
+std::vector<at::Tensor> draw_parameters(const Workload& w) {
+  torch::manual_seed(kSeed);
+  std::vector<at::Tensor> init;
+  for (const auto& s : w.shapes) init.push_back(at::randn(s) * 0.02);
+  return init;
+}
+
+void reset_parameters(Workload& w) {
+  torch::NoGradGuard no_grad;
+  const auto init = draw_parameters(w);
+  for (size_t i = 0; i < init.size(); ++i) w.params[i].copy_(init[i]);
+}
+
+Workload make_workload(const at::Device& device, bool small) {
+  Workload w;
+  w.device = device;
+  w.shapes = workload_shapes(small);
+  for (const auto& p : draw_parameters(w)) {
+    w.params.push_back(p.to(device).set_requires_grad(true));
+  }
+  for (int64_t k = 0; k < kGradientSets; ++k) {
+    std::vector<at::Tensor> set;
+    for (const auto& s : w.shapes) set.push_back(at::randn(s).to(device));
+    w.gradient_sets.push_back(std::move(set));
+  }
+  set_gradients(w.params, w.gradient_sets[0]);  // allocates the .grad tensors once
+  std::vector<at::Tensor> grads;
+  for (const auto& p : w.params) grads.push_back(p.grad());
+  w.harness_bytes = nbytes_of(w.params) + nbytes_of(grads);
+  for (const auto& set : w.gradient_sets) w.harness_bytes += nbytes_of(set);
+  for (const auto& p : w.params) w.checksum += p.to(at::kDouble).sum().item<double>();
+  for (const auto& set : w.gradient_sets) {
+    for (const auto& g : set) w.checksum += g.to(at::kDouble).sum().item<double>();
+  }
+  synchronize(device);
+  return w;
+}
+
+shampoo::ShampooOptions transformer_options(int64_t frequency,
+                                            const shampoo::RootInvShampooConfig& solver,
+                                            const Args& args) {
+  return shampoo::ShampooOptions(1e-3)
+      .betas(std::make_tuple(0.9, 0.999))
+      .epsilon(args.epsilon)
+      .weight_decay(1e-5)
+      .weight_decay_type(shampoo::WeightDecayType::kDecoupled)
+      .max_preconditioner_dim(args.small ? 1024 / kSmallDivisor : 1024)
+      .precondition_frequency(frequency)
+      .use_bias_correction(true)
+      .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8})
+      .preconditioner(solver);
+}
+
+// ---- one optimizer's run ------------------------------------------------------------------------
+
+/// One optimizer over the workload's parameters, reset to their initial values.
+struct Run {
+  Workload* workload;
+  std::unique_ptr<shampoo::DistributedShampoo> optimizer;
+  int64_t steps_taken = 0;
+};
+
+Run make_run(Workload& w, const shampoo::ShampooOptions& options, bool one_group_per_tensor) {
+  reset_parameters(w);
+  Run run{&w, nullptr, 0};
+  if (one_group_per_tensor) {
+    const auto groups = static_cast<int64_t>(w.params.size());
+    run.optimizer = std::make_unique<shampoo::DistributedShampoo>(
+        lr_param_groups(w.params, groups, options), options);
+  } else {
+    run.optimizer = std::make_unique<shampoo::DistributedShampoo>(w.params, options);
+  }
+  synchronize(w.device);
+  reset_peak_memory(w.device);
+  return run;
+}
+
+/// Copies gradient set (steps taken mod 3) into .grad (untimed), then times step() between two
+/// synchronizations. `root` tells whether the step computed inverse roots.
+double timed_step(Run& run, bool* root = nullptr) {
+  Workload& w = *run.workload;
+  set_gradients(w.params, w.gradient_sets[static_cast<size_t>(run.steps_taken % kGradientSets)]);
+  const auto computations = run.optimizer->stats().amortized_computations;
+  synchronize(w.device);
+  const auto begin = Clock::now();
+  run.optimizer->step();
+  synchronize(w.device);
+  const double ms = elapsed_ms(begin, Clock::now());
+  ++run.steps_taken;
+  if (root != nullptr) *root = run.optimizer->stats().amortized_computations != computations;
+  return ms;
+}
+
+// ---- measurements -------------------------------------------------------------------------------
+
+struct Amortized {
+  std::vector<double> window_mean_ms;   // per window: mean of its steps
+  std::vector<double> plain_median_ms;  // per window: median of its steps without roots
+  std::vector<double> root_step_ms;     // every step with roots, all windows
+  int64_t peak_bytes = -1;
+  shampoo::ShampooStats stats;
+};
+
+Amortized measure_amortized(Workload& w, const SolverSetting& setting, const Args& args) {
+  const auto options = transformer_options(args.frequency, setting.config, args);
+  Run run = make_run(w, options, args.one_group_per_tensor);
+  const int64_t start = options.resolved_start_preconditioning_step();
+  for (int64_t i = 0; i < start; ++i) timed_step(run);  // warm-up through the first roots
+  Amortized a;
+  for (int64_t r = 0; r < args.repetitions; ++r) {
+    std::vector<double> all, plain;
+    for (int64_t i = 0; i < args.window; ++i) {
+      bool root = false;
+      const double ms = timed_step(run, &root);
+      all.push_back(ms);
+      (root ? a.root_step_ms : plain).push_back(ms);
+    }
+    a.window_mean_ms.push_back(mean(all));
+    a.plain_median_ms.push_back(median(plain));
+    fmt::print("  {} f={} window {}/{}: {:.2f} ms/step, plain step {:.2f} ms, {} root step(s)\n",
+               setting.name, args.frequency, r + 1, args.repetitions, a.window_mean_ms.back(),
+               a.plain_median_ms.back(), all.size() - plain.size());
+    std::fflush(stdout);
+  }
+  a.peak_bytes = peak_memory_bytes(w.device);
+  a.stats = run.optimizer->stats();
+  return a;
+}
+
+struct EveryStep {
+  std::vector<double> step_ms;
+  int64_t peak_bytes = -1;
+  shampoo::ShampooStats stats;
+};
+
+EveryStep measure_every_step(Workload& w, const SolverSetting& setting, const Args& args) {
+  EveryStep e;
+  if (args.steps == 0) return e;
+  Run run = make_run(w, transformer_options(1, setting.config, args), args.one_group_per_tensor);
+  for (int i = 0; i < 2; ++i) timed_step(run);  // warm-up: allocations, the first roots
+  for (int64_t i = 0; i < args.steps; ++i) e.step_ms.push_back(timed_step(run));
+  e.peak_bytes = peak_memory_bytes(w.device);
+  e.stats = run.optimizer->stats();
+  fmt::print("  {} f=1: median {:.2f} ms/step over {} steps [{:.1f}]\n", setting.name,
+             median(e.step_ms), e.step_ms.size(), fmt::join(e.step_ms, ", "));
+  std::fflush(stdout);
+  return e;
+}
+
+struct SolverResult {
+  SolverSetting setting;
+  Amortized amortized;
+  EveryStep every_step;
+  std::string error;  // what stopped the setting's runs ("" = none)
+
+  double amortized_ms() const { return median(amortized.window_mean_ms); }
+  double plain_ms() const { return median(amortized.plain_median_ms); }
+  double root_step_ms() const { return median(amortized.root_step_ms); }
+  double root_ms() const { return root_step_ms() - plain_ms(); }
+  bool has_every_step() const { return !every_step.step_ms.empty(); }
+  double every_step_ms() const { return median(every_step.step_ms); }
+  int64_t peak_bytes() const { return std::max(amortized.peak_bytes, every_step.peak_bytes); }
+};
+
+/// Both runs of one setting; an exception (e.g. a root computation that failed more often than
+/// tolerated) ends the setting's runs and is reported in its row.
+SolverResult run_setting(Workload& w, const SolverSetting& setting, const Args& args) {
+  SolverResult r{setting, {}, {}, {}};
+  try {
+    r.amortized = measure_amortized(w, setting, args);
+    r.every_step = measure_every_step(w, setting, args);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    r.error = what.substr(0, what.find('\n'));
+    fmt::print("  {}: failed: {}\n", setting.name, r.error);
+  }
+  return r;
+}
+
+// ---- output -------------------------------------------------------------------------------------
+
+std::string megabytes(int64_t bytes) {
+  return bytes < 0 ? "n/a" : fmt::format("{:.1f}", static_cast<double>(bytes) / 1e6);
+}
+
+void print_header(const Workload& w, const Args& args) {
+  fmt::print(
+      "bench_transformer: {} parameters in {} tensors{}, device {}, LibTorch {}\n"
+      "  frequency {}: warm-up {} steps, {} window(s) of {} steps; frequency 1: {} timed steps; "
+      "{}, epsilon {:g}\n  harness tensors (parameters, gradients, {} gradient sets): {} MB\n",
+      numel_of(w.params), w.params.size(), args.small ? " (--small: dimensions / 8)" : "",
+      w.device.str(), TORCH_VERSION, args.frequency, args.frequency, args.repetitions, args.window,
+      args.steps, args.one_group_per_tensor ? "21 param groups" : "one param group", args.epsilon,
+      kGradientSets, megabytes(w.harness_bytes));
+  std::fflush(stdout);
+}
+
+void print_table(const std::vector<SolverResult>& results, const Workload& w, const Args& args) {
+  const int64_t f = args.frequency;
+  fmt::print(
+      "\n| solver | f={} ms/step | f={} plain step ms | root ms | f=1 ms/step | peak MB |\n"
+      "|---|---|---|---|---|---|\n",
+      f, f);
+  for (const auto& r : results) {
+    if (!r.error.empty()) {
+      fmt::print("| {} | failed: {} | | | | |\n", r.setting.name, r.error.substr(0, 120));
+      continue;
+    }
+    fmt::print("| {} | {:.2f} | {:.2f} | {:.1f} | {} | {} |\n", r.setting.name, r.amortized_ms(),
+               r.plain_ms(), r.root_ms(),
+               r.has_every_step() ? fmt::format("{:.1f}", r.every_step_ms()) : "—",
+               megabytes(r.peak_bytes()));
+  }
+  fmt::print(
+      "\nf={}: mean over a window of {} steps (median of {} windows); plain step: median of "
+      "the steps without roots; root = step with roots − plain step. Peak MB (1e6 bytes) "
+      "includes the harness's {} MB of parameters, gradients and gradient sets. {}\n",
+      f, args.window, args.repetitions, megabytes(w.harness_bytes),
+      args.one_group_per_tensor ? "21 param groups." : "One param group.");
+}
+
+Json solver_json(const SolverResult& r) {
+  const auto& c = r.setting.config;
+  const auto& s = r.amortized.stats;
+  return Json{{"name", r.setting.name},
+              {"error", r.error.empty() ? Json(nullptr) : Json(r.error)},
+              {"config",
+               {{"solver", solver_name(c.solver)},
+                {"max_iterations", c.max_iterations},
+                {"tolerance", c.tolerance},
+                {"tf32", c.tf32}}},
+              {"amortized_ms", r.amortized_ms()},
+              {"plain_step_ms", r.plain_ms()},
+              {"root_step_ms", r.root_step_ms()},
+              {"root_ms", r.root_ms()},
+              {"every_step_ms", r.has_every_step() ? Json(r.every_step_ms()) : Json(nullptr)},
+              {"peak_bytes", r.peak_bytes()},
+              {"peak_bytes_amortized", r.amortized.peak_bytes},
+              {"peak_bytes_every_step", r.every_step.peak_bytes},
+              {"per_window_ms", r.amortized.window_mean_ms},
+              {"per_window_plain_ms", r.amortized.plain_median_ms},
+              {"root_steps_ms", r.amortized.root_step_ms},
+              {"every_steps_ms", r.every_step.step_ms},
+              {"virtual_groups", s.virtual_groups},
+              {"total_blocks", s.total_blocks},
+              {"state_bytes", s.state_bytes},
+              {"amortized_computations", s.amortized_computations},
+              {"failed_amortized_computations",
+               s.failed_amortized_computations + r.every_step.stats.failed_amortized_computations},
+              {"double_precision_retries",
+               s.double_precision_retries + r.every_step.stats.double_precision_retries}};
+}
+
+Json results_json(const std::vector<SolverResult>& results, const Workload& w, const Args& args) {
+  Json shapes = Json::array();
+  for (const auto& s : w.shapes) shapes.push_back(s);
+  Json settings{{"device", w.device.str()},
+                {"frequency", args.frequency},
+                {"window", args.window},
+                {"repetitions", args.repetitions},
+                {"every_step_steps", args.steps},
+                {"one_group_per_tensor", args.one_group_per_tensor},
+                {"small", args.small},
+                {"shapes", shapes},
+                {"shampoo",
+                 {{"lr", 1e-3},
+                  {"betas", {0.9, 0.999}},
+                  {"epsilon", args.epsilon},
+                  {"weight_decay", 1e-5},
+                  {"weight_decay_type", "decoupled"},
+                  {"max_preconditioner_dim", args.small ? 1024 / kSmallDivisor : 1024},
+                  {"grafting", "adam(0.999, 1e-8)"},
+                  {"use_bias_correction", true}}}};
+  Json solvers = Json::array();
+  for (const auto& r : results) solvers.push_back(solver_json(r));
+  return Json{{"benchmark", "bench_transformer"},
+              {"label", args.label},
+              {"parameters", numel_of(w.params)},
+              {"parameter_tensors", w.params.size()},
+              {"harness_bytes", w.harness_bytes},
+              {"workload_checksum", w.checksum},
+              {"settings", settings},
+              {"solvers", solvers},
+              {"machine", nullptr}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse_args(argc, argv);
+  if (args.threads > 0) at::set_num_threads(static_cast<int>(args.threads));
+  std::vector<SolverSetting> settings;
+  try {
+    settings = solver_settings(args.solvers);
+  } catch (const std::invalid_argument& e) {
+    fmt::print(stderr, "bench_transformer: {} (see --help)\n", e.what());
+    return 2;
+  }
+  if (args.device == "cuda" && !torch::cuda::is_available()) {
+    fmt::print(stderr, "bench_transformer: --device cuda, but no CUDA device is available\n");
+    return 2;
+  }
+  const at::Device device = args.device == "cuda" ? at::Device(at::kCUDA, 0) : at::kCPU;
+  if (device.is_cpu()) TrackingAllocator::install();  // counts every tensor from here on
+  const double load_before = load_average();
+  Workload w = make_workload(device, args.small);
+  print_header(w, args);
+  std::vector<SolverResult> results;
+  for (const auto& s : settings) results.push_back(run_setting(w, s, args));
+  print_table(results, w, args);
+  const bool all_ran =
+      std::all_of(results.begin(), results.end(), [](const auto& r) { return r.error.empty(); });
+  if (args.json.empty()) return all_ran ? 0 : 1;
+  Json json = results_json(results, w, args);
+  json["machine"] = machine_json(load_before, load_average());
+  return write_json(args.json, json, "bench_transformer") && all_ran ? 0 : 1;
+}

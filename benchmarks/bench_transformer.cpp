@@ -365,8 +365,9 @@ EveryStep measure_every_step(Workload& w, const SolverSetting& setting, const Ar
   for (int64_t i = 0; i < args.steps; ++i) e.step_ms.push_back(timed_step(run));
   e.peak_bytes = peak_memory_bytes(w.device);
   e.stats = run.optimizer->stats();
-  fmt::print("  {} f=1: median {:.2f} ms/step over {} steps [{:.1f}]\n", setting.name,
-             median(e.step_ms), e.step_ms.size(), fmt::join(e.step_ms, ", "));
+  fmt::print("  {} f=1: median {:.2f} ms/step over {} steps [{:.1f}]; {} roots by eigh fallback\n",
+             setting.name, median(e.step_ms), e.step_ms.size(), fmt::join(e.step_ms, ", "),
+             e.stats.root_solver_fallbacks);
   std::fflush(stdout);
   return e;
 }
@@ -472,7 +473,9 @@ Json solver_json(const SolverResult& r) {
               {"failed_amortized_computations",
                s.failed_amortized_computations + r.every_step.stats.failed_amortized_computations},
               {"double_precision_retries",
-               s.double_precision_retries + r.every_step.stats.double_precision_retries}};
+               s.double_precision_retries + r.every_step.stats.double_precision_retries},
+              {"root_solver_fallbacks",
+               s.root_solver_fallbacks + r.every_step.stats.root_solver_fallbacks}};
 }
 
 Json results_json(const std::vector<SolverResult>& results, const Workload& w, const Args& args) {

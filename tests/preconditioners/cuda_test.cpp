@@ -6,6 +6,12 @@
 #include "support/test_support.h"
 
 #if SHAMPOO_WITH_CUDA
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <limits>
+
 #include "preconditioners/cuda/cuda_eigh.h"
 #endif
 #include "preconditioners/matrix_functions.h"
@@ -13,6 +19,7 @@
 namespace {
 
 using shampoo::testing::all_close;
+using shampoo::testing::bit_equal;
 
 bool has_gpu() { return torch::cuda::is_available(); }
 
@@ -48,6 +55,249 @@ INSTANTIATE_TEST_SUITE_P(Sizes, CudaEigh,
                          ::testing::Combine(::testing::Values(int64_t{8}, int64_t{32}, int64_t{33},
                                                               int64_t{200}),
                                             ::testing::Values(at::kFloat, at::kDouble)));
+
+#if SHAMPOO_WITH_CUDA
+using shampoo::detail::CudaEighMethod;
+
+std::string method_name(CudaEighMethod method) {
+  switch (method) {
+    case CudaEighMethod::kAuto:
+      return "Auto";
+    case CudaEighMethod::kBatchedJacobi:
+      return "BatchedJacobi";
+    case CudaEighMethod::kBatched:
+      return "Batched";
+    case CudaEighMethod::kBatchedChunks:
+      return "BatchedChunks";
+    case CudaEighMethod::kSequential:
+      return "Sequential";
+    case CudaEighMethod::kConcurrent:
+      return "Concurrent";
+    case CudaEighMethod::kConcurrentStreams:
+      return "ConcurrentStreams";
+  }
+  return "Unknown";
+}
+
+using StackCase = std::tuple<int64_t, int64_t, CudaEighMethod>;  // n, d, method
+
+std::string stack_case_name(const ::testing::TestParamInfo<StackCase>& info) {
+  const auto [n, d, method] = info.param;
+  return std::to_string(n) + "x" + std::to_string(d) + "_" + method_name(method);
+}
+
+/// Q·diag(λ)·Qᵀ of every matrix, in float64 on the CPU.
+at::Tensor reconstructed(const at::Tensor& eigenvalues, const at::Tensor& eigenvectors) {
+  const auto q = eigenvectors.cpu().to(at::kDouble);
+  const auto w = eigenvalues.cpu().to(at::kDouble);
+  return at::bmm(q * w.unsqueeze(1), q.transpose(1, 2));
+}
+
+// Concurrent lanes ≡ divide and conquer one matrix after the other ≡ each matrix alone, bit for
+// bit, and right (reconstruction within float32 tolerance).
+class CudaEighConcurrent : public ::testing::TestWithParam<StackCase> {};
+
+TEST_P(CudaEighConcurrent, BitForBitOneAtATime) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const auto [n, d, method] = GetParam();
+  const auto a = spd(n, d, at::kFloat).cuda();
+  const auto sequential = shampoo::detail::cuda_eigh(a, CudaEighMethod::kSequential);
+  const auto concurrent = shampoo::detail::cuda_eigh(a, method);
+  EXPECT_TRUE(bit_equal(concurrent.eigenvalues, sequential.eigenvalues));
+  EXPECT_TRUE(bit_equal(concurrent.eigenvectors, sequential.eigenvectors));
+  for (int64_t i = 0; i < n; ++i) {
+    const auto alone = shampoo::detail::cuda_eigh(a.narrow(0, i, 1), CudaEighMethod::kSequential);
+    EXPECT_TRUE(concurrent.converged[i]) << "matrix " << i;
+    EXPECT_TRUE(bit_equal(concurrent.eigenvalues[i], alone.eigenvalues[0])) << "matrix " << i;
+    EXPECT_TRUE(bit_equal(concurrent.eigenvectors[i], alone.eigenvectors[0])) << "matrix " << i;
+  }
+  EXPECT_TRUE(all_close(reconstructed(concurrent.eigenvalues, concurrent.eigenvectors),
+                        a.cpu().to(at::kDouble), {1e-4, 1e-4}));
+}
+
+// 10×64: more matrices than lanes, so lanes take several each.
+INSTANTIATE_TEST_SUITE_P(Stacks, CudaEighConcurrent,
+                         ::testing::Combine(::testing::Values(int64_t{6}),
+                                            ::testing::Values(int64_t{256}),
+                                            ::testing::Values(CudaEighMethod::kConcurrent,
+                                                              CudaEighMethod::kConcurrentStreams)),
+                         stack_case_name);
+INSTANTIATE_TEST_SUITE_P(LargeStacks, CudaEighConcurrent,
+                         ::testing::Values(StackCase{3, 1024, CudaEighMethod::kConcurrent},
+                                           StackCase{10, 64, CudaEighMethod::kConcurrent},
+                                           StackCase{10, 64, CudaEighMethod::kConcurrentStreams}),
+                         stack_case_name);
+
+// The lanes start after the work already queued on the caller's stream: the input is written on
+// a side stream behind a ~0.1 s spin kernel, the decomposition issued on it at once.
+TEST(CudaEighConcurrentOrder, LanesWaitForTheCallersStream) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const auto a = spd(4, 128, at::kFloat).cuda();
+  const auto expected = shampoo::detail::cuda_eigh(a, CudaEighMethod::kSequential);
+  torch::cuda::synchronize();
+  const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+  auto input = at::full_like(a, std::numeric_limits<float>::quiet_NaN());
+  at::cuda::sleep(200'000'000);
+  input.copy_(a);
+  const auto concurrent = shampoo::detail::cuda_eigh(input, CudaEighMethod::kConcurrent);
+  EXPECT_TRUE(bit_equal(concurrent.eigenvalues, expected.eigenvalues));
+  EXPECT_TRUE(bit_equal(concurrent.eigenvectors, expected.eigenvectors));
+}
+
+// Small stacks through the batched routines, as decompose_cuda uses them: no matrix failed or
+// needed the float64 retry, and the results match float64 linalg_eigh within float32 tolerance.
+class CudaEighSmall : public ::testing::TestWithParam<StackCase> {};
+
+TEST_P(CudaEighSmall, MatchesLinalgEigh) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const auto [n, d, method] = GetParam();
+  const auto a = spd(n, d, at::kFloat);
+  const auto out =
+      shampoo::detail::decompose_cuda(a.cuda(), /*retry_double_precision=*/true, method);
+  const auto [values, vectors] = at::linalg_eigh(a.to(at::kDouble));
+  EXPECT_EQ(out.retried, 0);
+  for (int64_t i = 0; i < n; ++i) EXPECT_FALSE(out.failed[i]) << "matrix " << i;
+  EXPECT_TRUE(all_close(out.eigenvalues.cpu().to(at::kDouble), values, {1e-4, 1e-5}));
+  EXPECT_TRUE(
+      all_close(reconstructed(out.eigenvalues, out.eigenvectors), a.to(at::kDouble), {1e-4, 1e-4}));
+}
+
+/// A matrix's result does not depend on the rest of its stack: the first 1, 2 and n/2 matrices
+/// decomposed on their own give the same bits as in the whole stack.
+void expect_independent_of_the_stack(const at::Tensor& a, CudaEighMethod method) {
+  const int64_t n = a.size(0);
+  const auto whole = shampoo::detail::cuda_eigh(a, method);
+  for (const int64_t part : {int64_t{1}, int64_t{2}, n / 2}) {
+    const auto some = shampoo::detail::cuda_eigh(a.narrow(0, 0, part), method);
+    EXPECT_TRUE(bit_equal(whole.eigenvalues.narrow(0, 0, part), some.eigenvalues))
+        << "first " << part << " of " << n;
+    EXPECT_TRUE(bit_equal(whole.eigenvectors.narrow(0, 0, part), some.eigenvectors))
+        << "first " << part << " of " << n;
+  }
+}
+
+TEST_P(CudaEighSmall, PerMatrixIndependentOfTheStack) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const auto [n, d, method] = GetParam();
+  expect_independent_of_the_stack(spd(n, d, at::kFloat).cuda(), method);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stacks, CudaEighSmall,
+                         ::testing::Combine(::testing::Values(int64_t{256}, int64_t{64}),
+                                            ::testing::Values(int64_t{16}, int64_t{32}),
+                                            ::testing::Values(CudaEighMethod::kAuto,
+                                                              CudaEighMethod::kBatched,
+                                                              CudaEighMethod::kBatchedJacobi)),
+                         stack_case_name);
+
+// Larger blocks: right, and independent of the stack, except XsyevBatched on whole stacks: on an
+// H100 with CUDA 13 its results for a matrix differed (up to 3e-4 in float32 eigenvectors of
+// 1024×1024) between batches of 1, 2 and 5, which is why kAuto does not use it.
+class CudaEighLarge : public ::testing::TestWithParam<StackCase> {};
+
+TEST_P(CudaEighLarge, RightAndIndependentOfTheStack) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const auto [n, d, method] = GetParam();
+  const auto a = spd(n, d, at::kFloat);
+  if (method != CudaEighMethod::kBatched) expect_independent_of_the_stack(a.cuda(), method);
+  const auto out = shampoo::detail::decompose_cuda(a.cuda(), true, method);
+  const auto [values, vectors] = at::linalg_eigh(a.to(at::kDouble));
+  EXPECT_EQ(out.retried, 0);
+  EXPECT_TRUE(all_close(out.eigenvalues.cpu().to(at::kDouble), values, {1e-4, 1e-5}));
+  EXPECT_TRUE(
+      all_close(reconstructed(out.eigenvalues, out.eigenvectors), a.to(at::kDouble), {1e-4, 1e-4}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Stacks, CudaEighLarge,
+                         ::testing::Values(StackCase{9, 64, CudaEighMethod::kBatched},
+                                           StackCase{16, 256, CudaEighMethod::kBatched},
+                                           StackCase{5, 1024, CudaEighMethod::kBatched},
+                                           StackCase{16, 256, CudaEighMethod::kAuto},
+                                           StackCase{5, 1024, CudaEighMethod::kAuto}),
+                         stack_case_name);
+
+// XsyevBatched in chunks of a fixed size: a matrix gives the same bits in a full chunk decomposed
+// in place, in the padded last chunk, alone (padded), and at another position of another chunk.
+class CudaEighBatchedChunks : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(CudaEighBatchedChunks, IndependentOfTheStackAndRight) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t d = GetParam();
+  const int64_t chunk = shampoo::detail::kBatchedChunk;
+  const int64_t n = chunk + 3;
+  const auto a = spd(n, d, at::kFloat);
+  const auto whole = shampoo::detail::cuda_eigh(a.cuda(), CudaEighMethod::kBatchedChunks);
+  auto expect_rows = [&](int64_t first, int64_t count) {
+    const auto part = shampoo::detail::cuda_eigh(a.narrow(0, first, count).cuda(),
+                                                 CudaEighMethod::kBatchedChunks);
+    EXPECT_TRUE(bit_equal(whole.eigenvalues.narrow(0, first, count), part.eigenvalues))
+        << "rows " << first << " to " << first + count - 1 << " of " << n;
+    EXPECT_TRUE(bit_equal(whole.eigenvectors.narrow(0, first, count), part.eigenvectors))
+        << "rows " << first << " to " << first + count - 1 << " of " << n;
+  };
+  expect_rows(0, 1);          // first of a full chunk, alone
+  expect_rows(chunk + 1, 1);  // in the padded chunk, alone
+  expect_rows(3, chunk);      // a full chunk shifted by 3: both chunks' matrices move
+  for (int64_t i = 0; i < n; ++i) EXPECT_TRUE(whole.converged[i]) << "matrix " << i;
+  EXPECT_TRUE(all_close(reconstructed(whole.eigenvalues, whole.eigenvectors), a.to(at::kDouble),
+                        {1e-4, 1e-4}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, CudaEighBatchedChunks,
+                         ::testing::Values(int64_t{16}, int64_t{64}, int64_t{256}, int64_t{1024}));
+
+// Entries up to near float32's largest: whatever the float32 pass gives, the result
+// decompose_cuda hands back (in float32 or from the float64 retry) is right. At 1e38 the float32
+// pass is not usable (its results, or their sums, overflow float32), so this exercises the retry.
+TEST(CudaEighRetry, HugeEntriesEndRight) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const double scale : {1e30, 1e38}) {
+    for (const int64_t d : {16, 64}) {
+      auto a = spd(4, d, at::kDouble);
+      a[1].mul_(scale);
+      const auto a32 = a.to(at::kFloat);
+      ASSERT_TRUE(at::isfinite(a32).all().item<bool>());
+      const auto out = shampoo::detail::decompose_cuda(a32.cuda(), true);
+      const auto [values, vectors] = at::linalg_eigh(a32.to(at::kDouble));
+      for (int64_t i = 0; i < 4; ++i) {
+        ASSERT_FALSE(out.failed[i]) << "scale " << scale << " d " << d << " matrix " << i;
+        const auto got = out.in_double[i] ? out.eigenvalues_double[i].cpu()
+                                          : out.eigenvalues[i].cpu().to(at::kDouble);
+        const auto norm = values[i].abs().max();
+        EXPECT_TRUE(all_close(got / norm, values[i] / norm, {1e-4, 1e-5}))
+            << "scale " << scale << " d " << d << " matrix " << i
+            << " in float64: " << out.in_double[i];
+      }
+      if (scale > 1e37) {
+        EXPECT_TRUE(out.in_double[1]) << "d " << d << ": the float64 retry was not exercised";
+      }
+    }
+  }
+}
+#endif
+
+// The acceptance rule of decompose_cuda, on the CPU: an accurate decomposition reported as not
+// converged is used; an inaccurate one, one with eigenvalues out of order, a non-finite one are
+// not.
+TEST(CudaEighUsable, AcceptsAccurateUnconvergedOnly) {
+#if !SHAMPOO_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const int64_t d = 12;
+  const auto a = spd(5, d, at::kFloat);
+  auto [values, vectors] = at::linalg_eigh(a);
+  shampoo::detail::CudaEighResult r;
+  r.eigenvalues = values.clone();
+  r.eigenvectors = vectors.clone();
+  r.info = at::tensor({0, 1, 1, 1, 0}, at::TensorOptions().dtype(at::kInt));
+  r.eigenvectors[2][0][0].add_(1e-2);
+  r.eigenvalues[3].copy_(values[3].flip(0));
+  r.eigenvectors[3].copy_(vectors[3].flip(1));
+  r.eigenvalues[4][0].fill_(std::numeric_limits<float>::quiet_NaN());
+  const auto usable = shampoo::detail::usable_decompositions(a, r);
+  EXPECT_EQ(usable, (std::vector<bool>{true, true, false, false, false}));
+#endif
+}
 
 TEST(CudaRoots, InverseRootMatchesCpu) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";

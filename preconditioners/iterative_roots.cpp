@@ -12,7 +12,7 @@ namespace {
 /// The host reads the batch's "still active" flag once every this many iterations.
 constexpr int64_t kCheckEvery = 4;
 /// Working-set bound of one CUDA batch: matrices alive per member times the member's bytes.
-constexpr int64_t kWorkspaceBytes = int64_t{192} << 20;
+constexpr int64_t kWorkspaceBytes = int64_t{256} << 20;
 constexpr int64_t kLiveMatricesPerMember = 8;
 /// Power iteration of the Newton–DB scaling: vectors, iterations, seed of the fixed start
 /// vectors (drawn from a private generator: the user's random stream is not touched), and the
@@ -25,6 +25,11 @@ constexpr double kScaleMargin = 1.1;
 /// converged as far as its arithmetic allows.
 constexpr double kFloor = 1e-3;
 constexpr double kFloorTf32 = 5e-2;
+/// After its first iteration a convergent matrix has every eigenvalue of M (Z·Y) in (0, 1], so
+/// max|M − I| < 1: an error above this bound from the second iteration on means an eigenvalue
+/// went negative (an indefinite A + ε·I) and grows without bound. Such a matrix stops at once
+/// (unconverged: eigh takes over) instead of iterating until it overflows.
+constexpr double kDivergence = 1.1;
 
 /// Sets cuBLAS's TF32 mode for its lifetime and restores the previous mode.
 class Tf32Mode {
@@ -61,12 +66,14 @@ class Progress {
   /// One iteration produced candidates with errors `error`: returns the members that take them
   /// ([n] bool). A member stops when it reaches the tolerance (converged), when its error stops
   /// decreasing at or below the floor (converged; the previous iterate is kept), or when the
-  /// error is not finite (not converged). Above the floor the error need not decrease at every
-  /// iteration (Newton's early iterations are not monotone), so the candidate is taken.
+  /// error is not finite or diverges (not converged). Above the floor the error need not
+  /// decrease at every iteration (Newton's early iterations are not monotone), so the candidate
+  /// is taken.
   at::Tensor advance(const at::Tensor& error) {
     const auto finite = at::isfinite(error);
     const auto stalled = active_ & finite & (error >= error_) & (error_ <= floor_);
-    const auto accept = active_ & finite & ~stalled;
+    const auto diverged = active_ & (iterations_ >= 1) & (error > kDivergence);
+    const auto accept = active_ & finite & ~stalled & ~diverged;
     error_ = at::where(accept, error, error_);
     iterations_ += accept.to(at::kLong);
     const auto reached = accept & (error <= tolerance_);

@@ -33,7 +33,7 @@ class ShampooPreconditionerList final : public PreconditionerList {
 
  private:
   /// Bound of the factor bytes one root computation works on at once.
-  static constexpr int64_t kRootChunkBytes = int64_t{64} << 20;
+  static constexpr int64_t kRootChunkBytes = int64_t{32} << 20;
 
   void compute_roots(int64_t stack, const Rows& rows, const RowScalars& scalars);
   void compute_root_chunk(int64_t stack, const Rows& rows, const RowScalars& scalars);

@@ -181,6 +181,18 @@ int64_t peak_memory_bytes(const at::Device& device) {
 #endif
 }
 
+/// Bytes allocated now (CUDA caching allocator; the tracking allocator on the CPU).
+int64_t current_memory_bytes(const at::Device& device) {
+  if (device.is_cpu()) return TrackingAllocator::install().live();
+#if SHAMPOO_WITH_CUDA
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+  return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+      .current;
+#else
+  return -1;
+#endif
+}
+
 // ---- workload -----------------------------------------------------------------------------------
 
 std::vector<std::vector<int64_t>> workload_shapes(bool small) {
@@ -357,6 +369,47 @@ struct EveryStep {
   shampoo::ShampooStats stats;
 };
 
+/// One more step of `run` with the memory at each phase of the step (shampoo/step_phase.h):
+/// bytes allocated at the phase and the peak since the previous one, in MB above the bytes
+/// allocated before the step. The phase hook makes the step keep its undo journal (copies of
+/// the state it changes, alive from before the statistics to the end); its bytes are reported
+/// and subtracted, so the figures are those of an ordinary step.
+void print_memory_phases(Run& run, const std::string& name) {
+  const auto& device = run.workload->device;
+  synchronize(device);
+  const int64_t base = current_memory_bytes(device);
+  struct Phase {
+    const char* name;
+    int64_t now, peak;
+  };
+  std::vector<Phase> phases;
+  auto record = [&](const char* phase) {
+    synchronize(device);
+    phases.push_back(
+        {phase, current_memory_bytes(device) - base, peak_memory_bytes(device) - base});
+    reset_peak_memory(device);
+  };
+  run.optimizer->set_fault_injector_for_testing([&](shampoo::StepPhase phase) {
+    constexpr const char* kNames[] = {"statistics+roots", "preconditioned", "computed", "exchange"};
+    record(kNames[static_cast<int>(phase)]);
+  });
+  reset_peak_memory(device);
+  timed_step(run);
+  record("end");
+  run.optimizer->set_fault_injector_for_testing(nullptr);
+  const int64_t journal = run.optimizer->stats().rollback_bytes_last_step;
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < phases.size(); ++i) {
+    const int64_t j = i + 1 < phases.size() ? journal : 0;  // released at the end
+    parts.push_back(fmt::format("{} now {:.1f} peak {:.1f}", phases[i].name,
+                                (phases[i].now - j) / 1e6, (phases[i].peak - journal) / 1e6));
+  }
+  fmt::print(
+      "  {} memory by phase (MB above the {:.1f} before the step; journal {:.1f} MB "
+      "subtracted): {}\n",
+      name, base / 1e6, journal / 1e6, fmt::join(parts, "; "));
+}
+
 EveryStep measure_every_step(Workload& w, const SolverSetting& setting, const Args& args) {
   EveryStep e;
   if (args.steps == 0) return e;
@@ -365,6 +418,7 @@ EveryStep measure_every_step(Workload& w, const SolverSetting& setting, const Ar
   for (int64_t i = 0; i < args.steps; ++i) e.step_ms.push_back(timed_step(run));
   e.peak_bytes = peak_memory_bytes(w.device);
   e.stats = run.optimizer->stats();
+  print_memory_phases(run, setting.name);
   fmt::print("  {} f=1: median {:.2f} ms/step over {} steps [{:.1f}]; {} roots by eigh fallback\n",
              setting.name, median(e.step_ms), e.step_ms.size(), fmt::join(e.step_ms, ", "),
              e.stats.root_solver_fallbacks);

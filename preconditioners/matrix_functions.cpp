@@ -165,6 +165,24 @@ std::vector<T> pick(const std::vector<T>& values, const std::vector<int64_t>& ro
   return out;
 }
 
+/// The iterative solver on A's rows `rows`: writes the converged ones into `values`, returns
+/// the others.
+std::vector<int64_t> solve_rows(const at::Tensor& A, const std::vector<double>& epsilons,
+                                const std::vector<int64_t>& rows, int64_t root,
+                                const IterativeRootSettings& settings, at::Tensor& values) {
+  auto solved =
+      iterative_inverse_root(select_matrices(A, rows), pick(epsilons, rows), root, settings);
+  std::vector<int64_t> unsolved;
+  for (size_t j = 0; j < rows.size(); ++j) {
+    if (solved.converged[j]) {
+      values[rows[j]].copy_(solved.values[static_cast<int64_t>(j)]);
+    } else {
+      unsolved.push_back(rows[j]);
+    }
+  }
+  return unsolved;
+}
+
 /// The iterative path of stacked_inverse_root: one solver batch per exponent, eigh for what the
 /// solver leaves unconverged and for non-integer roots.
 StackedMatrixResult solver_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
@@ -183,15 +201,15 @@ StackedMatrixResult solver_inverse_root(const at::Tensor& A, const std::vector<d
     if (s.method == IterativeRootMethod::kNewtonDB && !newton_db_supports(root)) {
       s.method = IterativeRootMethod::kCoupledNewton;
     }
-    auto solved = iterative_inverse_root(select_matrices(A, rows), pick(epsilons, rows), root, s);
-    for (size_t j = 0; j < rows.size(); ++j) {
-      if (solved.converged[j]) {
-        result.values[rows[j]].copy_(solved.values[static_cast<int64_t>(j)]);
-      } else {
-        by_eigh.push_back(rows[j]);
-        ++result.solver_fallbacks;
-      }
+    auto unsolved = solve_rows(A, epsilons, rows, root, s, result.values);
+    // TF32 cannot resolve a factor whose condition exceeds ~1e3 (its rounding makes it
+    // indefinite): those go through the iteration again in float32 before eigh.
+    if (s.tf32 && A.is_cuda() && !unsolved.empty()) {
+      s.tf32 = false;
+      unsolved = solve_rows(A, epsilons, unsolved, root, s, result.values);
     }
+    result.solver_fallbacks += static_cast<int64_t>(unsolved.size());
+    by_eigh.insert(by_eigh.end(), unsolved.begin(), unsolved.end());
   }
   if (by_eigh.empty()) return result;
   auto exact = eigh_inverse_root(select_matrices(A, by_eigh), pick(epsilons, by_eigh),

@@ -210,16 +210,16 @@ TEST(IterativeRootCuda, MatchesCpuAndRestoresTf32Mode) {
 
 TEST(IterativeRootCuda, Tf32RetriesIllConditionedMatricesInFloat32) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  // Condition 1e5 is beyond TF32's resolution: those matrices diverge in TF32 and are solved
+  // Condition 1e6 is beyond TF32's resolution: those matrices diverge in TF32 and are solved
   // again in float32 (no eigh fallback), to float32's accuracy.
-  const auto a = conditioned_spd(4, 128, 1e5, 13).to(at::kFloat);
+  const auto a = conditioned_spd(4, 128, 1e6, 13).to(at::kFloat);
   const std::vector<double> eps(4, 1e-10), exponents(4, 0.25);
   auto s = settings(kNewton, 1e-6);
   s.tf32 = true;
   const auto r = stacked_inverse_root(a.cuda(), eps, exponents, true, &s);
   EXPECT_EQ(r.solver_fallbacks, 0);
   for (int64_t i = 0; i < 4; ++i) {
-    EXPECT_LE(relative_error(r.values[i].cpu(), exact_root(a[i], 1e-10, 0.25)), 1e-3);
+    EXPECT_LE(relative_error(r.values[i].cpu(), exact_root(a[i], 1e-10, 0.25)), 3e-2);
   }
 }
 

@@ -198,8 +198,8 @@ ShampooOptions every_field_changed() {
       .num_tolerated_failed_amortized_computations(9);
 }
 
-TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
-  const auto written = every_field_changed();
+/// `written` saved to a file and read back.
+ShampooOptions through_a_file(const ShampooOptions& written) {
   const auto path = shampoo::testing::temp_path("options.pt");
   {
     torch::serialize::OutputArchive archive;
@@ -210,6 +210,13 @@ TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
   archive.load_from(path);
   ShampooOptions read;
   read.serialize(archive);
+  std::filesystem::remove(path);
+  return read;
+}
+
+TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
+  const auto written = every_field_changed();
+  const auto read = through_a_file(written);
   EXPECT_EQ(read.lr(), written.lr());
   EXPECT_EQ(read.betas(), written.betas());
   EXPECT_EQ(read.beta3(), written.beta3());
@@ -230,7 +237,6 @@ TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
   EXPECT_EQ(read.inverse_exponent_override(), written.inverse_exponent_override());
   EXPECT_EQ(read.num_tolerated_failed_amortized_computations(),
             written.num_tolerated_failed_amortized_computations());
-  std::filesystem::remove(path);
 }
 
 TEST(OptionsArchive, RootSolverRoundTripsThroughAFile) {
@@ -240,18 +246,7 @@ TEST(OptionsArchive, RootSolverRoundTripsThroughAFile) {
                                     .max_iterations = 37,
                                     .tolerance = 3e-2,
                                     .tf32 = true});
-  const auto path = shampoo::testing::temp_path("options.pt");
-  {
-    torch::serialize::OutputArchive archive;
-    written.serialize(archive);
-    archive.save_to(path);
-  }
-  torch::serialize::InputArchive archive;
-  archive.load_from(path);
-  ShampooOptions read;
-  read.serialize(archive);
-  EXPECT_TRUE(read.preconditioner() == written.preconditioner());
-  std::filesystem::remove(path);
+  EXPECT_TRUE(through_a_file(written).preconditioner() == written.preconditioner());
 }
 
 TEST(OptionsArchive, EveryRowOfTheOptionTableRoundTrips) {

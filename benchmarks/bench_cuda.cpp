@@ -6,7 +6,7 @@
 //   2. the elementwise chain of a virtual group: the multi-tensor kernels (one launch per pass)
 //      vs the same math as ATen ops block by block;
 //   3. a training step (forward + backward + optimizer) of the CIFAR-10 ConvNet with
-//      DistributedShampoo (precondition_frequency 100) vs torch::optim::Adam (target ≤ 1.10×).
+//      DistributedShampoo (precondition_frequency 100) vs torch::optim::Adam (issue 13: target ≤ 3×).
 // Without a CUDA device it says so and measures nothing.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -280,8 +280,8 @@ Json training_section(int64_t repetitions, int64_t batch, int64_t frequency) {
   const double ratio = median(ratios);
   fmt::print(
       "  Adam {:.6g} ms/step, Shampoo {:.6g} ms/step (amortized over {} steps), ratio "
-      "{:.6g}x (target <= 1.10x: {})\n",
-      median(adam_ms), median(shampoo_ms), frequency, ratio, ratio <= 1.10 ? "met" : "missed");
+      "{:.6g}x (target <= 3x: {})\n",
+      median(adam_ms), median(shampoo_ms), frequency, ratio, ratio <= 3.0 ? "met" : "missed");
   return Json{{"adam_ms", median(adam_ms)},
               {"shampoo_ms", median(shampoo_ms)},
               {"ratio", ratio},

@@ -4,6 +4,7 @@
 ///   cifar10_trainer --optimizer shampoo --data-dir data/cifar-10-batches-bin [flags]
 ///   torchrun --no-python --standalone --nproc-per-node 2 cifar10_trainer [flags]
 ///
+/// On --device (auto: CUDA when present; one GPU per rank, GPU LOCAL_RANK of the node).
 /// One process, or data-parallel under torchrun: every rank builds the same model (and the
 /// GradientSynchronizer copies rank 0's weights to all), reads its slice of every global batch,
 /// averages gradients with the GradientSynchronizer and steps a torch::optim optimizer, or
@@ -14,6 +15,7 @@
 #include <malloc.h>
 #endif
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
@@ -39,6 +41,7 @@
 #include "examples/models.h"
 #include "examples/progress_bar.h"
 #include "examples/trainer_config.h"
+#include "examples/trainer_device.h"
 #include "examples/trainer_optimizer.h"
 #include "examples/training_checkpoint.h"
 #include "shampoo/shampoo.h"
@@ -167,10 +170,11 @@ ProgressBar make_progress_bar(const TrainerConfig& config, const Distributed& d)
 
 /// Everything a training run holds, built in the order the steps below need it.
 struct Trainer {
-  Trainer(const TrainerConfig& config_, const Distributed& d_, ImageDataset data_,
-          int64_t full_train_size_)
+  Trainer(const TrainerConfig& config_, const Distributed& d_, c10::Device device_,
+          ImageDataset data_, int64_t full_train_size_)
       : config(config_),
         d(d_),
+        device(device_),
         progress_bar(make_progress_bar(config_, d_)),
         log(progress_bar, d_),
         data(std::move(data_)),
@@ -180,6 +184,7 @@ struct Trainer {
 
   const TrainerConfig& config;
   Distributed d;
+  c10::Device device;
   ProgressBar progress_bar;
   Log log;
   ImageDataset data;
@@ -215,10 +220,12 @@ void build_model_and_optimizer(Trainer& t) {
   torch::manual_seed(config.seed);
   t.model = make_image_classifier(config.model, t.data.channels(), t.data.num_classes,
                                   t.data.height(), t.data.width());
+  // Initialized on the CPU, then moved: the same initial weights on every device.
+  t.model->to(t.device);
   // Resume: the model is loaded before the synchronizer and optimizer take its parameters.
   if (!config.checkpoint_dir.empty()) {
     t.checkpoints.emplace(config.checkpoint_dir, t.d.group,
-                          run_signature(config, t.d.world_size, t.data.train.size()));
+                          run_signature(config, t.d.world_size, t.data.train.size()), t.device);
     t.resume_epoch = t.checkpoints->find_resume_epoch();
     if (t.resume_epoch > 0) t.checkpoints->load_model(t.resume_epoch, *t.model);
   }
@@ -238,8 +245,19 @@ void build_model_and_optimizer(Trainer& t) {
     if (t.scheduler) t.scheduler->resume(t.progress.iteration);
   }
   if (t.d.rank == 0 && !config.metrics_dir.empty()) {
-    t.csv.emplace(config.metrics_dir, t.resume_epoch, t.progress.iteration);
+    t.csv.emplace(config.metrics_dir, t.resume_epoch, t.progress.iteration, device_name(t.device));
   }
+}
+
+/// The first output line: where this run trains.
+std::string describe_device(DeviceChoice choice, c10::Device device, int world_size) {
+  std::string line =
+      fmt::format("Device: {} (--device {})", device_name(device), device_choice_name(choice));
+  if (world_size > 1) {
+    line += device.is_cuda() ? " | every rank on cuda:LOCAL_RANK, collectives over NCCL"
+                             : " | every rank on the CPU, collectives over Gloo";
+  }
+  return line;
 }
 
 const shampoo::DistributedShampoo* as_shampoo(const torch::optim::Optimizer& optimizer) {
@@ -250,6 +268,7 @@ void print_setup(Trainer& t) {
   const auto& config = t.config;
   int64_t num_parameters = 0;
   for (const auto& p : t.model->parameters()) num_parameters += p.numel();
+  t.log.lead(describe_device(config.device, t.device, t.d.world_size));
   t.log.lead(config.command_line);
   t.log.lead(fmt::format(
       "Data: {} from {}: {} training examples (of {}), {} test examples, "
@@ -310,7 +329,9 @@ void log_losses(Trainer& t, int64_t epoch, const IterationLosses& local,
 
 /// The training iterations of one epoch; returns the global losses after its last one.
 IterationLosses train_epoch(Trainer& t, int64_t epoch) {
-  const auto order = t.sampler.epoch_order(epoch);
+  // Drawn on the CPU (the same order on every device), then one copy per epoch: the batches'
+  // indices are sliced from it and the examples gathered on the device.
+  const auto order = t.sampler.epoch_order(epoch).to(t.device);
   const int64_t batches = t.sampler.batches_per_epoch();
   t.progress_bar.start(fmt::format("epoch {}/{}", epoch, t.config.epochs), batches);
   t.model->train();
@@ -384,10 +405,18 @@ int run(int argc, const char* const* argv) {
   const auto run_start = Clock::now();
   if (config.threads > 0) at::set_num_threads(static_cast<int>(config.threads));
 
+  // Before the process group: NCCL's communicators go to the current device.
+  const c10::Device device =
+      resolve_device(config.device, shampoo::local_rank_from_env(), query_cuda());
+  make_current(device);
+  // float32 as on the CPU: cuDNN would run convolutions in TF32 (10-bit mantissa, ~1e-3
+  // relative) by default. Mixed precision is not what this trainer measures.
+  if (device.is_cuda()) at::globalContext().setAllowTF32CuDNN(false);
   const Distributed d = join_process_group();
   int64_t full_train_size = 0;
   ImageDataset data = load_data(config, &full_train_size);
-  Trainer t(config, d, std::move(data), full_train_size);
+  data.move_to(device);
+  Trainer t(config, d, device, std::move(data), full_train_size);
   build_model_and_optimizer(t);
   print_setup(t);
 

@@ -25,19 +25,38 @@ std::filesystem::path default_data_dir(DatasetKind kind) {
                                        : std::filesystem::path(kFashionMnistDefaultDir);
 }
 
+namespace {
+
+/// `values` as float [1, C, 1, 1] on `device`: rounded to float on the CPU, then moved, so every
+/// device normalizes with the same values.
+at::Tensor channel_tensor(const std::vector<double>& values, c10::Device device) {
+  const auto shape = std::vector<int64_t>{1, static_cast<int64_t>(values.size()), 1, 1};
+  return at::tensor(values, at::TensorOptions().dtype(at::kDouble))
+      .to(at::kFloat)
+      .view(shape)
+      .to(device);
+}
+
+}  // namespace
+
 at::Tensor ImageDataset::normalize(const at::Tensor& images) const {
   TORCH_CHECK(images.dim() == 4 && images.scalar_type() == at::kByte &&
                   images.size(1) == static_cast<int64_t>(mean.size()),
               "ImageDataset::normalize: images: got ", images.sizes(), " ", images.scalar_type(),
               ", expected uint8 [B, ", mean.size(), ", H, W]");
-  const auto options = at::TensorOptions().dtype(at::kFloat);
-  const auto channel_mean = at::tensor(mean, options.dtype(at::kDouble)).to(at::kFloat);
-  const auto channel_std = at::tensor(std, options.dtype(at::kDouble)).to(at::kFloat);
-  const auto shape = std::vector<int64_t>{1, static_cast<int64_t>(mean.size()), 1, 1};
-  return images.to(at::kFloat)
-      .div_(255.0)
-      .sub_(channel_mean.view(shape))
-      .div_(channel_std.view(shape));
+  const bool cached = channel_mean_.defined() && channel_mean_.device() == images.device();
+  const auto channel_mean = cached ? channel_mean_ : channel_tensor(mean, images.device());
+  const auto channel_std = cached ? channel_std_ : channel_tensor(std, images.device());
+  return images.to(at::kFloat).div_(255.0).sub_(channel_mean).div_(channel_std);
+}
+
+void ImageDataset::move_to(c10::Device device) {
+  for (LabeledImages* split : {&train, &test}) {
+    split->images = split->images.to(device);
+    split->labels = split->labels.to(device);
+  }
+  channel_mean_ = channel_tensor(mean, device);
+  channel_std_ = channel_tensor(std, device);
 }
 
 ImageDataset load_image_dataset(DatasetKind kind, const std::filesystem::path& dir) {

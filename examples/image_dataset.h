@@ -1,9 +1,11 @@
 #pragma once
 /// The image classification data sets the trainer knows (CIFAR-10, Fashion-MNIST), loaded into
 /// one shape: uint8 images [N, C, H, W] kept as read (4x smaller than float), normalized per
-/// batch with the data set's per-channel mean and standard deviation.
+/// batch with the data set's per-channel mean and standard deviation, on the device the data
+/// set was moved to.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -38,7 +40,18 @@ struct ImageDataset {
 
   /// uint8 images [B, C, H, W] → float (x / 255 − mean_c) / std_c. Elementwise, so a batch gives
   /// the same values however the data set is split into batches or ranks.
+  /// Computed on the images' device.
   at::Tensor normalize(const at::Tensor& images) const;
+
+  /// Moves the images and labels of both splits to `device`, once, with the per-channel mean and
+  /// std: batches are then selected and normalized there, so training on a GPU copies nothing
+  /// from the host per batch.
+  void move_to(c10::Device device);
+
+ private:
+  /// mean and std as float [1, C, 1, 1] on the device of move_to (undefined before).
+  at::Tensor channel_mean_;
+  at::Tensor channel_std_;
 };
 
 /// Loads both splits of `kind` from `dir`. Throws c10::Error naming the missing or broken file.

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 namespace shampoo::examples {
@@ -19,7 +20,7 @@ constexpr const char* kTrainHeader =
     "epoch,iteration,loss,lifetime_loss,window_loss,global_loss,global_lifetime_loss,"
     "global_window_loss,lr";
 constexpr const char* kEvalHeader =
-    "epoch,iteration,test_loss,test_accuracy,train_lifetime_loss,epoch_seconds";
+    "epoch,iteration,test_loss,test_accuracy,train_lifetime_loss,epoch_seconds,device";
 
 std::string number(double value) { return fmt::format("{:.17g}", value); }
 
@@ -66,8 +67,8 @@ void reopen(std::ofstream& out, const std::filesystem::path& path, const char* h
 }  // namespace
 
 MetricsCsv::MetricsCsv(const std::filesystem::path& dir, int64_t resume_epoch,
-                       int64_t resume_iteration)
-    : dir_(dir) {
+                       int64_t resume_iteration, std::string device)
+    : dir_(dir), device_(std::move(device)) {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   TORCH_CHECK(!ec, "--metrics-dir: cannot create ", dir_.string(), " (", ec.message(), ")");
@@ -89,7 +90,8 @@ void MetricsCsv::add_epoch(int64_t epoch, int64_t iteration, double test_loss, d
   // Flushed every epoch, so a plot of a run still going shows the finished epochs.
   train_.flush();
   eval_ << epoch << ',' << iteration << ',' << number(test_loss) << ',' << number(test_accuracy)
-        << ',' << number(train_lifetime_loss) << ',' << number(epoch_seconds) << std::endl;
+        << ',' << number(train_lifetime_loss) << ',' << number(epoch_seconds) << ',' << device_
+        << std::endl;
 }
 
 }  // namespace shampoo::examples

@@ -17,6 +17,8 @@ const Names<LrSchedule> kLrSchedules{{"constant", LrSchedule::kConstant},
                                      {"cosine", LrSchedule::kCosine}};
 const Names<ProgressMode> kProgressModes{
     {"auto", ProgressMode::kAuto}, {"on", ProgressMode::kOn}, {"off", ProgressMode::kOff}};
+const Names<DeviceChoice> kDeviceChoices{
+    {"auto", DeviceChoice::kAuto}, {"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}};
 const Names<OptimizerKind> kOptimizers{{"sgd", OptimizerKind::kSgd},
                                        {"adam", OptimizerKind::kAdam},
                                        {"adamw", OptimizerKind::kAdamW},
@@ -90,6 +92,11 @@ void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues
            "intra-op CPU threads per rank (0 = LibTorch's default, one per core; 1 avoids "
            "oversubscription when several ranks share the cores)",
            0)
+      .add_choice("device", config.device, kDeviceChoices,
+                  "where the model, the data and the optimizer live: cuda (GPU LOCAL_RANK of "
+                  "this node under torchrun, GPU 0 otherwise; collectives of CUDA tensors over "
+                  "NCCL), cpu (collectives over Gloo), or auto = cuda when a CUDA device is "
+                  "available, else cpu")
       .add_choice("progress", config.progress, kProgressModes,
                   "progress bar with rate and ETA on rank 0 (stderr); auto = only when stderr "
                   "is a terminal")
@@ -167,6 +174,8 @@ void add_shampoo_flags(CommandLine& cli, TrainerConfig& config, FlagValues& valu
 std::string optimizer_name(OptimizerKind kind) { return name_of(kOptimizers, kind); }
 
 std::string grafting_name(GraftingKind kind) { return name_of(kGraftings, kind); }
+
+std::string device_choice_name(DeviceChoice choice) { return name_of(kDeviceChoices, choice); }
 
 std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* argv) {
   TrainerConfig config;

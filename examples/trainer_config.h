@@ -21,6 +21,8 @@ enum class OptimizerKind { kSgd, kAdam, kAdamW, kShampoo };
 enum class GraftingKind { kNone, kSgd, kAdaGrad, kRmsProp, kAdam };
 enum class LrSchedule { kConstant, kCosine };
 enum class ProgressMode { kAuto, kOn, kOff };
+/// --device: auto = CUDA when torch::cuda::is_available(), else CPU (examples/trainer_device.h).
+enum class DeviceChoice { kAuto, kCpu, kCuda };
 
 struct TrainerConfig {
   // Data and model.
@@ -42,6 +44,7 @@ struct TrainerConfig {
   ProgressMode progress = ProgressMode::kAuto;
   std::filesystem::path checkpoint_dir;  // empty = no checkpoints
   std::filesystem::path metrics_dir;     // empty = no CSV files
+  DeviceChoice device = DeviceChoice::kAuto;
 
   // Optimizer (shared).
   OptimizerKind optimizer = OptimizerKind::kShampoo;
@@ -81,6 +84,8 @@ struct TrainerConfig {
 
 std::string optimizer_name(OptimizerKind kind);
 std::string grafting_name(GraftingKind kind);
+/// "auto", "cpu" or "cuda" (the --device spellings).
+std::string device_choice_name(DeviceChoice choice);
 
 /// Parses and checks argv. Returns nullopt when --help was given (the usage is printed). Throws
 /// std::invalid_argument naming the flag on a bad value.

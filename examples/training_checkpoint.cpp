@@ -34,8 +34,12 @@ std::optional<CheckpointName> parse_name(const std::string& name) {
 }  // namespace
 
 CheckpointDir::CheckpointDir(std::filesystem::path dir,
-                             c10::intrusive_ptr<c10d::ProcessGroup> group, std::string signature)
-    : dir_(std::move(dir)), group_(std::move(group)), signature_(std::move(signature)) {
+                             c10::intrusive_ptr<c10d::ProcessGroup> group, std::string signature,
+                             c10::Device device)
+    : dir_(std::move(dir)),
+      group_(std::move(group)),
+      signature_(std::move(signature)),
+      device_(device) {
   if (group_) {
     rank_ = group_->getRank();
     world_size_ = group_->getSize();
@@ -96,9 +100,22 @@ int64_t CheckpointDir::find_resume_epoch() const {
   return resume;
 }
 
+torch::serialize::InputArchive CheckpointDir::read(int64_t epoch) const {
+  const std::string path = file(epoch).string();
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path, device_);
+  } catch (const std::exception&) {
+    // A missing, truncated or damaged file: read_checkpoint's error names it (LibTorch's
+    // reader does not). Anything else (a device the tensors cannot be mapped to) as it is.
+    shampoo::read_checkpoint(path);
+    throw;
+  }
+  return archive;
+}
+
 void CheckpointDir::load_model(int64_t epoch, torch::nn::Module& model) const {
-  // A truncated or damaged file is an error naming it (LibTorch's reader does not).
-  auto archive = shampoo::read_checkpoint(file(epoch).string());
+  auto archive = read(epoch);
   c10::IValue signature;
   archive.read("signature", signature);
   TORCH_CHECK(signature.toStringRef() == signature_, file(epoch).string(),
@@ -112,8 +129,7 @@ void CheckpointDir::load_model(int64_t epoch, torch::nn::Module& model) const {
 TrainingProgress CheckpointDir::load_training_state(int64_t epoch,
                                                     torch::optim::Optimizer& optimizer,
                                                     LossMetrics& metrics) const {
-  // A truncated or damaged file is an error naming it (LibTorch's reader does not).
-  auto archive = shampoo::read_checkpoint(file(epoch).string());
+  auto archive = read(epoch);
   torch::serialize::InputArchive optimizer_archive;
   archive.read("optimizer", optimizer_archive);
   try {
@@ -132,7 +148,7 @@ TrainingProgress CheckpointDir::load_training_state(int64_t epoch,
     // The default generator is shared by the process; its mutex guards set_state.
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(generator_state);
+    generator.set_state(generator_state.cpu());  // mapped to device_ like every tensor
   }
   TrainingProgress result;
   result.epoch = progress[0].item<int64_t>();

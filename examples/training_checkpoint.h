@@ -9,6 +9,7 @@
 /// epoch that every rank has is complete, and a resumed run continues exactly where the
 /// uninterrupted one would be (same losses, bit for bit).
 
+#include <c10/core/Device.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
@@ -30,9 +31,11 @@ struct TrainingProgress {
 
 class CheckpointDir {
  public:
-  /// `group` null = one process. `signature` must match for a checkpoint to be loaded.
+  /// `group` null = one process. `signature` must match for a checkpoint to be loaded. The
+  /// tensors of a checkpoint are loaded onto `device` (the run's --device), whatever device
+  /// wrote them.
   CheckpointDir(std::filesystem::path dir, c10::intrusive_ptr<c10d::ProcessGroup> group,
-                std::string signature);
+                std::string signature, c10::Device device = c10::Device(c10::kCPU));
 
   /// The latest epoch that every rank has a checkpoint of; 0 when there is none (collective).
   /// Throws c10::Error on every rank when the folder only holds checkpoints of a different
@@ -57,10 +60,13 @@ class CheckpointDir {
   /// Sum of `value` over the ranks.
   int64_t all_reduce_sum(int64_t value) const;
   int64_t all_reduce_min(int64_t value) const;
+  /// The archive of `epoch`, its tensors on device_.
+  torch::serialize::InputArchive read(int64_t epoch) const;
 
   std::filesystem::path dir_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::string signature_;
+  c10::Device device_;
   int rank_ = 0;
   int world_size_ = 1;
 };

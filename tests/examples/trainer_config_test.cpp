@@ -12,11 +12,14 @@
 #include <variant>
 #include <vector>
 
+#include "examples/trainer_device.h"
 #include "examples/trainer_optimizer.h"
 #include "shampoo/shampoo.h"
 
 namespace {
 
+using shampoo::examples::CudaInfo;
+using shampoo::examples::DeviceChoice;
 using shampoo::examples::GraftingKind;
 using shampoo::examples::OptimizerKind;
 using shampoo::examples::TrainerConfig;
@@ -93,7 +96,9 @@ TEST(TrainerFlags, ReachTheConfig) {
                              "--grafting",
                              "rmsprop",
                              "--checkpoint-dir",
-                             "ckpt"});
+                             "ckpt",
+                             "--device",
+                             "cuda"});
   ASSERT_TRUE(config.has_value());
   EXPECT_EQ(config->dataset, shampoo::examples::DatasetKind::kFashionMnist);
   EXPECT_EQ(config->data_dir, shampoo::examples::default_data_dir(config->dataset));
@@ -109,6 +114,7 @@ TEST(TrainerFlags, ReachTheConfig) {
   EXPECT_EQ(config->lr_schedule, shampoo::examples::LrSchedule::kCosine);
   EXPECT_EQ(config->grafting, GraftingKind::kRmsProp);
   EXPECT_EQ(config->checkpoint_dir, "ckpt");
+  EXPECT_EQ(config->device, DeviceChoice::kCuda);
   EXPECT_NE(config->command_line.find("--betas 0.8,0.99"), std::string::npos);
 }
 
@@ -120,6 +126,7 @@ TEST(TrainerFlags, BadValuesAreErrorsNamingTheFlagTheValueAndWhatIsAllowed) {
       {{"--lr", "-0.1"}, "--lr: got '-0.1', expected a number >= 0"},
       {{"--lrs", "0.1,-1"}, "--lrs: got '0.1,-1', expected numbers >= 0"},
       {{"--betas", "0.9"}, "--betas: got '0.9', expected 2 numbers beta1,beta2"},
+      {{"--device", "gpu"}, "--device: got 'gpu', expected one of auto, cpu, cuda"},
       {{"--optimizer", "lamb"},
        "--optimizer: got 'lamb', expected one of sgd, adam, adamw, shampoo"},
       {{"--communicate-params=perhaps"}, "--communicate-params: got 'perhaps', expected true or"},
@@ -143,8 +150,74 @@ TEST(TrainerFlags, HelpPrintsEveryFlagAndReturnsNothing) {
   for (const char* text :
        {"Usage: cifar10_trainer", "--optimizer {sgd,adam,adamw,shampoo}",
         "--precondition-frequency <value>", "(default: 50)", "--no-merge-groups[=true|false]",
-        "--grafting {none,sgd,adagrad,rmsprop,adam}"}) {
+        "--grafting {none,sgd,adagrad,rmsprop,adam}", "--device {auto,cpu,cuda}"}) {
     EXPECT_NE(usage.find(text), std::string::npos) << text << "\n" << usage;
+  }
+}
+
+// ---- --device ---------------------------------------------------------------------------------
+
+constexpr const char* kNoCudaMessage =
+    "--device cuda: no CUDA device is available (torch::cuda::is_available() is false); use "
+    "--device cpu or auto";
+
+/// The c10::Error message of resolve_device, or "" when it returns.
+std::string resolve_error(DeviceChoice choice, int local_rank, const CudaInfo& cuda) {
+  try {
+    shampoo::examples::resolve_device(choice, local_rank, cuda);
+  } catch (const c10::Error& e) {
+    return e.msg();
+  }
+  return "";
+}
+
+TEST(TrainerDevice, DefaultIsAuto) {
+  EXPECT_EQ(parse_no_flags().device, DeviceChoice::kAuto);
+  EXPECT_EQ(TrainerConfig{}.device, DeviceChoice::kAuto);
+}
+
+TEST(TrainerDevice, WithoutCudaAutoIsCpuAndCudaIsAnError) {
+  const CudaInfo none{false, 0};
+  const c10::Device cpu(c10::kCPU);
+  EXPECT_EQ(shampoo::examples::resolve_device(DeviceChoice::kAuto, 0, none), cpu);
+  EXPECT_EQ(shampoo::examples::resolve_device(DeviceChoice::kAuto, 3, none), cpu);
+  EXPECT_EQ(shampoo::examples::resolve_device(DeviceChoice::kCpu, 0, none), cpu);
+  EXPECT_EQ(resolve_error(DeviceChoice::kCuda, 0, none), kNoCudaMessage);
+}
+
+TEST(TrainerDevice, WithCudaEveryRankTakesGpuLocalRank) {
+  const CudaInfo two_gpus{true, 2};
+  EXPECT_EQ(shampoo::examples::resolve_device(DeviceChoice::kAuto, 0, two_gpus),
+            c10::Device(c10::kCUDA, 0));
+  EXPECT_EQ(shampoo::examples::resolve_device(DeviceChoice::kCuda, 1, two_gpus),
+            c10::Device(c10::kCUDA, 1));
+  EXPECT_EQ(shampoo::examples::resolve_device(DeviceChoice::kCpu, 1, two_gpus),
+            c10::Device(c10::kCPU));
+}
+
+TEST(TrainerDevice, MoreRanksThanGpusIsAnErrorNamingLocalRankAndTheCount) {
+  const CudaInfo two_gpus{true, 2};
+  for (const auto choice : {DeviceChoice::kAuto, DeviceChoice::kCuda}) {
+    const std::string flag = "--device " + shampoo::examples::device_choice_name(choice);
+    EXPECT_EQ(resolve_error(choice, 2, two_gpus),
+              flag +
+                  ": LOCAL_RANK 2 needs CUDA device 2, but this node has 2 (0..1); start at "
+                  "most that many ranks per node (torchrun --nproc-per-node 2) or use --device "
+                  "cpu");
+  }
+}
+
+TEST(TrainerDevice, CudaOnThisMachine) {
+  const CudaInfo cuda = shampoo::examples::query_cuda();
+  EXPECT_EQ(cuda.available, torch::cuda::is_available());
+  if (cuda.available) {
+    EXPECT_GE(cuda.device_count, 1);
+    EXPECT_EQ(shampoo::examples::resolve_device(DeviceChoice::kAuto, 0, cuda),
+              c10::Device(c10::kCUDA, 0));
+  } else {
+    EXPECT_EQ(resolve_error(DeviceChoice::kCuda, 0, cuda), kNoCudaMessage);
+    EXPECT_EQ(shampoo::examples::resolve_device(DeviceChoice::kAuto, 0, cuda),
+              c10::Device(c10::kCPU));
   }
 }
 

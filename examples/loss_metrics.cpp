@@ -62,7 +62,7 @@ void LossMetrics::load(torch::serialize::InputArchive& archive) {
   loss_sum_ = loss_sum.item<double>();
   last_loss_ = last_loss.item<double>();
   window_.clear();
-  const auto values = window.contiguous();
+  const auto values = window.to(at::kCPU, at::kDouble).contiguous();  // may be mapped to a GPU
   for (int64_t i = 0; i < values.numel(); ++i) window_.push_back(values.data_ptr<double>()[i]);
   while (static_cast<int64_t>(window_.size()) > window_size_) window_.pop_front();
 }

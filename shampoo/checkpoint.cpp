@@ -158,6 +158,8 @@ void check_model(torch::serialize::InputArchive& archive, const std::vector<Para
     TORCH_CHECK(model.try_read("shape_" + std::to_string(p), shape, /*is_buffer=*/true),
                 "checkpoint: no shape for parameter ", p);
     const auto expected = params[p].param.sizes().vec();
+    // Read on the host: an archive loaded with a CUDA map location holds this on the GPU.
+    shape = shape.to(at::kCPU, at::kLong).contiguous();
     const std::vector<int64_t> got(shape.data_ptr<int64_t>(),
                                    shape.data_ptr<int64_t>() + shape.numel());
     TORCH_CHECK(got == expected, "checkpoint: written for a different model: parameter ", p,

@@ -3,6 +3,8 @@
 #include <shampoo/shampoo.h>
 #include <torch/cuda.h>
 
+#include <cstdio>
+
 #include "support/test_support.h"
 
 #if SHAMPOO_WITH_CUDA
@@ -337,6 +339,36 @@ TEST(CudaOptimizer, MatchesCpuWithinTolerance) {
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_TRUE(all_close(b[i].cpu(), a[i], {1e-4, 1e-5})) << "parameter " << i;
   }
+}
+
+TEST(CudaOptimizer, CheckpointLoadedOntoTheGpuResumesTheRun) {
+  // Regression: an archive loaded with a CUDA map location holds every tensor on the GPU, the
+  // parameter shapes included; the load read those on the host (a segfault in the trainer's
+  // resume on CUDA).
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto model = shampoo::testing::make_mlp(6, 16, 3, 1);
+  model->to(torch::kCUDA);
+  const auto options = shampoo::ShampooOptions(0.01).epsilon(1e-4).precondition_frequency(2);
+  shampoo::DistributedShampoo opt(model->parameters(), options);
+  const auto data = shampoo::testing::make_blobs(64, 6, 3, 2);
+  const shampoo::testing::Dataset gpu_data{data.inputs.cuda(), data.labels.cuda()};
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    shampoo::testing::classification_loss(model, gpu_data, true);
+    opt.step();
+  }
+  const auto path = shampoo::testing::temp_path("cuda_opt.pt");
+  {
+    torch::serialize::OutputArchive archive;
+    opt.save(archive);
+    archive.save_to(path);
+  }
+  shampoo::DistributedShampoo resumed(model->parameters(), options);
+  torch::serialize::InputArchive archive;
+  archive.load_from(path, torch::Device(torch::kCUDA));
+  resumed.load(archive);
+  EXPECT_EQ(resumed.group_step(0), 3);
+  std::remove(path.c_str());
 }
 
 }  // namespace

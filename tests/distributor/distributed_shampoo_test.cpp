@@ -7,6 +7,7 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <mutex>
 #include <thread>
 
@@ -311,18 +312,24 @@ TEST(Distributed, EveryStructuralOptionIsInTheRanksFingerprint) {
 }
 
 /// Rank 1 stops taking part after construction: it exits (its sockets close) or hangs (alive,
-/// never calling step()). Rank 0's step must fail with a clear error, never wait forever.
+/// never calling step(), until rank 0 has its answer). Rank 0's step must fail with a clear error
+/// naming the cause, never wait forever. The property is the error, not a race: the bound on the
+/// wait follows the configured timeout with room for a loaded machine (CTest runs these tests
+/// alone: tests/distributor/CMakeLists.txt), and a test whose error never comes still fails.
 void expect_live_rank_fails(bool hang, std::chrono::milliseconds timeout, const std::string& what,
                             std::chrono::milliseconds at_most) {
   std::string message;
   std::chrono::steady_clock::duration waited{};
+  std::promise<void> answered;
+  auto answer = answered.get_future().share();
   run_ranks(
       2,
       [&](int rank, const Group& group) {
         auto params = make_params(1);
         DistributedShampoo opt(params, ShampooOptions(), DistributedOptions().process_group(group));
         if (rank == 1) {
-          if (hang) std::this_thread::sleep_for(timeout + std::chrono::seconds(3));
+          // Hung: alive until rank 0 has failed (bounded, so a broken test cannot hang forever).
+          if (hang) answer.wait_for(4 * at_most);
           return;
         }
         set_grads(params, 1);
@@ -333,6 +340,7 @@ void expect_live_rank_fails(bool hang, std::chrono::milliseconds timeout, const 
           message = e.what();
         }
         waited = std::chrono::steady_clock::now() - start;
+        answered.set_value();
       },
       timeout);
   EXPECT_NE(message.find("DistributedShampoo: the AllGather of this step failed"),
@@ -343,14 +351,17 @@ void expect_live_rank_fails(bool hang, std::chrono::milliseconds timeout, const 
 }
 
 TEST(Distributed, DeadRankMakesTheOthersFail) {
-  // The peer's sockets close: "Connection reset by peer" or "Connection closed by peer".
-  expect_live_rank_fails(/*hang=*/false, std::chrono::seconds(30), "by peer",
-                         std::chrono::seconds(10));
+  // The peer's sockets close: "Connection reset by peer" or "Connection closed by peer", before
+  // the configured timeout would have fired (so the closed peer is what was detected).
+  const std::chrono::milliseconds timeout = std::chrono::seconds(30);
+  expect_live_rank_fails(/*hang=*/false, timeout, "by peer", timeout);
 }
 
 TEST(Distributed, HungRankMakesTheOthersTimeOut) {
+  // The peer stays alive and silent: only the configured timeout can end the wait.
   const std::chrono::milliseconds timeout = std::chrono::seconds(3);
-  expect_live_rank_fails(/*hang=*/true, timeout, "imed out", timeout + std::chrono::seconds(5));
+  expect_live_rank_fails(/*hang=*/true, timeout, "imed out",
+                         3 * timeout + std::chrono::seconds(10));
 }
 
 TEST(Distributed, CheckpointsResumeAtTheSameWorldSize) {

@@ -261,11 +261,15 @@ IterativeRootResult iterative_inverse_root(const at::Tensor& A, const std::vecto
     converged.push_back(out.converged);
     iterations.push_back(out.iterations);
   }
-  const auto all_converged = n > 0 ? at::cat(converged).cpu() : at::empty({0}, at::kBool);
-  const auto all_iterations = n > 0 ? at::cat(iterations).cpu() : at::empty({0}, at::kLong);
+  if (n == 0) return result;
+  // One copy to the host for the whole stack, read there (not one tensor per matrix).
+  const auto all_converged = at::cat(converged).cpu().contiguous();
+  const auto all_iterations = at::cat(iterations).cpu().contiguous();
+  const bool* converged_data = all_converged.data_ptr<bool>();
+  const int64_t* iterations_data = all_iterations.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    result.converged.push_back(all_converged[i].item<bool>());
-    result.iterations.push_back(all_iterations[i].item<int64_t>());
+    result.converged.push_back(converged_data[i]);
+    result.iterations.push_back(iterations_data[i]);
   }
   return result;
 }

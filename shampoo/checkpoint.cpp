@@ -87,8 +87,9 @@ torch::serialize::InputArchive read_header(torch::serialize::InputArchive& archi
 
 }  // namespace
 
-void ShampooEngine::save(torch::serialize::OutputArchive& archive,
-                         const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+void ShampooEngine::save_common(
+    torch::serialize::OutputArchive& archive,
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
   torch::serialize::OutputArchive header;
   header.write("format_version", c10::IValue(kFormatVersion));
   header.write("world_size", c10::IValue(static_cast<int64_t>(distributor_->world_size())));
@@ -114,24 +115,60 @@ void ShampooEngine::save(torch::serialize::OutputArchive& archive,
     all_groups.write("group_" + std::to_string(g), group);
   }
   archive.write("groups", all_groups);
+}
 
+namespace {
+
+torch::serialize::OutputArchive block_archive(const BlockState& state) {
+  torch::serialize::OutputArchive block;
+  for (const auto& [name, tensor] : state) block.write(name, tensor, /*is_buffer=*/true);
+  return block;
+}
+
+BlockState read_block_archive(torch::serialize::InputArchive& block) {
+  BlockState state;
+  for (const auto& name : block.keys()) {
+    at::Tensor tensor;
+    if (block.try_read(name, tensor, /*is_buffer=*/true)) state[name] = tensor;
+  }
+  return state;
+}
+
+std::string piece_key(const BlockId& id) { return "block/" + id.key(); }
+
+}  // namespace
+
+void ShampooEngine::save(torch::serialize::OutputArchive& archive,
+                         const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+  save_common(archive, groups);
   torch::serialize::OutputArchive blocks;
   for (const auto& [id, state] : export_states()) {
-    torch::serialize::OutputArchive block;
-    for (const auto& [name, tensor] : state) block.write(name, tensor, /*is_buffer=*/true);
+    auto block = block_archive(state);
     blocks.write(id.key(), block);
   }
   archive.write("blocks", blocks);
 }
 
+void ShampooEngine::save_pieces(PieceWriter& pieces) const {
+  // Trainer groups after the first hold copies of the first one's blocks.
+  if (distributor_->global_rank() >= distributor_->world_size()) return;
+  for (const auto& [id, state] : export_states()) pieces.add(piece_key(id), block_archive(state));
+}
+
 namespace {
 
-/// The header of this rank's file: the format and the trainer group that wrote it.
-void check_header(torch::serialize::InputArchive& archive, const Distributor& distributor) {
+/// The header's format version; returns the header.
+torch::serialize::InputArchive check_version(torch::serialize::InputArchive& archive) {
   auto header = read_header(archive);
   const int64_t version = read_int(header, "format_version", "shampoo/");
   TORCH_CHECK(version == kFormatVersion, "checkpoint: format version ", version,
               " is not supported (expected ", kFormatVersion, ")");
+  return header;
+}
+
+/// The header of this rank's file: the format and the trainer group that wrote it.
+void check_header(torch::serialize::InputArchive& archive, const Distributor& distributor) {
+  auto header = check_version(archive);
   const int64_t world_size = read_int(header, "world_size", "shampoo/");
   TORCH_CHECK(world_size == distributor.world_size(),
               "checkpoint: written by a trainer group "
@@ -192,61 +229,87 @@ void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t nu
   step = read_int(group, "step");
 }
 
-/// The states of `blocks` that this rank owns (every one must be there).
-std::map<BlockId, BlockState> read_block_states(torch::serialize::InputArchive& archive,
-                                                const std::vector<BlockEntry>& blocks,
-                                                const Distributor& distributor) {
-  torch::serialize::InputArchive all_blocks;
-  TORCH_CHECK(archive.try_read("blocks", all_blocks), "checkpoint: no block states");
-  std::map<BlockId, BlockState> states;
-  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
-    if (!distributor.owns(b)) continue;
-    const auto& id = blocks[b].id;
-    torch::serialize::InputArchive block;
-    TORCH_CHECK(all_blocks.try_read(id.key(), block), "checkpoint: no state for ", id.to_string(),
-                " (written for another model or another rank layout)");
-    BlockState state;
-    for (const auto& name : block.keys()) {
-      at::Tensor tensor;
-      if (block.try_read(name, tensor, /*is_buffer=*/true)) state[name] = tensor;
-    }
-    states[id] = std::move(state);
-  }
-  return states;
-}
-
 }  // namespace
 
-void ShampooEngine::load(torch::serialize::InputArchive& archive,
-                         std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  check_groups(groups);
-  check_header(archive, *distributor_);
-  check_model(archive, params_);
+struct ShampooEngine::PreparedLoad {
+  std::vector<std::unique_ptr<VirtualGroup>> virtual_groups;
+  std::vector<ShampooOptions> options;
+  std::vector<int64_t> steps;
+};
 
+std::shared_ptr<ShampooEngine::PreparedLoad> ShampooEngine::prepare(
+    torch::serialize::InputArchive& archive, const std::function<BlockState(int64_t)>& read_block,
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  check_model(archive, params_);
   torch::serialize::InputArchive all_groups;
   TORCH_CHECK(archive.try_read("groups", all_groups), "checkpoint: no param groups");
   const int64_t num_groups = read_int(all_groups, "num_groups");
   TORCH_CHECK(num_groups == static_cast<int64_t>(groups.size()), "checkpoint: ", num_groups,
               " param groups there, ", groups.size(), " here");
-  std::vector<ShampooOptions> saved_options(groups.size());
-  std::vector<int64_t> saved_steps(groups.size());
+  auto prepared = std::make_shared<PreparedLoad>();
+  prepared->options.resize(groups.size());
+  prepared->steps.resize(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    read_group(all_groups, g, group_sizes_[g], options_of(groups[g], g), saved_options[g],
-               saved_steps[g]);
+    read_group(all_groups, g, group_sizes_[g], options_of(groups[g], g), prepared->options[g],
+               prepared->steps[g]);
   }
-  const auto states = read_block_states(archive, blocks_, *distributor_);
+  std::map<BlockId, BlockState> states;
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks_.size()); ++b) {
+    if (distributor_->owns(b)) states[blocks_[b].id] = read_block(b);
+  }
+  // New virtual groups; the current ones stay in place until install().
+  prepared->virtual_groups = build_virtual_groups(groups);
+  for (auto& vg : prepared->virtual_groups) vg->import_states(states, /*require_all=*/true);
+  return prepared;
+}
 
-  // Build and fill new virtual groups; the current ones stay in place if anything throws.
-  auto rebuilt = build_virtual_groups(groups);
-  for (auto& vg : rebuilt) vg->import_states(states, /*require_all=*/true);
+void ShampooEngine::install(PreparedLoad& prepared,
+                            std::vector<torch::optim::OptimizerParamGroup>& groups) {
   retire_counters();
-  virtual_groups_ = std::move(rebuilt);
+  virtual_groups_ = std::move(prepared.virtual_groups);
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const auto& field : option_fields()) {
-      if (field.kind == OptionKind::kFloat) field.copy(saved_options[g], options_of(groups[g], g));
+      if (field.kind == OptionKind::kFloat) {
+        field.copy(prepared.options[g], options_of(groups[g], g));
+      }
     }
-    group_steps_[g] = saved_steps[g];
+    group_steps_[g] = prepared.steps[g];
   }
+}
+
+void ShampooEngine::load(torch::serialize::InputArchive& archive,
+                         std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  check_groups(groups);
+  check_header(archive, *distributor_);
+  torch::serialize::InputArchive all_blocks;
+  TORCH_CHECK(archive.try_read("blocks", all_blocks), "checkpoint: no block states");
+  const auto prepared = prepare(
+      archive,
+      [&](int64_t b) {
+        const auto& id = blocks_[b].id;
+        torch::serialize::InputArchive block;
+        TORCH_CHECK(all_blocks.try_read(id.key(), block), "checkpoint: no state for ",
+                    id.to_string(), " (written for another model or another rank layout)");
+        return read_block_archive(block);
+      },
+      groups);
+  install(*prepared, groups);
+}
+
+std::function<void()> ShampooEngine::prepare_load(
+    torch::serialize::InputArchive& common, PieceReader& pieces,
+    std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  check_groups(groups);
+  TORCH_CHECK(!step_open_, "checkpoint: cannot load while a step is open (in backward)");
+  check_version(common);
+  const auto prepared = prepare(
+      common,
+      [&](int64_t b) {
+        auto block = pieces.read(piece_key(blocks_[b].id));
+        return read_block_archive(block);
+      },
+      groups);
+  return [this, prepared, &groups] { install(*prepared, groups); };
 }
 
 }  // namespace shampoo::detail

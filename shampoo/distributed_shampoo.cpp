@@ -90,6 +90,21 @@ void DistributedShampoo::load(torch::serialize::InputArchive& archive) {
   engine_->load(archive, param_groups_);
 }
 
+c10::intrusive_ptr<c10d::ProcessGroup> DistributedShampoo::checkpoint_group() const {
+  return engine_->distributed_options().process_group();
+}
+
+void DistributedShampoo::save_common(torch::serialize::OutputArchive& common) const {
+  engine_->save_common(common, param_groups_);
+}
+
+void DistributedShampoo::save_pieces(PieceWriter& pieces) const { engine_->save_pieces(pieces); }
+
+std::function<void()> DistributedShampoo::prepare_load(torch::serialize::InputArchive& common,
+                                                       PieceReader& pieces) {
+  return engine_->prepare_load(common, pieces, param_groups_);
+}
+
 ShampooStats DistributedShampoo::stats() const { return engine_->stats(); }
 
 ShampooOptions& DistributedShampoo::group_options(size_t group) {

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel/distributed_checkpoint.h"
 #include "parallel/phased_backward_step.h"
 #include "shampoo/shampoo_options.h"
 #include "shampoo/step_phase.h"
@@ -56,7 +57,9 @@ struct ShampooStats {
   int64_t bytes_received_per_step = 0;
 };
 
-class DistributedShampoo : public torch::optim::Optimizer, public PhasedBackwardStep {
+class DistributedShampoo : public torch::optim::Optimizer,
+                           public PhasedBackwardStep,
+                           public DistributedCheckpointable {
  public:
   explicit DistributedShampoo(std::vector<torch::Tensor> params, ShampooOptions defaults = {},
                               DistributedOptions distributed = {});
@@ -82,6 +85,17 @@ class DistributedShampoo : public torch::optim::Optimizer, public PhasedBackward
   /// world size (clear error otherwise) and restores the groups' float options and step counts.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
+
+  /// World-size-independent checkpoints: shampoo::save_distributed_checkpoint(optimizer, dir) /
+  /// load_distributed_checkpoint (parallel/distributed_checkpoint.h). One piece per block,
+  /// written by its owner in the first trainer group; loading at any world size (and any
+  /// num_trainers_per_group, merged or not) reads the blocks each rank owns now.
+  std::string checkpoint_kind() const override { return "DistributedShampoo"; }
+  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
+  void save_common(torch::serialize::OutputArchive& common) const override;
+  void save_pieces(PieceWriter& pieces) const override;
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
+                                     PieceReader& pieces) override;
 
   ShampooStats stats() const;
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "distributor/distributor.h"
+#include "parallel/distributed_checkpoint.h"
 #include "shampoo/distributed_shampoo.h"
 #include "shampoo/virtual_group.h"
 
@@ -50,6 +51,15 @@ class ShampooEngine {
             const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
   void load(torch::serialize::InputArchive& archive,
             std::vector<torch::optim::OptimizerParamGroup>& groups);
+  /// World-size-independent checkpoints (parallel/distributed_checkpoint.h): the header, model
+  /// and groups as every rank has them; one piece per block this rank owns ("block/p3_b1"),
+  /// none on ranks outside the first trainer group (replicas); and a load that reads the blocks
+  /// this rank owns now, whichever rank saved them.
+  void save_common(torch::serialize::OutputArchive& archive,
+                   const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
+  void save_pieces(PieceWriter& pieces) const;
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common, PieceReader& pieces,
+                                     std::vector<torch::optim::OptimizerParamGroup>& groups);
 
   ShampooStats stats() const;
   int64_t group_step(size_t group) const { return group_steps_.at(group); }
@@ -71,6 +81,15 @@ class ShampooEngine {
                     std::vector<ShampooOptions>& structures,
                     std::vector<std::vector<int64_t>>& members);
   std::map<BlockId, BlockState> export_states() const;
+  /// What a load installs, read and checked against this optimizer (checkpoint.cpp).
+  struct PreparedLoad;
+  /// Checks the model and groups of `archive` and reads the states of the blocks this rank owns
+  /// with `read_block(block index)`; changes nothing.
+  std::shared_ptr<PreparedLoad> prepare(
+      torch::serialize::InputArchive& archive, const std::function<BlockState(int64_t)>& read_block,
+      const std::vector<torch::optim::OptimizerParamGroup>& groups);
+  /// Installs a prepared load (does not throw).
+  void install(PreparedLoad& prepared, std::vector<torch::optim::OptimizerParamGroup>& groups);
   /// Block views of the gradients of `params` (checked: shape, dtype, finite values) and the
   /// max |gradient| of each.
   void collect_gradients(const std::vector<int64_t>& params,

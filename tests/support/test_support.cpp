@@ -144,6 +144,14 @@ void run_ranks(int world, const RankFunction& fn, std::chrono::milliseconds time
   run_ranks_as_threads(world, fn, timeout, with_nccl);
 }
 
+void remove_tree(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(std::filesystem::symlink_status(path, ec))) {
+    for (const auto& entry : std::filesystem::directory_iterator(path)) remove_tree(entry.path());
+  }
+  std::filesystem::remove(path, ec);
+}
+
 std::string temp_path(const std::string& name) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string test =

@@ -8,6 +8,7 @@
 #include <torch/types.h>
 
 #include <chrono>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -69,6 +70,10 @@ double accuracy(torch::nn::Sequential& model, const Dataset& data);
 void run_ranks(int world, const RankFunction& fn,
                std::chrono::milliseconds timeout = std::chrono::seconds(60),
                bool with_nccl = false);
+
+/// Removes `path` and everything under it (std::filesystem::remove_all crashes when called from
+/// here: the torch wheel's libtorch.so exports its own copy).
+void remove_tree(const std::filesystem::path& path);
 
 /// A temporary file path unique to the test (removed by the caller or at exit).
 std::string temp_path(const std::string& name);

@@ -1,0 +1,551 @@
+#include "parallel/distributed_checkpoint.h"
+
+#include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+namespace shampoo {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int64_t kManifestVersion = 1;
+constexpr const char* kManifestName = "MANIFEST";
+constexpr const char* kManifestMagic = "distributed-shampoo-checkpoint";
+
+std::mutex& hook_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::function<void(const fs::path&)>& write_hook() {
+  static std::function<void(const fs::path&)> hook;
+  return hook;
+}
+void run_write_hook(const fs::path& path) {
+  std::function<void(const fs::path&)> hook;
+  {
+    std::lock_guard<std::mutex> lock(hook_mutex());
+    hook = write_hook();
+  }
+  if (hook) hook(path);
+}
+
+// 64-bit FNV-1a (Fowler–Noll–Vo), over bytes.
+constexpr uint64_t kFnvOffset = 14695981039346656037ULL;
+constexpr uint64_t kFnvPrime = 1099511628211ULL;
+uint64_t fnv1a(const char* data, size_t size, uint64_t hash = kFnvOffset) {
+  for (size_t i = 0; i < size; ++i) {
+    hash ^= static_cast<unsigned char>(data[i]);
+    hash *= kFnvPrime;
+  }
+  return hash;
+}
+
+std::string hex(uint64_t value) {
+  std::ostringstream out;
+  out << std::hex << std::setw(16) << std::setfill('0') << value;
+  return out.str();
+}
+
+/// Size and checksum of a file as it is on disk.
+CheckpointManifest::File describe_file(const fs::path& path, const std::string& name) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "checkpoint: cannot read ", path.string());
+  CheckpointManifest::File file{name, 0, kFnvOffset};
+  std::vector<char> buffer(1 << 20);
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    const auto got = static_cast<size_t>(in.gcount());
+    file.checksum = fnv1a(buffer.data(), got, file.checksum);
+    file.bytes += static_cast<int64_t>(got);
+  }
+  return file;
+}
+
+void fsync_path(const fs::path& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
+  TORCH_CHECK(fd >= 0, "checkpoint: cannot open ", path.string(), ": ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int saved = errno;
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "checkpoint: cannot flush ", path.string(),
+              " to disk: ", std::strerror(saved));
+}
+
+/// Writes `final_path` atomically: `write` fills a temporary file, which is flushed and renamed.
+/// Returns the file's size and checksum (`name` relative to the checkpoint directory).
+CheckpointManifest::File write_atomically(const fs::path& final_path, const std::string& name,
+                                          const std::function<void(const fs::path&)>& write) {
+  run_write_hook(final_path);
+  fs::path temporary = final_path;
+  temporary += ".tmp-" + std::to_string(::getpid());
+  write(temporary);
+  fsync_path(temporary, /*directory=*/false);
+  auto file = describe_file(temporary, name);
+  fs::rename(temporary, final_path);
+  fsync_path(final_path.parent_path(), /*directory=*/true);
+  return file;
+}
+
+/// Removes `path` and, for a directory, everything under it. (Not std::filesystem::remove_all:
+/// the torch wheel's libtorch.so exports its own copy, which crashes when called from here.)
+void remove_tree(const fs::path& path, std::error_code& ec) {
+  if (fs::is_directory(fs::symlink_status(path, ec))) {
+    for (const auto& entry : fs::directory_iterator(path, ec)) {
+      remove_tree(entry.path(), ec);
+      if (ec) return;
+    }
+  }
+  fs::remove(path, ec);
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.flush();
+  TORCH_CHECK(out, "checkpoint: cannot write ", path.string());
+}
+
+std::string generation_dir(int64_t generation) {
+  std::ostringstream name;
+  name << "gen-" << std::setw(6) << std::setfill('0') << generation;
+  return name.str();
+}
+
+std::string rank_file(int rank, int world, const char* extension) {
+  std::ostringstream name;
+  name << "rank-" << std::setw(5) << std::setfill('0') << rank << "-of-" << std::setw(5)
+       << std::setfill('0') << world << extension;
+  return name.str();
+}
+
+/// The generation number of a "gen-<G>" directory name, or -1.
+int64_t parse_generation(const std::string& name) {
+  if (name.rfind("gen-", 0) != 0 || name.size() == 4) return -1;
+  const auto digits = name.substr(4);
+  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return -1;
+  }
+  return std::stoll(digits);
+}
+
+/// One more than the newest generation in `dir`, committed or not (a save killed part-way leaves
+/// its directory behind; the next save does not reuse it).
+int64_t next_generation(const fs::path& dir) {
+  int64_t newest = 0;
+  if (distributed_checkpoint_exists(dir)) newest = read_checkpoint_manifest(dir).generation;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    newest = std::max(newest, parse_generation(entry.path().filename().string()));
+  }
+  return newest + 1;
+}
+
+std::string render_manifest(const CheckpointManifest& manifest) {
+  std::ostringstream body;
+  body << kManifestMagic << " " << kManifestVersion << "\n"
+       << "kind " << manifest.kind << "\n"
+       << "generation " << manifest.generation << "\n"
+       << "world_size " << manifest.world_size << "\n";
+  for (const auto& file : manifest.files) {
+    body << "file " << file.name << " " << file.bytes << " " << hex(file.checksum) << "\n";
+  }
+  const auto text = body.str();
+  return text + "checksum " + hex(fnv1a(text.data(), text.size())) + "\n";
+}
+
+/// Rank and size in `group` (0 and 1 without one).
+std::pair<int, int> rank_and_size(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  if (!group) return {0, 1};
+  return {group->getRank(), group->getSize()};
+}
+
+/// AllGather of a few int64 values over `group` (its CPU backend); result[r] = rank r's values.
+std::vector<std::vector<int64_t>> gather_values(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                const std::vector<int64_t>& values) {
+  if (!group) return {values};
+  const auto n = static_cast<int64_t>(values.size());
+  auto send = at::tensor(values, at::TensorOptions().dtype(at::kLong));
+  auto receive = at::empty({group->getSize() * n}, send.options());
+  group->getBackend(c10::DeviceType::CPU)->_allgather_base(receive, send)->wait();
+  std::vector<std::vector<int64_t>> out(group->getSize());
+  const auto* data = receive.data_ptr<int64_t>();
+  for (int r = 0; r < group->getSize(); ++r) out[r].assign(data + r * n, data + (r + 1) * n);
+  return out;
+}
+
+/// After a gather whose first value is each rank's "ok": this rank's own error first, else an
+/// error naming the first rank that failed.
+void check_all_ok(const std::exception_ptr& own_error,
+                  const std::vector<std::vector<int64_t>>& gathered, const std::string& what,
+                  const std::string& consequence) {
+  if (own_error) std::rethrow_exception(own_error);
+  for (size_t r = 0; r < gathered.size(); ++r) {
+    TORCH_CHECK(gathered[r][0] == 1, what, ": rank ", r, " failed (its own error says why); ",
+                consequence);
+  }
+}
+
+DistributedCheckpointable& checkpointable(const torch::optim::Optimizer& optimizer,
+                                          const char* function) {
+  auto* object =
+      dynamic_cast<DistributedCheckpointable*>(const_cast<torch::optim::Optimizer*>(&optimizer));
+  TORCH_CHECK(object != nullptr, function,
+              ": this optimizer type does not support world-size-independent checkpoints "
+              "(DistributedShampoo, ShardedOptimizer and InBackwardOptimizer do); use "
+              "torch::save / torch::load for one process");
+  return *object;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> choose_group(
+    const DistributedCheckpointable& optimizer, c10::intrusive_ptr<c10d::ProcessGroup> explicit_) {
+  return explicit_ ? std::move(explicit_) : optimizer.checkpoint_group();
+}
+
+/// Reads `name` into memory after checking it against the manifest entry.
+void check_file(const fs::path& dir, const CheckpointManifest::File& expected) {
+  const auto path = dir / expected.name;
+  std::error_code ec;
+  TORCH_CHECK(fs::is_regular_file(path, ec), "checkpoint ", dir.string(), ": file ", expected.name,
+              " is missing (the MANIFEST lists it); the checkpoint is incomplete");
+  const auto size = static_cast<int64_t>(fs::file_size(path, ec));
+  TORCH_CHECK(size == expected.bytes, "checkpoint ", dir.string(), ": file ", expected.name,
+              " has ", size, " bytes, the MANIFEST says ", expected.bytes,
+              " (truncated or replaced); the checkpoint is damaged");
+  const auto actual = describe_file(path, expected.name);
+  TORCH_CHECK(actual.checksum == expected.checksum, "checkpoint ", dir.string(), ": file ",
+              expected.name, " does not match its checksum in the MANIFEST (", hex(actual.checksum),
+              " against ", hex(expected.checksum), "); the checkpoint is damaged");
+}
+
+torch::serialize::InputArchive load_archive(const fs::path& dir, const std::string& name) {
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from((dir / name).string());
+  } catch (const c10::Error& e) {
+    const std::string reason = e.msg().substr(0, e.msg().find_first_of(".\n"));
+    TORCH_CHECK(false, "checkpoint ", dir.string(), ": file ", name,
+                " is not a readable torch archive: ", reason);
+  }
+  return archive;
+}
+
+const CheckpointManifest::File& manifest_file(const CheckpointManifest& manifest,
+                                              const fs::path& dir, const std::string& name) {
+  for (const auto& file : manifest.files) {
+    if (file.name == name) return file;
+  }
+  TORCH_CHECK(false, "checkpoint ", dir.string(), ": the MANIFEST does not list ", name);
+}
+
+/// Every piece's location, from the key files the manifest lists.
+std::map<std::string, PieceReader::Location> read_locations(const fs::path& dir,
+                                                            const CheckpointManifest& manifest) {
+  std::map<std::string, PieceReader::Location> locations;
+  const std::string extension = ".keys";
+  for (const auto& file : manifest.files) {
+    if (file.name.size() < extension.size() ||
+        file.name.compare(file.name.size() - extension.size(), extension.size(), extension) != 0) {
+      continue;
+    }
+    check_file(dir, file);
+    const auto pieces = file.name.substr(0, file.name.size() - extension.size()) + ".pt";
+    manifest_file(manifest, dir, pieces);  // listed too
+    std::ifstream in(dir / file.name);
+    std::string key;
+    int64_t index = 0;
+    while (std::getline(in, key)) {
+      const auto [it, inserted] = locations.emplace(key, PieceReader::Location{pieces, index++});
+      TORCH_CHECK(inserted, "checkpoint ", dir.string(), ": piece '", key, "' is in both ",
+                  it->second.file, " and ", pieces, "; the checkpoint is damaged");
+    }
+  }
+  return locations;
+}
+
+}  // namespace
+
+// ---- PieceWriter ----
+
+struct PieceWriter::Shared {
+  torch::serialize::OutputArchive archive;
+  std::vector<std::string> keys;
+  std::set<std::string> seen;
+};
+
+PieceWriter::PieceWriter() : shared_(std::make_shared<Shared>()) {}
+
+void PieceWriter::add(const std::string& key, torch::serialize::OutputArchive piece) {
+  const auto full = prefix_ + key;
+  TORCH_CHECK(!full.empty() && full.find('\n') == std::string::npos, "checkpoint: piece key '",
+              full, "' is empty or has a newline");
+  TORCH_CHECK(shared_->seen.insert(full).second, "checkpoint: piece '", full, "' was added twice");
+  shared_->archive.write("piece_" + std::to_string(shared_->keys.size()), piece);
+  shared_->keys.push_back(full);
+}
+
+PieceWriter PieceWriter::nested(const std::string& prefix) const {
+  PieceWriter view(*this);
+  view.prefix_ += prefix;
+  return view;
+}
+
+const std::vector<std::string>& PieceWriter::keys() const { return shared_->keys; }
+torch::serialize::OutputArchive& PieceWriter::archive() const { return shared_->archive; }
+
+// ---- PieceReader ----
+
+struct PieceReader::Shared {
+  std::string checkpoint;
+  std::map<std::string, Location> locations;
+  std::function<torch::serialize::InputArchive(const std::string&)> open;
+  std::map<std::string, torch::serialize::InputArchive> files;
+};
+
+PieceReader::PieceReader(std::string checkpoint, std::map<std::string, Location> locations,
+                         std::function<torch::serialize::InputArchive(const std::string&)> open)
+    : shared_(std::make_shared<Shared>()) {
+  shared_->checkpoint = std::move(checkpoint);
+  shared_->locations = std::move(locations);
+  shared_->open = std::move(open);
+}
+
+PieceReader::PieceReader(std::shared_ptr<Shared> shared, std::string prefix)
+    : shared_(std::move(shared)), prefix_(std::move(prefix)) {}
+
+bool PieceReader::contains(const std::string& key) const {
+  return shared_->locations.count(prefix_ + key) > 0;
+}
+
+torch::serialize::InputArchive PieceReader::read(const std::string& key) {
+  const auto full = prefix_ + key;
+  const auto it = shared_->locations.find(full);
+  TORCH_CHECK(it != shared_->locations.end(), "checkpoint ", shared_->checkpoint,
+              ": no rank saved piece '", full,
+              "' (the checkpoint was written for another model or optimizer)");
+  auto file = shared_->files.find(it->second.file);
+  if (file == shared_->files.end()) {
+    file = shared_->files.emplace(it->second.file, shared_->open(it->second.file)).first;
+  }
+  torch::serialize::InputArchive piece;
+  TORCH_CHECK(file->second.try_read("piece_" + std::to_string(it->second.index), piece),
+              "checkpoint ", shared_->checkpoint, ": file ", it->second.file, " lacks piece '",
+              full, "'; the checkpoint is damaged");
+  return piece;
+}
+
+PieceReader PieceReader::nested(const std::string& prefix) const {
+  return PieceReader(shared_, prefix_ + prefix);
+}
+
+// ---- manifest ----
+
+bool distributed_checkpoint_exists(const fs::path& dir) {
+  std::error_code ec;
+  return fs::is_regular_file(dir / kManifestName, ec);
+}
+
+CheckpointManifest read_checkpoint_manifest(const fs::path& dir) {
+  const auto path = dir / kManifestName;
+  TORCH_CHECK(distributed_checkpoint_exists(dir), "checkpoint ", dir.string(), ": no ",
+              kManifestName, " (not a checkpoint directory, or no save into it completed)");
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const std::string text = buffer.str();
+  const auto damaged = [&](const std::string& why) {
+    TORCH_CHECK(false, "checkpoint ", dir.string(), ": ", kManifestName, " is damaged (", why, ")");
+  };
+  const auto last = text.rfind("checksum ");
+  if (last == std::string::npos || (last > 0 && text[last - 1] != '\n')) damaged("no checksum");
+  std::istringstream tail(text.substr(last + 9));
+  std::string recorded;
+  tail >> recorded;
+  if (recorded != hex(fnv1a(text.data(), last))) damaged("checksum mismatch");
+
+  CheckpointManifest manifest;
+  std::istringstream lines(text.substr(0, last));
+  std::string magic;
+  int64_t version = 0;
+  lines >> magic >> version;
+  if (magic != kManifestMagic) damaged("not a checkpoint manifest");
+  TORCH_CHECK(version == kManifestVersion, "checkpoint ", dir.string(), ": format version ",
+              version, " is not supported (this build reads version ", kManifestVersion, ")");
+  std::string field;
+  while (lines >> field) {
+    if (field == "kind") {
+      lines >> manifest.kind;
+    } else if (field == "generation") {
+      lines >> manifest.generation;
+    } else if (field == "world_size") {
+      lines >> manifest.world_size;
+    } else if (field == "file") {
+      CheckpointManifest::File file;
+      std::string checksum;
+      lines >> file.name >> file.bytes >> checksum;
+      file.checksum = std::stoull(checksum, nullptr, 16);
+      manifest.files.push_back(file);
+    } else {
+      damaged("unknown field '" + field + "'");
+    }
+    if (!lines) damaged("malformed line after '" + field + "'");
+  }
+  return manifest;
+}
+
+// ---- save and load ----
+
+void save_distributed_checkpoint(const torch::optim::Optimizer& optimizer, const fs::path& dir,
+                                 c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  const char* function = "save_distributed_checkpoint";
+  auto& source = checkpointable(optimizer, function);
+  group = choose_group(source, std::move(group));
+  const auto [rank, world] = rank_and_size(group);
+  const std::string where = std::string(function) + "(" + dir.string() + ")";
+  const std::string nothing_committed =
+      "nothing was committed; the previous checkpoint, if any, is still the current one";
+
+  // 1. Rank 0 picks the new generation; everyone learns it (and that rank 0 could).
+  std::exception_ptr error;
+  int64_t generation = 0;
+  if (rank == 0) {
+    try {
+      fs::create_directories(dir);
+      generation = next_generation(dir);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  auto gathered = gather_values(group, {error ? 0 : 1, generation});
+  check_all_ok(error, gathered, where, nothing_committed);
+  generation = gathered[0][1];
+  const auto gen_name = generation_dir(generation);
+  const auto gen_path = dir / gen_name;
+
+  // 2. Every rank writes its files: slot 0 common (rank 0), 1 pieces, 2 their keys.
+  std::vector<CheckpointManifest::File> files(3);
+  std::vector<bool> written(3, false);
+  try {
+    fs::create_directories(gen_path);
+    if (rank == 0) {
+      torch::serialize::OutputArchive common;
+      source.save_common(common);
+      files[0] = write_atomically(gen_path / "common.pt", gen_name + "/common.pt",
+                                  [&](const fs::path& path) { common.save_to(path.string()); });
+      written[0] = true;
+    }
+    PieceWriter pieces;
+    source.save_pieces(pieces);
+    if (!pieces.keys().empty()) {
+      const auto archive_name = rank_file(rank, world, ".pt");
+      files[1] =
+          write_atomically(gen_path / archive_name, gen_name + "/" + archive_name,
+                           [&](const fs::path& path) { pieces.archive().save_to(path.string()); });
+      std::string keys;
+      for (const auto& key : pieces.keys()) keys += key + "\n";
+      const auto keys_name = rank_file(rank, world, ".keys");
+      files[2] = write_atomically(gen_path / keys_name, gen_name + "/" + keys_name,
+                                  [&](const fs::path& path) { write_text(path, keys); });
+      written[1] = written[2] = true;
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  std::vector<int64_t> report{error ? 0 : 1};
+  for (size_t slot = 0; slot < files.size(); ++slot) {
+    report.push_back(written[slot] ? files[slot].bytes : -1);
+    report.push_back(static_cast<int64_t>(files[slot].checksum));
+  }
+  gathered = gather_values(group, report);
+  check_all_ok(error, gathered, where, nothing_committed);
+
+  // 3. Rank 0 commits: the MANIFEST names the new generation. Everyone learns that it did.
+  if (rank == 0) {
+    try {
+      CheckpointManifest manifest{source.checkpoint_kind(), generation, world, {}};
+      for (int r = 0; r < world; ++r) {
+        const std::vector<std::string> names{gen_name + "/common.pt",
+                                             gen_name + "/" + rank_file(r, world, ".pt"),
+                                             gen_name + "/" + rank_file(r, world, ".keys")};
+        for (size_t slot = 0; slot < names.size(); ++slot) {
+          const int64_t bytes = gathered[r][1 + 2 * slot];
+          if (bytes < 0) continue;
+          manifest.files.push_back(
+              {names[slot], bytes, static_cast<uint64_t>(gathered[r][2 + 2 * slot])});
+        }
+      }
+      const auto text = render_manifest(manifest);
+      write_atomically(dir / kManifestName, kManifestName,
+                       [&](const fs::path& path) { write_text(path, text); });
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  gathered = gather_values(group, {error ? 0 : 1});
+  check_all_ok(error, gathered, where, nothing_committed);
+
+  // 4. Rank 0 removes the generations the MANIFEST no longer names (best effort).
+  if (rank != 0) return;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const auto name = entry.path().filename().string();
+    const bool stale_manifest = name.rfind(std::string(kManifestName) + ".tmp-", 0) == 0;
+    if (!stale_manifest && (parse_generation(name) < 0 || name == gen_name)) continue;
+    std::error_code remove_error;
+    remove_tree(entry.path(), remove_error);
+    if (remove_error) {
+      std::cerr << where << ": could not remove " << entry.path().string() << ": "
+                << remove_error.message() << "\n";
+    }
+  }
+}
+
+void load_distributed_checkpoint(torch::optim::Optimizer& optimizer, const fs::path& dir,
+                                 c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  const char* function = "load_distributed_checkpoint";
+  auto& target = checkpointable(optimizer, function);
+  group = choose_group(target, std::move(group));
+  const std::string where = std::string(function) + "(" + dir.string() + ")";
+
+  std::exception_ptr error;
+  std::function<void()> install;
+  try {
+    const auto manifest = read_checkpoint_manifest(dir);
+    TORCH_CHECK(manifest.kind == target.checkpoint_kind(), "checkpoint ", dir.string(),
+                ": written by a ", manifest.kind, ", this optimizer is a ",
+                target.checkpoint_kind());
+    const auto common_name = generation_dir(manifest.generation) + "/common.pt";
+    check_file(dir, manifest_file(manifest, dir, common_name));
+    auto common = load_archive(dir, common_name);
+    PieceReader pieces(dir.string(), read_locations(dir, manifest),
+                       [dir, manifest](const std::string& name) {
+                         check_file(dir, manifest_file(manifest, dir, name));
+                         return load_archive(dir, name);
+                       });
+    install = target.prepare_load(common, pieces);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  const auto gathered = gather_values(group, {error ? 0 : 1});
+  check_all_ok(error, gathered, where, "no rank loaded anything");
+  install();
+}
+
+namespace detail {
+void set_checkpoint_write_hook_for_testing(std::function<void(const fs::path&)> fn) {
+  std::lock_guard<std::mutex> lock(hook_mutex());
+  write_hook() = std::move(fn);
+}
+}  // namespace detail
+
+}  // namespace shampoo

@@ -3,6 +3,7 @@
 ///   #include <shampoo/shampoo.h>
 ///   CMake: find_package(DistributedShampoo) -> DistributedShampoo::shampoo
 
+#include "parallel/distributed_checkpoint.h"
 #include "parallel/gradient_synchronizer.h"
 #include "parallel/in_backward.h"
 #include "parallel/optimizer_factory.h"

@@ -407,8 +407,19 @@ CheckpointManifest read_checkpoint_manifest(const fs::path& dir) {
 
 void save_distributed_checkpoint(const torch::optim::Optimizer& optimizer, const fs::path& dir,
                                  c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  save_distributed_state(checkpointable(optimizer, "save_distributed_checkpoint"), dir,
+                         std::move(group));
+}
+
+void load_distributed_checkpoint(torch::optim::Optimizer& optimizer, const fs::path& dir,
+                                 c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  load_distributed_state(checkpointable(optimizer, "load_distributed_checkpoint"), dir,
+                         std::move(group));
+}
+
+void save_distributed_state(const DistributedCheckpointable& source, const fs::path& dir,
+                            c10::intrusive_ptr<c10d::ProcessGroup> group) {
   const char* function = "save_distributed_checkpoint";
-  auto& source = checkpointable(optimizer, function);
   group = choose_group(source, std::move(group));
   const auto [rank, world] = rank_and_size(group);
   const std::string where = std::string(function) + "(" + dir.string() + ")";
@@ -510,10 +521,9 @@ void save_distributed_checkpoint(const torch::optim::Optimizer& optimizer, const
   }
 }
 
-void load_distributed_checkpoint(torch::optim::Optimizer& optimizer, const fs::path& dir,
-                                 c10::intrusive_ptr<c10d::ProcessGroup> group) {
+void load_distributed_state(DistributedCheckpointable& target, const fs::path& dir,
+                            c10::intrusive_ptr<c10d::ProcessGroup> group) {
   const char* function = "load_distributed_checkpoint";
-  auto& target = checkpointable(optimizer, function);
   group = choose_group(target, std::move(group));
   const std::string where = std::string(function) + "(" + dir.string() + ")";
 

@@ -114,6 +114,14 @@ void load_distributed_checkpoint(torch::optim::Optimizer& optimizer,
                                  const std::filesystem::path& dir,
                                  c10::intrusive_ptr<c10d::ProcessGroup> group = {});
 
+/// The same for any DistributedCheckpointable, e.g. a training run's state that wraps an
+/// optimizer and adds the model and the position in the data to the common part.
+void save_distributed_state(const DistributedCheckpointable& state,
+                            const std::filesystem::path& dir,
+                            c10::intrusive_ptr<c10d::ProcessGroup> group = {});
+void load_distributed_state(DistributedCheckpointable& state, const std::filesystem::path& dir,
+                            c10::intrusive_ptr<c10d::ProcessGroup> group = {});
+
 /// Whether `dir` holds a committed checkpoint (a MANIFEST). Does not check the files.
 bool distributed_checkpoint_exists(const std::filesystem::path& dir);
 

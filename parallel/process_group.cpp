@@ -58,6 +58,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
       required_env("MASTER_PORT", "port of the rendezvous store"), "MASTER_PORT", 1, 65535));
   const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const bool launcher_hosts_store = agent_store != nullptr && std::string(agent_store) == "True";
+  const char* restart_value = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const std::string restart_count =
+      restart_value != nullptr && *restart_value != '\0'
+          ? std::to_string(parse_int(restart_value, "TORCHELASTIC_RESTART_COUNT", 0, 1 << 30))
+          : "0";
 
   c10d::TCPStoreOptions store_options;
   store_options.port = port;
@@ -72,6 +77,12 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
     TORCH_CHECK(false, "init_process_group_from_env: cannot reach the rendezvous store at ", host,
                 ":", port, " (MASTER_ADDR/MASTER_PORT) within ", timeout.count(),
                 " ms: ", e.what());
+  }
+  if (launcher_hosts_store) {
+    // The agent's store outlives the workers: after an elastic restart it still holds the keys
+    // of the failed attempt (the dead ranks' addresses), so every attempt takes keys of its own,
+    // under the prefix PyTorch's own env:// rendezvous uses.
+    store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + restart_count, store);
   }
   // The process group's collectives use their own prefix, so the launcher's keys never clash.
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("shampoo", store);

@@ -14,7 +14,9 @@ inline constexpr std::chrono::milliseconds kDefaultProcessGroupTimeout{std::chro
 
 /// Joins the process group described by torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK,
 /// MASTER_ADDR, MASTER_PORT (and TORCHELASTIC_USE_AGENT_STORE: when "True" the launcher hosts the
-/// store and every rank connects as a client; otherwise rank 0 hosts it). A missing or malformed
+/// store and every rank connects as a client, using keys of its own attempt,
+/// TORCHELASTIC_RESTART_COUNT, so that workers restarted by an elastic agent never read the keys
+/// of the attempt that failed; otherwise rank 0 hosts it). A missing or malformed
 /// variable is an error naming it. `timeout` bounds the rendezvous and every collective: a rank
 /// that dies makes the others fail with a timeout error instead of hanging.
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(

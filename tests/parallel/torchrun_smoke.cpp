@@ -2,19 +2,54 @@
 // through init_process_group_from_env, averages gradients with the GradientSynchronizer, steps
 // with DistributedShampoo, and checks that all ranks hold identical parameters. Exit code 0 on
 // success. CTest runs: torchrun --no-python --standalone --nproc-per-node 2 torchrun_smoke
+//
+// With --fail-first-attempt, every rank of the first attempt (TORCHELASTIC_RESTART_COUNT 0)
+// joins the group, runs one collective and exits with code 3, as a job whose node died would; run
+// with torchrun --max-restarts 1, the agent restarts the workers, which must form a new group
+// (the agent's store still holds the failed attempt's keys) and succeed. Rank 0 of the restarted
+// attempt joins 3 s late, so that the others look up its address first: in the failed
+// attempt's keys they would find the address of a process that is gone.
 #include <shampoo/shampoo.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
+#include <cstdlib>
 #include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
 
-int main() {
+namespace {
+
+bool first_attempt() {
+  const char* count = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return count == nullptr || std::string(count) == "0";
+}
+
+bool is_rank_zero() {
+  const char* rank = std::getenv("RANK");
+  return rank != nullptr && std::string(rank) == "0";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool fail_first_attempt = argc > 1 && std::string(argv[1]) == "--fail-first-attempt";
   try {
+    if (fail_first_attempt && !first_attempt() && is_rank_zero()) {
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+    }
     auto group = shampoo::init_process_group_from_env(std::chrono::seconds(120));
     const int rank = group->getRank();
     const int world = group->getSize();
+    if (fail_first_attempt && first_attempt()) {
+      std::vector<at::Tensor> ones{at::ones({1})};
+      group->getBackend(c10::DeviceType::CPU)->allreduce(ones)->wait();
+      std::cerr << "rank " << rank << ": failing the first attempt on purpose\n";
+      return 3;
+    }
     torch::manual_seed(1234 + rank);  // different initial weights: the synchronizer aligns them
     torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(),
                                 torch::nn::Linear(16, 4));

@@ -15,13 +15,14 @@ DistributedBatchSampler::DistributedBatchSampler(int64_t num_examples, int64_t l
       seed_(seed),
       batches_per_epoch_(
           local_batch_size * world_size > 0 ? num_examples / (local_batch_size * world_size) : 0) {
-  TORCH_CHECK(local_batch_size >= 1, "--local-batch-size: got ", local_batch_size,
+  TORCH_CHECK(local_batch_size >= 1, "DistributedBatchSampler: local batch size ", local_batch_size,
               ", expected >= 1");
   TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "DistributedBatchSampler: rank ",
               rank, " of world size ", world_size);
   TORCH_CHECK(batches_per_epoch_ >= 1, "the training set holds ", num_examples,
-              " examples, fewer than one global batch of ", local_batch_size * world_size,
-              " (--local-batch-size ", local_batch_size, " x ", world_size, " ranks)");
+              " examples, fewer than one global batch of ", local_batch_size * world_size, " (",
+              local_batch_size, " per rank x ", world_size,
+              " ranks); use a smaller --global-batch-size or --local-batch-size");
 }
 
 at::Tensor DistributedBatchSampler::epoch_order(int64_t epoch) const {

@@ -5,7 +5,8 @@
 /// into global batches of local_batch_size · world_size examples (a last partial global batch is
 /// dropped, so every rank runs the same number of equal steps), and rank r reads the r-th slice
 /// of local_batch_size examples of each global batch. So one process with batch 2B and two ranks
-/// with local batch B see the same global batches.
+/// with local batch B see the same global batches: a global batch holds the same examples at any
+/// number of ranks, which is what lets a run resume at another world size.
 
 #include <ATen/core/Tensor.h>
 

@@ -1,5 +1,7 @@
 #include "examples/trainer_config.h"
 
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "examples/command_line.h"
@@ -77,8 +79,19 @@ void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues
            "--epochs); with --checkpoint-dir, the same command without this flag resumes (0 = "
            "run all epochs)",
            0)
+      .add("stop-after-iteration", config.stop_after_iteration,
+           "end this run after that iteration (counted from the start of training) as if "
+           "interrupted, saving a checkpoint there with --checkpoint-dir (0 = run all epochs)",
+           0)
       .add("local-batch-size", config.local_batch_size,
-           "examples per rank per iteration (global batch = this x number of ranks)", 1)
+           "examples per rank per iteration (global batch = this x number of ranks), unless "
+           "--global-batch-size is given",
+           1)
+      .add("global-batch-size", config.global_batch_size,
+           "examples per iteration over all ranks; every rank takes this / number of ranks, which "
+           "must divide it. Keeps the batches when a run resumes at another number of ranks "
+           "(0 = --local-batch-size x number of ranks)",
+           0)
       .add("seed", values.seed, "seed of the weight initialization and of the shuffling", 0)
       .add("window-size", config.window_size, "iterations averaged in the window loss", 1)
       .add("log-every", config.log_every,
@@ -101,8 +114,13 @@ void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues
                   "progress bar with rate and ETA on rank 0 (stderr); auto = only when stderr "
                   "is a terminal")
       .add("checkpoint-dir", config.checkpoint_dir,
-           "save model, optimizer and trainer state of every rank here after every epoch, and "
-           "resume from the latest checkpoint found there (none: no checkpoints)")
+           "save the model, the optimizer and the trainer's state here after every epoch (one "
+           "checkpoint that every rank writes together, loadable at any number of ranks; on a "
+           "filesystem every node sees), and resume from it at start (none: no checkpoints)")
+      .add("checkpoint-every", config.checkpoint_every,
+           "with --checkpoint-dir, also save every this many iterations within an epoch (0 = "
+           "after every epoch only)",
+           0)
       .add("metrics-dir", config.metrics_dir,
            "write train.csv (losses of every iteration) and eval.csv (test loss and accuracy of "
            "every epoch) here on rank 0; plot them with examples/plot_metrics.py (none: no "
@@ -196,8 +214,37 @@ std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* a
   config.beta1 = values.betas[0];
   config.beta2 = values.betas[1];
   config.merge_groups = !values.no_merge_groups;
+  config.local_batch_size_given = cli.was_set("local-batch-size");
+  if (config.checkpoint_every > 0 && config.checkpoint_dir.empty()) {
+    throw std::invalid_argument("--checkpoint-every: got " +
+                                std::to_string(config.checkpoint_every) +
+                                " without --checkpoint-dir (where would the checkpoints go?)");
+  }
   config.command_line = quoted_command_line(argc, argv);
   return config;
+}
+
+BatchSizes resolve_batch_sizes(const TrainerConfig& config, int64_t world_size) {
+  const auto ranks = std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks");
+  if (config.global_batch_size == 0) {
+    return BatchSizes{config.local_batch_size * world_size, config.local_batch_size};
+  }
+  const int64_t global = config.global_batch_size;
+  if (global % world_size != 0) {
+    throw std::invalid_argument("--global-batch-size: got " + std::to_string(global) + ", which " +
+                                ranks + " (WORLD_SIZE) cannot share evenly; choose a multiple of " +
+                                std::to_string(world_size) +
+                                ", or a number of ranks that divides " + std::to_string(global));
+  }
+  const int64_t local = global / world_size;
+  if (config.local_batch_size_given && config.local_batch_size != local) {
+    throw std::invalid_argument("--local-batch-size " + std::to_string(config.local_batch_size) +
+                                " and " + "--global-batch-size " + std::to_string(global) +
+                                " disagree at " + ranks + " (" + std::to_string(global) + " / " +
+                                std::to_string(world_size) + " = " + std::to_string(local) +
+                                " per rank); give only --global-batch-size");
+  }
+  return BatchSizes{global, local};
 }
 
 }  // namespace shampoo::examples

@@ -33,8 +33,11 @@ struct TrainerConfig {
 
   // Training loop.
   int64_t epochs = 1;
-  int64_t stop_after_epoch = 0;  // 0 = run to --epochs
+  int64_t stop_after_epoch = 0;      // 0 = run to --epochs
+  int64_t stop_after_iteration = 0;  // 0 = run to --epochs
   int64_t local_batch_size = 128;
+  bool local_batch_size_given = false;  // --local-batch-size on the command line
+  int64_t global_batch_size = 0;        // 0 = --local-batch-size x ranks
   uint64_t seed = 2022;
   int64_t window_size = 1;
   int64_t log_every = 1;
@@ -43,6 +46,7 @@ struct TrainerConfig {
   int64_t threads = 1;  // 0 = LibTorch's default
   ProgressMode progress = ProgressMode::kAuto;
   std::filesystem::path checkpoint_dir;  // empty = no checkpoints
+  int64_t checkpoint_every = 0;          // iterations; 0 = after every epoch only
   std::filesystem::path metrics_dir;     // empty = no CSV files
   DeviceChoice device = DeviceChoice::kAuto;
 
@@ -86,6 +90,18 @@ std::string optimizer_name(OptimizerKind kind);
 std::string grafting_name(GraftingKind kind);
 /// "auto", "cpu" or "cuda" (the --device spellings).
 std::string device_choice_name(DeviceChoice choice);
+
+/// Examples per iteration: over all ranks (the global batch) and per rank.
+struct BatchSizes {
+  int64_t global = 0;
+  int64_t local = 0;
+};
+
+/// The batch sizes of a run at `world_size` ranks. --global-batch-size G: every rank takes
+/// G / world_size (std::invalid_argument naming the flags and numbers when world_size does not
+/// divide G, or when --local-batch-size is given too and does not agree); otherwise every rank
+/// takes --local-batch-size L, L x world_size in all.
+BatchSizes resolve_batch_sizes(const TrainerConfig& config, int64_t world_size);
 
 /// Parses and checks argv. Returns nullopt when --help was given (the usage is printed). Throws
 /// std::invalid_argument naming the flag on a bad value.

@@ -155,6 +155,69 @@ TEST(TrainerFlags, HelpPrintsEveryFlagAndReturnsNothing) {
   }
 }
 
+TEST(TrainerFlags, CheckpointEveryNeedsACheckpointDir) {
+  EXPECT_THROW(
+      {
+        try {
+          parse({"--checkpoint-every", "5"});
+        } catch (const std::invalid_argument& e) {
+          EXPECT_STREQ(e.what(),
+                       "--checkpoint-every: got 5 without --checkpoint-dir (where would the "
+                       "checkpoints go?)");
+          throw;
+        }
+      },
+      std::invalid_argument);
+  EXPECT_EQ(parse({"--checkpoint-every", "5", "--checkpoint-dir", "c"})->checkpoint_every, 5);
+}
+
+// ---- batch sizes ------------------------------------------------------------------------------
+
+using shampoo::examples::BatchSizes;
+using shampoo::examples::resolve_batch_sizes;
+
+bool operator==(const BatchSizes& a, const BatchSizes& b) {
+  return a.global == b.global && a.local == b.local;
+}
+
+/// The std::invalid_argument message of resolve_batch_sizes, or "" when it returns.
+std::string batch_error(const TrainerConfig& config, int64_t world_size) {
+  try {
+    resolve_batch_sizes(config, world_size);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(TrainerBatch, LocalBatchSizeIsPerRank) {
+  const auto config = *parse({"--local-batch-size", "16"});
+  EXPECT_TRUE(resolve_batch_sizes(config, 1) == (BatchSizes{16, 16}));
+  EXPECT_TRUE(resolve_batch_sizes(config, 4) == (BatchSizes{64, 16}));
+  // The default: 128 per rank.
+  EXPECT_TRUE(resolve_batch_sizes(parse_no_flags(), 2) == (BatchSizes{256, 128}));
+}
+
+TEST(TrainerBatch, GlobalBatchSizeIsSharedByTheRanks) {
+  const auto config = *parse({"--global-batch-size", "32"});
+  EXPECT_FALSE(config.local_batch_size_given);
+  EXPECT_TRUE(resolve_batch_sizes(config, 1) == (BatchSizes{32, 32}));
+  EXPECT_TRUE(resolve_batch_sizes(config, 2) == (BatchSizes{32, 16}));
+  EXPECT_TRUE(resolve_batch_sizes(config, 4) == (BatchSizes{32, 8}));
+  // Both flags, agreeing.
+  const auto both = *parse({"--global-batch-size", "32", "--local-batch-size", "8"});
+  EXPECT_TRUE(resolve_batch_sizes(both, 4) == (BatchSizes{32, 8}));
+}
+
+TEST(TrainerBatch, UnevenOrConflictingBatchesAreErrorsNamingFlagsAndNumbers) {
+  EXPECT_EQ(batch_error(*parse({"--global-batch-size", "32"}), 3),
+            "--global-batch-size: got 32, which 3 ranks (WORLD_SIZE) cannot share evenly; choose "
+            "a multiple of 3, or a number of ranks that divides 32");
+  EXPECT_EQ(batch_error(*parse({"--global-batch-size", "32", "--local-batch-size", "16"}), 4),
+            "--local-batch-size 16 and --global-batch-size 32 disagree at 4 ranks (32 / 4 = 8 per "
+            "rank); give only --global-batch-size");
+}
+
 // ---- --device ---------------------------------------------------------------------------------
 
 constexpr const char* kNoCudaMessage =

@@ -122,12 +122,15 @@ Evaluation evaluate(ImageClassifier& model, const ImageDataset& data, int64_t ba
   return Evaluation{loss_sum / count, correct / count};
 }
 
-std::string run_signature(const TrainerConfig& config, int world_size, int64_t train_examples) {
-  return fmt::format(
-      "dataset={} model={} optimizer={} world_size={} local_batch_size={} train_examples={} "
-      "seed={}",
-      dataset_name(config.dataset), config.model, optimizer_name(config.optimizer), world_size,
-      config.local_batch_size, train_examples, config.seed);
+/// What a checkpoint must agree on to be resumed: not the number of ranks, which may change.
+RunSignature run_signature(const TrainerConfig& config, int64_t global_batch_size,
+                           int64_t train_examples) {
+  return {{"dataset", dataset_name(config.dataset)},
+          {"model", config.model},
+          {"optimizer", optimizer_name(config.optimizer)},
+          {"global_batch_size", std::to_string(global_batch_size)},
+          {"train_examples", std::to_string(train_examples)},
+          {"seed", std::to_string(config.seed)}};
 }
 
 /// LibTorch's CPU allocator takes every tensor from malloc. glibc serves blocks above its mmap
@@ -179,7 +182,8 @@ struct Trainer {
         log(progress_bar, d_),
         data(std::move(data_)),
         full_train_size(full_train_size_),
-        sampler(data.train.size(), config_.local_batch_size, d_.world_size, d_.rank, config_.seed),
+        batch(resolve_batch_sizes(config_, d_.world_size)),
+        sampler(data.train.size(), batch.local, d_.world_size, d_.rank, config_.seed),
         metrics(config_.window_size) {}
 
   const TrainerConfig& config;
@@ -189,10 +193,11 @@ struct Trainer {
   Log log;
   ImageDataset data;
   int64_t full_train_size = 0;
+  BatchSizes batch;
   DistributedBatchSampler sampler;
   std::shared_ptr<ImageClassifier> model;
-  std::optional<CheckpointDir> checkpoints;
-  int64_t resume_epoch = 0;
+  std::optional<TrainingCheckpoint> checkpoint;
+  int64_t resumed_from_world_size = 0;  // 0: not resumed
   std::unique_ptr<shampoo::GradientSynchronizer> synchronizer;
   std::vector<ParamGroupPlan> plans;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
@@ -213,7 +218,27 @@ ImageDataset load_data(const TrainerConfig& config, int64_t* full_train_size) {
   return data;
 }
 
-/// Model, checkpoints, synchronizer, optimizer, scheduler; resumes from the latest checkpoint.
+/// Loads the checkpoint in --checkpoint-dir when there is one (collective).
+void resume(Trainer& t) {
+  const auto& config = t.config;
+  t.checkpoint.emplace(
+      config.checkpoint_dir, t.d.group, run_signature(config, t.batch.global, t.data.train.size()),
+      TrainingCheckpoint::State{t.model.get(), t.optimizer.get(), &t.metrics, &t.progress},
+      t.device);
+  if (!t.checkpoint->exists()) return;
+  t.resumed_from_world_size = t.checkpoint->load();
+  // Where the next iteration is in its epoch: the epochs have the same batches at any number
+  // of ranks (the same global batch size and training set, which the signature checks).
+  const int64_t batches = t.sampler.batches_per_epoch();
+  TORCH_CHECK(t.progress.iteration >= t.progress.epoch * batches &&
+                  t.progress.iteration < (t.progress.epoch + 1) * batches,
+              "--checkpoint-dir ", config.checkpoint_dir.string(), ": ", t.progress.epoch,
+              " epoch(s) and ", t.progress.iteration, " iterations do not fit epochs of ", batches,
+              " iterations");
+  if (t.scheduler) t.scheduler->resume(t.progress.iteration);
+}
+
+/// Model, synchronizer, optimizer, scheduler; resumes from the checkpoint.
 void build_model_and_optimizer(Trainer& t) {
   const auto& config = t.config;
   // The same seed on every rank (the synchronizer also broadcasts rank 0's weights).
@@ -222,13 +247,6 @@ void build_model_and_optimizer(Trainer& t) {
                                   t.data.height(), t.data.width());
   // Initialized on the CPU, then moved: the same initial weights on every device.
   t.model->to(t.device);
-  // Resume: the model is loaded before the synchronizer and optimizer take its parameters.
-  if (!config.checkpoint_dir.empty()) {
-    t.checkpoints.emplace(config.checkpoint_dir, t.d.group,
-                          run_signature(config, t.d.world_size, t.data.train.size()), t.device);
-    t.resume_epoch = t.checkpoints->find_resume_epoch();
-    if (t.resume_epoch > 0) t.checkpoints->load_model(t.resume_epoch, *t.model);
-  }
   if (t.d.group && t.d.world_size > 1) {
     t.synchronizer =
         std::make_unique<shampoo::GradientSynchronizer>(t.model->parameters(), t.d.group);
@@ -240,12 +258,11 @@ void build_model_and_optimizer(Trainer& t) {
     t.scheduler = std::make_unique<CosineAnnealingLr>(
         *t.optimizer, t.sampler.batches_per_epoch() * config.epochs);
   }
-  if (t.resume_epoch > 0) {
-    t.progress = t.checkpoints->load_training_state(t.resume_epoch, *t.optimizer, t.metrics);
-    if (t.scheduler) t.scheduler->resume(t.progress.iteration);
-  }
+  // The model's tensors are loaded in place, after the synchronizer and the optimizer took them.
+  if (!config.checkpoint_dir.empty()) resume(t);
   if (t.d.rank == 0 && !config.metrics_dir.empty()) {
-    t.csv.emplace(config.metrics_dir, t.resume_epoch, t.progress.iteration, device_name(t.device));
+    t.csv.emplace(config.metrics_dir, t.progress.epoch, t.progress.iteration,
+                  device_name(t.device));
   }
 }
 
@@ -264,6 +281,20 @@ const shampoo::DistributedShampoo* as_shampoo(const torch::optim::Optimizer& opt
   return dynamic_cast<const shampoo::DistributedShampoo*>(&optimizer);
 }
 
+/// "Resumed from DIR: 1 epoch(s), 14 iterations done; saved at world size 2, now 1".
+std::string describe_resume(const Trainer& t) {
+  std::string line = fmt::format(
+      "Resumed from {}: {} epoch(s), {} iterations done; saved at world size {}, now {}",
+      t.checkpoint->dir().string(), t.progress.epoch, t.progress.iteration,
+      t.resumed_from_world_size, t.d.world_size);
+  // torchrun's count of the times it restarted this job's workers (elastic runs).
+  const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (restarts != nullptr && std::string(restarts) != "0") {
+    line += fmt::format(" (torchrun restart {})", restarts);
+  }
+  return line;
+}
+
 void print_setup(Trainer& t) {
   const auto& config = t.config;
   int64_t num_parameters = 0;
@@ -278,8 +309,8 @@ void print_setup(Trainer& t) {
   t.log.lead(
       fmt::format("Model: {}, {} parameters | ranks: {} | global batch {} ({} per rank), "
                   "{} iterations per epoch | {} thread(s) per rank",
-                  config.model, num_parameters, t.d.world_size, t.sampler.global_batch_size(),
-                  config.local_batch_size, t.sampler.batches_per_epoch(), at::get_num_threads()));
+                  config.model, num_parameters, t.d.world_size, t.batch.global, t.batch.local,
+                  t.sampler.batches_per_epoch(), at::get_num_threads()));
   std::string optimizer_line = fmt::format("Optimizer: {}, {} param group(s)",
                                            optimizer_name(config.optimizer), t.plans.size());
   if (const auto* shampoo_optimizer = as_shampoo(*t.optimizer)) {
@@ -293,11 +324,7 @@ void print_setup(Trainer& t) {
   std::string groups = describe_param_groups(t.plans);
   if (!groups.empty() && groups.back() == '\n') groups.pop_back();
   t.log.lead(groups);
-  if (t.resume_epoch > 0) {
-    t.log.lead(fmt::format("Resumed from {}: {} epoch(s), {} iterations done",
-                           t.checkpoints->file(t.resume_epoch).string(), t.progress.epoch,
-                           t.progress.iteration));
-  }
+  if (t.resumed_from_world_size > 0) t.log.lead(describe_resume(t));
 }
 
 /// One optimizer step on batch `batch` of the epoch's order; returns the local loss.
@@ -327,16 +354,35 @@ void log_losses(Trainer& t, int64_t epoch, const IterationLosses& local,
   }
 }
 
-/// The training iterations of one epoch; returns the global losses after its last one.
-IterationLosses train_epoch(Trainer& t, int64_t epoch) {
+/// Whether --stop-after-iteration ends the run here.
+bool stop_requested(const Trainer& t) {
+  return t.config.stop_after_iteration > 0 && t.progress.iteration >= t.config.stop_after_iteration;
+}
+
+/// Saves a checkpoint (collective) when the run has --checkpoint-dir. Within an epoch every rank
+/// still holds the batch-norm statistics of its own batches: the checkpoint takes their mean.
+void save_checkpoint(Trainer& t, bool within_epoch) {
+  if (!t.checkpoint) return;
+  if (t.csv) t.csv->flush();  // the rows up to the checkpoint, for a run resumed from it
+  const auto start = Clock::now();
+  t.checkpoint->save(/*average_buffers=*/within_epoch);
+  t.log.lead(fmt::format("Checkpoint saved in {}: {} epoch(s), {} iterations done ({:.2f} s)",
+                         t.checkpoint->dir().string(), t.progress.epoch, t.progress.iteration,
+                         seconds_since(start)));
+}
+
+/// The training iterations of one epoch, from where a checkpoint left it; returns the global
+/// losses after its last one, or nullopt when --stop-after-iteration ended the run within it.
+std::optional<IterationLosses> train_epoch(Trainer& t, int64_t epoch) {
   // Drawn on the CPU (the same order on every device), then one copy per epoch: the batches'
   // indices are sliced from it and the examples gathered on the device.
   const auto order = t.sampler.epoch_order(epoch).to(t.device);
   const int64_t batches = t.sampler.batches_per_epoch();
+  const int64_t first_batch = t.progress.iteration - (epoch - 1) * batches;
   t.progress_bar.start(fmt::format("epoch {}/{}", epoch, t.config.epochs), batches);
   t.model->train();
   IterationLosses global;
-  for (int64_t batch = 0; batch < batches; ++batch) {
+  for (int64_t batch = first_batch; batch < batches; ++batch) {
     t.metrics.update(train_step(t, order, batch));
     ++t.progress.iteration;
     const IterationLosses local = t.metrics.local();
@@ -346,8 +392,20 @@ IterationLosses train_epoch(Trainer& t, int64_t epoch) {
                            t.optimizer->param_groups()[0].options().get_lr());
     }
     t.progress_bar.update(batch + 1, fmt::format("loss {:.4f}", global.window_loss));
-    if (t.progress.iteration % t.config.log_every == 0 || batch + 1 == batches) {
+    const bool last = batch + 1 == batches;
+    if (t.progress.iteration % t.config.log_every == 0 || last) {
       log_losses(t, epoch, local, global);
+    }
+    // The epoch's last iteration is checkpointed after the evaluation.
+    if (last) continue;
+    const bool stop = stop_requested(t);
+    if (stop ||
+        (t.config.checkpoint_every > 0 && t.progress.iteration % t.config.checkpoint_every == 0)) {
+      save_checkpoint(t, /*within_epoch=*/true);
+    }
+    if (stop) {
+      t.progress_bar.finish();
+      return std::nullopt;
     }
   }
   t.progress_bar.finish();
@@ -355,27 +413,30 @@ IterationLosses train_epoch(Trainer& t, int64_t epoch) {
 }
 
 /// Trains the epochs of this run, evaluating and checkpointing after each; returns the last
-/// evaluation (nullopt when there was nothing left to train).
+/// evaluation (nullopt when no epoch ended in this run).
 std::optional<Evaluation> train(Trainer& t, int64_t last_epoch) {
   std::optional<Evaluation> evaluation;
-  for (int64_t epoch = t.progress.epoch + 1; epoch <= last_epoch; ++epoch) {
+  for (int64_t epoch = t.progress.epoch + 1; epoch <= last_epoch && !stop_requested(t); ++epoch) {
     const auto epoch_start = Clock::now();
-    const IterationLosses global = train_epoch(t, epoch);
+    const int64_t first_iteration = t.progress.iteration;
+    const auto global = train_epoch(t, epoch);
+    if (!global) break;
     const double train_seconds = seconds_since(epoch_start);
     average_buffers(*t.model, t.d);
     evaluation = evaluate(*t.model, t.data, t.config.eval_batch_size, t.d);
     t.progress.epoch = epoch;
     const double epoch_seconds = seconds_since(epoch_start);
-    t.log.lead(fmt::format(
-        "Epoch: {} | Test Loss: {:.4f} | Test Accuracy: {:.4f} | Global "
-        "Lifetime Loss: {:.4f} | Time: {:.1f} s (train {:.1f} s, {:.1f} it/s)",
-        epoch, evaluation->loss, evaluation->accuracy, global.lifetime_loss, epoch_seconds,
-        train_seconds, static_cast<double>(t.sampler.batches_per_epoch()) / train_seconds));
+    t.log.lead(
+        fmt::format("Epoch: {} | Test Loss: {:.4f} | Test Accuracy: {:.4f} | Global "
+                    "Lifetime Loss: {:.4f} | Time: {:.1f} s (train {:.1f} s, {:.1f} it/s)",
+                    epoch, evaluation->loss, evaluation->accuracy, global->lifetime_loss,
+                    epoch_seconds, train_seconds,
+                    static_cast<double>(t.progress.iteration - first_iteration) / train_seconds));
     if (t.csv) {
       t.csv->add_epoch(epoch, t.progress.iteration, evaluation->loss, evaluation->accuracy,
-                       global.lifetime_loss, epoch_seconds);
+                       global->lifetime_loss, epoch_seconds);
     }
-    if (t.checkpoints) t.checkpoints->save(t.progress, *t.model, *t.optimizer, t.metrics);
+    save_checkpoint(t, /*within_epoch=*/false);
   }
   return evaluation;
 }
@@ -395,6 +456,25 @@ void print_summary(Trainer& t, const Evaluation& evaluation, Clock::time_point r
   }
   t.log.lead(fmt::format("Total time: {:.1f} s", seconds_since(run_start)));
   t.log.lead(fmt::format("Final test accuracy: {:.4f}", evaluation.accuracy));
+}
+
+/// Says why the run ended before --epochs, if it did.
+void report_stop(Trainer& t, int64_t last_epoch, int64_t first_iteration) {
+  if (t.progress.iteration == first_iteration) {
+    t.log.lead(
+        fmt::format("Nothing to train: the checkpoint has {} epoch(s) and {} iterations, "
+                    "this run ends after epoch {}{}",
+                    t.progress.epoch, t.progress.iteration, last_epoch,
+                    t.config.stop_after_iteration > 0
+                        ? fmt::format(" or iteration {}", t.config.stop_after_iteration)
+                        : ""));
+  } else if (stop_requested(t)) {
+    t.log.lead(
+        fmt::format("Stopped after iteration {} (--stop-after-iteration)", t.progress.iteration));
+  } else if (last_epoch < t.config.epochs && t.progress.epoch == last_epoch) {
+    t.log.lead(fmt::format("Stopped after epoch {} of {} (--stop-after-epoch)", last_epoch,
+                           t.config.epochs));
+  }
 }
 
 int run(int argc, const char* const* argv) {
@@ -423,18 +503,10 @@ int run(int argc, const char* const* argv) {
   const int64_t last_epoch = config.stop_after_epoch > 0
                                  ? std::min(config.stop_after_epoch, config.epochs)
                                  : config.epochs;
+  const int64_t first_iteration = t.progress.iteration;
   auto evaluation = train(t, last_epoch);
-  if (last_epoch < config.epochs && t.progress.epoch == last_epoch) {
-    t.log.lead(fmt::format("Stopped after epoch {} of {} (--stop-after-epoch)", last_epoch,
-                           config.epochs));
-  }
-  if (!evaluation) {
-    t.log.lead(
-        fmt::format("Nothing to train: the checkpoint has {} epoch(s), last epoch of this "
-                    "run {}",
-                    t.progress.epoch, last_epoch));
-    evaluation = evaluate(*t.model, t.data, config.eval_batch_size, d);
-  }
+  report_stop(t, last_epoch, first_iteration);
+  if (!evaluation) evaluation = evaluate(*t.model, t.data, config.eval_batch_size, d);
   print_summary(t, *evaluation, run_start);
   return 0;
 }

@@ -44,6 +44,23 @@ IterationLosses LossMetrics::global(const c10::intrusive_ptr<c10d::ProcessGroup>
   return IterationLosses{sums[0] / world, sums[1] / world, sums[2] / world};
 }
 
+LossMetrics LossMetrics::mean_over_ranks(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group) const {
+  LossMetrics mean(*this);
+  if (!group || group->getSize() == 1) return mean;
+  // Every rank has run the same iterations, so the windows have the same length.
+  std::vector<double> values{loss_sum_, last_loss_};
+  values.insert(values.end(), window_.begin(), window_.end());
+  std::vector<at::Tensor> buffer{at::tensor(values, at::kDouble)};
+  group->allreduce(buffer)->wait();
+  const auto world = static_cast<double>(group->getSize());
+  const auto sums = buffer[0].accessor<double, 1>();
+  mean.loss_sum_ = sums[0] / world;
+  mean.last_loss_ = sums[1] / world;
+  for (size_t i = 0; i < mean.window_.size(); ++i) mean.window_[i] = sums[2 + i] / world;
+  return mean;
+}
+
 void LossMetrics::save(torch::serialize::OutputArchive& archive) const {
   const std::vector<double> window(window_.begin(), window_.end());
   archive.write("iteration", at::tensor(iteration_, at::kLong));

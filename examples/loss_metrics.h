@@ -35,6 +35,11 @@ class LossMetrics {
   /// when `group` is null.
   IterationLosses global(const c10::intrusive_ptr<c10d::ProcessGroup>& group) const;
 
+  /// The means over the ranks of `group` of every rank's running sum, last loss and window
+  /// (collective: every rank calls it): the metrics of the global batches' losses, as one process
+  /// training on them would have recorded them, up to rounding. A copy when `group` is null.
+  LossMetrics mean_over_ranks(const c10::intrusive_ptr<c10d::ProcessGroup>& group) const;
+
   /// Checkpoints (the window and the running sum, so a resumed run prints the same losses).
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);

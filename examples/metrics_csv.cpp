@@ -72,7 +72,8 @@ MetricsCsv::MetricsCsv(const std::filesystem::path& dir, int64_t resume_epoch,
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   TORCH_CHECK(!ec, "--metrics-dir: cannot create ", dir_.string(), " (", ec.message(), ")");
-  const bool resume = resume_epoch > 0;
+  // A checkpoint within the first epoch has resume_epoch 0.
+  const bool resume = resume_iteration > 0;
   reopen(train_, train_path(), kTrainHeader, /*key_column=*/1, resume ? resume_iteration : -1);
   reopen(eval_, eval_path(), kEvalHeader, /*key_column=*/0, resume ? resume_epoch : -1);
 }
@@ -83,6 +84,11 @@ void MetricsCsv::add_iteration(int64_t epoch, int64_t iteration, const Iteration
          << number(local.lifetime_loss) << ',' << number(local.window_loss) << ','
          << number(global.loss) << ',' << number(global.lifetime_loss) << ','
          << number(global.window_loss) << ',' << number(lr) << '\n';
+}
+
+void MetricsCsv::flush() {
+  train_.flush();
+  eval_.flush();
 }
 
 void MetricsCsv::add_epoch(int64_t epoch, int64_t iteration, double test_loss, double test_accuracy,

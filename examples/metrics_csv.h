@@ -21,7 +21,7 @@ namespace shampoo::examples {
 
 class MetricsCsv {
  public:
-  /// Opens (creates) both files in `dir`. With resume_epoch > 0, keeps the rows of train.csv
+  /// Opens (creates) both files in `dir`. With resume_iteration > 0, keeps the rows of train.csv
   /// with iteration ≤ resume_iteration and of eval.csv with epoch ≤ resume_epoch; otherwise
   /// starts both files afresh. `device` is written in eval.csv's device column.
   MetricsCsv(const std::filesystem::path& dir, int64_t resume_epoch, int64_t resume_iteration,
@@ -31,6 +31,9 @@ class MetricsCsv {
                      const IterationLosses& global, double lr);
   void add_epoch(int64_t epoch, int64_t iteration, double test_loss, double test_accuracy,
                  double train_lifetime_loss, double epoch_seconds);
+
+  /// Writes the rows so far to the files (before a checkpoint: a run resumed from it finds them).
+  void flush();
 
   std::filesystem::path train_path() const { return dir_ / "train.csv"; }
   std::filesystem::path eval_path() const { return dir_ / "eval.csv"; }

@@ -1,200 +1,395 @@
 #include "examples/training_checkpoint.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
+#include <cstring>
+#include <memory>
 #include <mutex>
-#include <optional>
 #include <regex>
-#include <set>
+#include <sstream>
 #include <system_error>
 #include <utility>
-#include <vector>
-
-#include "shampoo/checkpoint.h"
 
 namespace shampoo::examples {
 
 namespace {
 
-struct CheckpointName {
-  int rank;
-  int world_size;
-  int64_t epoch;
-};
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
-std::optional<CheckpointName> parse_name(const std::string& name) {
-  static const std::regex pattern(R"(rank(\d+)-of-(\d+)-epoch(\d+)\.pt)");
-  std::smatch match;
-  if (!std::regex_match(name, match, pattern)) return std::nullopt;
-  return CheckpointName{std::stoi(match[1]), std::stoi(match[2]), std::stoll(match[3])};
+/// "name=value" lines.
+std::string render_signature(const RunSignature& signature) {
+  std::string text;
+  for (const auto& [name, value] : signature) text += name + "=" + value + "\n";
+  return text;
+}
+
+RunSignature parse_signature(const std::string& text) {
+  RunSignature signature;
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    const auto equals = line.find('=');
+    if (equals == std::string::npos) continue;
+    signature.emplace_back(line.substr(0, equals), line.substr(equals + 1));
+  }
+  return signature;
+}
+
+/// The value of `name` in `signature`, or "(none)".
+std::string field(const RunSignature& signature, const std::string& name) {
+  for (const auto& [key, value] : signature) {
+    if (key == name) return value;
+  }
+  return "(none)";
+}
+
+/// Every rank's `value` (collective); {value} without a group.
+std::vector<int64_t> all_gather(const Group& group, int64_t value) {
+  if (!group || group->getSize() == 1) return {value};
+  std::vector<at::Tensor> input{at::tensor({value}, at::kLong)};
+  std::vector<std::vector<at::Tensor>> output(1);
+  for (int r = 0; r < group->getSize(); ++r) output[0].push_back(at::empty({1}, at::kLong));
+  group->allgather(output, input)->wait();
+  std::vector<int64_t> values;
+  for (const auto& tensor : output[0]) values.push_back(tensor.item<int64_t>());
+  return values;
+}
+
+/// "0, 2" for the ranks whose value is `wanted`.
+std::string ranks_with(const std::vector<int64_t>& values, int64_t wanted) {
+  std::string ranks;
+  for (size_t r = 0; r < values.size(); ++r) {
+    if (values[r] != wanted) continue;
+    ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return ranks;
+}
+
+/// A file of the trainer's earlier per-rank checkpoints in `dir`, or "".
+std::string earlier_format_file(const std::filesystem::path& dir) {
+  static const std::regex pattern(R"(rank\d+-of-\d+-epoch\d+\.pt)");
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const auto name = entry.path().filename().string();
+    if (std::regex_match(name, pattern)) return name;
+  }
+  return "";
+}
+
+at::Tensor to_bytes(const std::string& text) {
+  auto bytes = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
+  if (!text.empty()) std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
+  return bytes;
+}
+
+std::string from_bytes(const at::Tensor& bytes) {
+  const auto cpu = bytes.to(at::kCPU).contiguous();
+  return std::string(reinterpret_cast<const char*>(cpu.data_ptr<uint8_t>()),
+                     static_cast<size_t>(cpu.numel()));
+}
+
+std::string metrics_key(int rank, int world_size) {
+  return "metrics/rank-" + std::to_string(rank) + "-of-" + std::to_string(world_size);
+}
+
+/// The parameters, then the buffers, by name (the module's own tensors).
+NamedTensors named_state(const torch::nn::Module& model) {
+  NamedTensors named;
+  for (const auto& item : model.named_parameters()) named.emplace_back(item.key(), item.value());
+  for (const auto& item : model.named_buffers()) named.emplace_back(item.key(), item.value());
+  return named;
+}
+
+void write_named_tensors(torch::serialize::OutputArchive& archive, const NamedTensors& named) {
+  std::string names;
+  for (size_t i = 0; i < named.size(); ++i) {
+    names += named[i].first + "\n";
+    archive.write("tensor_" + std::to_string(i), named[i].second.detach().cpu());
+  }
+  archive.write("names", c10::IValue(names));
+}
+
+NamedTensors read_named_tensors(torch::serialize::InputArchive& archive) {
+  c10::IValue names;
+  archive.read("names", names);
+  NamedTensors named;
+  std::istringstream lines(names.toStringRef());
+  std::string name;
+  while (std::getline(lines, name)) {
+    at::Tensor tensor;
+    archive.read("tensor_" + std::to_string(named.size()), tensor);
+    named.emplace_back(name, tensor);
+  }
+  return named;
+}
+
+/// Every floating-point buffer's mean over the ranks (collective); others as they are.
+std::vector<at::Tensor> mean_buffers(const torch::nn::Module& model, const Group& group) {
+  std::vector<at::Tensor> means;
+  for (const auto& buffer : model.buffers()) {
+    auto mean = buffer.detach().clone();
+    if (mean.is_floating_point()) {
+      std::vector<at::Tensor> tensors{mean};
+      group->allreduce(tensors)->wait();
+      mean.div_(group->getSize());
+    }
+    means.push_back(mean);
+  }
+  return means;
+}
+
+void set_generator_state(at::Generator generator, const at::Tensor& state) {
+  // A default generator is shared by the process; its mutex guards set_state.
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state.cpu());
 }
 
 }  // namespace
 
-CheckpointDir::CheckpointDir(std::filesystem::path dir,
-                             c10::intrusive_ptr<c10d::ProcessGroup> group, std::string signature,
-                             c10::Device device)
+TrainingCheckpoint::TrainingCheckpoint(std::filesystem::path dir, Group group,
+                                       RunSignature signature, State state, c10::Device device)
     : dir_(std::move(dir)),
       group_(std::move(group)),
       signature_(std::move(signature)),
+      state_(state),
       device_(device) {
+  TORCH_INTERNAL_ASSERT(state_.model && state_.optimizer && state_.metrics && state_.progress);
   if (group_) {
     rank_ = group_->getRank();
     world_size_ = group_->getSize();
   }
-  std::error_code ec;
-  std::filesystem::create_directories(dir_, ec);
-  TORCH_CHECK(!ec, "--checkpoint-dir: cannot create ", dir_.string(), " (", ec.message(), ")");
 }
 
-std::filesystem::path CheckpointDir::file(int64_t epoch) const {
-  return dir_ / ("rank" + std::to_string(rank_) + "-of-" + std::to_string(world_size_) + "-epoch" +
-                 std::to_string(epoch) + ".pt");
+bool TrainingCheckpoint::exists() const {
+  const bool committed = shampoo::distributed_checkpoint_exists(dir_);
+  const std::string earlier = committed ? "" : earlier_format_file(dir_);
+  const auto seen = all_gather(group_, (committed ? 1 : 0) + (earlier.empty() ? 0 : 2));
+  TORCH_CHECK(ranks_with(seen, 2).empty(), "--checkpoint-dir ", dir_.string(),
+              " holds checkpoints of the trainer's earlier per-rank format (",
+              earlier.empty() ? std::string("rank<r>-of-<w>-epoch<e>.pt") : earlier,
+              "), which this trainer does not read; use another folder");
+  const auto with = ranks_with(seen, 1);
+  const auto without = ranks_with(seen, 0);
+  TORCH_CHECK(with.empty() || without.empty(), "--checkpoint-dir ", dir_.string(), ": rank(s) ",
+              with, " see a committed checkpoint there, rank(s) ", without,
+              " do not; every rank must see the same folder (on several machines, put it on a "
+              "filesystem that every node mounts)");
+  return committed;
 }
 
-int64_t CheckpointDir::all_reduce_sum(int64_t value) const {
-  if (!group_ || world_size_ == 1) return value;
-  std::vector<at::Tensor> buffer{at::tensor({value}, at::kLong)};
-  group_->allreduce(buffer)->wait();
-  return buffer[0].item<int64_t>();
+int64_t TrainingCheckpoint::load() {
+  shampoo::load_distributed_state(*this, dir_, group_);
+  return shampoo::read_checkpoint_manifest(dir_).world_size;
 }
 
-int64_t CheckpointDir::all_reduce_min(int64_t value) const {
-  if (!group_ || world_size_ == 1) return value;
-  std::vector<at::Tensor> buffer{at::tensor({value}, at::kLong)};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::MIN;
-  group_->allreduce(buffer, options)->wait();
-  return buffer[0].item<int64_t>();
-}
-
-int64_t CheckpointDir::find_resume_epoch() const {
-  std::set<int64_t> mine;
-  std::set<int> other_world_sizes;
-  for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
-    const auto name = parse_name(entry.path().filename().string());
-    if (!name) continue;
-    if (name->world_size != world_size_) {
-      other_world_sizes.insert(name->world_size);
-    } else if (name->rank == rank_) {
-      mine.insert(name->epoch);
-    }
+void TrainingCheckpoint::save(bool average_buffers) {
+  mean_metrics_ = state_.metrics->mean_over_ranks(group_);
+  if (average_buffers && group_ && world_size_ > 1) {
+    saved_buffers_ = mean_buffers(*state_.model, group_);
   }
-  const int64_t latest = mine.empty() ? 0 : *mine.rbegin();
-  // Every rank learns whether any rank saw foreign checkpoints, so all of them fail together.
-  const bool foreign = mine.empty() && !other_world_sizes.empty();
-  TORCH_CHECK(all_reduce_sum(foreign ? 1 : 0) == 0, "--checkpoint-dir ", dir_.string(),
-              " holds checkpoints of a run with ",
-              other_world_sizes.empty() ? std::string("another number of")
-                                        : std::to_string(*other_world_sizes.begin()),
-              " ranks, this run has ", world_size_,
-              " (changing the world size on resume is not supported; use another folder)");
-  const int64_t resume = all_reduce_min(latest);
-  if (resume == 0) return 0;
-  const bool have = mine.count(resume) == 1;
-  TORCH_CHECK(all_reduce_min(have ? 1 : 0) == 1, "--checkpoint-dir ", dir_.string(),
-              ": some rank has no checkpoint of epoch ", resume,
-              ", the latest epoch every rank has (files removed by hand?)");
-  return resume;
+  std::exception_ptr error;
+  try {
+    shampoo::save_distributed_state(*this, dir_, group_);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  mean_metrics_.reset();
+  saved_buffers_.clear();
+  if (error) std::rethrow_exception(error);
 }
 
-torch::serialize::InputArchive CheckpointDir::read(int64_t epoch) const {
-  const std::string path = file(epoch).string();
+void TrainingCheckpoint::save_common(torch::serialize::OutputArchive& common) const {
+  const auto unit = common.compilation_unit();
+  common.write("signature", c10::IValue(render_signature(signature_)));
+  common.write("progress",
+               at::tensor({state_.progress->epoch, state_.progress->iteration}, at::kLong));
+  torch::serialize::OutputArchive metrics(unit);
+  (mean_metrics_ ? *mean_metrics_ : *state_.metrics).save(metrics);
+  common.write("metrics", metrics);
+
+  auto named = named_state(*state_.model);
+  const size_t first_buffer = named.size() - saved_buffers_.size();
+  for (size_t i = 0; i < saved_buffers_.size(); ++i)
+    named[first_buffer + i].second = saved_buffers_[i];
+  torch::serialize::OutputArchive model(unit);
+  write_named_tensors(model, named);
+  common.write("model", model);
+
+  torch::serialize::OutputArchive rng(unit);
+  rng.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
+  if (device_.is_cuda())
+    rng.write("cuda", at::globalContext().defaultGenerator(device_).get_state());
+  common.write("rng", rng);
+
+  torch::serialize::OutputArchive optimizer(unit);
+  if (const auto* distributed = dynamic_cast<const DistributedCheckpointable*>(state_.optimizer)) {
+    optimizer.write("kind", c10::IValue(distributed->checkpoint_kind()));
+    torch::serialize::OutputArchive own(unit);
+    distributed->save_common(own);
+    optimizer.write("common", own);
+  } else {
+    // A torch::optim optimizer is replicated: every rank holds the same state. Kept as the bytes
+    // of its own archive, so that loading maps its tensors to the run's device.
+    torch::serialize::OutputArchive whole;
+    state_.optimizer->save(whole);
+    std::ostringstream bytes;
+    whole.save_to(bytes);
+    optimizer.write("kind", c10::IValue(std::string("replicated")));
+    optimizer.write("state", to_bytes(bytes.str()));
+  }
+  common.write("optimizer", optimizer);
+}
+
+void TrainingCheckpoint::save_pieces(shampoo::PieceWriter& pieces) const {
+  if (world_size_ > 1) {
+    torch::serialize::OutputArchive metrics;
+    state_.metrics->save(metrics);
+    pieces.add(metrics_key(rank_, world_size_), std::move(metrics));
+  }
+  if (const auto* distributed = dynamic_cast<const DistributedCheckpointable*>(state_.optimizer)) {
+    auto nested = pieces.nested("optimizer/");
+    distributed->save_pieces(nested);
+  }
+}
+
+void TrainingCheckpoint::check_signature(torch::serialize::InputArchive& common) const {
+  c10::IValue text;
+  common.read("signature", text);
+  const RunSignature saved = parse_signature(text.toStringRef());
+  RunSignature names = signature_;
+  for (const auto& entry : saved) names.push_back(entry);
+  for (const auto& [name, unused] : names) {
+    const auto there = field(saved, name);
+    const auto here = field(signature_, name);
+    TORCH_CHECK(there == here, "--checkpoint-dir ", dir_.string(),
+                " holds a checkpoint of another run: ", name, " is ", there, " there and ", here,
+                " in this run; resume with the same settings, or use another --checkpoint-dir");
+  }
+}
+
+std::function<void()> TrainingCheckpoint::prepare_model(
+    torch::serialize::InputArchive& common) const {
   torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(path, device_);
-  } catch (const std::exception&) {
-    // A missing, truncated or damaged file: read_checkpoint's error names it (LibTorch's
-    // reader does not). Anything else (a device the tensors cannot be mapped to) as it is.
-    shampoo::read_checkpoint(path);
-    throw;
+  common.read("model", archive);
+  const auto saved = read_named_tensors(archive);
+  const auto live = named_state(*state_.model);
+  TORCH_CHECK(saved.size() == live.size(), "--checkpoint-dir ", dir_.string(), ": the model has ",
+              saved.size(), " parameters and buffers there, ", live.size(), " in this run");
+  for (size_t i = 0; i < live.size(); ++i) {
+    const auto& [name, tensor] = live[i];
+    TORCH_CHECK(saved[i].first == name && saved[i].second.sizes() == tensor.sizes() &&
+                    saved[i].second.dtype() == tensor.dtype(),
+                "--checkpoint-dir ", dir_.string(), ": the model's tensor ", i, " is ",
+                saved[i].first, " ", saved[i].second.sizes(), " there and ", name, " ",
+                tensor.sizes(), " in this run");
   }
-  return archive;
+  return [saved, live] {
+    torch::NoGradGuard no_grad;
+    // In place: the optimizer and the gradient synchronizer hold these tensors.
+    for (size_t i = 0; i < live.size(); ++i) live[i].second.copy_(saved[i].second);
+  };
 }
 
-void CheckpointDir::load_model(int64_t epoch, torch::nn::Module& model) const {
-  auto archive = read(epoch);
-  c10::IValue signature;
-  archive.read("signature", signature);
-  TORCH_CHECK(signature.toStringRef() == signature_, file(epoch).string(),
-              ": written by a different run:\n  checkpoint: ", signature.toStringRef(),
-              "\n  this run:   ", signature_, "\nuse another --checkpoint-dir");
-  torch::serialize::InputArchive model_archive;
-  archive.read("model", model_archive);
-  model.load(model_archive);
+std::function<void()> TrainingCheckpoint::prepare_optimizer(torch::serialize::InputArchive& common,
+                                                            shampoo::PieceReader& pieces) {
+  torch::serialize::InputArchive archive;
+  common.read("optimizer", archive);
+  c10::IValue kind;
+  archive.read("kind", kind);
+  auto* distributed = dynamic_cast<DistributedCheckpointable*>(state_.optimizer);
+  const std::string expected = distributed ? distributed->checkpoint_kind() : "replicated";
+  TORCH_CHECK(kind.toStringRef() == expected, "--checkpoint-dir ", dir_.string(),
+              ": the optimizer state there is of a ", kind.toStringRef(),
+              " optimizer, this run's is of a ", expected, " one");
+  if (distributed) {
+    torch::serialize::InputArchive own;
+    archive.read("common", own);
+    auto nested = pieces.nested("optimizer/");
+    return distributed->prepare_load(own, nested);
+  }
+  at::Tensor bytes;
+  archive.read("state", bytes);
+  std::istringstream stream(from_bytes(bytes));
+  auto whole = std::make_shared<torch::serialize::InputArchive>();
+  whole->load_from(stream, device_);
+  auto* optimizer = state_.optimizer;
+  return [optimizer, whole] { optimizer->load(*whole); };
 }
 
-TrainingProgress CheckpointDir::load_training_state(int64_t epoch,
-                                                    torch::optim::Optimizer& optimizer,
-                                                    LossMetrics& metrics) const {
-  auto archive = read(epoch);
-  torch::serialize::InputArchive optimizer_archive;
-  archive.read("optimizer", optimizer_archive);
-  try {
-    optimizer.load(optimizer_archive);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, file(epoch).string(), ": ", e.msg());
-  }
+std::function<void()> TrainingCheckpoint::prepare_load(torch::serialize::InputArchive& common,
+                                                       shampoo::PieceReader& pieces) {
+  check_signature(common);
+  at::Tensor progress_tensor;
+  common.read("progress", progress_tensor);
+  const TrainingProgress progress{progress_tensor[0].item<int64_t>(),
+                                  progress_tensor[1].item<int64_t>()};
+  // Rank r's own metrics at the same number of ranks, else the ranks' mean.
+  LossMetrics metrics = *state_.metrics;
   torch::serialize::InputArchive metrics_archive;
-  archive.read("metrics", metrics_archive);
-  metrics.load(metrics_archive);
-  at::Tensor progress;
-  archive.read("progress", progress);
-  at::Tensor generator_state;
-  archive.read("cpu_generator_state", generator_state);
-  {
-    // The default generator is shared by the process; its mutex guards set_state.
-    auto generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(generator_state.cpu());  // mapped to device_ like every tensor
+  if (pieces.contains(metrics_key(rank_, world_size_))) {
+    metrics_archive = pieces.read(metrics_key(rank_, world_size_));
+  } else {
+    common.read("metrics", metrics_archive);
   }
-  TrainingProgress result;
-  result.epoch = progress[0].item<int64_t>();
-  result.iteration = progress[1].item<int64_t>();
-  TORCH_CHECK(result.epoch == epoch, file(epoch).string(), ": holds epoch ", result.epoch,
-              ", expected ", epoch);
-  TORCH_CHECK(metrics.iteration() == result.iteration, file(epoch).string(),
-              ": metrics at iteration ", metrics.iteration(), ", expected ", result.iteration);
-  return result;
+  metrics.load(metrics_archive);
+  TORCH_CHECK(metrics.iteration() == progress.iteration, "--checkpoint-dir ", dir_.string(),
+              ": metrics at iteration ", metrics.iteration(), ", progress at ", progress.iteration,
+              "; the checkpoint is inconsistent");
+  torch::serialize::InputArchive rng;
+  common.read("rng", rng);
+  at::Tensor cpu_state, cuda_state;
+  rng.read("cpu", cpu_state);
+  rng.try_read("cuda", cuda_state);
+  auto install_model = prepare_model(common);
+  auto install_optimizer = prepare_optimizer(common, pieces);
+  return [this, progress, metrics, cpu_state, cuda_state, install_model, install_optimizer] {
+    install_model();
+    install_optimizer();
+    *state_.metrics = metrics;
+    *state_.progress = progress;
+    set_generator_state(at::detail::getDefaultCPUGenerator(), cpu_state);
+    if (device_.is_cuda() && cuda_state.defined()) {
+      set_generator_state(at::globalContext().defaultGenerator(device_), cuda_state);
+    }
+  };
 }
 
-void CheckpointDir::save(const TrainingProgress& progress, const torch::nn::Module& model,
-                         const torch::optim::Optimizer& optimizer,
-                         const LossMetrics& metrics) const {
-  torch::serialize::OutputArchive archive;
-  archive.write("signature", c10::IValue(signature_));
-  torch::serialize::OutputArchive model_archive(archive.compilation_unit());
-  model.save(model_archive);
-  archive.write("model", model_archive);
-  torch::serialize::OutputArchive optimizer_archive(archive.compilation_unit());
-  optimizer.save(optimizer_archive);
-  archive.write("optimizer", optimizer_archive);
-  torch::serialize::OutputArchive metrics_archive(archive.compilation_unit());
-  metrics.save(metrics_archive);
-  archive.write("metrics", metrics_archive);
-  archive.write("progress", at::tensor({progress.epoch, progress.iteration}, at::kLong));
-  archive.write("cpu_generator_state", at::detail::getDefaultCPUGenerator().get_state());
+namespace {
 
-  const auto path = file(progress.epoch);
-  auto temporary = path;
-  temporary += ".tmp";
-  archive.save_to(temporary.string());
-  std::error_code ec;
-  std::filesystem::rename(temporary, path, ec);
-  TORCH_CHECK(!ec, "--checkpoint-dir: cannot rename ", temporary.string(), " to ", path.string(),
-              " (", ec.message(), ")");
-
-  // Every rank has its file of this epoch: the earlier ones are no longer needed.
-  all_reduce_sum(1);
-  for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
-    const auto name = parse_name(entry.path().filename().string());
-    if (name && name->rank == rank_ && name->world_size == world_size_ &&
-        name->epoch < progress.epoch) {
-      std::filesystem::remove(entry.path(), ec);
-    }
+/// Reads only the model of a trainer checkpoint.
+class ModelReader : public shampoo::DistributedCheckpointable {
+ public:
+  std::string checkpoint_kind() const override { return "cifar10_trainer"; }
+  Group checkpoint_group() const override { return {}; }
+  void save_common(torch::serialize::OutputArchive&) const override {
+    TORCH_INTERNAL_ASSERT(false, "ModelReader only loads");
   }
+  void save_pieces(shampoo::PieceWriter&) const override {
+    TORCH_INTERNAL_ASSERT(false, "ModelReader only loads");
+  }
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
+                                     shampoo::PieceReader&) override {
+    torch::serialize::InputArchive archive;
+    common.read("model", archive);
+    model = read_named_tensors(archive);
+    return [] {};
+  }
+  NamedTensors model;
+};
+
+}  // namespace
+
+NamedTensors read_checkpoint_model(const std::filesystem::path& dir) {
+  ModelReader reader;
+  shampoo::load_distributed_state(reader, dir);
+  return reader.model;
 }
 
 }  // namespace shampoo::examples

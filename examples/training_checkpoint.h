@@ -1,13 +1,24 @@
 #pragma once
-/// Checkpoints of a training run, one file per rank and epoch in --checkpoint-dir:
-///   rank<r>-of-<w>-epoch<e>.pt
-/// holding the model (parameters and buffers), the optimizer (for DistributedShampoo the blocks
-/// this rank owns), the loss metrics, the epoch and iteration reached, the default CPU
-/// generator's state and a signature of the run (data set, model, optimizer, world size, batch,
-/// seed). A file is written under a temporary name and renamed; once every rank has written
-/// epoch e, each removes its files of earlier epochs. So after a crash at any point the latest
-/// epoch that every rank has is complete, and a resumed run continues exactly where the
-/// uninterrupted one would be (same losses, bit for bit).
+/// The checkpoint of a training run in --checkpoint-dir: one world-size-independent checkpoint
+/// directory (parallel/distributed_checkpoint.h) that every rank writes together and that a run
+/// at any number of ranks resumes from. Its MANIFEST is the commit point: a save killed at any
+/// moment leaves the previous checkpoint complete.
+///
+/// Common part (written by rank 0, read by every rank):
+///   signature   the run's identity: data set, model, optimizer, global batch, training
+///               examples, seed (not the number of ranks)
+///   progress    epochs and iterations done (a checkpoint may be taken within an epoch)
+///   metrics     the loss metrics averaged over the ranks (those of the global batches)
+///   model       every parameter and buffer by name, on the CPU
+///   rng         the default CPU generator's state (and the CUDA generator's on a CUDA run)
+///   optimizer   a DistributedCheckpointable optimizer's common part (DistributedShampoo), or
+///               the whole state of a torch::optim optimizer, which every rank holds alike
+/// Pieces, each written by one rank:
+///   optimizer/...          a DistributedCheckpointable optimizer's (DistributedShampoo: every
+///                          block by the rank that owns it)
+///   metrics/rank-R-of-W    rank R's own loss metrics, which a run at the same number of ranks
+///                          resumes bit for bit; at another number every rank starts from the
+///                          averaged ones
 
 #include <c10/core/Device.h>
 #include <torch/nn/module.h>
@@ -16,10 +27,15 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <utility>
+#include <vector>
 
 #include "examples/loss_metrics.h"
+#include "parallel/distributed_checkpoint.h"
 
 namespace shampoo::examples {
 
@@ -29,46 +45,72 @@ struct TrainingProgress {
   int64_t iteration = 0;
 };
 
-class CheckpointDir {
+/// The fields that identify a run, (name, value) in order. A checkpoint is resumed only by a run
+/// whose fields are all equal; a difference is an error naming the field.
+using RunSignature = std::vector<std::pair<std::string, std::string>>;
+
+class TrainingCheckpoint : public shampoo::DistributedCheckpointable {
  public:
-  /// `group` null = one process. `signature` must match for a checkpoint to be loaded. The
-  /// tensors of a checkpoint are loaded onto `device` (the run's --device), whatever device
-  /// wrote them.
-  CheckpointDir(std::filesystem::path dir, c10::intrusive_ptr<c10d::ProcessGroup> group,
-                std::string signature, c10::Device device = c10::Device(c10::kCPU));
+  /// The training state, owned by the trainer; loading writes into it.
+  struct State {
+    torch::nn::Module* model = nullptr;
+    torch::optim::Optimizer* optimizer = nullptr;
+    LossMetrics* metrics = nullptr;
+    TrainingProgress* progress = nullptr;
+  };
 
-  /// The latest epoch that every rank has a checkpoint of; 0 when there is none (collective).
-  /// Throws c10::Error on every rank when the folder only holds checkpoints of a different
-  /// world size, or when a rank lacks the file the others would resume from.
-  int64_t find_resume_epoch() const;
+  /// `group` null = one process. `device`: the run's (--device), for the optimizer's state and
+  /// the CUDA generator.
+  TrainingCheckpoint(std::filesystem::path dir, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                     RunSignature signature, State state,
+                     c10::Device device = c10::Device(c10::kCPU));
 
-  /// Loads this rank's checkpoint of `epoch`: the model first (call before building the
-  /// optimizer and gradient synchronizer: Module::load replaces the parameters' storage).
-  void load_model(int64_t epoch, torch::nn::Module& model) const;
-  /// Then the optimizer, metrics, progress and random generator state; checks the signature.
-  TrainingProgress load_training_state(int64_t epoch, torch::optim::Optimizer& optimizer,
-                                       LossMetrics& metrics) const;
+  /// Whether `dir` holds a committed checkpoint (collective). Every rank must see the same:
+  /// otherwise an error on every rank naming which ranks see one (the folder is not on a
+  /// filesystem they share). A folder of the earlier per-rank format is an error too.
+  bool exists() const;
 
-  /// Writes this rank's checkpoint after `progress.epoch` epochs (collective: after every rank
-  /// has written it, the earlier epochs' files are removed).
-  void save(const TrainingProgress& progress, const torch::nn::Module& model,
-            const torch::optim::Optimizer& optimizer, const LossMetrics& metrics) const;
+  /// Loads the checkpoint into the state (collective; nothing changes on any rank unless every
+  /// rank could read and check its part). Returns the number of ranks that saved it.
+  int64_t load();
 
-  std::filesystem::path file(int64_t epoch) const;
+  /// Saves the state (collective); returns once the checkpoint is committed. With
+  /// `average_buffers` the model's floating-point buffers (batch-norm statistics, which every
+  /// rank gathers from its own batches) are saved as their mean over the ranks; without, as
+  /// rank 0 has them (call it so when the ranks hold the same buffers).
+  void save(bool average_buffers);
+
+  const std::filesystem::path& dir() const { return dir_; }
+
+  // DistributedCheckpointable.
+  std::string checkpoint_kind() const override { return "cifar10_trainer"; }
+  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override { return group_; }
+  void save_common(torch::serialize::OutputArchive& common) const override;
+  void save_pieces(shampoo::PieceWriter& pieces) const override;
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
+                                     shampoo::PieceReader& pieces) override;
 
  private:
-  /// Sum of `value` over the ranks.
-  int64_t all_reduce_sum(int64_t value) const;
-  int64_t all_reduce_min(int64_t value) const;
-  /// The archive of `epoch`, its tensors on device_.
-  torch::serialize::InputArchive read(int64_t epoch) const;
+  std::function<void()> prepare_optimizer(torch::serialize::InputArchive& common,
+                                          shampoo::PieceReader& pieces);
+  std::function<void()> prepare_model(torch::serialize::InputArchive& common) const;
+  void check_signature(torch::serialize::InputArchive& common) const;
 
   std::filesystem::path dir_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  std::string signature_;
+  RunSignature signature_;
+  State state_;
   c10::Device device_;
   int rank_ = 0;
   int world_size_ = 1;
+  /// Filled by save() for save_common: the metrics and buffers averaged over the ranks.
+  std::optional<LossMetrics> mean_metrics_;
+  std::vector<at::Tensor> saved_buffers_;
 };
+
+/// The model's parameters and buffers (by name, on the CPU) in the trainer checkpoint committed
+/// in `dir`; for tools and tests that compare runs.
+std::vector<std::pair<std::string, at::Tensor>> read_checkpoint_model(
+    const std::filesystem::path& dir);
 
 }  // namespace shampoo::examples

@@ -19,7 +19,6 @@
 //                                [--golden-dir DIR] [--record-golden DIR] [gtest flags]
 
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <cmath>
@@ -32,279 +31,16 @@
 #include <iostream>
 #include <map>
 #include <optional>
-#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "trainer_runs.h"
+
 namespace {
 
 namespace fs = std::filesystem;
-
-struct Paths {
-  std::string trainer;
-  std::string torchrun;
-  fs::path work_dir;
-  fs::path golden_dir;
-};
-Paths g_paths;
-
-// ---- data ------------------------------------------------------------------------------------
-
-constexpr int kRecordBytes = 3073;
-constexpr int kPixelBytes = 3072;
-constexpr int kRecordsPerTrainFile = 64;
-constexpr int kTestRecords = 128;
-constexpr int kClasses = 10;
-
-/// Writes data_batch_1..5.bin and test_batch.bin into `dir`. Each image is noise plus a faint
-/// copy of its class's fixed random template (kSignal/256 of the pixel), and a fifth of the
-/// labels are random: learnable but not separable within the suite's 30 iterations, so the
-/// losses stay well above zero and relative comparisons mean something. Uses the raw output of
-/// std::mt19937 (specified by the standard), so the bytes are the same everywhere.
-constexpr uint32_t kSignal = 20;
-constexpr uint32_t kRandomLabelPercent = 20;
-
-void write_cifar10_files(const fs::path& dir) {
-  fs::create_directories(dir);
-  std::mt19937 random(20240611u);
-  std::vector<std::vector<uint32_t>> templates(kClasses, std::vector<uint32_t>(kPixelBytes));
-  for (auto& t : templates) {
-    for (auto& value : t) value = random() >> 24;
-  }
-  auto write_file = [&](const fs::path& path, int records) {
-    std::ofstream out(path, std::ios::binary);
-    std::vector<char> record(kRecordBytes);
-    for (int r = 0; r < records; ++r) {
-      const auto image_class = random() % kClasses;
-      const bool random_label = random() % 100 < kRandomLabelPercent;
-      const auto label = random_label ? random() % kClasses : image_class;
-      record[0] = static_cast<char>(label);
-      for (int p = 0; p < kPixelBytes; ++p) {
-        const uint32_t noise = random() >> 24;
-        record[1 + p] =
-            static_cast<char>((kSignal * templates[image_class][p] + (256 - kSignal) * noise) >> 8);
-      }
-      out.write(record.data(), kRecordBytes);
-    }
-  };
-  for (int i = 1; i <= 5; ++i) {
-    write_file(dir / ("data_batch_" + std::to_string(i) + ".bin"), kRecordsPerTrainFile);
-  }
-  write_file(dir / "test_batch.bin", kTestRecords);
-}
-
-// ---- running the trainer ---------------------------------------------------------------------
-
-std::string shell_quote(const std::string& text) {
-  std::string quoted = "'";
-  for (const char c : text) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return quoted + "'";
-}
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-/// Columns of a CSV file by header name (numbers only; lines starting with # are comments).
-using Columns = std::map<std::string, std::vector<double>>;
-
-Columns read_csv(const fs::path& path) {
-  std::ifstream in(path);
-  Columns columns;
-  std::vector<std::string> names;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::stringstream fields(line);
-    std::string field;
-    if (names.empty()) {
-      while (std::getline(fields, field, ',')) names.push_back(field);
-      continue;
-    }
-    for (size_t c = 0; c < names.size() && std::getline(fields, field, ','); ++c) {
-      columns[names[c]].push_back(std::strtod(field.c_str(), nullptr));
-    }
-  }
-  return columns;
-}
-
-/// Rows of a column (0 when the column is absent).
-size_t rows(const Columns& columns, const std::string& name) {
-  const auto it = columns.find(name);
-  return it == columns.end() ? 0 : it->second.size();
-}
-
-struct TrainerRun {
-  int exit_code = -1;
-  std::string log;  // stdout and stderr
-  Columns train;    // metrics train.csv
-  Columns eval;     // metrics eval.csv
-};
-
-/// The flags every run shares: the data, the reference's ConvNet, three epochs of 10
-/// iterations with a global batch of 32 (`ranks` ranks of 32 / ranks each).
-std::vector<std::string> base_flags(const fs::path& data_dir, int ranks) {
-  return {"--dataset",
-          "cifar10",
-          "--data-dir",
-          data_dir.string(),
-          "--model",
-          "convnet",
-          "--epochs",
-          "3",
-          "--local-batch-size",
-          std::to_string(32 / ranks),
-          "--seed",
-          "7",
-          "--window-size",
-          "5",
-          "--log-every",
-          "1000",
-          "--progress",
-          "off",
-          "--threads",
-          "1"};
-}
-
-/// Shampoo settings of the suite: Adam grafting alone for 9 steps, then roots every 5 steps
-/// from step 10; blocks of at most 64 (the linear layer's 10x65536 weight becomes 1024 blocks of
-/// 10x64: cheap roots). Starting at step 10 keeps the 64x64 factors full rank (each step adds
-/// rank ≤ 10): with roots of rank-deficient factors the ε^(-1/4) of the null space amplifies
-/// rounding differences to 1e-4, which would blur the parity tests.
-std::vector<std::string> shampoo_flags() {
-  return {"--optimizer",
-          "shampoo",
-          "--betas",
-          "0.9,0.999",
-          "--epsilon",
-          "1e-10",
-          "--grafting",
-          "adam",
-          "--max-preconditioner-dim",
-          "64",
-          "--precondition-frequency",
-          "5",
-          "--start-preconditioning-step",
-          "10"};
-}
-
-std::vector<std::string> operator+(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-/// Runs the trainer in `dir` (metrics in dir/metrics, log in dir/log.txt) with `ranks` ranks.
-TrainerRun run_trainer(const fs::path& dir, int ranks, const std::vector<std::string>& flags) {
-  fs::create_directories(dir);
-  // Appended piece by piece (GCC 12 warns falsely about `"literal" + std::string&&`).
-  std::vector<std::string> words{"OMP_NUM_THREADS=1"};
-  if (ranks > 1) {
-    words.insert(words.end(), {shell_quote(g_paths.torchrun), "--no-python", "--standalone",
-                               "--nproc-per-node", std::to_string(ranks)});
-  }
-  words.push_back(shell_quote(g_paths.trainer));
-  for (const auto& flag : flags) words.push_back(shell_quote(flag));
-  words.push_back("--metrics-dir");
-  words.push_back(shell_quote((dir / "metrics").string()));
-  const auto log_path = dir / "log.txt";
-  words.push_back(">>");
-  words.push_back(shell_quote(log_path.string()));
-  words.push_back("2>&1");
-  std::string command;
-  for (const auto& word : words) {
-    if (!command.empty()) command += ' ';
-    command += word;
-  }
-  { std::ofstream(log_path, std::ios::app) << "+ " << command << "\n"; }
-  const int status = std::system(command.c_str());
-  TrainerRun run;
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  run.log = read_text(log_path);
-  run.train = read_csv(dir / "metrics" / "train.csv");
-  run.eval = read_csv(dir / "metrics" / "eval.csv");
-  return run;
-}
-
-/// A fresh folder for one test, holding its data set.
-class TrainerTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string name = std::string(info->test_suite_name()) + "." + info->name();
-    std::replace(name.begin(), name.end(), '/', '_');
-    dir_ = g_paths.work_dir / name;
-    fs::remove_all(dir_);
-    data_dir_ = dir_ / "data";
-    write_cifar10_files(data_dir_);
-  }
-
-  /// Runs and asserts success (the log is printed on failure).
-  TrainerRun run_ok(const std::string& name, int ranks, const std::vector<std::string>& flags) {
-    TrainerRun run = run_trainer(dir_ / name, ranks, flags);
-    EXPECT_EQ(run.exit_code, 0) << "run " << name << " failed:\n" << run.log;
-    EXPECT_EQ(rows(run.train, "loss"), 30u) << "run " << name << ":\n" << run.log;
-    return run;
-  }
-
-  fs::path dir_;
-  fs::path data_dir_;
-};
-
-// ---- comparisons -----------------------------------------------------------------------------
-
-/// Bit-for-bit equal columns (the CSV holds 17 significant digits: doubles read back exactly).
-::testing::AssertionResult identical(const std::vector<double>& actual,
-                                     const std::vector<double>& expected) {
-  if (actual.size() != expected.size()) {
-    return ::testing::AssertionFailure()
-           << "lengths differ: " << actual.size() << " vs " << expected.size();
-  }
-  if (actual.empty()) return ::testing::AssertionFailure() << "no values";
-  for (size_t i = 0; i < actual.size(); ++i) {
-    if (actual[i] != expected[i]) {
-      return ::testing::AssertionFailure()
-             << "first difference at row " << i << " (iteration " << i + 1
-             << "): " << std::setprecision(17) << actual[i] << " vs " << expected[i];
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
-/// |actual − expected| ≤ rtol·|expected| at every row; the message gives the largest relative
-/// error and where.
-::testing::AssertionResult close(const std::vector<double>& actual,
-                                 const std::vector<double>& expected, double rtol) {
-  if (actual.size() != expected.size() || actual.empty()) {
-    return ::testing::AssertionFailure()
-           << "lengths differ or empty: " << actual.size() << " vs " << expected.size();
-  }
-  double worst = 0;
-  size_t where = 0;
-  for (size_t i = 0; i < actual.size(); ++i) {
-    const double rel = std::abs(actual[i] - expected[i]) / std::abs(expected[i]);
-    if (std::isnan(rel) || rel > worst) {
-      worst = rel;
-      where = i;
-      if (std::isnan(rel)) break;
-    }
-  }
-  auto result = worst <= rtol ? ::testing::AssertionSuccess() : ::testing::AssertionFailure();
-  return result << "max relative error " << std::setprecision(3) << worst << " at row " << where
-                << " (iteration " << where + 1 << "): " << std::setprecision(17) << actual[where]
-                << " vs " << expected[where] << " (rtol " << rtol << ")";
-}
-
-double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
-  }
-  return worst;
-}
+using namespace shampoo::testing;
 
 // ---- --lrs -----------------------------------------------------------------------------------
 
@@ -321,12 +57,6 @@ std::vector<OptimizerCase> optimizer_cases() {
 }
 
 class LrsTest : public TrainerTest, public ::testing::WithParamInterface<OptimizerCase> {};
-
-std::string number(double value) {
-  std::ostringstream out;
-  out << std::setprecision(17) << value;
-  return out.str();
-}
 
 TEST_P(LrsTest, EqualRatesEqualOneRateDifferentRatesDiffer) {
   const auto& c = GetParam();
@@ -379,7 +109,7 @@ constexpr double kWorldSizeRtol = 1e-5;
 class WorldSizeTest : public TrainerTest, public ::testing::WithParamInterface<OptimizerCase> {};
 
 TEST_P(WorldSizeTest, TwoRanksEqualOneRank) {
-  if (g_paths.torchrun.empty()) GTEST_SKIP() << "no torchrun";
+  if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
   const auto& c = GetParam();
   const auto extra =
       c.flags + std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr / 2)};
@@ -415,9 +145,21 @@ bool lacks_cuda(const TrainerRun& run) {
 
 class ResumeTest : public TrainerTest, public ::testing::WithParamInterface<ResumeCase> {};
 
+/// The generations (gen-<G> folders) in a checkpoint directory, sorted; a MANIFEST must be there.
+std::vector<std::string> checkpoint_generations(const fs::path& dir) {
+  EXPECT_TRUE(fs::exists(dir / "MANIFEST")) << dir;
+  std::vector<std::string> generations;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto name = entry.path().filename().string();
+    if (name.rfind("gen-", 0) == 0) generations.push_back(name);
+  }
+  std::sort(generations.begin(), generations.end());
+  return generations;
+}
+
 TEST_P(ResumeTest, ResumedRunEqualsUninterruptedRun) {
   const auto& c = GetParam();
-  if (c.ranks > 1 && g_paths.torchrun.empty()) GTEST_SKIP() << "no torchrun";
+  if (c.ranks > 1 && trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
   const auto flags = base_flags(data_dir_, c.ranks) + c.flags;
   const TrainerRun uninterrupted = run_trainer(dir_ / "uninterrupted", c.ranks, flags);
   if (lacks_cuda(uninterrupted)) GTEST_SKIP() << "no CUDA device";
@@ -432,13 +174,16 @@ TEST_P(ResumeTest, ResumedRunEqualsUninterruptedRun) {
                   with_checkpoints + std::vector<std::string>{"--stop-after-epoch", "1"});
   ASSERT_EQ(first.exit_code, 0) << first.log;
   ASSERT_EQ(rows(first.train, "loss"), 10u) << first.log;
-  ASSERT_TRUE(
-      fs::exists(dir_ / "checkpoints" / ("rank0-of-" + std::to_string(c.ranks) + "-epoch1.pt")));
+  ASSERT_EQ(checkpoint_generations(dir_ / "checkpoints"), std::vector<std::string>{"gen-000001"});
   // Same metrics folder: the resumed run appends epochs 2 and 3.
   const TrainerRun resumed = run_trainer(dir_ / "resumed", c.ranks, with_checkpoints);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.log;
-  EXPECT_NE(resumed.log.find("Resumed from"), std::string::npos) << resumed.log;
-  EXPECT_NE(resumed.log.find("1 epoch(s), 10 iterations done"), std::string::npos) << resumed.log;
+  const auto world = std::to_string(c.ranks);
+  EXPECT_NE(resumed.log.find("Resumed from " + (dir_ / "checkpoints").string() +
+                             ": 1 epoch(s), 10 iterations done; saved at world size " + world +
+                             ", now " + world),
+            std::string::npos)
+      << resumed.log;
   const auto same = [&c](const std::vector<double>& actual, const std::vector<double>& expected) {
     return c.rtol == 0 ? identical(actual, expected) : close(actual, expected, c.rtol);
   };
@@ -447,11 +192,8 @@ TEST_P(ResumeTest, ResumedRunEqualsUninterruptedRun) {
   }
   EXPECT_TRUE(identical(resumed.train.at("lr"), uninterrupted.train.at("lr")));
   EXPECT_TRUE(same(resumed.eval.at("test_loss"), uninterrupted.eval.at("test_loss")));
-  // Only the latest epoch's checkpoint is kept.
-  EXPECT_FALSE(
-      fs::exists(dir_ / "checkpoints" / ("rank0-of-" + std::to_string(c.ranks) + "-epoch1.pt")));
-  EXPECT_TRUE(
-      fs::exists(dir_ / "checkpoints" / ("rank0-of-" + std::to_string(c.ranks) + "-epoch3.pt")));
+  // One checkpoint per epoch; only the latest is kept.
+  EXPECT_EQ(checkpoint_generations(dir_ / "checkpoints"), std::vector<std::string>{"gen-000003"});
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -495,9 +237,9 @@ class GoldenTest : public TrainerTest, public ::testing::WithParamInterface<Gold
 
 TEST_P(GoldenTest, LossTrajectoryMatchesGolden) {
   const auto& c = GetParam();
-  const Columns golden = read_csv(golden_file(g_paths.golden_dir, c.name));
+  const Columns golden = read_csv(golden_file(trainer_paths().golden_dir, c.name));
   ASSERT_EQ(golden.count("loss"), 1u)
-      << "no golden file " << golden_file(g_paths.golden_dir, c.name);
+      << "no golden file " << golden_file(trainer_paths().golden_dir, c.name);
   const TrainerRun run = run_ok("run", 1, base_flags(data_dir_, 1) + c.flags);
   EXPECT_TRUE(close(run.train.at("loss"), golden.at("loss"), c.rtol));
   const auto& per_epoch = golden.at("test_loss_per_epoch");
@@ -512,8 +254,8 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, GoldenTest, ::testing::ValuesIn(golden_case
 /// (step 10: the losses of iterations 1-10 come from steps 0-9), then clearly differs. Guards
 /// against golden files recorded with preconditioning that never started.
 TEST(GoldenFiles, ShampooIsAdamUntilPreconditioningStarts) {
-  const Columns shampoo = read_csv(golden_file(g_paths.golden_dir, "shampoo"));
-  const Columns adam = read_csv(golden_file(g_paths.golden_dir, "adam"));
+  const Columns shampoo = read_csv(golden_file(trainer_paths().golden_dir, "shampoo"));
+  const Columns adam = read_csv(golden_file(trainer_paths().golden_dir, "adam"));
   ASSERT_EQ(rows(shampoo, "loss"), 30u);
   ASSERT_EQ(rows(adam, "loss"), 30u);
   const auto& s = shampoo.at("loss");
@@ -528,7 +270,7 @@ TEST(GoldenFiles, ShampooIsAdamUntilPreconditioningStarts) {
 /// --record-golden DIR: runs the golden cases and writes DIR/golden_<name>.csv.
 int record_golden(const fs::path& dir) {
   fs::create_directories(dir);
-  const auto work = g_paths.work_dir / "record_golden";
+  const auto work = trainer_paths().work_dir / "record_golden";
   fs::remove_all(work);
   write_cifar10_files(work / "data");
   for (const auto& c : golden_cases()) {
@@ -689,32 +431,7 @@ TEST_F(TrainerTest, BadLabelIsAClearError) {
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   std::string record_dir;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    const std::string value = argv[i + 1];
-    if (flag == "--trainer") {
-      g_paths.trainer = value;
-    } else if (flag == "--torchrun") {
-      g_paths.torchrun = value;
-    } else if (flag == "--work-dir") {
-      g_paths.work_dir = value;
-    } else if (flag == "--golden-dir") {
-      g_paths.golden_dir = value;
-    } else if (flag == "--record-golden") {
-      record_dir = value;
-    } else {
-      std::cerr << "trainer_parity_test: unknown argument " << flag << "\n";
-      return 2;
-    }
-  }
-  if (g_paths.trainer.empty()) {
-    std::cerr << "usage: trainer_parity_test --trainer PATH [--torchrun PATH] [--work-dir DIR] "
-                 "[--golden-dir DIR] [--record-golden DIR] [gtest flags]\n";
-    return 2;
-  }
-  if (g_paths.work_dir.empty())
-    g_paths.work_dir = fs::temp_directory_path() / "trainer_parity_test";
-  g_paths.work_dir = fs::absolute(g_paths.work_dir);
+  if (!parse_trainer_test_args(argc, argv, "trainer_parity_test", &record_dir)) return 2;
   if (!record_dir.empty()) return record_golden(record_dir);
   return RUN_ALL_TESTS();
 }

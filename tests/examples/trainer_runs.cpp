@@ -25,6 +25,16 @@ std::string shell_quote(const std::string& text) {
   return quoted + "'";
 }
 
+/// Removes `path` and everything under it. (Not std::filesystem::remove_all: in a program linked
+/// with the torch wheel's libtorch.so, which exports its own copy of it, that crashes.)
+void remove_tree(const fs::path& path) {
+  std::error_code ec;
+  if (fs::is_directory(fs::symlink_status(path, ec))) {
+    for (const auto& entry : fs::directory_iterator(path, ec)) remove_tree(entry.path());
+  }
+  fs::remove(path, ec);
+}
+
 }  // namespace
 
 TrainerPaths& trainer_paths() {
@@ -228,7 +238,7 @@ void TrainerTest::SetUp() {
   std::string name = std::string(info->test_suite_name()) + "." + info->name();
   std::replace(name.begin(), name.end(), '/', '_');
   dir_ = trainer_paths().work_dir / name;
-  fs::remove_all(dir_);
+  remove_tree(dir_);
   data_dir_ = dir_ / "data";
   write_cifar10_files(data_dir_);
 }

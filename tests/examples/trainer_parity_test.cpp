@@ -414,6 +414,43 @@ TEST_F(TrainerTest, TruncatedFileIsAClearError) {
       << run.log;
 }
 
+/// base_flags with --global-batch-size `global` instead of the local batch.
+std::vector<std::string> with_global_batch(std::vector<std::string> flags, int global) {
+  for (size_t i = 0; i + 1 < flags.size(); ++i) {
+    if (flags[i] == "--local-batch-size") {
+      flags[i] = "--global-batch-size";
+      flags[i + 1] = std::to_string(global);
+    }
+  }
+  return flags;
+}
+
+TEST_F(TrainerTest, CheckpointOfAnotherRunOrDamagedIsAClearError) {
+  const auto checkpoints = dir_ / "checkpoints";
+  const auto flags =
+      adam_flags() + std::vector<std::string>{"--checkpoint-dir", checkpoints.string()};
+  const TrainerRun first = run_trainer(dir_ / "first", 1,
+                                       with_global_batch(base_flags(data_dir_, 1), 32) + flags +
+                                           std::vector<std::string>{"--stop-after-iteration", "3"});
+  ASSERT_EQ(first.exit_code, 0) << first.log;
+  // Another global batch: the run is another one.
+  const TrainerRun other =
+      run_trainer(dir_ / "other", 1, with_global_batch(base_flags(data_dir_, 1), 16) + flags);
+  EXPECT_EQ(other.exit_code, 1) << other.log;
+  EXPECT_NE(other.log.find("cifar10_trainer: --checkpoint-dir " + checkpoints.string() +
+                           " holds a checkpoint of another run: global_batch_size is 32 there "
+                           "and 16 in this run"),
+            std::string::npos)
+      << other.log;
+  // A damaged checkpoint: the file is named.
+  fs::resize_file(checkpoints / "gen-000001" / "common.pt", 100);
+  const TrainerRun damaged =
+      run_trainer(dir_ / "damaged", 1, with_global_batch(base_flags(data_dir_, 1), 32) + flags);
+  EXPECT_EQ(damaged.exit_code, 1) << damaged.log;
+  EXPECT_NE(damaged.log.find("file gen-000001/common.pt has 100 bytes"), std::string::npos)
+      << damaged.log;
+}
+
 TEST_F(TrainerTest, BadLabelIsAClearError) {
   {
     std::fstream file(data_dir_ / "data_batch_2.bin",

@@ -100,7 +100,7 @@ Args parse_args(int argc, char** argv) {
                 "every dimension and max_preconditioner_dim divided by 8 (CPU smoke runs)")
       .add("step-chunk-mb", args.step_chunk_mb,
            "bound on a step's gradient buffers per chunk of rows, MB (0 = the library's "
-           "32 MiB; a large value = one chunk, as before chunking)",
+           "64 MiB; a large value = one chunk, as before chunking)",
            0);
   add_output_flags(flags, args.json, args.label);
   parse_flags_or_exit(flags, "bench_transformer", argc, argv);

@@ -84,12 +84,15 @@ struct VirtualGroup::Plan {
 };
 
 namespace {
-std::atomic<int64_t> step_chunk_limit{int64_t{32} << 20};
+// 64 MiB: eight 1024×1024 float32 rows (G' and Ḡ), so that a chunk's roots still fill the eight
+// concurrent eigh lanes on CUDA (preconditioners/cuda/eigh_lanes.h).
+constexpr int64_t kDefaultStepChunkBytes = int64_t{64} << 20;
+std::atomic<int64_t> step_chunk_limit{kDefaultStepChunkBytes};
 }  // namespace
 
 int64_t step_chunk_bytes() { return step_chunk_limit.load(); }
 void set_step_chunk_bytes_for_testing(int64_t bytes) {
-  step_chunk_limit.store(bytes > 0 ? bytes : int64_t{32} << 20);
+  step_chunk_limit.store(bytes > 0 ? bytes : kDefaultStepChunkBytes);
 }
 
 std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order) {

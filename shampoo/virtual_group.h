@@ -23,7 +23,7 @@ namespace shampoo::detail {
 
 class StepUpdates;
 
-/// The bound on a step's gradient buffers (G' and Ḡ) per chunk of rows: 32 MiB. A step runs its
+/// The bound on a step's gradient buffers (G' and Ḡ) per chunk of rows: 64 MiB. A step runs its
 /// blocks in chunks of rows within it, so the buffers never hold a whole large stack. Tests set
 /// it (≤ 0 = the default) to check that the chunks do not change a result.
 int64_t step_chunk_bytes();

@@ -45,8 +45,9 @@ build: $(CONFIG_STAMP)
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
-# Fashion-MNIST with Distributed Shampoo on 2 CPU ranks under torchrun, then the plot of its
-# metrics (examples/run_demo.sh.in; DEMO_DIR and DEMO_RANKS override).
+# Fashion-MNIST with Distributed Shampoo under torchrun, on the GPUs when nvidia-smi lists one,
+# else on 2 CPU ranks, then the plot of its metrics (examples/run_demo.sh.in; DEMO_DIR,
+# DEMO_RANKS and DEMO_DEVICE override).
 demo: build
 	$(BUILD_DIR)/examples/run_demo.sh
 

@@ -86,7 +86,9 @@ def check_csv(out):
         reader = csv.reader(f)
         header = next(reader, [])
         rows = [dict(zip(header, row)) for row in reader]
-    check(header == EXPECTED_COLUMNS, f"compare.csv columns {header}, expected {EXPECTED_COLUMNS}")
+    if not check(header == EXPECTED_COLUMNS,
+                 f"compare.csv columns {header}, expected {EXPECTED_COLUMNS}"):
+        return {}
     check(len(rows) == len(RUNS), f"compare.csv has {len(rows)} rows, expected {len(RUNS)}")
     accuracy = {}
     for row in rows:
@@ -156,8 +158,11 @@ def check_table(name, text, accuracy):
           f"{name}: table rows {[row[0] for row in body]}, expected one per optimizer {list(RUNS)}")
     for row in body:
         optimizer = row[0]
-        if optimizer not in RUNS or optimizer not in accuracy or len(row) != 7:
+        if optimizer not in RUNS or len(row) != 7:
             check(False, f"{name}: malformed row {row}")
+            continue
+        if optimizer not in accuracy:
+            check(False, f"{name}: {optimizer}: no compare.csv row to check the table against")
             continue
         check(row[1] == RUNS[optimizer], f"{name}: {optimizer} best lr {row[1]}")
         check(row[2] == f"{accuracy[optimizer]:.4f}",

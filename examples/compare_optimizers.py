@@ -245,14 +245,15 @@ def train_all(args):
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
         log_path = os.path.join(run_dir, "trainer.log")
-        prefix = f"[{index:>{len(str(len(runs)))}}/{len(runs)}] {optimizer} lr {format_lr(rate)} seed {seed}"
+        width = len(str(len(runs)))
+        prefix = f"[{index:>{width}}/{len(runs)}] {optimizer} lr {format_lr(rate)} seed {seed}"
         print(f"{prefix}: started", flush=True)
         start = time.monotonic()
+        command = trainer_command(args, optimizer, rate, seed, run_dir)
         with open(log_path, "w") as log:
-            log.write("+ " + " ".join(trainer_command(args, optimizer, rate, seed, run_dir)) + "\n")
+            log.write("+ " + " ".join(command) + "\n")
             log.flush()
-            code = subprocess.call(trainer_command(args, optimizer, rate, seed, run_dir),
-                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         seconds = time.monotonic() - start
         if code != 0:
             with open(log_path, errors="replace") as f:
@@ -382,10 +383,10 @@ def plot(path, args, summary, plt):
     by_epoch.set_title("test accuracy per epoch (best lr of each optimizer)", fontsize=10)
     by_time.set_xlim(left=0)
     by_time.set_title("test accuracy against time", fontsize=10)
-    devices = args.device if args.ranks == 1 else f"{args.device}, {args.ranks} ranks"
-    figure.suptitle(f"ConvNet on Fashion-MNIST, {args.epochs} epoch(s)"
-                    f"{f', {args.train_examples[0]} training examples' if args.train_examples else ''}"
-                    f", {devices}", fontsize=11)
+    where = args.device if args.ranks == 1 else f"{args.device}, {args.ranks} ranks"
+    examples = f", {args.train_examples[0]} training examples" if args.train_examples else ""
+    figure.suptitle(f"ConvNet on Fashion-MNIST, {args.epochs} epoch(s){examples}, {where}",
+                    fontsize=11)
     figure.tight_layout()
     figure.savefig(path, dpi=80)
 

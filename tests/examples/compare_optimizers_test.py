@@ -95,7 +95,8 @@ def check_csv(out):
         optimizer = row.get("optimizer")
         if not check(optimizer in RUNS, f"compare.csv: unexpected optimizer {optimizer!r}"):
             continue
-        check(row["lr"] == RUNS[optimizer], f"{optimizer}: lr {row['lr']}, expected {RUNS[optimizer]}")
+        check(row["lr"] == RUNS[optimizer],
+              f"{optimizer}: lr {row['lr']}, expected {RUNS[optimizer]}")
         check(row["epoch"] == "1", f"{optimizer}: epoch {row['epoch']}, expected 1")
         check(row["device"] == "cpu", f"{optimizer}: device {row['device']}, expected cpu")
         check(row["ranks"] == "1", f"{optimizer}: ranks {row['ranks']}, expected 1")
@@ -169,7 +170,8 @@ def check_table(name, text, accuracy):
               f"{name}: {optimizer} final accuracy {row[2]}, CSV {accuracy[optimizer]:.4f}")
         check(row[3] == f"{accuracy[optimizer]:.4f} (1)", f"{name}: {optimizer} best {row[3]}")
         expected = "not reached" if accuracy[optimizer] < TARGET else "1"
-        check(row[4] == expected, f"{name}: {optimizer} epochs to target {row[4]}, expected {expected}")
+        check(row[4] == expected,
+              f"{name}: {optimizer} epochs to target {row[4]}, expected {expected}")
         check(float(row[6]) > 0, f"{name}: {optimizer} seconds per epoch {row[6]}")
 
 
@@ -193,7 +195,8 @@ def main():
                  f"run_compare.sh exited with {result.returncode}; stderr:\n{result.stderr}"):
         return finish()
     for optimizer, rate in RUNS.items():
-        check(f"  {optimizer:<8} {rate}" in result.stdout, f"the grid of {optimizer} is not printed")
+        check(f"  {optimizer:<8} {rate}" in result.stdout,
+              f"the grid of {optimizer} is not printed")
         for event in ("started", "finished"):
             check(f"{optimizer} lr {rate} seed 2022: {event}" in result.stdout,
                   f"no progress line for {optimizer} {event}")

@@ -233,8 +233,21 @@ def read_run(run_dir, log_path):
     return epochs, train_examples
 
 
+def reuse_run(prefix, command, log_path):
+    """--report-only: checks that the run in log_path was made with exactly this command."""
+    try:
+        with open(log_path, errors="replace") as f:
+            recorded = f.readline().rstrip("\n")
+    except OSError as error:
+        sys.exit(f"{prefix}: --report-only, but no finished run to read ({error})")
+    if recorded != "+ " + " ".join(command):
+        sys.exit(f"{prefix}: --report-only, but {log_path} was run with other settings:\n"
+                 f"  {recorded}\nexpected\n  + {' '.join(command)}")
+
+
 def train_all(args):
-    """Runs every (optimizer, lr, seed); returns {(optimizer, lr, seed): epochs}."""
+    """Runs every (optimizer, lr, seed); returns {(optimizer, lr, seed): epochs}. With
+    --report-only, reads the runs that an identical earlier invocation left in DIR/runs."""
     runs = [(o, r, s) for o in args.optimizers for r in args.grid[o] for s in args.seeds]
     results = {}
     args.train_examples = None
@@ -242,33 +255,41 @@ def train_all(args):
     for index, (optimizer, rate, seed) in enumerate(runs, start=1):
         name = run_name(optimizer, rate, seed)
         run_dir = os.path.join(args.out, "runs", name)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        os.makedirs(run_dir)
         log_path = os.path.join(run_dir, "trainer.log")
         width = len(str(len(runs)))
         prefix = f"[{index:>{width}}/{len(runs)}] {optimizer} lr {format_lr(rate)} seed {seed}"
-        print(f"{prefix}: started", flush=True)
-        start = time.monotonic()
         command = trainer_command(args, optimizer, rate, seed, run_dir)
-        with open(log_path, "w") as log:
-            log.write("+ " + " ".join(command) + "\n")
-            log.flush()
-            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        start = time.monotonic()
+        if args.report_only:
+            reuse_run(prefix, command, log_path)
+            code = 0
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            os.makedirs(run_dir)
+            print(f"{prefix}: started", flush=True)
+            with open(log_path, "w") as log:
+                log.write("+ " + " ".join(command) + "\n")
+                log.flush()
+                code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         seconds = time.monotonic() - start
         if code != 0:
             with open(log_path, errors="replace") as f:
                 tail = f.readlines()[-15:]
             sys.exit(f"{prefix}: the trainer failed (exit code {code}) after {seconds:.1f} s; "
                      f"last lines of {log_path}:\n{''.join(tail)}")
-        epochs, train_examples = read_run(run_dir, log_path)
+        try:
+            epochs, train_examples = read_run(run_dir, log_path)
+        except (OSError, KeyError, ValueError) as error:
+            sys.exit(f"{prefix}: cannot read the run's metrics in {run_dir} ({error})")
         if len(epochs) != args.epochs:
             sys.exit(f"{prefix}: {run_dir}/eval.csv has {len(epochs)} epochs, expected "
                      f"{args.epochs}")
         args.train_examples = args.train_examples or train_examples
         results[(optimizer, rate, seed)] = epochs
         best = max(e["test_accuracy"] for e in epochs)
-        print(f"{prefix}: finished, best test accuracy {best:.4f} (final "
-              f"{epochs[-1]['test_accuracy']:.4f}), {seconds:.1f} s", flush=True)
+        how = "read" if args.report_only else f"finished, {seconds:.1f} s"
+        print(f"{prefix}: {how}, best test accuracy {best:.4f} (final "
+              f"{epochs[-1]['test_accuracy']:.4f})", flush=True)
     return results
 
 
@@ -370,11 +391,16 @@ def plot(path, args, summary, plt):
         epochs = [p["epoch"] for p in row["curve"]]
         accuracy = [p["test_accuracy"] for p in row["curve"]]
         seconds = [p["cumulative_seconds"] for p in row["curve"]]
-        by_epoch.plot(epochs, accuracy, marker="o", color=f"C{color}", label=label)
-        by_time.plot(seconds, accuracy, marker="o", color=f"C{color}", label=label)
+        # Markers and dashes of their own, so that coinciding curves (Adam and AdamW with little
+        # weight decay) both stay visible.
+        style = {"color": f"C{color}", "marker": "os^D"[color % 4], "label": label,
+                 "markersize": 7 - color, "linestyle": ("-", "--", ":", "-.")[color % 4]}
+        by_epoch.plot(epochs, accuracy, **style)
+        by_time.plot(seconds, accuracy, **style)
     for axes, xlabel in ((by_epoch, "epoch"), (by_time, "wall-clock seconds (cumulative)")):
         axes.axhline(args.target, color="0.5", linestyle="--", linewidth=0.8,
                      label=f"target {args.target:g}")
+        axes.set_ylim(top=max(axes.get_ylim()[1], args.target + 0.005))  # the target in view
         axes.set_xlabel(xlabel)
         axes.set_ylabel("test accuracy")
         axes.grid(True, alpha=0.3)
@@ -417,6 +443,9 @@ def main():
                         help="test accuracy whose epochs and seconds the table reports (0.90)")
     parser.add_argument("--data-dir", default="", help="Fashion-MNIST folder (trainer's default)")
     parser.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: rebuild the CSV, PNG and table from the runs that "
+                             "the same command left in DIR/runs")
     args = parser.parse_args()
     try:
         resolve(args)
@@ -448,7 +477,8 @@ def main():
         png_path = os.path.join(args.out, "compare.png")
         plot(png_path, args, summary, plt)
         print(f"Plot: {png_path}")
-    print(f"Comparison wall time: {time.monotonic() - start:.0f} s")
+    if not args.report_only:
+        print(f"Comparison wall time: {time.monotonic() - start:.0f} s")
 
 
 if __name__ == "__main__":

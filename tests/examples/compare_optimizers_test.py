@@ -12,8 +12,10 @@ and checks what it writes against the runs' own metrics:
   - the Markdown table (printed and in compare.md): the caption stating the budget, the header
     row, one row per optimizer with its lr, its accuracy and "not reached" exactly when the
     accuracy is below the target;
-  - bad input (an unknown optimizer, an empty grid, grids of different sizes) ends with exit
-    code 2 and a message naming the flag, before any training.
+  - bad input (an unknown optimizer, an empty grid, grids of different sizes, a batch that the
+    ranks do not divide) ends with exit code 2 and a message naming the flag, before any training;
+  - --report-only rebuilds the same CSV and table from the runs without training, and refuses
+    runs made with other settings.
 Fails (exit code 1, every failed check printed) on any difference. Needs no third-party module;
 the script under test needs matplotlib and fails without it (scripts/install_deps.sh installs it).
 """
@@ -187,9 +189,9 @@ def main():
 
     out = os.path.join(args.work_dir, "tiny")
     lr_args = [arg for optimizer, rate in RUNS.items() for arg in ("--lrs", f"{optimizer}={rate}")]
-    result = run_script(args.script, out, ["--optimizers", ",".join(RUNS), *lr_args,
-                                           "--epochs", "1", "--limit-train", str(LIMIT_TRAIN),
-                                           "--ranks", "1"])
+    tiny_args = ["--optimizers", ",".join(RUNS), *lr_args, "--epochs", "1",
+                 "--limit-train", str(LIMIT_TRAIN), "--ranks", "1"]
+    result = run_script(args.script, out, tiny_args)
     print(result.stdout)
     if not check(result.returncode == 0,
                  f"run_compare.sh exited with {result.returncode}; stderr:\n{result.stderr}"):
@@ -207,7 +209,33 @@ def main():
         table = f.read()
     check_table("compare.md", table, accuracy)
     check(table.strip() in result.stdout, "the printed table differs from compare.md")
+    check_report_only(args.script, out, tiny_args)
     return finish()
+
+
+def check_report_only(script, out, tiny_args):
+    """--report-only rebuilds the same CSV and table from the runs; other settings are refused."""
+    with open(os.path.join(out, "compare.csv")) as f:
+        first_csv = f.read()
+    with open(os.path.join(out, "compare.md")) as f:
+        first_table = f.read()
+    os.remove(os.path.join(out, "compare.png"))
+    result = run_script(script, out, [*tiny_args, "--report-only"])
+    if not check(result.returncode == 0,
+                 f"--report-only exited with {result.returncode}; stderr:\n{result.stderr}"):
+        return
+    check("started" not in result.stdout, "--report-only trained again")
+    with open(os.path.join(out, "compare.csv")) as f:
+        check(f.read() == first_csv, "--report-only wrote another compare.csv")
+    with open(os.path.join(out, "compare.md")) as f:
+        check(f.read() == first_table, "--report-only wrote another compare.md")
+    check(os.path.isfile(os.path.join(out, "compare.png")), "--report-only wrote no compare.png")
+    other = list(tiny_args)
+    other[other.index("--epochs") + 1] = "2"
+    result = run_script(script, out, [*other, "--report-only"])
+    check(result.returncode != 0 and "was run with other settings" in result.stderr,
+          f"--report-only with --epochs 2 on one-epoch runs: exit code {result.returncode}, "
+          f"stderr {result.stderr!r}")
 
 
 def finish():

@@ -1,7 +1,7 @@
 # Distributed Shampoo for LibTorch. Two commands on a fresh machine:
 #   make demo   install what is missing, build, train a CNN on Fashion-MNIST with Shampoo
 #   make test   install what is missing, build, run every test
-# Other targets: deps, build, bench, install PREFIX=..., sanitize, clean.
+# Other targets: deps, build, compare, bench, install PREFIX=..., sanitize, clean.
 # Overrides: TORCH_VERSION=2.11.0 (the torch wheel from PyPI), TORCH_DIR=<torch root holding
 # share/cmake/Torch> (use an existing LibTorch), BUILD_DIR, JOBS, CMAKE_ARGS.
 
@@ -19,7 +19,7 @@ export CCACHE_MAXSIZE ?= 5G
 DEPS_STAMP := $(BUILD_DIR)/.deps-$(TORCH_VERSION)
 CONFIG_STAMP := $(BUILD_DIR)/CMakeCache.txt
 
-.PHONY: all deps configure build test demo bench install sanitize clean
+.PHONY: all deps configure build test demo compare bench install sanitize clean
 
 all: build
 
@@ -45,10 +45,17 @@ build: $(CONFIG_STAMP)
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
-# Fashion-MNIST with Distributed Shampoo on 2 CPU ranks under torchrun, then the plot of its
-# metrics (examples/run_demo.sh.in; DEMO_DIR and DEMO_RANKS override).
+# Fashion-MNIST with Distributed Shampoo under torchrun, on the GPUs when nvidia-smi lists one,
+# else on 2 CPU ranks, then the plot of its metrics (examples/run_demo.sh.in; DEMO_DIR,
+# DEMO_RANKS and DEMO_DEVICE override).
 demo: build
 	$(BUILD_DIR)/examples/run_demo.sh
+
+# Shampoo against Adam, AdamW and SGD with momentum on the demo's model and data, each over an lr
+# grid; CSV, plot and Markdown table in $(BUILD_DIR)/compare (examples/run_compare.sh.in: the
+# full budget on a GPU, a reduced one of about 15 minutes on a 2-core CPU; COMPARE_* override).
+compare: build
+	$(BUILD_DIR)/examples/run_compare.sh
 
 bench: build
 	bash benchmarks/run_all.sh $(BUILD_DIR)

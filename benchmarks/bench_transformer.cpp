@@ -24,13 +24,15 @@
 ///
 ///   bench_transformer [--device cuda|cpu] [--solvers eigh,coupled-newton,...] [--frequency 20]
 ///                     [--window 40] [--steps 5] [--repetitions 3] [--one-group-per-tensor]
-///                     [--small] [--threads T] [--epsilon 1e-8] [--json PATH] [--label TEXT]
+///                     [--small] [--threads T] [--epsilon 1e-8] [--step-chunk-mb MB]
+///                     [--json PATH] [--label TEXT]
 /// Exits 1 when a setting failed (its row says why; the others are still measured).
 /// How to run it on a GPU machine: benchmarks/RESULTS.md ("GPU transformer workload").
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <shampoo/shampoo.h>
+#include <shampoo/virtual_group.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -72,6 +74,7 @@ struct Args {
   double epsilon = 1e-8;
   bool one_group_per_tensor = false;
   bool small = false;
+  int64_t step_chunk_mb = 0;  // 0 = the library's default
   std::string json;
   std::string label;
 };
@@ -94,7 +97,11 @@ Args parse_args(int argc, char** argv) {
       .add_bool("one-group-per-tensor", args.one_group_per_tensor,
                 "21 param groups, group i with lr 1e-3·(1 + i/21)")
       .add_bool("small", args.small,
-                "every dimension and max_preconditioner_dim divided by 8 (CPU smoke runs)");
+                "every dimension and max_preconditioner_dim divided by 8 (CPU smoke runs)")
+      .add("step-chunk-mb", args.step_chunk_mb,
+           "bound on a step's gradient buffers per chunk of rows, MB (0 = the library's "
+           "64 MiB; a large value = one chunk, as before chunking)",
+           0);
   add_output_flags(flags, args.json, args.label);
   parse_flags_or_exit(flags, "bench_transformer", argc, argv);
   return args;
@@ -466,11 +473,12 @@ void print_header(const Workload& w, const Args& args) {
   fmt::print(
       "bench_transformer: {} parameters in {} tensors{}, device {}, LibTorch {}\n"
       "  frequency {}: warm-up {} steps, {} window(s) of {} steps; frequency 1: {} timed steps; "
-      "{}, epsilon {:g}\n  harness tensors (parameters, gradients, {} gradient sets): {} MB\n",
+      "{}, epsilon {:g}, step chunks {} MiB\n  harness tensors (parameters, gradients, {} gradient "
+      "sets): {} MB\n",
       numel_of(w.params), w.params.size(), args.small ? " (--small: dimensions / 8)" : "",
       w.device.str(), TORCH_VERSION, args.frequency, args.frequency, args.repetitions, args.window,
       args.steps, args.one_group_per_tensor ? "21 param groups" : "one param group", args.epsilon,
-      kGradientSets, megabytes(w.harness_bytes));
+      shampoo::detail::step_chunk_bytes() >> 20, kGradientSets, megabytes(w.harness_bytes));
   std::fflush(stdout);
 }
 
@@ -570,6 +578,7 @@ Json results_json(const std::vector<SolverResult>& results, const Workload& w, c
 int main(int argc, char** argv) {
   const Args args = parse_args(argc, argv);
   if (args.threads > 0) at::set_num_threads(static_cast<int>(args.threads));
+  shampoo::detail::set_step_chunk_bytes_for_testing(args.step_chunk_mb << 20);
   std::vector<SolverSetting> settings;
   try {
     settings = solver_settings(args.solvers);

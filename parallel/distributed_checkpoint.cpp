@@ -13,6 +13,7 @@
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 namespace shampoo {
 namespace fs = std::filesystem;
@@ -417,108 +418,152 @@ void load_distributed_checkpoint(torch::optim::Optimizer& optimizer, const fs::p
                          std::move(group));
 }
 
+namespace {
+
+/// One save, step by step. Every step that can fail on a rank ends with an AllGather that every
+/// rank joins, so a failure anywhere throws everywhere (nothing committed) instead of a hang.
+class SaveProtocol {
+ public:
+  SaveProtocol(const DistributedCheckpointable& source, fs::path dir,
+               c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : source_(source), dir_(std::move(dir)), group_(std::move(group)) {
+    std::tie(rank_, world_) = rank_and_size(group_);
+    where_ = "save_distributed_checkpoint(" + dir_.string() + ")";
+  }
+
+  void run() {
+    pick_generation();
+    write_files();
+    commit();
+    if (rank_ == 0) remove_old_generations();
+  }
+
+ private:
+  /// Runs `body` (on this rank), then learns every rank's outcome and `values`.
+  std::vector<std::vector<int64_t>> agree(const std::function<std::vector<int64_t>()>& body,
+                                          size_t count) {
+    std::exception_ptr error;
+    std::vector<int64_t> values(count, 0);
+    try {
+      values = body();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    values.insert(values.begin(), error ? 0 : 1);
+    auto gathered = gather_values(group_, values);
+    check_all_ok(error, gathered, where_,
+                 "nothing was committed; the previous checkpoint, if any, is still the current "
+                 "one");
+    for (auto& row : gathered) row.erase(row.begin());
+    return gathered;
+  }
+
+  /// Rank 0 picks the new generation; everyone learns it.
+  void pick_generation() {
+    const auto gathered = agree(
+        [&]() -> std::vector<int64_t> {
+          if (rank_ != 0) return {0};
+          fs::create_directories(dir_);
+          return {next_generation(dir_)};
+        },
+        1);
+    generation_ = gathered[0][0];
+    gen_name_ = generation_dir(generation_);
+  }
+
+  /// The name (relative to dir_) of slot `slot` of rank r: 0 common, 1 pieces, 2 their keys.
+  std::string file_name(int r, size_t slot) const {
+    if (slot == 0) return gen_name_ + "/common.pt";
+    return gen_name_ + "/" + rank_file(r, world_, slot == 1 ? ".pt" : ".keys");
+  }
+
+  /// Every rank writes its files; everyone learns each file's size (-1: none) and checksum.
+  void write_files() {
+    reports_ = agree(
+        [&] {
+          std::vector<CheckpointManifest::File> files(3, {"", -1, 0});
+          const auto write = [&](size_t slot, const std::function<void(const fs::path&)>& body) {
+            const auto name = file_name(rank_, slot);
+            files[slot] = write_atomically(dir_ / name, name, body);
+          };
+          fs::create_directories(dir_ / gen_name_);
+          if (rank_ == 0) {
+            torch::serialize::OutputArchive common;
+            source_.save_common(common);
+            write(0, [&](const fs::path& path) { common.save_to(path.string()); });
+          }
+          PieceWriter pieces;
+          source_.save_pieces(pieces);
+          if (!pieces.keys().empty()) {
+            write(1, [&](const fs::path& path) { pieces.archive().save_to(path.string()); });
+            std::string keys;
+            for (const auto& key : pieces.keys()) keys += key + "\n";
+            write(2, [&](const fs::path& path) { write_text(path, keys); });
+          }
+          std::vector<int64_t> report;
+          for (const auto& file : files) {
+            report.push_back(file.bytes);
+            report.push_back(static_cast<int64_t>(file.checksum));
+          }
+          return report;
+        },
+        6);
+  }
+
+  /// Rank 0 writes the MANIFEST naming the new generation; everyone learns that it did.
+  void commit() {
+    agree(
+        [&]() -> std::vector<int64_t> {
+          if (rank_ != 0) return {};
+          CheckpointManifest manifest{source_.checkpoint_kind(), generation_, world_, {}};
+          for (int r = 0; r < world_; ++r) {
+            for (size_t slot = 0; slot < 3; ++slot) {
+              const int64_t bytes = reports_[r][2 * slot];
+              if (bytes < 0) continue;
+              manifest.files.push_back(
+                  {file_name(r, slot), bytes, static_cast<uint64_t>(reports_[r][2 * slot + 1])});
+            }
+          }
+          const auto text = render_manifest(manifest);
+          write_atomically(dir_ / kManifestName, kManifestName,
+                           [&](const fs::path& path) { write_text(path, text); });
+          return {};
+        },
+        0);
+  }
+
+  /// The generations the MANIFEST no longer names and stale temporary MANIFESTs (best effort).
+  void remove_old_generations() const {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+      const auto name = entry.path().filename().string();
+      const bool stale_manifest = name.rfind(std::string(kManifestName) + ".tmp-", 0) == 0;
+      if (!stale_manifest && (parse_generation(name) < 0 || name == gen_name_)) continue;
+      std::error_code remove_error;
+      remove_tree(entry.path(), remove_error);
+      if (remove_error) {
+        std::cerr << where_ << ": could not remove " << entry.path().string() << ": "
+                  << remove_error.message() << "\n";
+      }
+    }
+  }
+
+  const DistributedCheckpointable& source_;
+  fs::path dir_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int rank_ = 0;
+  int world_ = 1;
+  std::string where_;
+  int64_t generation_ = 0;
+  std::string gen_name_;
+  std::vector<std::vector<int64_t>> reports_;
+};
+
+}  // namespace
+
 void save_distributed_state(const DistributedCheckpointable& source, const fs::path& dir,
                             c10::intrusive_ptr<c10d::ProcessGroup> group) {
-  const char* function = "save_distributed_checkpoint";
-  group = choose_group(source, std::move(group));
-  const auto [rank, world] = rank_and_size(group);
-  const std::string where = std::string(function) + "(" + dir.string() + ")";
-  const std::string nothing_committed =
-      "nothing was committed; the previous checkpoint, if any, is still the current one";
-
-  // 1. Rank 0 picks the new generation; everyone learns it (and that rank 0 could).
-  std::exception_ptr error;
-  int64_t generation = 0;
-  if (rank == 0) {
-    try {
-      fs::create_directories(dir);
-      generation = next_generation(dir);
-    } catch (...) {
-      error = std::current_exception();
-    }
-  }
-  auto gathered = gather_values(group, {error ? 0 : 1, generation});
-  check_all_ok(error, gathered, where, nothing_committed);
-  generation = gathered[0][1];
-  const auto gen_name = generation_dir(generation);
-  const auto gen_path = dir / gen_name;
-
-  // 2. Every rank writes its files: slot 0 common (rank 0), 1 pieces, 2 their keys.
-  std::vector<CheckpointManifest::File> files(3);
-  std::vector<bool> written(3, false);
-  try {
-    fs::create_directories(gen_path);
-    if (rank == 0) {
-      torch::serialize::OutputArchive common;
-      source.save_common(common);
-      files[0] = write_atomically(gen_path / "common.pt", gen_name + "/common.pt",
-                                  [&](const fs::path& path) { common.save_to(path.string()); });
-      written[0] = true;
-    }
-    PieceWriter pieces;
-    source.save_pieces(pieces);
-    if (!pieces.keys().empty()) {
-      const auto archive_name = rank_file(rank, world, ".pt");
-      files[1] =
-          write_atomically(gen_path / archive_name, gen_name + "/" + archive_name,
-                           [&](const fs::path& path) { pieces.archive().save_to(path.string()); });
-      std::string keys;
-      for (const auto& key : pieces.keys()) keys += key + "\n";
-      const auto keys_name = rank_file(rank, world, ".keys");
-      files[2] = write_atomically(gen_path / keys_name, gen_name + "/" + keys_name,
-                                  [&](const fs::path& path) { write_text(path, keys); });
-      written[1] = written[2] = true;
-    }
-  } catch (...) {
-    error = std::current_exception();
-  }
-  std::vector<int64_t> report{error ? 0 : 1};
-  for (size_t slot = 0; slot < files.size(); ++slot) {
-    report.push_back(written[slot] ? files[slot].bytes : -1);
-    report.push_back(static_cast<int64_t>(files[slot].checksum));
-  }
-  gathered = gather_values(group, report);
-  check_all_ok(error, gathered, where, nothing_committed);
-
-  // 3. Rank 0 commits: the MANIFEST names the new generation. Everyone learns that it did.
-  if (rank == 0) {
-    try {
-      CheckpointManifest manifest{source.checkpoint_kind(), generation, world, {}};
-      for (int r = 0; r < world; ++r) {
-        const std::vector<std::string> names{gen_name + "/common.pt",
-                                             gen_name + "/" + rank_file(r, world, ".pt"),
-                                             gen_name + "/" + rank_file(r, world, ".keys")};
-        for (size_t slot = 0; slot < names.size(); ++slot) {
-          const int64_t bytes = gathered[r][1 + 2 * slot];
-          if (bytes < 0) continue;
-          manifest.files.push_back(
-              {names[slot], bytes, static_cast<uint64_t>(gathered[r][2 + 2 * slot])});
-        }
-      }
-      const auto text = render_manifest(manifest);
-      write_atomically(dir / kManifestName, kManifestName,
-                       [&](const fs::path& path) { write_text(path, text); });
-    } catch (...) {
-      error = std::current_exception();
-    }
-  }
-  gathered = gather_values(group, {error ? 0 : 1});
-  check_all_ok(error, gathered, where, nothing_committed);
-
-  // 4. Rank 0 removes the generations the MANIFEST no longer names (best effort).
-  if (rank != 0) return;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const auto name = entry.path().filename().string();
-    const bool stale_manifest = name.rfind(std::string(kManifestName) + ".tmp-", 0) == 0;
-    if (!stale_manifest && (parse_generation(name) < 0 || name == gen_name)) continue;
-    std::error_code remove_error;
-    remove_tree(entry.path(), remove_error);
-    if (remove_error) {
-      std::cerr << where << ": could not remove " << entry.path().string() << ": "
-                << remove_error.message() << "\n";
-    }
-  }
+  SaveProtocol(source, dir, choose_group(source, std::move(group))).run();
 }
 
 void load_distributed_state(DistributedCheckpointable& target, const fs::path& dir,

@@ -286,6 +286,132 @@ void InBackwardOptimizer::load(torch::serialize::InputArchive& archive) {
   state_->update_sync();
 }
 
+namespace {
+
+DistributedCheckpointable* as_checkpointable(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<DistributedCheckpointable*>(const_cast<torch::optim::Optimizer*>(&optimizer));
+}
+
+std::string set_key(size_t i) { return "optimizer_" + std::to_string(i); }
+
+/// Checks the parameter shapes recorded for set `i` against `params`.
+void check_set_shapes(torch::serialize::InputArchive& set, size_t i,
+                      const std::vector<at::Tensor>& params) {
+  c10::IValue count;
+  TORCH_CHECK(set.try_read("num_params", count) && count.isInt(),
+              "InBackwardOptimizer checkpoint: optimizer ", i, " has no parameter count");
+  TORCH_CHECK(count.toInt() == static_cast<int64_t>(params.size()),
+              "InBackwardOptimizer checkpoint: optimizer ", i, " had ", count.toInt(),
+              " parameters, here it has ", params.size());
+  for (size_t p = 0; p < params.size(); ++p) {
+    at::Tensor shape;
+    TORCH_CHECK(set.try_read("shape_" + std::to_string(p), shape, /*is_buffer=*/true),
+                "InBackwardOptimizer checkpoint: optimizer ", i, " has no shape for parameter ", p);
+    shape = shape.to(at::kCPU, at::kLong).contiguous();
+    const std::vector<int64_t> got(shape.data_ptr<int64_t>(),
+                                   shape.data_ptr<int64_t>() + shape.numel());
+    TORCH_CHECK(got == params[p].sizes().vec(), "InBackwardOptimizer checkpoint: optimizer ", i,
+                " parameter ", p, " has shape ", at::IntArrayRef(got), " there and ",
+                params[p].sizes(), " here");
+  }
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::checkpoint_group() const {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  for (size_t i = 0; i < state_->sets.size(); ++i) {
+    const auto* inner = as_checkpointable(*state_->sets[i].optimizer);
+    auto own = inner != nullptr ? inner->checkpoint_group() : nullptr;
+    if (!own) continue;
+    TORCH_CHECK(!group || group.get() == own.get(), "InBackwardOptimizer: optimizer ", i,
+                " uses another process group than the ones before it; a checkpoint is saved "
+                "and loaded over one process group");
+    group = own;
+  }
+  return group;
+}
+
+void InBackwardOptimizer::save_common(torch::serialize::OutputArchive& common) const {
+  common.write("num_optimizers", c10::IValue(static_cast<int64_t>(state_->sets.size())));
+  common.write("backward_passes", c10::IValue(state_->passes));
+  common.write("steps_taken", c10::IValue(state_->steps));
+  for (size_t i = 0; i < state_->sets.size(); ++i) {
+    const auto& set = state_->sets[i];
+    torch::serialize::OutputArchive archive;
+    archive.write("num_params", c10::IValue(static_cast<int64_t>(set.params.size())));
+    for (size_t p = 0; p < set.params.size(); ++p) {
+      archive.write("shape_" + std::to_string(p),
+                    at::tensor(set.params[p].sizes().vec(), at::TensorOptions().dtype(at::kLong)),
+                    /*is_buffer=*/true);
+    }
+    torch::serialize::OutputArchive inner;
+    if (const auto* checkpointable = as_checkpointable(*set.optimizer)) {
+      archive.write("kind", c10::IValue(checkpointable->checkpoint_kind()));
+      checkpointable->save_common(inner);
+    } else {
+      archive.write("kind", c10::IValue(std::string("replicated")));
+      set.optimizer->save(inner);
+    }
+    archive.write("state", inner);
+    common.write(set_key(i), archive);
+  }
+}
+
+void InBackwardOptimizer::save_pieces(PieceWriter& pieces) const {
+  for (size_t i = 0; i < state_->sets.size(); ++i) {
+    if (const auto* checkpointable = as_checkpointable(*state_->sets[i].optimizer)) {
+      auto nested = pieces.nested(set_key(i) + "/");
+      checkpointable->save_pieces(nested);
+    }
+  }
+}
+
+std::function<void()> InBackwardOptimizer::prepare_load(torch::serialize::InputArchive& common,
+                                                        PieceReader& pieces) {
+  c10::IValue value;
+  TORCH_CHECK(common.try_read("num_optimizers", value) && value.isInt(),
+              "InBackwardOptimizer checkpoint: no optimizer count");
+  TORCH_CHECK(value.toInt() == static_cast<int64_t>(state_->sets.size()),
+              "InBackwardOptimizer checkpoint: holds ", value.toInt(), " optimizers, this one has ",
+              state_->sets.size());
+  std::vector<std::function<void()>> installs;
+  for (size_t i = 0; i < state_->sets.size(); ++i) {
+    auto& set = state_->sets[i];
+    torch::serialize::InputArchive archive;
+    TORCH_CHECK(common.try_read(set_key(i), archive),
+                "InBackwardOptimizer checkpoint: no entry for optimizer ", i);
+    check_set_shapes(archive, i, set.params);
+    c10::IValue kind;
+    archive.read("kind", kind);
+    auto* checkpointable = as_checkpointable(*set.optimizer);
+    const std::string here = checkpointable ? checkpointable->checkpoint_kind() : "replicated";
+    TORCH_CHECK(kind.isString() && kind.toStringRef() == here,
+                "InBackwardOptimizer checkpoint: optimizer ", i, " was a ",
+                kind.isString() ? kind.toStringRef() : "?", ", here it is a ", here);
+    auto inner = std::make_shared<torch::serialize::InputArchive>();
+    TORCH_CHECK(archive.try_read("state", *inner), "InBackwardOptimizer checkpoint: optimizer ", i,
+                " has no state");
+    if (checkpointable != nullptr) {
+      auto nested = pieces.nested(set_key(i) + "/");
+      installs.push_back(checkpointable->prepare_load(*inner, nested));
+    } else {
+      // LibTorch's optimizers have no separate check; the shapes above were checked.
+      installs.push_back([optimizer = set.optimizer.get(), inner] { optimizer->load(*inner); });
+    }
+  }
+  common.read("backward_passes", value);
+  const int64_t passes = value.toInt();
+  common.read("steps_taken", value);
+  const int64_t steps = value.toInt();
+  return [this, installs = std::move(installs), passes, steps] {
+    for (const auto& install : installs) install();
+    state_->passes = passes;
+    state_->steps = steps;
+    state_->update_sync();
+  };
+}
+
 InBackwardOptimizer apply_optimizer_in_backward(std::vector<torch::Tensor> params,
                                                 OptimizerFactory factory) {
   InBackwardOptimizer optimizer;

@@ -20,12 +20,13 @@
 #include <memory>
 #include <vector>
 
+#include "parallel/distributed_checkpoint.h"
 #include "parallel/gradient_synchronizer.h"
 #include "parallel/optimizer_factory.h"
 
 namespace shampoo {
 
-class InBackwardOptimizer : public torch::optim::Optimizer {
+class InBackwardOptimizer : public torch::optim::Optimizer, public DistributedCheckpointable {
  public:
   InBackwardOptimizer();
   ~InBackwardOptimizer() override;
@@ -69,6 +70,17 @@ class InBackwardOptimizer : public torch::optim::Optimizer {
   /// Saves / loads every optimizer (torch::save(opt, path) and torch::load(opt, path) work).
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
+
+  /// World-size-independent checkpoints (save_distributed_checkpoint): optimizers that support
+  /// them (DistributedShampoo, ShardedOptimizer) save their pieces under "optimizer_<i>/";
+  /// LibTorch's optimizers, which hold the same state on every rank, are saved once, by rank 0.
+  /// Their process groups must be one and the same (or null).
+  std::string checkpoint_kind() const override { return "InBackwardOptimizer"; }
+  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
+  void save_common(torch::serialize::OutputArchive& common) const override;
+  void save_pieces(PieceWriter& pieces) const override;
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
+                                     PieceReader& pieces) override;
 
  private:
   struct State;

@@ -6,6 +6,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include "parallel/block_assignment.h"
+#include "parallel/libtorch_optimizers.h"
 
 namespace shampoo {
 namespace {
@@ -13,6 +14,24 @@ namespace {
 /// Options of the wrapper's own (single) param group; hyperparameters live in the local
 /// optimizer.
 struct WrapperOptions : torch::optim::OptimizerCloneableOptions<WrapperOptions> {};
+
+/// The local optimizer's type name; an error when its per-parameter state type is unknown.
+std::string local_type(const torch::optim::Optimizer& local) {
+  auto name = detail::libtorch_optimizer_name(local);
+  TORCH_CHECK(!name.empty(),
+              "ShardedOptimizer: world-size-independent checkpoints need the factory to make one "
+              "of LibTorch's SGD, Adam, AdamW, Adagrad or RMSprop (this one made another type, "
+              "whose per-parameter state cannot be saved on its own); torch::save works at one "
+              "world size");
+  return name;
+}
+
+int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value) && value.isInt(), "ShardedOptimizer checkpoint: entry '",
+              key, "' is missing");
+  return value.toInt();
+}
 
 }  // namespace
 
@@ -128,6 +147,99 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
   torch::serialize::InputArchive inner;
   archive.read("local", inner);
   local_->load(inner);
+}
+
+void ShardedOptimizer::save_common(torch::serialize::OutputArchive& common) const {
+  common.write("local_type", c10::IValue(local_type(*local_)));
+  common.write("num_params", c10::IValue(static_cast<int64_t>(params_.size())));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    common.write("shape_" + std::to_string(i),
+                 at::tensor(params_[i].sizes().vec(), at::TensorOptions().dtype(at::kLong)),
+                 /*is_buffer=*/true);
+  }
+  const auto& groups = local_->param_groups();
+  common.write("num_local_groups", c10::IValue(static_cast<int64_t>(groups.size())));
+  for (size_t g = 0; g < groups.size(); ++g) {
+    torch::serialize::OutputArchive options;
+    groups[g].options().serialize(options);
+    common.write("local_group_" + std::to_string(g), options);
+  }
+}
+
+void ShardedOptimizer::save_pieces(PieceWriter& pieces) const {
+  local_type(*local_);
+  const int rank = group_->getRank();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (owners_[i] != rank) continue;
+    torch::serialize::OutputArchive piece;
+    const auto it = local_->state().find(params_[i].unsafeGetTensorImpl());
+    piece.write("has_state", c10::IValue(it != local_->state().end()));
+    if (it != local_->state().end()) it->second->serialize(piece);
+    pieces.add("param/" + std::to_string(i), std::move(piece));
+  }
+}
+
+std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArchive& common,
+                                                     PieceReader& pieces) {
+  const auto type = local_type(*local_);
+  c10::IValue saved_type;
+  TORCH_CHECK(common.try_read("local_type", saved_type) && saved_type.isString(),
+              "ShardedOptimizer checkpoint: entry 'local_type' is missing");
+  TORCH_CHECK(saved_type.toStringRef() == type, "ShardedOptimizer checkpoint: written for a ",
+              saved_type.toStringRef(), " on every shard, this one shards a ", type);
+  const int64_t num_params = read_int(common, "num_params");
+  TORCH_CHECK(num_params == static_cast<int64_t>(params_.size()),
+              "ShardedOptimizer checkpoint: written for ", num_params, " parameters, this one has ",
+              params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor shape;
+    TORCH_CHECK(common.try_read("shape_" + std::to_string(i), shape, /*is_buffer=*/true),
+                "ShardedOptimizer checkpoint: no shape for parameter ", i);
+    shape = shape.to(at::kCPU, at::kLong).contiguous();
+    const std::vector<int64_t> got(shape.data_ptr<int64_t>(),
+                                   shape.data_ptr<int64_t>() + shape.numel());
+    TORCH_CHECK(got == params_[i].sizes().vec(), "ShardedOptimizer checkpoint: parameter ", i,
+                " has shape ", at::IntArrayRef(got), " there and ", params_[i].sizes(), " here");
+  }
+  const auto& groups = local_->param_groups();
+  TORCH_CHECK(read_int(common, "num_local_groups") == static_cast<int64_t>(groups.size()),
+              "ShardedOptimizer checkpoint: the local optimizer had ",
+              read_int(common, "num_local_groups"), " param groups, this one has ", groups.size());
+  // Shared by the installer (std::function needs a copyable callable).
+  auto options = std::make_shared<std::vector<std::unique_ptr<torch::optim::OptimizerOptions>>>();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    torch::serialize::InputArchive archive;
+    TORCH_CHECK(common.try_read("local_group_" + std::to_string(g), archive),
+                "ShardedOptimizer checkpoint: no options for local param group ", g);
+    options->push_back(groups[g].options().clone());
+    options->back()->serialize(archive);
+  }
+  auto states = std::make_shared<
+      std::vector<std::pair<void*, std::unique_ptr<torch::optim::OptimizerParamState>>>>();
+  const int rank = group_->getRank();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (owners_[i] != rank) continue;
+    auto piece = pieces.read("param/" + std::to_string(i));
+    c10::IValue has_state;
+    TORCH_CHECK(piece.try_read("has_state", has_state) && has_state.isBool(),
+                "ShardedOptimizer checkpoint: piece param/", i, " is damaged");
+    std::unique_ptr<torch::optim::OptimizerParamState> state;
+    if (has_state.toBool()) {
+      state = detail::make_param_state(*local_);
+      state->serialize(piece);
+    }
+    states->emplace_back(params_[i].unsafeGetTensorImpl(), std::move(state));
+  }
+  return [this, options, states] {
+    auto& local_groups = local_->param_groups();
+    for (size_t g = 0; g < local_groups.size(); ++g) {
+      local_groups[g].set_options(std::move((*options)[g]));
+    }
+    for (auto& [key, state] : *states) {
+      local_->state().erase(key);
+      if (state) local_->state()[key] = std::move(state);
+    }
+  };
 }
 
 }  // namespace shampoo

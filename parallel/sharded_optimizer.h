@@ -14,11 +14,12 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
+#include "parallel/distributed_checkpoint.h"
 #include "parallel/optimizer_factory.h"
 
 namespace shampoo {
 
-class ShardedOptimizer : public torch::optim::Optimizer {
+class ShardedOptimizer : public torch::optim::Optimizer, public DistributedCheckpointable {
  public:
   /// All parameters must share one dtype and device. Every rank passes the same parameters.
   ShardedOptimizer(std::vector<torch::Tensor> params, const OptimizerFactory& factory,
@@ -37,6 +38,18 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   /// Each rank saves its own optimizer state; loading needs the same world size and rank.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
+
+  /// World-size-independent checkpoints (save_distributed_checkpoint): one piece per parameter
+  /// ("param/<i>", its state in the local optimizer) written by its owner, and the local
+  /// optimizer's options once; loading at any world size gives each rank the states of the
+  /// parameters it owns now. The local optimizer must be LibTorch's SGD, Adam, AdamW, Adagrad
+  /// or RMSprop (whose per-parameter state types are known).
+  std::string checkpoint_kind() const override { return "ShardedOptimizer"; }
+  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override { return group_; }
+  void save_common(torch::serialize::OutputArchive& common) const override;
+  void save_pieces(PieceWriter& pieces) const override;
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
+                                     PieceReader& pieces) override;
 
  private:
   std::vector<torch::Tensor> params_;

@@ -36,14 +36,30 @@ std::pair<Rows, RowScalars> select_rows(const Rows& rows, const RowScalars& scal
   return {std::move(out_rows), std::move(out)};
 }
 
+bool Rows::consecutive() const {
+  for (int64_t i = 1; i < size(); ++i) {
+    if (rows[i] != rows[0] + i) return false;
+  }
+  return size() > 0;
+}
+
 at::Tensor gather_rows(const at::Tensor& stacked, const Rows& rows) {
   if (rows.all) return stacked;
+  if (rows.consecutive()) return stacked.narrow(0, rows.rows[0], rows.size());
   return stacked.index_select(0, rows.index(stacked.device()));
 }
 
 void scatter_rows(at::Tensor& stacked, const Rows& rows, const at::Tensor& values) {
   if (rows.all) {
     if (!values.is_same(stacked)) stacked.copy_(values);
+    return;
+  }
+  if (rows.consecutive()) {
+    auto target = stacked.narrow(0, rows.rows[0], rows.size());
+    // Nothing to do when `values` is the view gather_rows gave (updated in place).
+    if (values.data_ptr() != target.data_ptr() || values.strides() != target.strides()) {
+      target.copy_(values);
+    }
     return;
   }
   stacked.index_copy_(0, rows.index(stacked.device()), values);

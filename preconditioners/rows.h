@@ -32,6 +32,8 @@ struct Rows {
   bool all = false;  ///< rows == 0..size-1 (no gather/scatter needed)
 
   int64_t size() const { return static_cast<int64_t>(rows.size()); }
+  /// rows == first, first + 1, ... (a slice of the stack: gathered as a view, no copy).
+  bool consecutive() const;
   /// rows as an int64 index tensor on `device`.
   at::Tensor index(const at::Device& device) const;
   static Rows every(int64_t n);
@@ -49,9 +51,12 @@ struct RowScalars {
 /// The rows (and their scalars) whose flag is set: the sub-selection of a call.
 std::pair<Rows, RowScalars> select_rows(const Rows& rows, const RowScalars& scalars,
                                         const std::vector<bool>& selected);
-/// Gathers `rows` of a stacked tensor (no copy when rows.all).
+/// Gathers `rows` of a stacked tensor: the stacked tensor itself when rows.all, a view of it when
+/// the rows are consecutive (callers that update the result in place then scatter it back), a
+/// copy otherwise.
 at::Tensor gather_rows(const at::Tensor& stacked, const Rows& rows);
-/// Writes `values` back into `rows` of a stacked tensor (in place when rows.all).
+/// Writes `values` back into `rows` of a stacked tensor (nothing to copy when `values` is the
+/// view gather_rows gave).
 void scatter_rows(at::Tensor& stacked, const Rows& rows, const at::Tensor& values);
 /// Per-row scalars as a [rows, 1, ..., 1] tensor broadcasting against [rows, ...] of `dims` dims.
 at::Tensor row_scalars(const std::vector<double>& values, const at::TensorOptions& options,

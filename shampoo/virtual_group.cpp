@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cmath>
 
 #include "preconditioners/eigenvalue_corrected_preconditioner_list.h"
@@ -81,6 +82,18 @@ struct VirtualGroup::Plan {
   std::vector<StackStep> stacks;
   std::vector<ChainBlockTensors> chain;
 };
+
+namespace {
+// 64 MiB: eight 1024×1024 float32 rows (G' and Ḡ), so that a chunk's roots still fill the eight
+// concurrent eigh lanes on CUDA (preconditioners/cuda/eigh_lanes.h).
+constexpr int64_t kDefaultStepChunkBytes = int64_t{64} << 20;
+std::atomic<int64_t> step_chunk_limit{kDefaultStepChunkBytes};
+}  // namespace
+
+int64_t step_chunk_bytes() { return step_chunk_limit.load(); }
+void set_step_chunk_bytes_for_testing(int64_t bytes) {
+  step_chunk_limit.store(bytes > 0 ? bytes : kDefaultStepChunkBytes);
+}
 
 std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order) {
   std::vector<double> exponents(order, 1.0 / (2.0 * static_cast<double>(order)));
@@ -193,26 +206,57 @@ void VirtualGroup::restore(const StepJournal::GroupMark& mark, const StepJournal
 }
 
 void VirtualGroup::step(const StepInputs& in) {
-  StepUpdates updates(in.distributor);
-  auto plan = plan_step(in, updates);
-  if (plan.chain.empty()) return;
-  run_chain_pre(plan.chain);  // L2 weight decay, grafting statistics, β1/β3 filtering
-  update_statistics(plan);    // Kronecker factors, amortized roots
-  if (in.fault) in.fault(StepPhase::kStatisticsUpdated);
-  precondition(plan);           // the matrix preconditioner applied to Ḡ
-  run_chain_norms(plan.chain);  // the grafting norms
-  if (in.fault) in.fault(StepPhase::kBeforeUpdate);
-  run_chain_post(plan.chain);  // graft, decoupled weight decay, momentum, × −lr, apply
-  updates.finish();
+  // In chunks of rows (Plan's buffers bounded by step_chunk_bytes), each through every phase;
+  // a block's result does not depend on the chunks.
+  for (const auto& chunk : step_chunks(in)) {
+    StepUpdates updates(in.distributor);
+    auto plan = plan_step(in, chunk, updates);
+    if (plan.chain.empty()) continue;
+    run_chain_pre(plan.chain);  // L2 weight decay, grafting statistics, β1/β3 filtering
+    update_statistics(plan);    // Kronecker factors, amortized roots
+    if (in.fault) in.fault(StepPhase::kStatisticsUpdated);
+    precondition(plan);           // the matrix preconditioner applied to Ḡ
+    run_chain_norms(plan.chain);  // the grafting norms
+    if (in.fault) in.fault(StepPhase::kBeforeUpdate);
+    run_chain_post(plan.chain);  // graft, decoupled weight decay, momentum, × −lr, apply
+    updates.finish();
+  }
 }
 
-VirtualGroup::Plan VirtualGroup::plan_step(const StepInputs& in, StepUpdates& updates) {
+std::vector<std::vector<Rows>> VirtualGroup::step_chunks(const StepInputs& in) const {
+  const int64_t limit = step_chunk_bytes();
+  std::vector<std::vector<Rows>> chunks;
+  int64_t bytes = limit;  // the first row opens a chunk
+  for (size_t s = 0; s < stacks_.size(); ++s) {
+    const auto& spec = stacks_[s].spec;
+    int64_t row_bytes = static_cast<int64_t>(spec.options.dtype().itemsize());
+    for (const int64_t d : spec.block_shape) row_bytes *= d;
+    row_bytes *= 2;  // G' and Ḡ
+    for (const int64_t r : rows_with_gradients(static_cast<int64_t>(s), in).rows) {
+      if (bytes + row_bytes > limit && bytes > 0) {
+        chunks.emplace_back(stacks_.size());
+        bytes = 0;
+      }
+      chunks.back()[s].rows.push_back(r);
+      bytes += row_bytes;
+    }
+  }
+  for (auto& chunk : chunks) {
+    for (size_t s = 0; s < stacks_.size(); ++s) {
+      chunk[s].all = chunk[s].size() == stacks_[s].spec.size();
+    }
+  }
+  return chunks;
+}
+
+VirtualGroup::Plan VirtualGroup::plan_step(const StepInputs& in, const std::vector<Rows>& chunk,
+                                           StepUpdates& updates) {
   Plan plan;
   plan.stacks.resize(stacks_.size());
   for (size_t s = 0; s < stacks_.size(); ++s) {
     const auto& stack = stacks_[s];
     auto& st = plan.stacks[s];
-    st.rows = rows_with_gradients(static_cast<int64_t>(s), in);
+    st.rows = chunk[s];
     if (st.rows.size() == 0) continue;
     bool any_filter = false;
     for (const int64_t r : st.rows.rows) {

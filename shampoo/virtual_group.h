@@ -23,6 +23,12 @@ namespace shampoo::detail {
 
 class StepUpdates;
 
+/// The bound on a step's gradient buffers (G' and Ḡ) per chunk of rows: 64 MiB. A step runs its
+/// blocks in chunks of rows within it, so the buffers never hold a whole large stack. Tests set
+/// it (≤ 0 = the default) to check that the chunks do not change a result.
+int64_t step_chunk_bytes();
+void set_step_chunk_bytes_for_testing(int64_t bytes);
+
 /// A registered parameter.
 struct ParamEntry {
   at::Tensor param;
@@ -121,9 +127,12 @@ class VirtualGroup {
   };
   struct StackStep;
   struct Plan;
-  /// Phase 1: the rows with a gradient of every stack, their scalars and masks, the step's
-  /// buffers and the chain entries (with where each update goes).
-  Plan plan_step(const StepInputs& in, StepUpdates& updates);
+  /// The rows with a gradient of every stack, in chunks (per chunk, Rows per stack) whose step
+  /// buffers (G' and Ḡ rows) stay within step_chunk_bytes(); small stacks share a chunk.
+  std::vector<std::vector<Rows>> step_chunks(const StepInputs& in) const;
+  /// Phase 1: the rows of `chunk` of every stack, their scalars and masks, the step's buffers and
+  /// the chain entries (with where each update goes).
+  Plan plan_step(const StepInputs& in, const std::vector<Rows>& chunk, StepUpdates& updates);
   /// The chain entry of member `row` (the i-th row with a gradient) of stack `s`.
   ChainBlockTensors chain_entry(const StepInputs& in, int64_t s, int64_t row, int64_t i,
                                 StackStep& st, StepUpdates& updates);

@@ -11,6 +11,7 @@
 #include <torch/serialize.h>
 
 #include <filesystem>
+#include <mutex>
 
 #include "support/test_support.h"
 
@@ -18,6 +19,7 @@ namespace {
 
 using shampoo::OptimizerFactory;
 using shampoo::testing::bit_equal;
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 struct FactoryCase {
   std::string name;
@@ -210,6 +212,73 @@ TEST(InBackwardCheckpoint, ResumeEqualsUninterrupted) {
     EXPECT_TRUE(bit_equal(values(resumed), values(reference))) << c.name;
     std::filesystem::remove(path);
   }
+}
+
+/// A data-parallel in-backward run: a DistributedShampoo set and a replicated Adam set, the
+/// gradient synchronizer attached when there is a process group.
+struct DataParallelRun {
+  torch::nn::Sequential model = shampoo::testing::make_mlp(6, 12, 3, 5);
+  std::unique_ptr<shampoo::GradientSynchronizer> sync;
+  shampoo::InBackwardOptimizer opt;
+
+  DataParallelRun(const Group& group, const std::vector<at::Tensor>& start = {}) {
+    if (!start.empty()) {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < start.size(); ++i) model->parameters()[i].copy_(start[i]);
+    }
+    auto params = model->parameters();
+    opt.add({params[0], params[1]}, [group](std::vector<torch::Tensor> p) {
+      return std::make_unique<shampoo::DistributedShampoo>(
+          p,
+          shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
+              shampoo::AdamGraftingConfig{}),
+          shampoo::DistributedOptions().process_group(group));
+    });
+    opt.add({params.begin() + 2, params.end()}, factories()[1].factory);
+    if (group) {
+      sync = std::make_unique<shampoo::GradientSynchronizer>(model->parameters(), group);
+      opt.attach(*sync);
+    }
+  }
+  void train(int from, int to) {
+    for (int step = from; step <= to; ++step) {
+      shampoo::testing::classification_loss(model, batch(step), true);
+    }
+  }
+};
+
+TEST(InBackwardCheckpoint, DataParallelSavedAtWorld2ResumesAtWorld1And4BitForBit) {
+  // Every rank trains on the same batch, so the averaged gradient equals one process's at every
+  // world size (sums of 2 or 4 equal values divided by 2 or 4 are exact) and the runs agree bit
+  // for bit.
+  DataParallelRun reference({});
+  reference.train(1, 6);
+  const std::filesystem::path dir = shampoo::testing::temp_path("in_backward_dir");
+  std::vector<at::Tensor> saved;
+  std::mutex mutex;
+  shampoo::testing::run_ranks(2, [&](int, const Group& group) {
+    DataParallelRun run(group);
+    run.train(1, 3);
+    shampoo::save_distributed_checkpoint(run.opt, dir);
+    std::lock_guard<std::mutex> lock(mutex);
+    saved = values(run.model);
+  });
+  for (const int world : {0, 1, 4}) {
+    const auto resume = [&](int rank, const Group& group) {
+      DataParallelRun run(group, saved);
+      shampoo::load_distributed_checkpoint(run.opt, dir);
+      EXPECT_EQ(run.opt.steps_taken(), 3);
+      run.train(4, 6);
+      EXPECT_TRUE(bit_equal(values(run.model), values(reference.model)))
+          << "resumed at world " << world << " rank " << rank;
+    };
+    if (world == 0) {
+      resume(0, {});
+    } else {
+      shampoo::testing::run_ranks(world, resume);
+    }
+  }
+  shampoo::testing::remove_tree(dir);
 }
 
 void expect_error(const std::function<void()>& fn, const std::string& fragment) {

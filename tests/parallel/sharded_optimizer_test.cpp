@@ -3,6 +3,7 @@
 #include <shampoo/shampoo.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
@@ -133,6 +134,101 @@ TEST(ShardedCheckpoint, ResumeEqualsUninterrupted) {
     EXPECT_TRUE(bit_equal(snapshot(resumed), snapshot(reference))) << "rank " << rank;
     std::filesystem::remove(path);
   });
+}
+
+class ShardedAnyWorld : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ShardedAnyWorld, SavedAtWorld2ResumesAtWorld1To4BitForBit) {
+  const auto& c = GetParam();
+  auto reference = make_params();
+  auto unsharded = c.factory(reference);
+  for (int step = 1; step <= 6; ++step) {
+    set_grads(reference, step);
+    unsharded->step();
+  }
+  const auto initial_lr = unsharded->param_groups()[0].options().get_lr();
+  const std::filesystem::path dir = shampoo::testing::temp_path("sharded_dir");
+  std::vector<at::Tensor> saved;
+  std::mutex mutex;
+  run_ranks(2, [&](int, const Group& group) {
+    auto params = make_params();
+    ShardedOptimizer opt(params, c.factory, group);
+    for (int step = 1; step <= 3; ++step) {
+      set_grads(params, step);
+      opt.step();
+    }
+    opt.local_optimizer().param_groups()[0].options().set_lr(initial_lr * 0.5);  // a scheduler
+    shampoo::save_distributed_checkpoint(opt, dir);
+    std::lock_guard<std::mutex> lock(mutex);
+    saved = snapshot(params);
+  });
+  for (const int world : {1, 2, 4}) {
+    run_ranks(world, [&](int rank, const Group& group) {
+      auto params = make_params();
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < params.size(); ++i) params[i].copy_(saved[i]);
+      }
+      ShardedOptimizer opt(params, c.factory, group);
+      shampoo::load_distributed_checkpoint(opt, dir);
+      auto& options = opt.local_optimizer().param_groups()[0].options();
+      EXPECT_EQ(options.get_lr(), initial_lr * 0.5) << "the saved lr is restored";
+      options.set_lr(initial_lr);
+      for (int step = 4; step <= 6; ++step) {
+        set_grads(params, step);
+        opt.step();
+      }
+      EXPECT_TRUE(bit_equal(snapshot(params), snapshot(reference)))
+          << c.name << " resumed at world " << world << " rank " << rank;
+    });
+  }
+  shampoo::testing::remove_tree(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, ShardedAnyWorld, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(ShardedCheckpoint, WithoutTheLoadTheResumedRunDiffers) {
+  // The test above can fail: resuming with fresh optimizer state ends elsewhere.
+  const auto factory = cases()[0].factory;
+  auto reference = make_params();
+  auto unsharded = factory(reference);
+  auto fresh_params = make_params();
+  for (int step = 1; step <= 6; ++step) {
+    set_grads(reference, step);
+    unsharded->step();
+    if (step == 3) {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < reference.size(); ++i) fresh_params[i].copy_(reference[i]);
+    }
+  }
+  auto fresh = factory(fresh_params);
+  for (int step = 4; step <= 6; ++step) {
+    set_grads(fresh_params, step);
+    fresh->step();
+  }
+  EXPECT_FALSE(bit_equal(snapshot(fresh_params), snapshot(reference)));
+}
+
+TEST(ShardedCheckpoint, UnknownLocalOptimizerAndOtherKindAreClearErrors) {
+  const std::filesystem::path dir = shampoo::testing::temp_path("sharded_dir");
+  run_ranks(2, [&](int, const Group& group) {
+    auto params = make_params();
+    ShardedOptimizer lbfgs(
+        params,
+        [](std::vector<torch::Tensor> p) { return std::make_unique<torch::optim::LBFGS>(p); },
+        group);
+    shampoo::testing::expect_error([&] { shampoo::save_distributed_checkpoint(lbfgs, dir); },
+                                   {"SGD, Adam, AdamW, Adagrad or RMSprop"});
+    ShardedOptimizer adam(params, cases()[0].factory, group);
+    shampoo::save_distributed_checkpoint(adam, dir);
+    shampoo::DistributedShampoo shampoo_opt(params, shampoo::ShampooOptions(0.01),
+                                            shampoo::DistributedOptions().process_group(group));
+    shampoo::testing::expect_error(
+        [&] { shampoo::load_distributed_checkpoint(shampoo_opt, dir); },
+        {"written by a ShardedOptimizer, this optimizer is a DistributedShampoo"});
+  });
+  shampoo::testing::remove_tree(dir);
 }
 
 TEST(ShardedErrors, DifferentParametersOnRanks) {

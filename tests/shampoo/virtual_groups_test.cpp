@@ -2,6 +2,7 @@
 // group, bit for bit like running them separately; structural differences keep groups apart;
 // live option changes (set_lr, schedulers) apply to their own group only.
 #include <shampoo/shampoo.h>
+#include <shampoo/virtual_group.h>
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/serialize.h>
 
@@ -283,6 +284,40 @@ TEST(VirtualGroups, CheckpointsCrossBetweenMergedAndUnmerged) {
     std::vector<at::Tensor> resumed(second_params.begin(), second_params.begin() + 32);
     EXPECT_TRUE(bit_equal(snapshot(resumed), snapshot(used))) << "saved merged: " << save_merged;
     std::filesystem::remove(path);
+  }
+}
+
+/// The parameters after `steps` steps of the 32 groups (merged), with the step's rows in chunks
+/// of at most `chunk_bytes` (0 = the default 32 MiB: one chunk here).
+std::vector<at::Tensor> run_in_chunks(int64_t chunk_bytes, bool eigenvalue_corrected, int steps) {
+  shampoo::detail::set_step_chunk_bytes_for_testing(chunk_bytes);
+  auto params = make_params(1);
+  auto groups = make_groups(params, kGroups);
+  if (eigenvalue_corrected) {
+    for (auto& group : groups) {
+      static_cast<ShampooOptions&>(group.options())
+          .preconditioner(shampoo::EigenvalueCorrectedShampooConfig{});
+    }
+  }
+  DistributedShampoo opt(std::move(groups));
+  for (int step = 1; step <= steps; ++step) {
+    set_grads(params, step);
+    if (step % 4 == 0) params[5].mutable_grad() = at::Tensor();  // a row without a gradient
+    opt.step();
+  }
+  shampoo::detail::set_step_chunk_bytes_for_testing(0);
+  return snapshot(params);
+}
+
+TEST(StepChunks, ResultsDoNotDependOnTheChunks) {
+  // The 12×9 parameters make a stack of 64 rows of 8×8 blocks; 1 byte puts every row in a chunk
+  // of its own, 2 KiB a few rows together, across stacks.
+  for (const bool eigenvalue_corrected : {false, true}) {
+    const auto whole = run_in_chunks(0, eigenvalue_corrected, 7);
+    EXPECT_TRUE(bit_equal(run_in_chunks(1, eigenvalue_corrected, 7), whole))
+        << "one row per chunk, eigenvalue corrected: " << eigenvalue_corrected;
+    EXPECT_TRUE(bit_equal(run_in_chunks(2048, eigenvalue_corrected, 7), whole))
+        << "2 KiB chunks, eigenvalue corrected: " << eigenvalue_corrected;
   }
 }
 

@@ -1,0 +1,485 @@
+#!/usr/bin/env python3
+"""Compares Distributed Shampoo with Adam, AdamW and SGD on one model, one data set, one budget.
+
+    compare_optimizers.py --trainer BIN --out DIR --device cpu|cuda [options]
+
+`make compare` runs this through <build>/examples/run_compare.sh, which knows the trainer, the
+torchrun launcher and the folder holding matplotlib. For every optimizer and every learning rate
+of its grid (the same grid size for every optimizer) and every seed, it trains the reference's
+ConvNet on Fashion-MNIST with examples/cifar10_trainer, the same epochs, global batch, lr schedule,
+weight decay and seeds for all; only the optimizer, its lr and its own constants (Adam's epsilon,
+SGD's momentum, Shampoo's settings from the README) differ. Then it writes
+
+    DIR/compare.csv   one row per run and epoch: test accuracy, cumulative and per-epoch seconds
+    DIR/compare.png   test accuracy against epoch and against seconds, best lr of each optimizer
+    DIR/compare.md    the table printed at the end, with a caption that states the budget
+
+and keeps every run's metrics and log in DIR/runs/<optimizer>-lr<lr>-seed<seed>/. The best lr of
+an optimizer is the one with the highest final test accuracy (mean over the seeds). Seconds are
+the trainer's own epoch times (training plus the evaluation after each epoch; process start-up
+and data loading are not counted).
+
+Budgets: on cuda the full one (10 epochs on the whole training set, 1 rank); on cpu a reduced one
+of about 10 to 15 minutes on 2 cores (3 epochs, 2 ranks). Flags override either.
+"""
+
+import argparse
+import csv
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+OPTIMIZERS = ("shampoo", "adam", "adamw", "sgd")
+
+# Flags of each optimizer besides --lr. Shampoo: the README's recommended settings, as `make demo`
+# uses them (Adam grafting, roots every 50 steps, blocks of at most 128 for the CPU).
+OPTIMIZER_FLAGS = {
+    "shampoo": ["--betas", "0.9,0.999", "--epsilon", "1e-12", "--grafting", "adam",
+                "--grafting-beta2", "0.999", "--grafting-epsilon", "1e-8",
+                "--precondition-frequency", "50", "--max-preconditioner-dim", "128"],
+    "adam": ["--betas", "0.9,0.999", "--epsilon", "1e-8"],
+    "adamw": ["--betas", "0.9,0.999", "--epsilon", "1e-8"],
+    "sgd": ["--momentum", "0.9"],
+}
+OPTIMIZER_SUMMARY = {
+    "shampoo": "betas 0.9,0.999, epsilon 1e-12, Adam grafting (epsilon 1e-8), roots every 50 "
+               "steps, blocks <= 128, decoupled weight decay",
+    "adam": "betas 0.9,0.999, epsilon 1e-8, L2 weight decay",
+    "adamw": "betas 0.9,0.999, epsilon 1e-8, decoupled weight decay",
+    "sgd": "momentum 0.9, L2 weight decay",
+}
+# Three rates per optimizer around the value usually recommended for it (SGD with momentum 0.9
+# on this model: 0.1 and 0.3 reached 0.44 and 0.32 test accuracy in a one-epoch probe, 0.01 0.80).
+DEFAULT_GRID = {
+    "shampoo": [0.003, 0.001, 0.0003],
+    "adam": [0.003, 0.001, 0.0003],
+    "adamw": [0.003, 0.001, 0.0003],
+    "sgd": [0.03, 0.01, 0.003],
+}
+# Settings shared by every run.
+WEIGHT_DECAY = "1e-4"  # none on the bias
+LR_SCHEDULE = "cosine"
+# Budgets: (epochs, training examples, 0 = all), seeds, ranks.
+FULL_BUDGET = {"epochs": 10, "limit_train": 0, "seeds": [2022], "ranks": 1}
+REDUCED_BUDGET = {"epochs": 3, "limit_train": 0, "seeds": [2022], "ranks": 2}
+
+CSV_COLUMNS = ["optimizer", "lr", "seed", "epoch", "test_accuracy", "test_loss",
+               "cumulative_seconds", "epoch_seconds", "device", "ranks", "train_examples",
+               "best_lr"]
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line naming the flag, exit code 2."""
+
+
+def parse_rates(text, what):
+    """'0.003,0.001' -> [0.003, 0.001]; positive, finite, distinct."""
+    rates = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            rate = float(item)
+        except ValueError:
+            raise UsageError(f"{what}: got '{item}', expected a number such as 0.001") from None
+        if not (math.isfinite(rate) and rate > 0):
+            raise UsageError(f"{what}: got {item}, expected a learning rate > 0")
+        if rate in rates:
+            raise UsageError(f"{what}: {item} appears twice")
+        rates.append(rate)
+    if not rates:
+        raise UsageError(f"{what}: got '{text}', an empty grid; expected at least one lr")
+    return rates
+
+
+def parse_grid(optimizers, overrides):
+    """The lr grid of every optimizer: DEFAULT_GRID, replaced by --lrs OPTIMIZER=a,b,c."""
+    grid = {name: list(DEFAULT_GRID[name]) for name in optimizers}
+    for override in overrides:
+        name, sep, rates = override.partition("=")
+        name = name.strip()
+        if not sep:
+            raise UsageError(f"--lrs: got '{override}', expected OPTIMIZER=lr1,lr2,...")
+        if name not in OPTIMIZERS:
+            raise UsageError(f"--lrs: unknown optimizer '{name}', expected one of "
+                             f"{', '.join(OPTIMIZERS)}")
+        if name not in grid:
+            raise UsageError(f"--lrs: '{name}' is not in --optimizers ({','.join(optimizers)})")
+        grid[name] = parse_rates(rates, f"--lrs {name}")
+    sizes = {name: len(rates) for name, rates in grid.items()}
+    if len(set(sizes.values())) != 1:
+        listed = ", ".join(f"{name} {size}" for name, size in sizes.items())
+        raise UsageError(f"--lrs: every optimizer needs the same grid size; got {listed}")
+    return grid
+
+
+def parse_optimizers(text):
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise UsageError(f"--optimizers: got '{text}', expected a list such as shampoo,adam")
+    for name in names:
+        if name not in OPTIMIZERS:
+            raise UsageError(f"--optimizers: unknown optimizer '{name}', expected any of "
+                             f"{', '.join(OPTIMIZERS)}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--optimizers: got '{text}', an optimizer listed twice")
+    return names
+
+
+def parse_seeds(text):
+    try:
+        seeds = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds: got '{text}', expected integers such as 2022,2023") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UsageError(f"--seeds: got '{text}', expected distinct integers such as 2022,2023")
+    return seeds
+
+
+def resolve(args):
+    """Checks the flags and fills in the budget of the device; raises UsageError."""
+    if args.device not in ("cpu", "cuda"):
+        raise UsageError(f"--device: got '{args.device}', expected cpu or cuda")
+    args.optimizers = parse_optimizers(args.optimizers)
+    args.grid = parse_grid(args.optimizers, args.lrs)
+    budget = FULL_BUDGET if args.device == "cuda" else REDUCED_BUDGET
+    args.budget_name = "full" if args.device == "cuda" else "reduced (CPU)"
+    for key in ("epochs", "limit_train", "ranks"):
+        if getattr(args, key) is None:
+            setattr(args, key, budget[key])
+    args.seeds = parse_seeds(args.seeds) if args.seeds is not None else list(budget["seeds"])
+    if args.epochs < 1:
+        raise UsageError(f"--epochs: got {args.epochs}, expected >= 1")
+    if args.limit_train < 0:
+        raise UsageError(f"--limit-train: got {args.limit_train}, expected >= 0 (0 = all)")
+    if args.ranks < 1:
+        raise UsageError(f"--ranks: got {args.ranks}, expected >= 1")
+    if args.batch_size < 1 or args.batch_size % args.ranks:
+        raise UsageError(f"--batch-size: got {args.batch_size}, expected a positive multiple "
+                         f"of --ranks ({args.ranks})")
+    if not 0 < args.target <= 1:
+        raise UsageError(f"--target: got {args.target}, expected an accuracy in (0, 1]")
+    if not os.access(args.trainer, os.X_OK):
+        raise UsageError(f"--trainer: {args.trainer} is not an executable (run make build)")
+    if args.ranks > 1 and not args.torchrun:
+        raise UsageError(f"--ranks {args.ranks} needs torchrun (--torchrun; "
+                         "scripts/install_deps.sh installs one)")
+
+
+def import_pyplot():
+    """matplotlib's pyplot on the file-only backend; exits with a clear message when absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        sys.exit(f"compare_optimizers.py: matplotlib is not importable ({error}); run "
+                 "scripts/install_deps.sh and set PYTHONPATH to the folder it prints (see "
+                 "examples/README.md), or pass --no-plot")
+    return plt
+
+
+def format_lr(rate):
+    return f"{rate:g}"
+
+
+def describe_budget(budget):
+    examples = f"the first {budget['limit_train']}" if budget["limit_train"] else "all"
+    return (f"{budget['epochs']} epochs on {examples} training examples, {budget['ranks']} "
+            f"rank(s), seed(s) {','.join(map(str, budget['seeds']))}")
+
+
+def run_name(optimizer, rate, seed):
+    return f"{optimizer}-lr{format_lr(rate)}-seed{seed}"
+
+
+def trainer_command(args, optimizer, rate, seed, run_dir):
+    flags = ["--device", args.device, "--dataset", "fashion-mnist", "--model", "convnet",
+             "--optimizer", optimizer, "--lr", format_lr(rate), *OPTIMIZER_FLAGS[optimizer],
+             "--epochs", str(args.epochs), "--local-batch-size", str(args.batch_size // args.ranks),
+             "--limit-train", str(args.limit_train), "--seed", str(seed),
+             "--lr-schedule", LR_SCHEDULE, "--weight-decay", WEIGHT_DECAY,
+             "--bias-weight-decay", "0", "--window-size", "50", "--log-every", "100",
+             "--progress", "off", "--metrics-dir", run_dir]
+    if args.data_dir:
+        flags += ["--data-dir", args.data_dir]
+    if args.ranks == 1:
+        return [args.trainer, *flags]
+    return [args.torchrun, "--no-python", "--standalone", "--nproc-per-node", str(args.ranks),
+            args.trainer, *flags]
+
+
+def read_run(run_dir, log_path):
+    """The epochs of one finished run (eval.csv) and its training-set size (from its log)."""
+    with open(os.path.join(run_dir, "eval.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    epochs, cumulative = [], 0.0
+    for row in rows:
+        cumulative += float(row["epoch_seconds"])
+        epochs.append({"epoch": int(row["epoch"]), "test_accuracy": float(row["test_accuracy"]),
+                       "test_loss": float(row["test_loss"]),
+                       "epoch_seconds": float(row["epoch_seconds"]),
+                       "cumulative_seconds": cumulative, "device": row["device"]})
+    with open(log_path, errors="replace") as f:
+        match = re.search(r"Data: .*?: (\d+) training examples \(of (\d+)\)", f.read())
+    train_examples = (int(match.group(1)), int(match.group(2))) if match else None
+    return epochs, train_examples
+
+
+def reuse_run(prefix, command, log_path):
+    """--report-only: checks that the run in log_path was made with exactly this command."""
+    try:
+        with open(log_path, errors="replace") as f:
+            recorded = f.readline().rstrip("\n")
+    except OSError as error:
+        sys.exit(f"{prefix}: --report-only, but no finished run to read ({error})")
+    if recorded != "+ " + " ".join(command):
+        sys.exit(f"{prefix}: --report-only, but {log_path} was run with other settings:\n"
+                 f"  {recorded}\nexpected\n  + {' '.join(command)}")
+
+
+def train_all(args):
+    """Runs every (optimizer, lr, seed); returns {(optimizer, lr, seed): epochs}. With
+    --report-only, reads the runs that an identical earlier invocation left in DIR/runs."""
+    runs = [(o, r, s) for o in args.optimizers for r in args.grid[o] for s in args.seeds]
+    results = {}
+    args.train_examples = None
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for index, (optimizer, rate, seed) in enumerate(runs, start=1):
+        name = run_name(optimizer, rate, seed)
+        run_dir = os.path.join(args.out, "runs", name)
+        log_path = os.path.join(run_dir, "trainer.log")
+        width = len(str(len(runs)))
+        prefix = f"[{index:>{width}}/{len(runs)}] {optimizer} lr {format_lr(rate)} seed {seed}"
+        command = trainer_command(args, optimizer, rate, seed, run_dir)
+        start = time.monotonic()
+        if args.report_only:
+            reuse_run(prefix, command, log_path)
+            code = 0
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            os.makedirs(run_dir)
+            print(f"{prefix}: started", flush=True)
+            with open(log_path, "w") as log:
+                log.write("+ " + " ".join(command) + "\n")
+                log.flush()
+                code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        seconds = time.monotonic() - start
+        if code != 0:
+            with open(log_path, errors="replace") as f:
+                tail = f.readlines()[-15:]
+            sys.exit(f"{prefix}: the trainer failed (exit code {code}) after {seconds:.1f} s; "
+                     f"last lines of {log_path}:\n{''.join(tail)}")
+        try:
+            epochs, train_examples = read_run(run_dir, log_path)
+        except (OSError, KeyError, ValueError) as error:
+            sys.exit(f"{prefix}: cannot read the run's metrics in {run_dir} ({error})")
+        if len(epochs) != args.epochs:
+            sys.exit(f"{prefix}: {run_dir}/eval.csv has {len(epochs)} epochs, expected "
+                     f"{args.epochs}")
+        args.train_examples = args.train_examples or train_examples
+        results[(optimizer, rate, seed)] = epochs
+        best = max(e["test_accuracy"] for e in epochs)
+        how = "read" if args.report_only else f"finished, {seconds:.1f} s"
+        print(f"{prefix}: {how}, best test accuracy {best:.4f} (final "
+              f"{epochs[-1]['test_accuracy']:.4f})", flush=True)
+    return results
+
+
+def mean_curve(results, optimizer, rate, seeds):
+    """Per epoch: test accuracy and cumulative seconds, the means over the seeds."""
+    runs = [results[(optimizer, rate, seed)] for seed in seeds]
+    return [{"epoch": runs[0][i]["epoch"],
+             "test_accuracy": statistics.fmean(run[i]["test_accuracy"] for run in runs),
+             "cumulative_seconds": statistics.fmean(run[i]["cumulative_seconds"] for run in runs)}
+            for i in range(len(runs[0]))]
+
+
+def summarize(args, results):
+    """One row per optimizer for its best lr (highest final test accuracy, mean over seeds)."""
+    summary = []
+    for optimizer in args.optimizers:
+        finals = {rate: mean_curve(results, optimizer, rate, args.seeds)[-1]["test_accuracy"]
+                  for rate in args.grid[optimizer]}
+        best_rate = max(args.grid[optimizer], key=lambda rate: finals[rate])
+        curve = mean_curve(results, optimizer, best_rate, args.seeds)
+        reached = next((point for point in curve if point["test_accuracy"] >= args.target), None)
+        best_point = max(curve, key=lambda point: point["test_accuracy"])
+        epoch_seconds = [e["epoch_seconds"] for seed in args.seeds
+                         for e in results[(optimizer, best_rate, seed)]]
+        summary.append({"optimizer": optimizer, "lr": best_rate, "curve": curve,
+                        "final": curve[-1]["test_accuracy"], "best": best_point,
+                        "reached": reached, "epoch_seconds": statistics.median(epoch_seconds),
+                        "finals": finals})
+    return summary
+
+
+def write_csv(path, args, results, summary):
+    best_rates = {row["optimizer"]: row["lr"] for row in summary}
+    examples = args.train_examples[0] if args.train_examples else ""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(CSV_COLUMNS)
+        for (optimizer, rate, seed), epochs in results.items():
+            for e in epochs:
+                writer.writerow([optimizer, format_lr(rate), seed, e["epoch"],
+                                 f"{e['test_accuracy']:.6g}", f"{e['test_loss']:.6g}",
+                                 f"{e['cumulative_seconds']:.3f}", f"{e['epoch_seconds']:.3f}",
+                                 e["device"], args.ranks, examples,
+                                 int(best_rates[optimizer] == rate)])
+
+
+def caption(args, results):
+    devices = sorted({e["device"] for epochs in results.values() for e in epochs})
+    if args.train_examples:
+        used, total = args.train_examples
+        data = (f"all {total} training examples" if used == total
+                else f"a subset of {used} of the {total} training examples")
+    else:
+        data = (f"the first {args.limit_train} training examples" if args.limit_train
+                else "all training examples")
+    grid_size = len(next(iter(args.grid.values())))
+    seeds = ",".join(str(seed) for seed in args.seeds)
+    rank_text = (f"{args.ranks} ranks (torchrun, 1 thread each)" if args.ranks > 1
+                 else "1 process (1 thread)" if args.device == "cpu" else "1 process")
+    return (f"ConvNet on Fashion-MNIST, {args.budget_name} budget, the same for every optimizer: "
+            f"{args.epochs} epoch(s) on {data}, global batch {args.batch_size}, {LR_SCHEDULE} lr "
+            f"schedule, weight decay {WEIGHT_DECAY} (none on the bias), seed(s) {seeds}; a grid "
+            f"of {grid_size} learning rate(s) per optimizer; device {', '.join(devices)}, "
+            f"{rank_text}. Best lr = the highest final test accuracy (10000 test images"
+            f"{', mean over the seeds' if len(args.seeds) > 1 else ''}); seconds are the "
+            f"trainer's epoch times, training plus the evaluation after each epoch, "
+            f"start-up excluded.")
+
+
+def markdown_table(args, results, summary):
+    target = f"{args.target:g}"
+    lines = [f"{caption(args, results)}", "",
+             f"| optimizer | best lr | final test accuracy | best test accuracy (epoch) | "
+             f"epochs to {target} | seconds to {target} | seconds per epoch (median) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in summary:
+        reached = row["reached"]
+        epochs_to = str(reached["epoch"]) if reached else "not reached"
+        seconds_to = f"{reached['cumulative_seconds']:.1f}" if reached else "not reached"
+        lines.append(
+            f"| {row['optimizer']} | {format_lr(row['lr'])} | {row['final']:.4f} | "
+            f"{row['best']['test_accuracy']:.4f} ({row['best']['epoch']}) | {epochs_to} | "
+            f"{seconds_to} | {row['epoch_seconds']:.1f} |")
+    grid_size = len(next(iter(args.grid.values())))
+    lines += ["", "Final test accuracy of every run of the grid (lr: accuracy):", "",
+              "| optimizer | " + " | ".join(f"lr {i + 1}" for i in range(grid_size)) + " |",
+              "|---|" + "---:|" * grid_size]
+    for row in summary:
+        cells = [f"{format_lr(rate)}: {row['finals'][rate]:.4f}"
+                 for rate in args.grid[row["optimizer"]]]
+        lines.append(f"| {row['optimizer']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(path, args, summary, plt):
+    figure, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for color, row in enumerate(summary):
+        label = f"{row['optimizer']} (lr {format_lr(row['lr'])})"
+        epochs = [p["epoch"] for p in row["curve"]]
+        accuracy = [p["test_accuracy"] for p in row["curve"]]
+        seconds = [p["cumulative_seconds"] for p in row["curve"]]
+        # Markers and dashes of their own, so that coinciding curves (Adam and AdamW with little
+        # weight decay) both stay visible.
+        style = {"color": f"C{color}", "marker": "os^D"[color % 4], "label": label,
+                 "markersize": 7 - color, "linestyle": ("-", "--", ":", "-.")[color % 4]}
+        by_epoch.plot(epochs, accuracy, **style)
+        by_time.plot(seconds, accuracy, **style)
+    for axes, xlabel in ((by_epoch, "epoch"), (by_time, "wall-clock seconds (cumulative)")):
+        axes.axhline(args.target, color="0.5", linestyle="--", linewidth=0.8,
+                     label=f"target {args.target:g}")
+        axes.set_ylim(top=max(axes.get_ylim()[1], args.target + 0.005))  # the target in view
+        axes.set_xlabel(xlabel)
+        axes.set_ylabel("test accuracy")
+        axes.grid(True, alpha=0.3)
+    by_epoch.set_xticks(range(1, args.epochs + 1))
+    by_epoch.legend(fontsize=8)
+    by_epoch.set_title("test accuracy per epoch (best lr of each optimizer)", fontsize=10)
+    by_time.set_xlim(left=0)
+    by_time.set_title("test accuracy against time", fontsize=10)
+    where = args.device if args.ranks == 1 else f"{args.device}, {args.ranks} ranks"
+    examples = f", {args.train_examples[0]} training examples" if args.train_examples else ""
+    figure.suptitle(f"ConvNet on Fashion-MNIST, {args.epochs} epoch(s){examples}, {where}",
+                    fontsize=11)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Defaults: cpu -> the reduced budget, {describe_budget(REDUCED_BUDGET)}; "
+               f"cuda -> the full budget, {describe_budget(FULL_BUDGET)}. lr grids: "
+               + "; ".join(f"{o} {','.join(map(format_lr, r))}" for o, r in DEFAULT_GRID.items()))
+    parser.add_argument("--trainer", required=True, help="the cifar10_trainer binary")
+    parser.add_argument("--torchrun", default="", help="torchrun launcher (needed for --ranks > 1)")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--device", required=True, help="cpu or cuda (the trainer's --device)")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                        help="comma-separated subset of shampoo,adam,adamw,sgd (default: all)")
+    parser.add_argument("--lrs", action="append", default=[], metavar="OPTIMIZER=LR,LR,...",
+                        help="the lr grid of one optimizer (repeatable); every optimizer's grid "
+                             "must have the same size")
+    parser.add_argument("--epochs", type=int, help="epochs of every run (default: by device)")
+    parser.add_argument("--limit-train", type=int,
+                        help="train on the first this many examples, 0 = all (default: by device)")
+    parser.add_argument("--seeds", help="comma-separated seeds; every (optimizer, lr) runs each "
+                                        "(default: 2022)")
+    parser.add_argument("--ranks", type=int, help="data-parallel ranks (default: by device)")
+    parser.add_argument("--batch-size", type=int, default=256, help="global batch (default 256)")
+    parser.add_argument("--target", type=float, default=0.90,
+                        help="test accuracy whose epochs and seconds the table reports (0.90)")
+    parser.add_argument("--data-dir", default="", help="Fashion-MNIST folder (trainer's default)")
+    parser.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: rebuild the CSV, PNG and table from the runs that "
+                             "the same command left in DIR/runs")
+    args = parser.parse_args()
+    try:
+        resolve(args)
+    except UsageError as error:
+        parser.exit(2, f"compare_optimizers.py: {error}\n")
+    plt = None if args.no_plot else import_pyplot()  # before hours of training, not after
+
+    print(f"Optimizer comparison: ConvNet on Fashion-MNIST, {args.budget_name} budget: "
+          f"{args.epochs} epoch(s), training examples: "
+          f"{args.limit_train if args.limit_train else 'all'}, global batch {args.batch_size}, "
+          f"seeds {','.join(map(str, args.seeds))}, device {args.device}, {args.ranks} rank(s)")
+    print("Learning-rate grid (the same size for every optimizer):")
+    for optimizer in args.optimizers:
+        print(f"  {optimizer:<8} {', '.join(map(format_lr, args.grid[optimizer]))}  "
+              f"({OPTIMIZER_SUMMARY[optimizer]})")
+    os.makedirs(args.out, exist_ok=True)
+    start = time.monotonic()
+    results = train_all(args)
+    summary = summarize(args, results)
+    csv_path = os.path.join(args.out, "compare.csv")
+    write_csv(csv_path, args, results, summary)
+    table = markdown_table(args, results, summary)
+    with open(os.path.join(args.out, "compare.md"), "w") as f:
+        f.write(table)
+    print()
+    print(table)
+    print(f"CSV: {csv_path}")
+    if plt:
+        png_path = os.path.join(args.out, "compare.png")
+        plot(png_path, args, summary, plt)
+        print(f"Plot: {png_path}")
+    if not args.report_only:
+        print(f"Comparison wall time: {time.monotonic() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+#include "parallel/libtorch_optimizers.h"
+
+#include <c10/util/Exception.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+namespace shampoo::detail {
+namespace {
+
+template <class Optimizer>
+bool is(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<const Optimizer*>(&optimizer) != nullptr;
+}
+
+}  // namespace
+
+std::string libtorch_optimizer_name(const torch::optim::Optimizer& optimizer) {
+  // AdamW is not an Adam in LibTorch (both derive from Optimizer), so the order is free.
+  if (is<torch::optim::Adam>(optimizer)) return "Adam";
+  if (is<torch::optim::AdamW>(optimizer)) return "AdamW";
+  if (is<torch::optim::SGD>(optimizer)) return "SGD";
+  if (is<torch::optim::Adagrad>(optimizer)) return "Adagrad";
+  if (is<torch::optim::RMSprop>(optimizer)) return "RMSprop";
+  return "";
+}
+
+std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
+    const torch::optim::Optimizer& optimizer) {
+  if (is<torch::optim::Adam>(optimizer)) return std::make_unique<torch::optim::AdamParamState>();
+  if (is<torch::optim::AdamW>(optimizer)) return std::make_unique<torch::optim::AdamWParamState>();
+  if (is<torch::optim::SGD>(optimizer)) return std::make_unique<torch::optim::SGDParamState>();
+  if (is<torch::optim::Adagrad>(optimizer)) {
+    return std::make_unique<torch::optim::AdagradParamState>();
+  }
+  if (is<torch::optim::RMSprop>(optimizer)) {
+    return std::make_unique<torch::optim::RMSpropParamState>();
+  }
+  TORCH_CHECK(false, "make_param_state: not one of LibTorch's SGD, Adam, AdamW, Adagrad, RMSprop");
+}
+
+}  // namespace shampoo::detail

@@ -1,0 +1,21 @@
+#pragma once
+/// What the checkpoints need to know about LibTorch's own optimizers (SGD, Adam, AdamW, Adagrad,
+/// RMSprop): their per-parameter state types, so that one parameter's state can be saved and
+/// loaded on its own.
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+
+namespace shampoo::detail {
+
+/// "Adam", "AdamW", "SGD", "Adagrad" or "RMSprop"; empty for any other optimizer type.
+std::string libtorch_optimizer_name(const torch::optim::Optimizer& optimizer);
+
+/// An empty per-parameter state of `optimizer`'s type (one of the above), to be filled by
+/// OptimizerParamState::serialize(InputArchive&).
+std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
+    const torch::optim::Optimizer& optimizer);
+
+}  // namespace shampoo::detail

@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""CTest `example_compare`: `make compare`'s script on a tiny budget, and its input errors.
+
+    compare_optimizers_test.py --script <build>/examples/run_compare.sh --work-dir DIR
+
+Runs the script (as `make compare` does, through the generated run_compare.sh) with two
+optimizers, one lr each, one epoch on the first 2048 training examples, one process on the CPU,
+and checks what it writes against the runs' own metrics:
+  - compare.csv: the columns, one row per run and epoch, the accuracies and seconds of each run's
+    eval.csv, the device, the training-set size, the best-lr flag;
+  - compare.png: a PNG (signature and IHDR chunk) of a plausible size;
+  - the Markdown table (printed and in compare.md): the caption stating the budget, the header
+    row, one row per optimizer with its lr, its accuracy and "not reached" exactly when the
+    accuracy is below the target;
+  - bad input (an unknown optimizer, an empty grid, grids of different sizes, a batch that the
+    ranks do not divide) ends with exit code 2 and a message naming the flag, before any training;
+  - --report-only rebuilds the same CSV and table from the runs without training, and refuses
+    runs made with other settings.
+Fails (exit code 1, every failed check printed) on any difference. Needs no third-party module;
+the script under test needs matplotlib and fails without it (scripts/install_deps.sh installs it).
+"""
+
+import argparse
+import csv
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+EXPECTED_COLUMNS = ["optimizer", "lr", "seed", "epoch", "test_accuracy", "test_loss",
+                    "cumulative_seconds", "epoch_seconds", "device", "ranks", "train_examples",
+                    "best_lr"]
+RUNS = {"shampoo": "0.003", "adam": "0.001"}  # optimizer -> its one lr
+LIMIT_TRAIN = 2048
+TARGET = 0.90
+
+failures = []
+
+
+def check(condition, message):
+    if not condition:
+        failures.append(message)
+    return condition
+
+
+def run_script(script, out, extra_args, extra_env=None):
+    # The caller's COMPARE_* variables must not change the budget under test.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPARE_")}
+    env.update({"COMPARE_DIR": out, "COMPARE_DEVICE": "cpu"})
+    env.update(extra_env or {})
+    return subprocess.run([script, *extra_args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def check_input_errors(script, work_dir):
+    """Each bad input: exit code 2, the message, and no training (no runs folder)."""
+    cases = [
+        ("unknown optimizer", ["--optimizers", "shampoo,adagrad"], {},
+         "--optimizers: unknown optimizer 'adagrad'"),
+        ("empty grid", [], {"COMPARE_LRS_ADAM": ""}, "--lrs adam: got '', an empty grid"),
+        ("grid sizes differ", ["--lrs", "adam=0.001,0.0003"], {},
+         "every optimizer needs the same grid size"),
+        ("batch not a multiple of the ranks", ["--ranks", "3"], {},
+         "--batch-size: got 256, expected a positive multiple of --ranks (3)"),
+    ]
+    for name, args, env, message in cases:
+        out = os.path.join(work_dir, "bad-input")
+        shutil.rmtree(out, ignore_errors=True)
+        result = run_script(script, out, args, env)
+        check(result.returncode == 2,
+              f"{name}: exit code {result.returncode}, expected 2; stderr: {result.stderr!r}")
+        check(message in result.stderr,
+              f"{name}: stderr {result.stderr!r} does not contain {message!r}")
+        check(not os.path.exists(os.path.join(out, "runs")), f"{name}: it trained anyway")
+
+
+def read_eval(run_dir):
+    with open(os.path.join(run_dir, "eval.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def check_csv(out):
+    path = os.path.join(out, "compare.csv")
+    if not check(os.path.isfile(path), f"{path} is missing"):
+        return {}
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        rows = [dict(zip(header, row)) for row in reader]
+    if not check(header == EXPECTED_COLUMNS,
+                 f"compare.csv columns {header}, expected {EXPECTED_COLUMNS}"):
+        return {}
+    check(len(rows) == len(RUNS), f"compare.csv has {len(rows)} rows, expected {len(RUNS)}")
+    accuracy = {}
+    for row in rows:
+        optimizer = row.get("optimizer")
+        if not check(optimizer in RUNS, f"compare.csv: unexpected optimizer {optimizer!r}"):
+            continue
+        check(row["lr"] == RUNS[optimizer],
+              f"{optimizer}: lr {row['lr']}, expected {RUNS[optimizer]}")
+        check(row["epoch"] == "1", f"{optimizer}: epoch {row['epoch']}, expected 1")
+        check(row["device"] == "cpu", f"{optimizer}: device {row['device']}, expected cpu")
+        check(row["ranks"] == "1", f"{optimizer}: ranks {row['ranks']}, expected 1")
+        check(row["train_examples"] == str(LIMIT_TRAIN),
+              f"{optimizer}: train_examples {row['train_examples']}, expected {LIMIT_TRAIN}")
+        check(row["best_lr"] == "1", f"{optimizer}: best_lr {row['best_lr']}, expected 1 (one lr)")
+        # The run's own metrics, as the trainer wrote them.
+        run_dir = os.path.join(out, "runs", f"{optimizer}-lr{RUNS[optimizer]}-seed{row['seed']}")
+        evals = read_eval(run_dir)
+        if not check(len(evals) == 1, f"{run_dir}/eval.csv has {len(evals)} epochs, expected 1"):
+            continue
+        value = float(row["test_accuracy"])
+        check(abs(value - float(evals[0]["test_accuracy"])) <= 1e-6,
+              f"{optimizer}: test_accuracy {value} != eval.csv's {evals[0]['test_accuracy']}")
+        # 8 steps on 2048 examples: far better than chance (0.1), far from the target.
+        check(0.3 < value < TARGET, f"{optimizer}: test accuracy {value}, expected in (0.3, 0.9)")
+        seconds = float(row["epoch_seconds"])
+        check(abs(seconds - float(evals[0]["epoch_seconds"])) <= 1e-3,
+              f"{optimizer}: epoch_seconds {seconds} != eval.csv's {evals[0]['epoch_seconds']}")
+        check(seconds > 0 and float(row["cumulative_seconds"]) == seconds,
+              f"{optimizer}: cumulative_seconds {row['cumulative_seconds']} != epoch_seconds "
+              f"{seconds} after one epoch")
+        accuracy[optimizer] = value
+    return accuracy
+
+
+def check_png(out):
+    path = os.path.join(out, "compare.png")
+    if not check(os.path.isfile(path), f"{path} is missing"):
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    check(data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} does not start with the PNG signature")
+    check(data[12:16] == b"IHDR", f"{path} has no IHDR chunk first")
+    width, height = struct.unpack(">II", data[16:24])
+    check(width >= 400 and height >= 200, f"{path} is {width}x{height}, expected two panels")
+    check(len(data) > 10000, f"{path} has {len(data)} bytes, too few for two plotted panels")
+
+
+def check_table(name, text, accuracy):
+    lines = text.splitlines()
+    header = [i for i, line in enumerate(lines) if line.startswith("| optimizer | best lr |")]
+    if not check(len(header) == 1, f"{name}: {len(header)} table header rows, expected 1"):
+        return
+    caption = "\n".join(lines[:header[0]])
+    for phrase in ("ConvNet on Fashion-MNIST", "1 epoch(s)", f"a subset of {LIMIT_TRAIN} of the",
+                   "global batch 256", "a grid of 1 learning rate(s) per optimizer",
+                   "device cpu", "1 process"):
+        check(phrase in caption, f"{name}: the caption does not state {phrase!r}: {caption!r}")
+    columns = [c.strip() for c in lines[header[0]].strip("|").split("|")]
+    check(columns == ["optimizer", "best lr", "final test accuracy", "best test accuracy (epoch)",
+                      "epochs to 0.9", "seconds to 0.9", "seconds per epoch (median)"],
+          f"{name}: table columns {columns}")
+    body = []
+    for line in lines[header[0] + 2:]:
+        if not line.startswith("|"):
+            break
+        body.append([c.strip() for c in line.strip("|").split("|")])
+    check([row[0] for row in body] == list(RUNS),
+          f"{name}: table rows {[row[0] for row in body]}, expected one per optimizer {list(RUNS)}")
+    for row in body:
+        optimizer = row[0]
+        if optimizer not in RUNS or len(row) != 7:
+            check(False, f"{name}: malformed row {row}")
+            continue
+        if optimizer not in accuracy:
+            check(False, f"{name}: {optimizer}: no compare.csv row to check the table against")
+            continue
+        check(row[1] == RUNS[optimizer], f"{name}: {optimizer} best lr {row[1]}")
+        check(row[2] == f"{accuracy[optimizer]:.4f}",
+              f"{name}: {optimizer} final accuracy {row[2]}, CSV {accuracy[optimizer]:.4f}")
+        check(row[3] == f"{accuracy[optimizer]:.4f} (1)", f"{name}: {optimizer} best {row[3]}")
+        expected = "not reached" if accuracy[optimizer] < TARGET else "1"
+        check(row[4] == expected,
+              f"{name}: {optimizer} epochs to target {row[4]}, expected {expected}")
+        check(float(row[6]) > 0, f"{name}: {optimizer} seconds per epoch {row[6]}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--script", required=True, help="<build>/examples/run_compare.sh")
+    parser.add_argument("--work-dir", required=True, help="scratch folder (emptied first)")
+    args = parser.parse_args()
+    shutil.rmtree(args.work_dir, ignore_errors=True)
+    os.makedirs(args.work_dir)
+
+    check_input_errors(args.script, args.work_dir)
+
+    out = os.path.join(args.work_dir, "tiny")
+    lr_args = [arg for optimizer, rate in RUNS.items() for arg in ("--lrs", f"{optimizer}={rate}")]
+    tiny_args = ["--optimizers", ",".join(RUNS), *lr_args, "--epochs", "1",
+                 "--limit-train", str(LIMIT_TRAIN), "--ranks", "1"]
+    result = run_script(args.script, out, tiny_args)
+    print(result.stdout)
+    if not check(result.returncode == 0,
+                 f"run_compare.sh exited with {result.returncode}; stderr:\n{result.stderr}"):
+        return finish()
+    for optimizer, rate in RUNS.items():
+        check(f"  {optimizer:<8} {rate}" in result.stdout,
+              f"the grid of {optimizer} is not printed")
+        for event in ("started", "finished"):
+            check(f"{optimizer} lr {rate} seed 2022: {event}" in result.stdout,
+                  f"no progress line for {optimizer} {event}")
+    accuracy = check_csv(out)
+    check_png(out)
+    check_table("stdout", result.stdout, accuracy)
+    with open(os.path.join(out, "compare.md")) as f:
+        table = f.read()
+    check_table("compare.md", table, accuracy)
+    check(table.strip() in result.stdout, "the printed table differs from compare.md")
+    check_report_only(args.script, out, tiny_args)
+    return finish()
+
+
+def check_report_only(script, out, tiny_args):
+    """--report-only rebuilds the same CSV and table from the runs; other settings are refused."""
+    with open(os.path.join(out, "compare.csv")) as f:
+        first_csv = f.read()
+    with open(os.path.join(out, "compare.md")) as f:
+        first_table = f.read()
+    os.remove(os.path.join(out, "compare.png"))
+    result = run_script(script, out, [*tiny_args, "--report-only"])
+    if not check(result.returncode == 0,
+                 f"--report-only exited with {result.returncode}; stderr:\n{result.stderr}"):
+        return
+    check("started" not in result.stdout, "--report-only trained again")
+    with open(os.path.join(out, "compare.csv")) as f:
+        check(f.read() == first_csv, "--report-only wrote another compare.csv")
+    with open(os.path.join(out, "compare.md")) as f:
+        check(f.read() == first_table, "--report-only wrote another compare.md")
+    check(os.path.isfile(os.path.join(out, "compare.png")), "--report-only wrote no compare.png")
+    other = list(tiny_args)
+    other[other.index("--epochs") + 1] = "2"
+    result = run_script(script, out, [*other, "--report-only"])
+    check(result.returncode != 0 and "was run with other settings" in result.stderr,
+          f"--report-only with --epochs 2 on one-epoch runs: exit code {result.returncode}, "
+          f"stderr {result.stderr!r}")
+
+
+def finish():
+    for failure in failures:
+        print(f"FAILED: {failure}")
+    print("FAILED" if failures else "PASSED")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

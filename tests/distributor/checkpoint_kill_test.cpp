@@ -89,13 +89,7 @@ TEST_P(KilledBefore, ThePreviousGenerationStaysCurrentAndExact) {
 INSTANTIATE_TEST_SUITE_P(EachFile, KilledBefore,
                          ::testing::Values("common.pt", "rank-00000-of-00001.pt",
                                            "rank-00000-of-00001.keys", "MANIFEST"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           for (auto& ch : name) {
-                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                           }
-                           return name;
-                         });
+                         [](const auto& info) { return shampoo::testing::test_name(info.param); });
 
 TEST(KilledAtRandom, EveryKillLeavesALoadableExactCheckpoint) {
   std::mt19937 random(2026);

@@ -269,13 +269,7 @@ TEST_P(FailedSave, LeavesThePreviousCheckpointLoadable) {
 INSTANTIATE_TEST_SUITE_P(AtEachFile, FailedSave,
                          ::testing::Values("common.pt", "rank-00001-of-00002.pt",
                                            "rank-00000-of-00002.keys", "MANIFEST"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           for (auto& ch : name) {
-                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                           }
-                           return name;
-                         });
+                         [](const auto& info) { return shampoo::testing::test_name(info.param); });
 
 /// Saves a world-2 checkpoint, damages it with `damage`, and expects loading at world 2 to fail
 /// on both ranks (one naming `fragment`) without changing either optimizer.

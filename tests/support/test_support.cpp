@@ -4,6 +4,7 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
 #include <mutex>
@@ -142,6 +143,13 @@ double accuracy(torch::nn::Sequential& model, const Dataset& data) {
 void run_ranks(int world, const RankFunction& fn, std::chrono::milliseconds timeout,
                bool with_nccl) {
   run_ranks_as_threads(world, fn, timeout, with_nccl);
+}
+
+std::string test_name(std::string text) {
+  for (auto& ch : text) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return text;
 }
 
 void remove_tree(const std::filesystem::path& path) {

@@ -71,6 +71,9 @@ void run_ranks(int world, const RankFunction& fn,
                std::chrono::milliseconds timeout = std::chrono::seconds(60),
                bool with_nccl = false);
 
+/// `text` as a gtest parameter name: every character other than a letter or digit becomes '_'.
+std::string test_name(std::string text);
+
 /// Removes `path` and everything under it (std::filesystem::remove_all crashes when called from
 /// here: the torch wheel's libtorch.so exports its own copy).
 void remove_tree(const std::filesystem::path& path);

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Prepares, on a development machine with apt, what the GPU machine of the `device` tool lacks for
 # a build of this project (it reaches no package registry): the Debian packages of GoogleTest,
-# Google Benchmark, CLI11, nlohmann-json, the gloo headers and zlib, downloaded into .device/debs
+# Google Benchmark, CLI11, nlohmann-json, the gloo headers, zlib and Fashion-MNIST (31 MB; for the
+# trainer, make demo and make compare there: --data-dir <unpacked>/usr/share/datasets/fashion-mnist),
+# downloaded into .device/debs
 # (ignored by git); and the reference Python implementation's `distributed_shampoo` package,
 # exported from a local git copy of facebookresearch/optimizers (REFERENCE_GIT, a bare or normal
 # repository; REFERENCE_REV, default HEAD) into .device/reference, for
@@ -12,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(googletest libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian libcli11-dev
-          nlohmann-json3-dev libgloo-dev zlib1g zlib1g-dev)
+          nlohmann-json3-dev libgloo-dev zlib1g zlib1g-dev dataset-fashion-mnist)
 mkdir -p .device/debs
 rm -f .device/debs/*.deb
 # apt-get download writes into the current folder; as root it warns that _apt cannot write there.

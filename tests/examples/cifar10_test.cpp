@@ -28,7 +28,7 @@ std::vector<char> make_record(int file, int r) {
 
 fs::path write_files(const std::string& name, int records_per_file) {
   const fs::path dir = shampoo::testing::temp_path(name);
-  fs::remove_all(dir);
+  shampoo::testing::remove_tree(dir);
   fs::create_directories(dir);
   for (int f = 0; f <= 5; ++f) {
     const std::string file = f == 0 ? "test_batch.bin" : "data_batch_" + std::to_string(f) + ".bin";

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <iterator>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -213,29 +214,36 @@ c10::intrusive_ptr<c10d::ProcessGroup> choose_group(
   return explicit_ ? std::move(explicit_) : optimizer.checkpoint_group();
 }
 
-/// Reads `name` into memory after checking it against the manifest entry.
-void check_file(const fs::path& dir, const CheckpointManifest::File& expected) {
+/// The bytes of a file of the checkpoint, read once and checked against its manifest entry.
+std::string read_checked(const fs::path& dir, const CheckpointManifest::File& expected) {
   const auto path = dir / expected.name;
   std::error_code ec;
   TORCH_CHECK(fs::is_regular_file(path, ec), "checkpoint ", dir.string(), ": file ", expected.name,
               " is missing (the MANIFEST lists it); the checkpoint is incomplete");
-  const auto size = static_cast<int64_t>(fs::file_size(path, ec));
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  TORCH_CHECK(in.good() || in.eof(), "checkpoint ", dir.string(), ": cannot read ", expected.name);
+  const auto size = static_cast<int64_t>(bytes.size());
   TORCH_CHECK(size == expected.bytes, "checkpoint ", dir.string(), ": file ", expected.name,
               " has ", size, " bytes, the MANIFEST says ", expected.bytes,
               " (truncated or replaced); the checkpoint is damaged");
-  const auto actual = describe_file(path, expected.name);
-  TORCH_CHECK(actual.checksum == expected.checksum, "checkpoint ", dir.string(), ": file ",
-              expected.name, " does not match its checksum in the MANIFEST (", hex(actual.checksum),
-              " against ", hex(expected.checksum), "); the checkpoint is damaged");
+  const auto checksum = fnv1a(bytes.data(), bytes.size());
+  TORCH_CHECK(checksum == expected.checksum, "checkpoint ", dir.string(), ": file ", expected.name,
+              " does not match its checksum in the MANIFEST (", hex(checksum), " against ",
+              hex(expected.checksum), "); the checkpoint is damaged");
+  return bytes;
 }
 
-torch::serialize::InputArchive load_archive(const fs::path& dir, const std::string& name) {
+/// A torch archive of the checkpoint, checked against the manifest first (the file is read once).
+torch::serialize::InputArchive load_archive(const fs::path& dir,
+                                            const CheckpointManifest::File& file) {
+  const auto bytes = read_checked(dir, file);
   torch::serialize::InputArchive archive;
   try {
-    archive.load_from((dir / name).string());
+    archive.load_from(bytes.data(), bytes.size());
   } catch (const c10::Error& e) {
     const std::string reason = e.msg().substr(0, e.msg().find_first_of(".\n"));
-    TORCH_CHECK(false, "checkpoint ", dir.string(), ": file ", name,
+    TORCH_CHECK(false, "checkpoint ", dir.string(), ": file ", file.name,
                 " is not a readable torch archive: ", reason);
   }
   return archive;
@@ -259,10 +267,9 @@ std::map<std::string, PieceReader::Location> read_locations(const fs::path& dir,
         file.name.compare(file.name.size() - extension.size(), extension.size(), extension) != 0) {
       continue;
     }
-    check_file(dir, file);
+    std::istringstream in(read_checked(dir, file));
     const auto pieces = file.name.substr(0, file.name.size() - extension.size()) + ".pt";
     manifest_file(manifest, dir, pieces);  // listed too
-    std::ifstream in(dir / file.name);
     std::string key;
     int64_t index = 0;
     while (std::getline(in, key)) {
@@ -580,12 +587,10 @@ void load_distributed_state(DistributedCheckpointable& target, const fs::path& d
                 ": written by a ", manifest.kind, ", this optimizer is a ",
                 target.checkpoint_kind());
     const auto common_name = generation_dir(manifest.generation) + "/common.pt";
-    check_file(dir, manifest_file(manifest, dir, common_name));
-    auto common = load_archive(dir, common_name);
+    auto common = load_archive(dir, manifest_file(manifest, dir, common_name));
     PieceReader pieces(dir.string(), read_locations(dir, manifest),
                        [dir, manifest](const std::string& name) {
-                         check_file(dir, manifest_file(manifest, dir, name));
-                         return load_archive(dir, name);
+                         return load_archive(dir, manifest_file(manifest, dir, name));
                        });
     install = target.prepare_load(common, pieces);
   } catch (...) {

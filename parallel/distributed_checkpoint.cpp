@@ -602,6 +602,35 @@ void load_distributed_state(DistributedCheckpointable& target, const fs::path& d
 }
 
 namespace detail {
+void write_param_shapes(torch::serialize::OutputArchive& archive,
+                        const std::vector<at::Tensor>& params) {
+  archive.write("num_params", c10::IValue(static_cast<int64_t>(params.size())));
+  for (size_t i = 0; i < params.size(); ++i) {
+    archive.write("shape_" + std::to_string(i),
+                  at::tensor(params[i].sizes().vec(), at::TensorOptions().dtype(at::kLong)),
+                  /*is_buffer=*/true);
+  }
+}
+
+void check_param_shapes(torch::serialize::InputArchive& archive,
+                        const std::vector<at::Tensor>& params, const std::string& what) {
+  c10::IValue count;
+  TORCH_CHECK(archive.try_read("num_params", count) && count.isInt(), what, ": no parameter count");
+  TORCH_CHECK(count.toInt() == static_cast<int64_t>(params.size()), what, ": written for ",
+              count.toInt(), " parameters, here there are ", params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor shape;
+    TORCH_CHECK(archive.try_read("shape_" + std::to_string(i), shape, /*is_buffer=*/true), what,
+                ": no shape for parameter ", i);
+    // Read on the host: an archive loaded with a CUDA map location holds this on the GPU.
+    shape = shape.to(at::kCPU, at::kLong).contiguous();
+    const std::vector<int64_t> got(shape.data_ptr<int64_t>(),
+                                   shape.data_ptr<int64_t>() + shape.numel());
+    TORCH_CHECK(got == params[i].sizes().vec(), what, ": parameter ", i, " has shape ",
+                at::IntArrayRef(got), " there and ", params[i].sizes(), " here");
+  }
+}
+
 void set_checkpoint_write_hook_for_testing(std::function<void(const fs::path&)> fn) {
   std::lock_guard<std::mutex> lock(hook_mutex());
   write_hook() = std::move(fn);

@@ -141,6 +141,13 @@ struct CheckpointManifest {
 CheckpointManifest read_checkpoint_manifest(const std::filesystem::path& dir);
 
 namespace detail {
+/// Writes the parameters' count and shapes ("num_params", "shape_<i>") into `archive`.
+void write_param_shapes(torch::serialize::OutputArchive& archive,
+                        const std::vector<at::Tensor>& params);
+/// Checks them against `params`; errors start with `what` ("ShardedOptimizer checkpoint").
+void check_param_shapes(torch::serialize::InputArchive& archive,
+                        const std::vector<at::Tensor>& params, const std::string& what);
+
 /// Test seam: called with each file's final path before it is written (also the MANIFEST);
 /// what it throws fails the save there, as a crash at that point would. Empty = off.
 void set_checkpoint_write_hook_for_testing(std::function<void(const std::filesystem::path&)> fn);

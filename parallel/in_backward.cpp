@@ -294,28 +294,6 @@ DistributedCheckpointable* as_checkpointable(const torch::optim::Optimizer& opti
 
 std::string set_key(size_t i) { return "optimizer_" + std::to_string(i); }
 
-/// Checks the parameter shapes recorded for set `i` against `params`.
-void check_set_shapes(torch::serialize::InputArchive& set, size_t i,
-                      const std::vector<at::Tensor>& params) {
-  c10::IValue count;
-  TORCH_CHECK(set.try_read("num_params", count) && count.isInt(),
-              "InBackwardOptimizer checkpoint: optimizer ", i, " has no parameter count");
-  TORCH_CHECK(count.toInt() == static_cast<int64_t>(params.size()),
-              "InBackwardOptimizer checkpoint: optimizer ", i, " had ", count.toInt(),
-              " parameters, here it has ", params.size());
-  for (size_t p = 0; p < params.size(); ++p) {
-    at::Tensor shape;
-    TORCH_CHECK(set.try_read("shape_" + std::to_string(p), shape, /*is_buffer=*/true),
-                "InBackwardOptimizer checkpoint: optimizer ", i, " has no shape for parameter ", p);
-    shape = shape.to(at::kCPU, at::kLong).contiguous();
-    const std::vector<int64_t> got(shape.data_ptr<int64_t>(),
-                                   shape.data_ptr<int64_t>() + shape.numel());
-    TORCH_CHECK(got == params[p].sizes().vec(), "InBackwardOptimizer checkpoint: optimizer ", i,
-                " parameter ", p, " has shape ", at::IntArrayRef(got), " there and ",
-                params[p].sizes(), " here");
-  }
-}
-
 }  // namespace
 
 c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::checkpoint_group() const {
@@ -339,12 +317,7 @@ void InBackwardOptimizer::save_common(torch::serialize::OutputArchive& common) c
   for (size_t i = 0; i < state_->sets.size(); ++i) {
     const auto& set = state_->sets[i];
     torch::serialize::OutputArchive archive;
-    archive.write("num_params", c10::IValue(static_cast<int64_t>(set.params.size())));
-    for (size_t p = 0; p < set.params.size(); ++p) {
-      archive.write("shape_" + std::to_string(p),
-                    at::tensor(set.params[p].sizes().vec(), at::TensorOptions().dtype(at::kLong)),
-                    /*is_buffer=*/true);
-    }
+    detail::write_param_shapes(archive, set.params);
     torch::serialize::OutputArchive inner;
     if (const auto* checkpointable = as_checkpointable(*set.optimizer)) {
       archive.write("kind", c10::IValue(checkpointable->checkpoint_kind()));
@@ -381,7 +354,8 @@ std::function<void()> InBackwardOptimizer::prepare_load(torch::serialize::InputA
     torch::serialize::InputArchive archive;
     TORCH_CHECK(common.try_read(set_key(i), archive),
                 "InBackwardOptimizer checkpoint: no entry for optimizer ", i);
-    check_set_shapes(archive, i, set.params);
+    detail::check_param_shapes(archive, set.params,
+                               "InBackwardOptimizer checkpoint: optimizer " + std::to_string(i));
     c10::IValue kind;
     archive.read("kind", kind);
     auto* checkpointable = as_checkpointable(*set.optimizer);

@@ -151,12 +151,7 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
 
 void ShardedOptimizer::save_common(torch::serialize::OutputArchive& common) const {
   common.write("local_type", c10::IValue(local_type(*local_)));
-  common.write("num_params", c10::IValue(static_cast<int64_t>(params_.size())));
-  for (size_t i = 0; i < params_.size(); ++i) {
-    common.write("shape_" + std::to_string(i),
-                 at::tensor(params_[i].sizes().vec(), at::TensorOptions().dtype(at::kLong)),
-                 /*is_buffer=*/true);
-  }
+  detail::write_param_shapes(common, params_);
   const auto& groups = local_->param_groups();
   common.write("num_local_groups", c10::IValue(static_cast<int64_t>(groups.size())));
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -187,20 +182,7 @@ std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArch
               "ShardedOptimizer checkpoint: entry 'local_type' is missing");
   TORCH_CHECK(saved_type.toStringRef() == type, "ShardedOptimizer checkpoint: written for a ",
               saved_type.toStringRef(), " on every shard, this one shards a ", type);
-  const int64_t num_params = read_int(common, "num_params");
-  TORCH_CHECK(num_params == static_cast<int64_t>(params_.size()),
-              "ShardedOptimizer checkpoint: written for ", num_params, " parameters, this one has ",
-              params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor shape;
-    TORCH_CHECK(common.try_read("shape_" + std::to_string(i), shape, /*is_buffer=*/true),
-                "ShardedOptimizer checkpoint: no shape for parameter ", i);
-    shape = shape.to(at::kCPU, at::kLong).contiguous();
-    const std::vector<int64_t> got(shape.data_ptr<int64_t>(),
-                                   shape.data_ptr<int64_t>() + shape.numel());
-    TORCH_CHECK(got == params_[i].sizes().vec(), "ShardedOptimizer checkpoint: parameter ", i,
-                " has shape ", at::IntArrayRef(got), " there and ", params_[i].sizes(), " here");
-  }
+  detail::check_param_shapes(common, params_, "ShardedOptimizer checkpoint");
   const auto& groups = local_->param_groups();
   TORCH_CHECK(read_int(common, "num_local_groups") == static_cast<int64_t>(groups.size()),
               "ShardedOptimizer checkpoint: the local optimizer had ",

@@ -54,10 +54,10 @@ int64_t BlockPlan::numel() const {
 }
 
 BlockPlan make_block_plan(at::IntArrayRef shape, int64_t max_preconditioner_dim,
-                          bool use_merge_dims) {
+                          bool use_merge_dims, int64_t target_order) {
   BlockPlan plan;
   plan.param_shape = shape.vec();
-  plan.merged_shape = merge_small_dims(shape, max_preconditioner_dim, use_merge_dims);
+  plan.merged_shape = merge_small_dims(shape, max_preconditioner_dim, use_merge_dims, target_order);
   if (plan.numel() == 0) return plan;
   const auto order = plan.merged_shape.size();
   std::vector<std::vector<int64_t>> chunks(order);

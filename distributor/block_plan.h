@@ -51,8 +51,10 @@ struct BlockPlan {
   int64_t numel() const;
 };
 
+/// `target_order`: merging stops when this many dims remain (2 for spectral descent, whose
+/// blocks must be matrices; 1 otherwise).
 BlockPlan make_block_plan(at::IntArrayRef shape, int64_t max_preconditioner_dim,
-                          bool use_merge_dims);
+                          bool use_merge_dims, int64_t target_order = 1);
 
 /// Views of `tensor` (shape = the parameter's) as the blocks of the plan. A tensor that cannot
 /// be viewed as merged_shape (non-contiguous gradient) is reshaped (copied) first.

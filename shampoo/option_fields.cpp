@@ -3,8 +3,11 @@
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <sstream>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -233,8 +236,132 @@ OptionField grafting_floats_field() {
   return f;
 }
 
+// The descent and diagonal families (SpectralDescentConfig ... AdamPreconditionerConfig): each
+// family lists its fields once, as (archive key, name in messages, member); the code, the
+// description and the archive entries of the preconditioner row are made from that list.
+template <typename C, typename F>
+requires std::is_same_v<std::remove_const_t<C>, SpectralDescentConfig>
+void family_fields(C& c, F&& f) {
+  f("preconditioner_spectral_method", "method", c.method);
+  f("preconditioner_spectral_num_iterations", "num_iterations", c.num_iterations);
+  f("preconditioner_spectral_coefficients", "coefficients", c.coefficients);
+  f("preconditioner_spectral_scale_by_nuclear_norm", "scale_by_nuclear_norm",
+    c.scale_by_nuclear_norm);
+  f("preconditioner_spectral_scale", "scale", c.scale);
+}
+template <typename C, typename F>
+requires std::is_same_v<std::remove_const_t<C>, SignDescentConfig>
+void family_fields(C& c, F&& f) { f("preconditioner_sign_scale", "scale", c.scale); }
+template <typename C, typename F>
+requires std::is_same_v<std::remove_const_t<C>, SGDPreconditionerConfig>
+void family_fields(C& /*c*/, F&& /*f*/) {}
+template <typename C, typename F>
+requires std::is_same_v<std::remove_const_t<C>, AdaGradPreconditionerConfig>
+void family_fields(C& c, F&& f) { f("preconditioner_adagrad_epsilon", "epsilon", c.epsilon); }
+template <typename C, typename F>
+requires std::is_same_v<std::remove_const_t<C>, RMSpropPreconditionerConfig>
+void family_fields(C& c, F&& f) {
+  f("preconditioner_rmsprop_beta2", "beta2", c.beta2);
+  f("preconditioner_rmsprop_epsilon", "epsilon", c.epsilon);
+  f("preconditioner_rmsprop_drop_weighting_factor_on_gsquare", "drop_weighting_factor_on_gsquare",
+    c.drop_weighting_factor_on_gsquare);
+}
+template <typename C, typename F>
+requires std::is_same_v<std::remove_const_t<C>, AdamPreconditionerConfig>
+void family_fields(C& c, F&& f) {
+  f("preconditioner_adam_beta2", "beta2", c.beta2);
+  f("preconditioner_adam_epsilon", "epsilon", c.epsilon);
+  f("preconditioner_adam_drop_weighting_factor_on_gsquare", "drop_weighting_factor_on_gsquare",
+    c.drop_weighting_factor_on_gsquare);
+}
+
+template <typename C>
+concept FieldListed = requires(const C& c) {
+  family_fields(c, [](auto&&...) {});
+};
+
+/// The families with a field list, in variant order.
+using ListedFamilies =
+    std::tuple<SpectralDescentConfig, SignDescentConfig, SGDPreconditionerConfig,
+               AdaGradPreconditionerConfig, RMSpropPreconditionerConfig, AdamPreconditionerConfig>;
+
+const char* family_name(const RootInvShampooConfig&) { return "root-inverse Shampoo"; }
+const char* family_name(const EigenvalueCorrectedShampooConfig&) {
+  return "eigenvalue-corrected Shampoo";
+}
+const char* family_name(const SpectralDescentConfig&) { return "spectral descent"; }
+const char* family_name(const SignDescentConfig&) { return "sign descent"; }
+const char* family_name(const SGDPreconditionerConfig&) { return "SGD preconditioner"; }
+const char* family_name(const AdaGradPreconditionerConfig&) { return "AdaGrad preconditioner"; }
+const char* family_name(const RMSpropPreconditionerConfig&) { return "RMSprop preconditioner"; }
+const char* family_name(const AdamPreconditionerConfig&) { return "Adam preconditioner"; }
+
+/// Names of the enumerators of the family fields' enums, in value order.
+std::vector<const char*> enum_names(OrthogonalizationMethod) { return {"kNewtonSchulz", "kSVD"}; }
+std::vector<const char*> enum_names(OrthogonalizationScale) { return {"kOne", "kSqrtAspectRatio"}; }
+std::vector<const char*> enum_names(SignDescentScale) { return {"kOne", "kL1Norm"}; }
+
+// A family field's value: its code, its text, its archive entry.
+void append_code(int64_t v, std::vector<int64_t>& out) { out.push_back(v); }
+void append_code(double v, std::vector<int64_t>& out) { out.push_back(double_bits(v)); }
+void append_code(bool v, std::vector<int64_t>& out) { out.push_back(v ? 1 : 0); }
+void append_code(const std::array<double, 3>& v, std::vector<int64_t>& out) {
+  for (const double x : v) out.push_back(double_bits(x));
+}
+template <typename E>
+requires std::is_enum_v<E>
+void append_code(E v, std::vector<int64_t>& out) { out.push_back(static_cast<int64_t>(v)); }
+
+std::string value_text(int64_t v) { return c10::str(v); }
+std::string value_text(double v) { return c10::str(v); }
+std::string value_text(bool v) { return v ? "true" : "false"; }
+std::string value_text(const std::array<double, 3>& v) {
+  return c10::str("(", v[0], ", ", v[1], ", ", v[2], ")");
+}
+template <typename E>
+requires std::is_enum_v<E> std::string value_text(E v) {
+  const auto names = enum_names(v);
+  const auto i = static_cast<size_t>(v);
+  return i < names.size() ? names[i] : c10::str(static_cast<int64_t>(v));
+}
+
+c10::IValue archive_value(int64_t v) { return c10::IValue(v); }
+c10::IValue archive_value(double v) { return c10::IValue(v); }
+c10::IValue archive_value(bool v) { return c10::IValue(int64_t{v ? 1 : 0}); }
+c10::IValue archive_value(const std::array<double, 3>& v) {
+  return c10::IValue(std::vector<double>(v.begin(), v.end()));
+}
+template <typename E>
+requires std::is_enum_v<E> c10::IValue archive_value(E v) {
+  return c10::IValue(static_cast<int64_t>(v));
+}
+
+void read_value(InputArchive& a, const std::string& key, int64_t& v) { v = read_int(a, key); }
+void read_value(InputArchive& a, const std::string& key, double& v) { v = read_double(a, key); }
+void read_value(InputArchive& a, const std::string& key, bool& v) {
+  v = read_index(a, key, 2) != 0;
+}
+void read_value(InputArchive& a, const std::string& key, std::array<double, 3>& v) {
+  const auto value = read_entry(a, key);
+  TORCH_CHECK(value.isDoubleList() && value.toDoubleVector().size() == 3,
+              "ShampooOptions archive: entry '", key, "': got a ", value.tagKind(),
+              ", expected a list of 3 floats");
+  const auto list = value.toDoubleVector();
+  std::copy(list.begin(), list.end(), v.begin());
+}
+template <typename E>
+requires std::is_enum_v<E>
+void read_value(InputArchive& a, const std::string& key, E& v) {
+  v = static_cast<E>(read_index(a, key, static_cast<int64_t>(enum_names(v).size())));
+}
+
+bool has_entry(InputArchive& a, const std::string& key) {
+  c10::IValue value;
+  return a.try_read(key, value);
+}
+
 /// The root solver of a preconditioner config as (solver, max_iterations, tolerance bits, tf32);
-/// zeros for eigenvalue-corrected Shampoo.
+/// zeros for the other families.
 std::vector<int64_t> root_solver_parts(const PreconditionerConfig& config) {
   const auto* c = std::get_if<RootInvShampooConfig>(&config);
   if (c == nullptr) return {0, 0, 0, 0};
@@ -250,21 +377,27 @@ std::string describe_root_solver(const RootInvShampooConfig& c) {
                   c.tolerance, ", tf32 ", c.tf32 ? "true" : "false");
 }
 
-/// (kind, retry_double_precision, eigenbasis_method or 0, root_solver_parts...)
+/// (kind, retry_double_precision or 0, eigenbasis_method or 0, root_solver_parts..., the fields
+/// of a listed family...): equal exactly when the family and all its fields are.
 std::vector<int64_t> preconditioner_parts(const ShampooOptions& o) {
-  auto out = std::visit(
-      [&](const auto& c) -> std::vector<int64_t> {
+  std::vector<int64_t> out{static_cast<int64_t>(o.preconditioner().index())};
+  std::visit(
+      [&](const auto& c) {
         using C = std::decay_t<decltype(c)>;
+        int64_t retry = 0;
         int64_t method = 0;
+        if constexpr (requires { c.retry_double_precision; }) retry = c.retry_double_precision;
         if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
           method = static_cast<int64_t>(c.eigenbasis_method);
         }
-        return {static_cast<int64_t>(o.preconditioner().index()), c.retry_double_precision ? 1 : 0,
-                method};
+        out.insert(out.end(), {retry, method});
+        const auto solver = root_solver_parts(o.preconditioner());
+        out.insert(out.end(), solver.begin(), solver.end());
+        if constexpr (FieldListed<C>) {
+          family_fields(c, [&](const char*, const char*, const auto& v) { append_code(v, out); });
+        }
       },
       o.preconditioner());
-  const auto solver = root_solver_parts(o.preconditioner());
-  out.insert(out.end(), solver.begin(), solver.end());
   return out;
 }
 
@@ -272,17 +405,40 @@ std::string describe_preconditioner(const ShampooOptions& o) {
   return std::visit(
       [](const auto& c) -> std::string {
         using C = std::decay_t<decltype(c)>;
-        const char* retry = c.retry_double_precision ? "true" : "false";
-        if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
-          return c10::str("eigenvalue-corrected Shampoo (eigenbasis_method ",
-                          c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
-                          ", retry_double_precision ", retry, ")");
+        if constexpr (FieldListed<C>) {
+          std::vector<std::string> parts;
+          family_fields(c, [&](const char*, const char* name, const auto& v) {
+            parts.push_back(c10::str(name, " ", value_text(v)));
+          });
+          if (parts.empty()) return family_name(c);
+          return c10::str(family_name(c), " (", c10::Join(", ", parts), ")");
         } else {
-          return c10::str("root-inverse Shampoo (retry_double_precision ", retry, ", ",
-                          describe_root_solver(c), ")");
+          const char* retry = c.retry_double_precision ? "true" : "false";
+          if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
+            return c10::str(family_name(c), " (eigenbasis_method ",
+                            c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
+                            ", retry_double_precision ", retry, ")");
+          } else {
+            return c10::str(family_name(c), " (retry_double_precision ", retry, ", ",
+                            describe_root_solver(c), ")");
+          }
         }
       },
       o.preconditioner());
+}
+
+/// Every listed family's entries: the active family's values, the defaults for the others.
+void write_listed_families(const ShampooOptions& o, OutputArchive& a) {
+  std::apply(
+      [&](auto... family) {
+        (family_fields(
+             std::get_if<decltype(family)>(&o.preconditioner()) != nullptr
+                 ? std::get<decltype(family)>(o.preconditioner())
+                 : family,
+             [&](const char* key, const char*, const auto& v) { a.write(key, archive_value(v)); }),
+         ...);
+      },
+      ListedFamilies{});
 }
 
 void write_preconditioner(const ShampooOptions& o, OutputArchive& a) {
@@ -296,6 +452,15 @@ void write_preconditioner(const ShampooOptions& o, OutputArchive& a) {
   a.write("preconditioner_max_iterations", c10::IValue(solver.max_iterations));
   a.write("preconditioner_tolerance", c10::IValue(solver.tolerance));
   a.write("preconditioner_tf32", c10::IValue(int64_t{solver.tf32 ? 1 : 0}));
+  write_listed_families(o, a);
+}
+
+/// The default config of the family with variant index `kind`.
+template <size_t... I>
+PreconditionerConfig default_preconditioner(size_t kind, std::index_sequence<I...>) {
+  PreconditionerConfig out;
+  ((kind == I ? (out = std::variant_alternative_t<I, PreconditionerConfig>{}, true) : false), ...);
+  return out;
 }
 
 void read_preconditioner(InputArchive& a, ShampooOptions& o) {
@@ -304,30 +469,55 @@ void read_preconditioner(InputArchive& a, ShampooOptions& o) {
   const bool retry = read_index(a, "preconditioner_retry_double_precision", 2) != 0;
   const auto method =
       static_cast<EigenbasisMethod>(read_index(a, "preconditioner_eigenbasis_method", 2));
-  if (kind != 0) {
-    o.preconditioner(EigenvalueCorrectedShampooConfig{method, retry});
-    return;
-  }
-  RootInvShampooConfig c;
-  c.retry_double_precision = retry;
-  c.solver = static_cast<RootSolver>(read_index(a, "preconditioner_root_solver", 3));
-  c.max_iterations = read_int(a, "preconditioner_max_iterations");
-  c.tolerance = read_double(a, "preconditioner_tolerance");
-  c.tf32 = read_index(a, "preconditioner_tf32", 2) != 0;
-  o.preconditioner(c);
+  auto config =
+      default_preconditioner(static_cast<size_t>(kind),
+                             std::make_index_sequence<std::variant_size_v<PreconditionerConfig>>{});
+  std::visit(
+      [&](auto& c) {
+        using C = std::decay_t<decltype(c)>;
+        if constexpr (FieldListed<C>) {
+          // Entries added with the family: an archive without them keeps the defaults.
+          family_fields(c, [&](const char* key, const char*, auto& v) {
+            if (has_entry(a, key)) read_value(a, key, v);
+          });
+        } else if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
+          c = EigenvalueCorrectedShampooConfig{method, retry};
+        } else {
+          c.retry_double_precision = retry;
+          c.solver = static_cast<RootSolver>(read_index(a, "preconditioner_root_solver", 3));
+          c.max_iterations = read_int(a, "preconditioner_max_iterations");
+          c.tolerance = read_double(a, "preconditioner_tolerance");
+          c.tf32 = read_index(a, "preconditioner_tf32", 2) != 0;
+        }
+      },
+      config);
+  o.preconditioner(config);
+}
+
+/// Archive keys of the preconditioner row: the original seven, then every listed family's.
+std::vector<std::string> preconditioner_archive_keys() {
+  std::vector<std::string> keys{"preconditioner_kind",
+                                "preconditioner_retry_double_precision",
+                                "preconditioner_eigenbasis_method",
+                                "preconditioner_root_solver",
+                                "preconditioner_max_iterations",
+                                "preconditioner_tolerance",
+                                "preconditioner_tf32"};
+  std::apply(
+      [&](auto... family) {
+        (family_fields(family,
+                       [&](const char* key, const char*, const auto&) { keys.push_back(key); }),
+         ...);
+      },
+      ListedFamilies{});
+  return keys;
 }
 
 OptionField preconditioner_field() {
   OptionField f;
   f.name = "preconditioner";
   f.kind = OptionKind::kStructural;
-  f.archive_keys = {"preconditioner_kind",
-                    "preconditioner_retry_double_precision",
-                    "preconditioner_eigenbasis_method",
-                    "preconditioner_root_solver",
-                    "preconditioner_max_iterations",
-                    "preconditioner_tolerance",
-                    "preconditioner_tf32"};
+  f.archive_keys = preconditioner_archive_keys();
   f.code = preconditioner_parts;
   f.describe = describe_preconditioner;
   f.write = write_preconditioner;

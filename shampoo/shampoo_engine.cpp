@@ -29,6 +29,43 @@ const ShampooOptions& options_of(const torch::optim::OptimizerParamGroup& group,
   return *options;
 }
 
+namespace {
+
+/// The block plans of a new group's parameters. Spectral descent needs 2-D blocks: a parameter
+/// whose plan has a block of another order is an error naming it, its shape, its blocks and the
+/// ways out (docs/math.md, "Spectral descent").
+std::vector<BlockPlan> block_plans(const ShampooOptions& options,
+                                   const std::vector<at::Tensor>& params, size_t group,
+                                   size_t first_param) {
+  std::vector<BlockPlan> plans;
+  const bool spectral = std::holds_alternative<SpectralDescentConfig>(options.preconditioner());
+  for (size_t i = 0; i < params.size(); ++i) {
+    plans.push_back(make_block_plan(params[i].sizes(), options.max_preconditioner_dim(),
+                                    options.use_merge_dims(), block_target_order(options)));
+    if (!spectral) continue;
+    for (size_t b = 0; b < plans.back().blocks.size(); ++b) {
+      const auto& shape = plans.back().blocks[b].sizes;
+      TORCH_CHECK(
+          shape.size() == 2, "param group ", group, ": parameter ", i, " (parameter ",
+          first_param + i, " overall, shape ", params[i].sizes(),
+          "): spectral descent (SpectralDescentConfig) orthogonalizes 2-D blocks only, but its "
+          "block ",
+          b, " has shape ", at::IntArrayRef(shape), " (", shape.size(),
+          "-D). Blocking drops size-1 dims, merges trailing dims down to two while their product "
+          "stays <= max_preconditioner_dim (",
+          options.max_preconditioner_dim(), ", use_merge_dims ",
+          options.use_merge_dims() ? "true" : "false",
+          ") and splits dims larger than it. Put the parameters that are not matrices (biases, "
+          "norm scales, scalars) into a param group with another preconditioner, or, for a "
+          "parameter of more than two dims, enable use_merge_dims and raise "
+          "max_preconditioner_dim so that its dims merge into two");
+    }
+  }
+  return plans;
+}
+
+}  // namespace
+
 ShampooEngine::ShampooEngine(const ShampooOptions& defaults, DistributedOptions distributed)
     : defaults_(defaults), distributed_(std::move(distributed)) {
   defaults_.validate();
@@ -62,16 +99,17 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
 
   const auto& params = group.params();
   check_new_params(params, index);
+  auto plans = block_plans(shampoo_options, params, index, params_.size());
   const auto group_index = static_cast<int64_t>(index);
   groups.emplace_back(params, std::move(options));
   group_steps_.push_back(0);
   group_sizes_.push_back(static_cast<int64_t>(params.size()));
-  for (const auto& p : params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
     ParamEntry entry;
     entry.param = p;
     entry.group = group_index;
-    entry.plan = make_block_plan(p.sizes(), shampoo_options.max_preconditioner_dim(),
-                                 shampoo_options.use_merge_dims());
+    entry.plan = std::move(plans[i]);
     entry.first_block = static_cast<int64_t>(blocks_.size());
     const auto param_index = static_cast<int64_t>(params_.size());
     param_lookup_[p.unsafeGetTensorImpl()] = param_index;

@@ -42,6 +42,54 @@ void check_root_solver(const PreconditionerConfig& preconditioner,
   }
 }
 
+void check_epsilon_beta2(const char* family, double epsilon, const double* beta2) {
+  TORCH_CHECK(std::isfinite(epsilon) && epsilon > 0.0,
+              "ShampooOptions.preconditioner.epsilon: got ", epsilon, ", expected > 0 (", family,
+              ")");
+  if (beta2 == nullptr) return;
+  TORCH_CHECK(std::isfinite(*beta2) && *beta2 > 0.0 && *beta2 <= 1.0,
+              "ShampooOptions.preconditioner.beta2: got ", *beta2, ", expected a value in (0, 1] (",
+              family, ")");
+}
+
+void check_spectral_descent(const SpectralDescentConfig& c) {
+  const bool newton_schulz = c.method == OrthogonalizationMethod::kNewtonSchulz;
+  TORCH_CHECK(newton_schulz || c.method == OrthogonalizationMethod::kSVD,
+              "ShampooOptions.preconditioner.method: got ", static_cast<int>(c.method),
+              ", expected kNewtonSchulz or kSVD (SpectralDescentConfig)");
+  TORCH_CHECK(c.num_iterations >= 1, "ShampooOptions.preconditioner.num_iterations: got ",
+              c.num_iterations, ", expected >= 1 (SpectralDescentConfig)");
+  for (size_t i = 0; i < c.coefficients.size(); ++i) {
+    TORCH_CHECK(std::isfinite(c.coefficients[i]), "ShampooOptions.preconditioner.coefficients[", i,
+                "]: got ", c.coefficients[i], ", expected a finite value (SpectralDescentConfig)");
+  }
+  TORCH_CHECK(!c.scale_by_nuclear_norm || !newton_schulz,
+              "ShampooOptions.preconditioner.scale_by_nuclear_norm: got true with method "
+              "kNewtonSchulz, expected false (the nuclear norm comes from the SVD: use method "
+              "kSVD) (SpectralDescentConfig)");
+  TORCH_CHECK(c.scale == OrthogonalizationScale::kOne ||
+                  c.scale == OrthogonalizationScale::kSqrtAspectRatio,
+              "ShampooOptions.preconditioner.scale: got ", static_cast<int>(c.scale),
+              ", expected kOne or kSqrtAspectRatio (SpectralDescentConfig)");
+}
+
+/// The fields of the descent and diagonal families (the reference's ranges).
+void check_descent_and_diagonal(const PreconditionerConfig& preconditioner) {
+  if (const auto* c = std::get_if<SpectralDescentConfig>(&preconditioner)) {
+    check_spectral_descent(*c);
+  } else if (const auto* c = std::get_if<SignDescentConfig>(&preconditioner)) {
+    TORCH_CHECK(c->scale == SignDescentScale::kOne || c->scale == SignDescentScale::kL1Norm,
+                "ShampooOptions.preconditioner.scale: got ", static_cast<int>(c->scale),
+                ", expected kOne or kL1Norm (SignDescentConfig)");
+  } else if (const auto* c = std::get_if<AdaGradPreconditionerConfig>(&preconditioner)) {
+    check_epsilon_beta2("AdaGradPreconditionerConfig", c->epsilon, nullptr);
+  } else if (const auto* c = std::get_if<RMSpropPreconditionerConfig>(&preconditioner)) {
+    check_epsilon_beta2("RMSpropPreconditionerConfig", c->epsilon, &c->beta2);
+  } else if (const auto* c = std::get_if<AdamPreconditionerConfig>(&preconditioner)) {
+    check_epsilon_beta2("AdamPreconditionerConfig", c->epsilon, &c->beta2);
+  }
+}
+
 }  // namespace
 
 double ShampooOptions::resolved_beta3() const {
@@ -86,6 +134,7 @@ void ShampooOptions::validate() const {
               ", expected Float or Double");
   detail::check_grafting(grafting());
   check_root_solver(preconditioner(), inverse_exponent_override());
+  check_descent_and_diagonal(preconditioner());
   for (const auto& [order, dims] : inverse_exponent_override()) {
     TORCH_CHECK(order >= 1, "ShampooOptions.inverse_exponent_override: order ", order,
                 " is not a block order (expected >= 1)");

@@ -7,6 +7,7 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -69,7 +70,92 @@ struct EigenvalueCorrectedShampooConfig {
   bool operator==(const EigenvalueCorrectedShampooConfig&) const = default;
 };
 
-using PreconditionerConfig = std::variant<RootInvShampooConfig, EigenvalueCorrectedShampooConfig>;
+/// How spectral descent orthogonalizes a block.
+enum class OrthogonalizationMethod {
+  /// The quintic Newton–Schulz iteration X ← a·X + b·(X·Xᵀ)·X + c·(X·Xᵀ)²·X from X₀ = G/‖G‖_F:
+  /// matrix products only (the reference's default).
+  kNewtonSchulz,
+  /// U·Vᵀ from the reduced SVD G = U·S·Vᵀ (exact; a zero block gives an arbitrary orthogonal
+  /// direction, as in the reference).
+  kSVD,
+};
+
+/// The factor spectral descent multiplies its direction by, from the block's rows (d_out) and
+/// columns (d_in). The reference takes any function of (d_in, d_out); these are the common ones.
+enum class OrthogonalizationScale {
+  kOne,             ///< 1: the reference's default
+  kSqrtAspectRatio  ///< sqrt(max(1, d_out / d_in)), the scaling of Muon
+};
+
+/// Spectral descent (Muon-style): each 2-D block's filtered gradient Ḡ = U·S·Vᵀ is replaced by
+/// its orthogonal direction U·Vᵀ (docs/math.md, "Spectral descent"). No statistics, no amortized
+/// computation (precondition_frequency has no effect). Only for 2-D blocks: with it, blocking
+/// merges dims down to two (not one), and a parameter whose blocks are not 2-D is an error at
+/// construction. Defaults: the reference's default Newton–Schulz config.
+struct SpectralDescentConfig {
+  OrthogonalizationMethod method = OrthogonalizationMethod::kNewtonSchulz;
+  /// Newton–Schulz iterations (≥ 1).
+  int64_t num_iterations = 5;
+  /// Newton–Schulz coefficients (a, b, c) of the quintic polynomial; Muon's. Finite.
+  std::array<double, 3> coefficients = {3.4445, -4.7750, 2.0315};
+  /// kSVD only: multiply the direction by the nuclear norm Σ s_i of the block.
+  bool scale_by_nuclear_norm = false;
+  OrthogonalizationScale scale = OrthogonalizationScale::kOne;
+  bool operator==(const SpectralDescentConfig&) const = default;
+};
+
+/// The scale of sign descent's direction sign(Ḡ)·scale, per block.
+enum class SignDescentScale {
+  kOne,     ///< 1: the reference's default scale function
+  kL1Norm,  ///< Σ|Ḡ| of the block: steepest descent under the L∞ norm (the reference's example)
+};
+
+/// Sign descent: P = sign(Ḡ)·scale per block (docs/math.md, "Sign descent"). No statistics, no
+/// amortized computation; any block order.
+struct SignDescentConfig {
+  SignDescentScale scale = SignDescentScale::kOne;
+  bool operator==(const SignDescentConfig&) const = default;
+};
+
+/// SGD as the main preconditioner: P = Ḡ (docs/math.md, "Diagonal main preconditioners").
+struct SGDPreconditionerConfig {
+  bool operator==(const SGDPreconditionerConfig&) const = default;
+};
+
+/// AdaGrad as the main preconditioner: V ← V + G′², P = Ḡ / (sqrt(V) + epsilon). `epsilon` (> 0)
+/// replaces ShampooOptions.epsilon, which does not enter.
+struct AdaGradPreconditionerConfig {
+  double epsilon = 1e-10;
+  bool operator==(const AdaGradPreconditionerConfig&) const = default;
+};
+
+/// RMSprop as the main preconditioner: V ← beta2·V + (1 − beta2)·G′², P = Ḡ / (sqrt(V) + epsilon),
+/// no bias correction. drop_weighting_factor_on_gsquare: V ← beta2·V + G′². beta2 in (0, 1]
+/// (replaces ShampooOptions.betas[1]); epsilon > 0.
+struct RMSpropPreconditionerConfig {
+  double beta2 = 0.99;
+  double epsilon = 1e-10;
+  bool drop_weighting_factor_on_gsquare = false;
+  bool operator==(const RMSpropPreconditionerConfig&) const = default;
+};
+
+/// Adam as the main preconditioner: RMSprop's V with the bias correction 1 − beta2^t (always, when
+/// beta2 < 1, whatever use_bias_correction says), P = Ḡ / (sqrt(V / (1 − beta2^t)) + epsilon).
+/// drop_weighting_factor_on_gsquare: V ← beta2·V + G′² and no bias correction. Adam's beta1 is
+/// ShampooOptions.betas[0] (the filter of Ḡ).
+struct AdamPreconditionerConfig {
+  double beta2 = 0.999;
+  double epsilon = 1e-10;
+  bool drop_weighting_factor_on_gsquare = false;
+  bool operator==(const AdamPreconditionerConfig&) const = default;
+};
+
+/// The preconditioner family. The index of the alternative is the kind written to checkpoints:
+/// append new families at the end, never reorder.
+using PreconditionerConfig =
+    std::variant<RootInvShampooConfig, EigenvalueCorrectedShampooConfig, SpectralDescentConfig,
+                 SignDescentConfig, SGDPreconditionerConfig, AdaGradPreconditionerConfig,
+                 RMSpropPreconditionerConfig, AdamPreconditionerConfig>;
 
 enum class WeightDecayType {
   kL2,         ///< G ← G + wd·W before everything else

@@ -16,19 +16,27 @@ namespace {
 
 /// Bytes the preconditioner lists and the elementwise state allocate for one block from the start
 /// (see the constructors of KroneckerFactors, ShampooPreconditionerList,
-/// EigenvalueCorrectedPreconditionerList and ElementwiseState).
+/// EigenvalueCorrectedPreconditionerList, DiagonalPreconditionerList and ElementwiseState).
 int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64_t>& shape,
                           int64_t numel, int64_t param_element_size) {
   const auto factor_size = static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
-  const bool eigenvalue_corrected =
-      std::holds_alternative<EigenvalueCorrectedShampooConfig>(options.preconditioner());
+  const auto& preconditioner = options.preconditioner();
   int64_t bytes = 0;
-  const auto exponents = dim_exponents(options, static_cast<int64_t>(shape.size()));
-  for (const auto k : c10::irange(shape.size())) {
-    // A factor and its root (or eigenbasis); none for a dim with exponent 0.
-    if (exponents[k] != 0.0) bytes += 2 * shape[k] * shape[k] * factor_size;
+  if (uses_kronecker_factors(options)) {
+    const auto exponents = dim_exponents(options, static_cast<int64_t>(shape.size()));
+    for (const auto k : c10::irange(shape.size())) {
+      // A factor and its root (or eigenbasis); none for a dim with exponent 0.
+      if (exponents[k] != 0.0) bytes += 2 * shape[k] * shape[k] * factor_size;
+    }
   }
-  if (eigenvalue_corrected) bytes += numel * param_element_size;  // corrected second moment
+  // A second moment of the block's shape: SOAP's corrected one, or the diagonal families' V
+  // (SGD, spectral and sign descent keep none).
+  if (std::holds_alternative<EigenvalueCorrectedShampooConfig>(preconditioner) ||
+      std::holds_alternative<AdaGradPreconditionerConfig>(preconditioner) ||
+      std::holds_alternative<RMSpropPreconditionerConfig>(preconditioner) ||
+      std::holds_alternative<AdamPreconditionerConfig>(preconditioner)) {
+    bytes += numel * param_element_size;
+  }
   // Grafting statistics V.
   if (grafting_method(grafting_kind(options.grafting())).has_state) {
     bytes += numel * param_element_size;
@@ -60,7 +68,7 @@ std::optional<StateSizeEstimate> estimate_state_size(
       if (!param.defined()) return std::nullopt;
       const auto element_size = static_cast<int64_t>(param.element_size());
       const auto plan = make_block_plan(param.sizes(), options->max_preconditioner_dim(),
-                                        options->use_merge_dims());
+                                        options->use_merge_dims(), block_target_order(*options));
       int64_t bytes = 0;
       for (const auto& block : plan.blocks) {
         bytes += block_state_bytes(*options, block.sizes, block.numel, element_size);
@@ -106,9 +114,8 @@ bool warn_if_state_is_large(const std::vector<torch::optim::OptimizerParamGroup>
       ". Options that shrink it: a smaller max_preconditioner_dim; inverse_exponent_override "
       "with exponent 0 for a dim, which keeps no factor or root for it (e.g. "
       "{{1, {{shampoo::kAllDims, 0.0}}}} for 1-D blocks); or a diagonal method for such "
-      "parameters (another optimizer, or a param group of their own with grafting, "
-      "start_preconditioning_step(shampoo::kNeverStartPreconditioning) and exponent 0 "
-      "for every dim)");
+      "parameters (a param group of their own with "
+      "preconditioner(shampoo::AdamPreconditionerConfig{}), or another optimizer)");
   return true;
 }
 

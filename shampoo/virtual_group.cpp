@@ -5,6 +5,8 @@
 #include <atomic>
 #include <cmath>
 
+#include "preconditioners/descent_preconditioner_lists.h"
+#include "preconditioners/diagonal_preconditioner_list.h"
 #include "preconditioners/eigenvalue_corrected_preconditioner_list.h"
 #include "preconditioners/shampoo_preconditioner_list.h"
 #include "shampoo/param_updates.h"
@@ -25,28 +27,89 @@ std::optional<IterativeRootSettings> iterative_root_settings(const RootInvShampo
   return s;
 }
 
-std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& structure,
-                                                        std::vector<StackSpec> specs,
-                                                        FailureInjector inject_failure) {
+// One factory per family, chosen by overload resolution on the config.
+using Specs = std::vector<StackSpec>;
+using ListPtr = std::unique_ptr<PreconditionerList>;
+
+ListPtr make_list(const RootInvShampooConfig& config, Specs specs,
+                  MatrixPreconditionerSettings settings) {
+  settings.retry_double_precision = config.retry_double_precision;
+  settings.root_solver = iterative_root_settings(config);
+  return std::make_unique<ShampooPreconditionerList>(std::move(specs), settings);
+}
+
+ListPtr make_list(const EigenvalueCorrectedShampooConfig& config, Specs specs,
+                  MatrixPreconditionerSettings settings) {
+  settings.retry_double_precision = config.retry_double_precision;
+  const auto method = config.eigenbasis_method == EigenbasisMethod::kQR ? EigenbasisUpdate::kQR
+                                                                        : EigenbasisUpdate::kEigh;
+  return std::make_unique<EigenvalueCorrectedPreconditionerList>(std::move(specs), settings,
+                                                                 method);
+}
+
+ListPtr make_list(const SpectralDescentConfig& config, Specs specs,
+                  const MatrixPreconditionerSettings& /*settings*/) {
+  OrthogonalizationSettings s;
+  s.algorithm = config.method == OrthogonalizationMethod::kSVD
+                    ? OrthogonalizationAlgorithm::kSVD
+                    : OrthogonalizationAlgorithm::kNewtonSchulz;
+  s.num_iterations = config.num_iterations;
+  s.coefficients = config.coefficients;
+  s.scale_by_nuclear_norm = config.scale_by_nuclear_norm;
+  s.sqrt_aspect_ratio = config.scale == OrthogonalizationScale::kSqrtAspectRatio;
+  return std::make_unique<SpectralDescentPreconditionerList>(std::move(specs), s);
+}
+
+ListPtr make_list(const SignDescentConfig& config, Specs specs,
+                  const MatrixPreconditionerSettings& /*settings*/) {
+  const auto scale =
+      config.scale == SignDescentScale::kL1Norm ? SignScale::kL1Norm : SignScale::kOne;
+  return std::make_unique<SignDescentPreconditionerList>(std::move(specs), scale);
+}
+
+// The diagonal families (docs/math.md, "Diagonal main preconditioners"): which weight and which
+// bias correction, as the reference's choice of AdaGrad/RMSprop/Adam list coefficients.
+DiagonalSettings diagonal_settings(const SGDPreconditionerConfig& /*config*/) {
+  DiagonalSettings s;
+  s.has_state = false;
+  return s;
+}
+DiagonalSettings diagonal_settings(const AdaGradPreconditionerConfig& config) {
+  DiagonalSettings s;
+  s.epsilon = config.epsilon;
+  return s;
+}
+template <typename C>
+DiagonalSettings moving_average_settings(const C& config, bool bias_correction) {
+  DiagonalSettings s;
+  s.beta2 = config.beta2;
+  s.epsilon = config.epsilon;
+  // Dropping the weighting factor also drops the bias correction.
+  s.weight = config.drop_weighting_factor_on_gsquare ? 1.0 : 1.0 - config.beta2;
+  s.bias_correction = bias_correction && !config.drop_weighting_factor_on_gsquare;
+  return s;
+}
+DiagonalSettings diagonal_settings(const RMSpropPreconditionerConfig& config) {
+  return moving_average_settings(config, /*bias_correction=*/false);
+}
+DiagonalSettings diagonal_settings(const AdamPreconditionerConfig& config) {
+  return moving_average_settings(config, /*bias_correction=*/true);
+}
+
+template <typename C>
+requires requires(const C& c) { diagonal_settings(c); }
+ListPtr make_list(const C& config, Specs specs, const MatrixPreconditionerSettings& /*settings*/) {
+  return std::make_unique<DiagonalPreconditionerList>(std::move(specs), diagonal_settings(config));
+}
+
+ListPtr make_preconditioner(const ShampooOptions& structure, Specs specs,
+                            FailureInjector inject_failure) {
   MatrixPreconditionerSettings settings;
   settings.factor_dtype = structure.factor_matrix_dtype();
   settings.tolerated_failures = structure.num_tolerated_failed_amortized_computations();
   settings.inject_failure = std::move(inject_failure);
   return std::visit(
-      [&](const auto& config) -> std::unique_ptr<PreconditionerList> {
-        using C = std::decay_t<decltype(config)>;
-        settings.retry_double_precision = config.retry_double_precision;
-        if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
-          const auto method = config.eigenbasis_method == EigenbasisMethod::kQR
-                                  ? EigenbasisUpdate::kQR
-                                  : EigenbasisUpdate::kEigh;
-          return std::make_unique<EigenvalueCorrectedPreconditionerList>(std::move(specs), settings,
-                                                                         method);
-        } else {
-          settings.root_solver = iterative_root_settings(config);
-          return std::make_unique<ShampooPreconditionerList>(std::move(specs), settings);
-        }
-      },
+      [&](const auto& config) { return make_list(config, std::move(specs), settings); },
       structure.preconditioner());
 }
 
@@ -106,6 +169,15 @@ std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order) 
     if (dim != kAllDims) exponents[dim] = exponent;
   }
   return exponents;
+}
+
+int64_t block_target_order(const ShampooOptions& options) {
+  return std::holds_alternative<SpectralDescentConfig>(options.preconditioner()) ? 2 : 1;
+}
+
+bool uses_kronecker_factors(const ShampooOptions& options) {
+  return std::holds_alternative<RootInvShampooConfig>(options.preconditioner()) ||
+         std::holds_alternative<EigenvalueCorrectedShampooConfig>(options.preconditioner());
 }
 
 VirtualGroup::VirtualGroup(const ShampooOptions& structure, std::vector<int64_t> user_groups,

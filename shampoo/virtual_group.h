@@ -160,4 +160,13 @@ class VirtualGroup {
 /// (1 / (2·order), or the override; 0 = not preconditioned).
 std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order);
 
+/// The number of dims blocking merges a parameter down to (distributor/block_plan.h): 2 for
+/// spectral descent, whose blocks must be matrices (the reference requires a target parameter
+/// dimensionality of 2 with it), 1 otherwise.
+int64_t block_target_order(const ShampooOptions& options);
+
+/// Whether the preconditioner family keeps Kronecker factors (root-inverse and eigenvalue-
+/// corrected Shampoo); the descent and diagonal families keep none.
+bool uses_kronecker_factors(const ShampooOptions& options);
+
 }  // namespace shampoo::detail

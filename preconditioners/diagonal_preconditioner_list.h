@@ -1,0 +1,50 @@
+#pragma once
+/// Diagonal methods as the main preconditioner: SGD (P = Ḡ), AdaGrad, RMSprop and Adam, one
+/// second moment V per block (block shape, the parameter's dtype) updated every step from G′
+/// (after L2 weight decay) and applied to the filtered gradient Ḡ:
+///   V ← β2·V + w·G′²,  P = Ḡ / (sqrt(V / bc2) + ε),  bc2 = 1 − β2^t with bias correction, else 1.
+/// docs/math.md, "Diagonal main preconditioners".
+
+#include "preconditioners/preconditioner_list.h"
+
+namespace shampoo::detail {
+
+/// The coefficients of one diagonal method (fixed for a virtual group).
+struct DiagonalSettings {
+  bool has_state = true;  ///< false: SGD, P = Ḡ
+  double beta2 = 1.0;
+  double weight = 1.0;           ///< w in V ← β2·V + w·G′²
+  bool bias_correction = false;  ///< bc2 = 1 − β2^t (only when β2 < 1)
+  double epsilon = 1e-10;
+};
+
+class DiagonalPreconditionerList final : public PreconditionerList {
+ public:
+  DiagonalPreconditionerList(std::vector<StackSpec> stacks, DiagonalSettings settings);
+
+  void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
+              const RowScalars& scalars, const std::vector<bool>& amortize) override;
+  using PreconditionerList::precondition;
+  void precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
+                    const RowScalars& scalars, at::Tensor& out) const override;
+  std::map<std::string, at::Tensor> export_member(int64_t stack, int64_t row) const override;
+  void import_member(int64_t stack, int64_t row,
+                     const std::map<std::string, at::Tensor>& state) override;
+  /// AdaGrad/RMSprop/Adam divide by their second moment from the first step on; SGD is the
+  /// identity but has no amortized computation that would ever change it, so it runs as well.
+  bool identity_before_amortization() const override { return false; }
+  const AmortizedCounters& counters() const override { return counters_; }
+  void set_counters(const AmortizedCounters& counters) override { counters_ = counters; }
+  int64_t state_bytes() const override;
+
+  /// The second moment of stack `stack` ([n, block_shape]; undefined for SGD); for tests.
+  const at::Tensor& second_moment(int64_t stack) const { return second_moments_[stack]; }
+
+ private:
+  std::vector<StackSpec> stacks_;
+  DiagonalSettings settings_;
+  std::vector<at::Tensor> second_moments_;  // [stack] -> [n, block_shape]
+  AmortizedCounters counters_;
+};
+
+}  // namespace shampoo::detail

@@ -250,13 +250,32 @@ std::string describe_root_solver(const RootInvShampooConfig& c) {
                   c.tolerance, ", tf32 ", c.tf32 ? "true" : "false");
 }
 
-/// (kind, retry_double_precision, eigenbasis_method or 0, root_solver_parts...)
+/// The rank-deficient stability of a config as (kind, rank_atol bits, rank_rtol bits); zeros for
+/// the perturbation and for configs without one.
+std::vector<int64_t> stability_parts(const PreconditionerConfig& config) {
+  const auto* stability = rank_deficient_stability(config);
+  const auto* c = stability != nullptr ? std::get_if<PseudoInverseConfig>(stability) : nullptr;
+  if (c == nullptr) return {0, 0, 0};
+  return {static_cast<int64_t>(stability->index()), double_bits(c->rank_atol),
+          double_bits(c->rank_rtol)};
+}
+
+std::string describe_stability(const RankDeficientStabilityConfig& stability) {
+  const auto* c = std::get_if<PseudoInverseConfig>(&stability);
+  if (c == nullptr) return "rank_deficient_stability perturbation";
+  return c10::str(
+      "rank_deficient_stability pseudo-inverse (rank_atol ", c->rank_atol, ", rank_rtol ",
+      c->rank_rtol == kDtypeRankRtol ? std::string("d * machine epsilon") : c10::str(c->rank_rtol),
+      ")");
+}
+
+/// (kind, retry_double_precision, eigenbasis_method or 0, root_solver_parts...,
+/// stability_parts...)
 std::vector<int64_t> preconditioner_parts(const ShampooOptions& o) {
   auto out = std::visit(
       [&](const auto& c) -> std::vector<int64_t> {
-        using C = std::decay_t<decltype(c)>;
         int64_t method = 0;
-        if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
+        if constexpr (requires { c.eigenbasis_method; }) {
           method = static_cast<int64_t>(c.eigenbasis_method);
         }
         return {static_cast<int64_t>(o.preconditioner().index()), c.retry_double_precision ? 1 : 0,
@@ -265,6 +284,8 @@ std::vector<int64_t> preconditioner_parts(const ShampooOptions& o) {
       o.preconditioner());
   const auto solver = root_solver_parts(o.preconditioner());
   out.insert(out.end(), solver.begin(), solver.end());
+  const auto stability = stability_parts(o.preconditioner());
+  out.insert(out.end(), stability.begin(), stability.end());
   return out;
 }
 
@@ -277,9 +298,15 @@ std::string describe_preconditioner(const ShampooOptions& o) {
           return c10::str("eigenvalue-corrected Shampoo (eigenbasis_method ",
                           c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
                           ", retry_double_precision ", retry, ")");
+        } else if constexpr (std::is_same_v<C, EigendecomposedShampooConfig>) {
+          return c10::str("eigendecomposed Shampoo (eigenbasis_method ",
+                          c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
+                          ", retry_double_precision ", retry, ", ",
+                          describe_stability(c.rank_deficient_stability), ")");
         } else {
           return c10::str("root-inverse Shampoo (retry_double_precision ", retry, ", ",
-                          describe_root_solver(c), ")");
+                          describe_root_solver(c), ", ",
+                          describe_stability(c.rank_deficient_stability), ")");
         }
       },
       o.preconditioner());
@@ -296,6 +323,26 @@ void write_preconditioner(const ShampooOptions& o, OutputArchive& a) {
   a.write("preconditioner_max_iterations", c10::IValue(solver.max_iterations));
   a.write("preconditioner_tolerance", c10::IValue(solver.tolerance));
   a.write("preconditioner_tf32", c10::IValue(int64_t{solver.tf32 ? 1 : 0}));
+  const auto* stability = rank_deficient_stability(o.preconditioner());
+  const auto* pseudo_inverse =
+      stability != nullptr ? std::get_if<PseudoInverseConfig>(stability) : nullptr;
+  const auto pinv = pseudo_inverse != nullptr ? *pseudo_inverse : PseudoInverseConfig{};
+  a.write("preconditioner_rank_deficient_stability",
+          c10::IValue(int64_t{pseudo_inverse != nullptr ? 1 : 0}));
+  a.write("preconditioner_pseudo_inverse_rank_atol", c10::IValue(pinv.rank_atol));
+  a.write("preconditioner_pseudo_inverse_rank_rtol", c10::IValue(pinv.rank_rtol));
+}
+
+/// The rank-deficient stability entries; the perturbation (the default) when they are absent, as
+/// in checkpoints written before the pseudo-inverse existed.
+RankDeficientStabilityConfig read_stability(InputArchive& a) {
+  c10::IValue probe;
+  if (!a.try_read("preconditioner_rank_deficient_stability", probe)) return PerturbationConfig{};
+  const int64_t kind = read_index(a, "preconditioner_rank_deficient_stability",
+                                  std::variant_size_v<RankDeficientStabilityConfig>);
+  if (kind == 0) return PerturbationConfig{};
+  return PseudoInverseConfig{read_double(a, "preconditioner_pseudo_inverse_rank_atol"),
+                             read_double(a, "preconditioner_pseudo_inverse_rank_rtol")};
 }
 
 void read_preconditioner(InputArchive& a, ShampooOptions& o) {
@@ -304,8 +351,12 @@ void read_preconditioner(InputArchive& a, ShampooOptions& o) {
   const bool retry = read_index(a, "preconditioner_retry_double_precision", 2) != 0;
   const auto method =
       static_cast<EigenbasisMethod>(read_index(a, "preconditioner_eigenbasis_method", 2));
-  if (kind != 0) {
+  if (kind == 1) {
     o.preconditioner(EigenvalueCorrectedShampooConfig{method, retry});
+    return;
+  }
+  if (kind == 2) {
+    o.preconditioner(EigendecomposedShampooConfig{method, retry, read_stability(a)});
     return;
   }
   RootInvShampooConfig c;
@@ -314,6 +365,7 @@ void read_preconditioner(InputArchive& a, ShampooOptions& o) {
   c.max_iterations = read_int(a, "preconditioner_max_iterations");
   c.tolerance = read_double(a, "preconditioner_tolerance");
   c.tf32 = read_index(a, "preconditioner_tf32", 2) != 0;
+  c.rank_deficient_stability = read_stability(a);
   o.preconditioner(c);
 }
 
@@ -327,7 +379,10 @@ OptionField preconditioner_field() {
                     "preconditioner_root_solver",
                     "preconditioner_max_iterations",
                     "preconditioner_tolerance",
-                    "preconditioner_tf32"};
+                    "preconditioner_tf32",
+                    "preconditioner_rank_deficient_stability",
+                    "preconditioner_pseudo_inverse_rank_atol",
+                    "preconditioner_pseudo_inverse_rank_rtol"};
   f.code = preconditioner_parts;
   f.describe = describe_preconditioner;
   f.write = write_preconditioner;

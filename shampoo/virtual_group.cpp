@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "preconditioners/eigendecomposed_preconditioner_list.h"
 #include "preconditioners/eigenvalue_corrected_preconditioner_list.h"
 #include "preconditioners/shampoo_preconditioner_list.h"
 #include "shampoo/param_updates.h"
@@ -25,6 +26,14 @@ std::optional<IterativeRootSettings> iterative_root_settings(const RootInvShampo
   return s;
 }
 
+/// The pseudo-inverse thresholds of a rank-deficient stability config; none for perturbation.
+std::optional<PseudoInverseSettings> pseudo_inverse_settings(
+    const RankDeficientStabilityConfig& config) {
+  const auto* c = std::get_if<PseudoInverseConfig>(&config);
+  if (c == nullptr) return std::nullopt;
+  return PseudoInverseSettings{c->rank_atol, c->rank_rtol};
+}
+
 std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& structure,
                                                         std::vector<StackSpec> specs,
                                                         FailureInjector inject_failure) {
@@ -42,8 +51,16 @@ std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& st
                                   : EigenbasisUpdate::kEigh;
           return std::make_unique<EigenvalueCorrectedPreconditionerList>(std::move(specs), settings,
                                                                          method);
+        } else if constexpr (std::is_same_v<C, EigendecomposedShampooConfig>) {
+          settings.pseudo_inverse = pseudo_inverse_settings(config.rank_deficient_stability);
+          const auto method = config.eigenbasis_method == EigenbasisMethod::kQR
+                                  ? EigendecompositionUpdate::kQR
+                                  : EigendecompositionUpdate::kEigh;
+          return std::make_unique<EigendecomposedPreconditionerList>(std::move(specs), settings,
+                                                                     method);
         } else {
           settings.root_solver = iterative_root_settings(config);
+          settings.pseudo_inverse = pseudo_inverse_settings(config.rank_deficient_stability);
           return std::make_unique<ShampooPreconditionerList>(std::move(specs), settings);
         }
       },

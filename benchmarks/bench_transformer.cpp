@@ -87,7 +87,9 @@ Args parse_args(int argc, char** argv) {
   flags.add_choice("device", args.device, {"cuda", "cpu"}, "device of the parameters")
       .add("solvers", args.solvers,
            "comma-separated root solver settings: eigh, coupled-newton, newton-db, "
-           "newton-db-tf32, coupled-newton-tf32")
+           "newton-db-tf32, coupled-newton-tf32; or the other preconditioner families: "
+           "eigendecomposed, eigenvalue-corrected, spectral-descent (2-D tensors; the others "
+           "with adam-preconditioner), sign-descent, adam-preconditioner")
       .add("frequency", args.frequency, "precondition_frequency N of the amortized runs", 2)
       .add("window", args.window, "timed consecutive steps per repetition at frequency N", 1)
       .add("steps", args.steps, "timed steps at frequency 1 (0 skips frequency 1)", 0)
@@ -109,13 +111,39 @@ Args parse_args(int argc, char** argv) {
 
 // ---- solver settings ----------------------------------------------------------------------------
 
+/// A setting: root-inverse Shampoo with one of its solvers, or another preconditioner family
+/// (issue 16). `matrix_only`: the family takes 2-D blocks only (spectral descent); the other
+/// tensors then form a second param group with the Adam main preconditioner.
 struct SolverSetting {
   std::string name;
-  shampoo::RootInvShampooConfig config;
+  shampoo::PreconditionerConfig config;
+  bool matrix_only = false;
 };
+
+/// The settings of the other families, by name; false when `name` is none of them.
+bool family_setting(const std::string& name, SolverSetting& out) {
+  out.name = name;
+  if (name == "eigendecomposed") {
+    out.config = shampoo::EigendecomposedShampooConfig{};
+  } else if (name == "eigenvalue-corrected") {
+    out.config = shampoo::EigenvalueCorrectedShampooConfig{};
+  } else if (name == "spectral-descent") {
+    out.config = shampoo::SpectralDescentConfig{};
+    out.matrix_only = true;
+  } else if (name == "sign-descent") {
+    out.config = shampoo::SignDescentConfig{};
+  } else if (name == "adam-preconditioner") {
+    out.config = shampoo::AdamPreconditionerConfig{};
+  } else {
+    return false;
+  }
+  return true;
+}
 
 SolverSetting solver_setting(const std::string& name) {
   using shampoo::RootSolver;
+  SolverSetting family;
+  if (family_setting(name, family)) return family;
   shampoo::RootInvShampooConfig c;
   if (name == "eigh") {
     c.solver = RootSolver::kEigh;
@@ -126,14 +154,16 @@ SolverSetting solver_setting(const std::string& name) {
   } else {
     throw std::invalid_argument(
         fmt::format("--solvers: got '{}', expected a comma-separated list of eigh, coupled-newton, "
-                    "newton-db, newton-db-tf32, coupled-newton-tf32",
+                    "newton-db, newton-db-tf32, coupled-newton-tf32 or the families "
+                    "eigendecomposed, eigenvalue-corrected, spectral-descent, sign-descent, "
+                    "adam-preconditioner",
                     name));
   }
   if (name.ends_with("-tf32")) {
     c.tf32 = true;
     c.tolerance = 3e-2;  // TF32 products floor the error near 1e-2 (shampoo_options.h)
   }
-  return {name, c};
+  return {name, c, false};
 }
 
 std::vector<SolverSetting> solver_settings(const std::string& list) {
@@ -280,7 +310,7 @@ Workload make_workload(const at::Device& device, bool small) {
 }
 
 shampoo::ShampooOptions transformer_options(int64_t frequency,
-                                            const shampoo::RootInvShampooConfig& solver,
+                                            const shampoo::PreconditionerConfig& solver,
                                             const Args& args) {
   return shampoo::ShampooOptions(1e-3)
       .betas(std::make_tuple(0.9, 0.999))
@@ -303,10 +333,28 @@ struct Run {
   int64_t steps_taken = 0;
 };
 
-Run make_run(Workload& w, const shampoo::ShampooOptions& options, bool one_group_per_tensor) {
+/// Spectral descent's two param groups: the 2-D tensors with it, the others with the Adam main
+/// preconditioner.
+std::vector<torch::optim::OptimizerParamGroup> matrix_groups(
+    const Workload& w, const shampoo::ShampooOptions& options) {
+  std::vector<at::Tensor> matrices, others;
+  for (const auto& p : w.params) (p.dim() == 2 ? matrices : others).push_back(p);
+  auto other_options = options;
+  other_options.preconditioner(shampoo::AdamPreconditionerConfig{});
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(matrices, std::make_unique<shampoo::ShampooOptions>(options));
+  groups.emplace_back(others, std::make_unique<shampoo::ShampooOptions>(other_options));
+  return groups;
+}
+
+Run make_run(Workload& w, const shampoo::ShampooOptions& options, bool one_group_per_tensor,
+             bool matrix_only = false) {
   reset_parameters(w);
   Run run{&w, nullptr, 0};
-  if (one_group_per_tensor) {
+  if (matrix_only) {
+    run.optimizer =
+        std::make_unique<shampoo::DistributedShampoo>(matrix_groups(w, options), options);
+  } else if (one_group_per_tensor) {
     const auto groups = static_cast<int64_t>(w.params.size());
     run.optimizer = std::make_unique<shampoo::DistributedShampoo>(
         lr_param_groups(w.params, groups, options), options);
@@ -346,7 +394,7 @@ struct Amortized {
 
 Amortized measure_amortized(Workload& w, const SolverSetting& setting, const Args& args) {
   const auto options = transformer_options(args.frequency, setting.config, args);
-  Run run = make_run(w, options, args.one_group_per_tensor);
+  Run run = make_run(w, options, args.one_group_per_tensor, setting.matrix_only);
   const int64_t start = options.resolved_start_preconditioning_step();
   for (int64_t i = 0; i < start; ++i) timed_step(run);  // warm-up through the first roots
   Amortized a;
@@ -420,7 +468,8 @@ void print_memory_phases(Run& run, const std::string& name) {
 EveryStep measure_every_step(Workload& w, const SolverSetting& setting, const Args& args) {
   EveryStep e;
   if (args.steps == 0) return e;
-  Run run = make_run(w, transformer_options(1, setting.config, args), args.one_group_per_tensor);
+  Run run = make_run(w, transformer_options(1, setting.config, args), args.one_group_per_tensor,
+                     setting.matrix_only);
   for (int i = 0; i < 2; ++i) timed_step(run);  // warm-up: allocations, the first roots
   for (int64_t i = 0; i < args.steps; ++i) e.step_ms.push_back(timed_step(run));
   e.peak_bytes = peak_memory_bytes(w.device);
@@ -442,7 +491,10 @@ struct SolverResult {
   double amortized_ms() const { return median(amortized.window_mean_ms); }
   double plain_ms() const { return median(amortized.plain_median_ms); }
   double root_step_ms() const { return median(amortized.root_step_ms); }
-  double root_ms() const { return root_step_ms() - plain_ms(); }
+  /// 0 for the families without an amortized computation (no step with roots).
+  double root_ms() const {
+    return amortized.root_step_ms.empty() ? 0.0 : root_step_ms() - plain_ms();
+  }
   bool has_every_step() const { return !every_step.step_ms.empty(); }
   double every_step_ms() const { return median(every_step.step_ms); }
   int64_t peak_bytes() const { return std::max(amortized.peak_bytes, every_step.peak_bytes); }
@@ -506,16 +558,21 @@ void print_table(const std::vector<SolverResult>& results, const Workload& w, co
       args.one_group_per_tensor ? "21 param groups." : "One param group.");
 }
 
+/// The root solver of a root-inverse setting; the family's name for the others.
+Json config_json(const SolverSetting& setting) {
+  const auto* c = std::get_if<shampoo::RootInvShampooConfig>(&setting.config);
+  if (c == nullptr) return Json{{"family", setting.name}};
+  return Json{{"solver", solver_name(c->solver)},
+              {"max_iterations", c->max_iterations},
+              {"tolerance", c->tolerance},
+              {"tf32", c->tf32}};
+}
+
 Json solver_json(const SolverResult& r) {
-  const auto& c = r.setting.config;
   const auto& s = r.amortized.stats;
   return Json{{"name", r.setting.name},
               {"error", r.error.empty() ? Json(nullptr) : Json(r.error)},
-              {"config",
-               {{"solver", solver_name(c.solver)},
-                {"max_iterations", c.max_iterations},
-                {"tolerance", c.tolerance},
-                {"tf32", c.tf32}}},
+              {"config", config_json(r.setting)},
               {"amortized_ms", r.amortized_ms()},
               {"plain_step_ms", r.plain_ms()},
               {"root_step_ms", r.root_step_ms()},

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <limits>
 #include <tuple>
 
 namespace shampoo::detail {
@@ -93,10 +94,38 @@ at::Tensor shifted_powers(const at::Tensor& eigenvalues, const at::Tensor& epsil
   return at::pow(shifted, -exponents);
 }
 
+/// docs/math.md, "Pseudo-inverse": λ^(−e) where λ > max(rtol·max(λ_max, 0), atol), else 0 (the
+/// reference's PseudoInverseConfig; rtol < 0 means d·machine epsilon of `dtype`, the dtype the
+/// reference's eigenvalues have: the factor dtype also after a float64 retry).
+at::Tensor pseudo_inverse_powers(const at::Tensor& eigenvalues, const at::Tensor& exponents,
+                                 const PseudoInverseSettings& settings, at::ScalarType dtype) {
+  const double machine_epsilon = dtype == at::kDouble
+                                     ? std::numeric_limits<double>::epsilon()
+                                     : static_cast<double>(std::numeric_limits<float>::epsilon());
+  const double rtol = settings.rank_rtol < 0.0
+                          ? static_cast<double>(eigenvalues.size(-1)) * machine_epsilon
+                          : settings.rank_rtol;
+  const auto lambda_max = std::get<0>(eigenvalues.max(-1, /*keepdim=*/true)).clamp_min(0.0);
+  const auto cutoff = (lambda_max * rtol).clamp_min(settings.rank_atol);
+  return at::where(eigenvalues <= cutoff, at::zeros_like(eigenvalues),
+                   at::pow(eigenvalues, -exponents));
+}
+
+/// f(λ) of step 3 (shift, then power) or of the pseudo-inverse.
+at::Tensor root_powers(const at::Tensor& eigenvalues, const at::Tensor& epsilons,
+                       const at::Tensor& exponents, const PseudoInverseSettings* pseudo_inverse,
+                       at::ScalarType dtype) {
+  if (pseudo_inverse != nullptr) {
+    return pseudo_inverse_powers(eigenvalues, exponents, *pseudo_inverse, dtype);
+  }
+  return shifted_powers(eigenvalues, epsilons, exponents);
+}
+
 /// The eigh path of stacked_inverse_root for finite matrices.
 StackedMatrixResult eigh_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                       const std::vector<double>& exponents,
-                                      bool retry_double_precision) {
+                                      bool retry_double_precision,
+                                      const PseudoInverseSettings* pseudo_inverse) {
   const int64_t n = A.size(0);
   const int64_t d = A.size(1);
   StackedMatrixResult result;
@@ -116,7 +145,8 @@ StackedMatrixResult eigh_inverse_root(const at::Tensor& A, const std::vector<dou
   const bool batched = A.is_cuda();
   result.values =
       batched ? reconstruct_stack(decomposition.eigenvectors,
-                                  shifted_powers(decomposition.eigenvalues, eps_row, exponent_row))
+                                  root_powers(decomposition.eigenvalues, eps_row, exponent_row,
+                                              pseudo_inverse, A.scalar_type()))
               : at::empty_like(A);
   for (int64_t i = 0; i < n; ++i) {
     if (result.failed[i]) continue;
@@ -126,13 +156,14 @@ StackedMatrixResult eigh_inverse_root(const at::Tensor& A, const std::vector<dou
     } else if (decomposition.in_double[i]) {
       const auto eps_d = eps_row[i].to(at::kDouble);
       const auto exp_d = exponent_row[i].to(at::kDouble);
-      const auto powers_d = shifted_powers(decomposition.eigenvalues_double[i], eps_d, exp_d);
+      const auto powers_d = root_powers(decomposition.eigenvalues_double[i], eps_d, exp_d,
+                                        pseudo_inverse, A.scalar_type());
       result.values[i].copy_(reconstruct(decomposition.eigenvectors_double[i], powers_d));
     } else {
       // Per matrix: vectorized pow and its scalar tail round differently, so the powers of a
       // matrix must not depend on where its eigenvalues sit in a larger tensor.
-      const auto powers =
-          shifted_powers(decomposition.eigenvalues[i].clone(), eps_row[i], exponent_row[i]);
+      const auto powers = root_powers(decomposition.eigenvalues[i].clone(), eps_row[i],
+                                      exponent_row[i], pseudo_inverse, A.scalar_type());
       result.values[i].copy_(reconstruct(decomposition.eigenvectors[i], powers));
     }
   }
@@ -213,7 +244,7 @@ StackedMatrixResult solver_inverse_root(const at::Tensor& A, const std::vector<d
   }
   if (by_eigh.empty()) return result;
   auto exact = eigh_inverse_root(select_matrices(A, by_eigh), pick(epsilons, by_eigh),
-                                 pick(exponents, by_eigh), retry_double_precision);
+                                 pick(exponents, by_eigh), retry_double_precision, nullptr);
   result.retried_in_double = exact.retried_in_double;
   for (size_t j = 0; j < by_eigh.size(); ++j) {
     result.failed[by_eigh[j]] = exact.failed[j];
@@ -235,7 +266,8 @@ std::vector<bool> stacked_all_finite(const at::Tensor& A) {
 StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                          const std::vector<double>& exponents,
                                          bool retry_double_precision,
-                                         const IterativeRootSettings* iterative) {
+                                         const IterativeRootSettings* iterative,
+                                         const PseudoInverseSettings* pseudo_inverse) {
   TORCH_INTERNAL_ASSERT(A.dim() == 3 && A.size(1) == A.size(2), "expected [n, d, d], got ",
                         A.sizes());
   const int64_t n = A.size(0);
@@ -246,8 +278,10 @@ StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(finite[i], "inverse root: matrix ", i, " of the stack has non-finite entries");
   }
+  TORCH_INTERNAL_ASSERT(iterative == nullptr || pseudo_inverse == nullptr,
+                        "the pseudo-inverse needs eigh roots");
   if (iterative == nullptr)
-    return eigh_inverse_root(A, epsilons, exponents, retry_double_precision);
+    return eigh_inverse_root(A, epsilons, exponents, retry_double_precision, pseudo_inverse);
   return solver_inverse_root(A, epsilons, exponents, retry_double_precision, *iterative);
 }
 
@@ -276,31 +310,106 @@ StackedMatrixResult stacked_eigenbasis(const at::Tensor& A, bool retry_double_pr
   return result;
 }
 
-StackedMatrixResult stacked_eigenbasis_qr(const at::Tensor& A, const at::Tensor& previous_basis) {
+StackedEigendecomposition stacked_eigendecomposition_qr(const at::Tensor& A,
+                                                        const at::Tensor& previous_basis) {
   TORCH_INTERNAL_ASSERT(A.dim() == 3 && A.sizes() == previous_basis.sizes());
-  StackedMatrixResult result;
   const int64_t n = A.size(0);
-  result.failed.assign(n, false);
   const auto finite = stacked_all_finite(A);
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(finite[i], "eigenbasis (QR): matrix ", i, " of the stack has non-finite entries");
   }
   // Orthogonal iteration needs the columns by descending eigenvalue (Gram-Schmidt keeps the
   // dominant directions first); the stored bases are ascending, as eigh returns them.
-  result.values = at::empty_like(A);
+  StackedEigendecomposition result;
+  result.eigenvectors = at::empty_like(A);
+  result.eigenvalues = at::empty({n, A.size(1)}, A.options());
   for (int64_t i = 0; i < n; ++i) {
     const auto a = aligned_matrix_operand(A[i]);
     const auto previous = aligned_matrix_operand(previous_basis[i].flip(-1));
     const auto [q, r] = at::linalg_qr(at::mm(a, previous));
-    // Order the columns by their Rayleigh quotients (ascending), as eigh orders eigenvalues.
+    // Order the columns by their Rayleigh quotients (ascending), as eigh orders eigenvalues;
+    // the quotients are the eigenvalue estimates.
     const auto aligned_q = aligned_matrix_operand(q);
     const auto rayleigh = (aligned_q * at::mm(a, aligned_q)).sum(0);
     const auto order = rayleigh.argsort(/*stable=*/true, /*dim=*/0);
-    result.values[i].copy_(aligned_q.index_select(1, order));
+    result.eigenvectors[i].copy_(aligned_q.index_select(1, order));
+    result.eigenvalues[i].copy_(rayleigh.index_select(0, order));
   }
-  const auto ok = stacked_all_finite(result.values);
-  for (int64_t i = 0; i < n; ++i) result.failed[i] = !ok[i];
+  const auto vectors_ok = stacked_all_finite(result.eigenvectors);
+  const auto values_ok = stacked_all_finite(result.eigenvalues.unsqueeze(-1));
+  result.failed.assign(n, false);
+  for (int64_t i = 0; i < n; ++i) result.failed[i] = !vectors_ok[i] || !values_ok[i];
   return result;
+}
+
+StackedMatrixResult stacked_eigenbasis_qr(const at::Tensor& A, const at::Tensor& previous_basis) {
+  auto decomposition = stacked_eigendecomposition_qr(A, previous_basis);
+  StackedMatrixResult result;
+  result.values = std::move(decomposition.eigenvectors);
+  // A basis is usable when its vectors are finite (the Rayleigh quotients are not used).
+  const auto ok = stacked_all_finite(result.values);
+  result.failed.assign(ok.size(), false);
+  for (size_t i = 0; i < ok.size(); ++i) result.failed[i] = !ok[i];
+  return result;
+}
+
+StackedEigendecomposition stacked_eigendecomposition(const at::Tensor& A,
+                                                     bool retry_double_precision) {
+  TORCH_INTERNAL_ASSERT(A.dim() == 3 && A.size(1) == A.size(2));
+  const int64_t n = A.size(0);
+  StackedEigendecomposition result;
+  if (n == 0) {
+    result.eigenvalues = at::empty({0, A.size(1)}, A.options());
+    result.eigenvectors = at::empty_like(A);
+    return result;
+  }
+  const auto finite = stacked_all_finite(A);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(finite[i], "eigendecomposition: matrix ", i,
+                " of the stack has non-finite entries");
+  }
+  auto decomposition = decompose(A, retry_double_precision);
+  result.failed = decomposition.failed;
+  result.retried_in_double = decomposition.retried;
+  result.eigenvalues = decomposition.eigenvalues;
+  result.eigenvectors = decomposition.eigenvectors;
+  // Cast back to the stack's dtype: the reference keeps eigenvalues and vectors in that dtype.
+  for (int64_t i = 0; i < n; ++i) {
+    if (!decomposition.in_double[i]) continue;
+    result.eigenvalues[i].copy_(decomposition.eigenvalues_double[i]);
+    result.eigenvectors[i].copy_(decomposition.eigenvectors_double[i]);
+  }
+  return result;
+}
+
+at::Tensor stacked_inverse_root_from_eigendecomposition(
+    const at::Tensor& eigenvalues, const at::Tensor& eigenvectors,
+    const std::vector<double>& epsilons, const std::vector<double>& exponents,
+    const PseudoInverseSettings* pseudo_inverse) {
+  const int64_t n = eigenvectors.size(0);
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(epsilons.size()) == n &&
+                        static_cast<int64_t>(exponents.size()) == n);
+  const auto dtype = eigenvalues.scalar_type();
+  const auto eps_row = per_matrix_scalars(epsilons, eigenvalues).view({n, 1});
+  const auto exponent_row = per_matrix_scalars(exponents, eigenvalues).view({n, 1});
+  const auto eye = at::eye(eigenvectors.size(1), eigenvectors.options());
+  const bool batched = eigenvectors.is_cuda();
+  auto out = batched
+                 ? reconstruct_stack(eigenvectors, root_powers(eigenvalues, eps_row, exponent_row,
+                                                               pseudo_inverse, dtype))
+                 : at::empty_like(eigenvectors);
+  // The CPU computes one matrix at a time, as eigh_inverse_root: a result must not depend on the
+  // rest of the stack.
+  for (int64_t i = 0; i < n; ++i) {
+    if (exponents[i] == 0.0) {
+      out[i].copy_(eye);
+    } else if (!batched) {
+      const auto powers =
+          root_powers(eigenvalues[i].clone(), eps_row[i], exponent_row[i], pseudo_inverse, dtype);
+      out[i].copy_(reconstruct(eigenvectors[i], powers));
+    }
+  }
+  return out;
 }
 
 }  // namespace shampoo::detail

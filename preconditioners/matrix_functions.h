@@ -25,6 +25,24 @@ struct StackedMatrixResult {
   int64_t solver_fallbacks = 0;
 };
 
+/// Pseudo-inverse thresholds (docs/math.md, "Pseudo-inverse"): an eigenvalue λ of a matrix is
+/// dropped (its power is 0) when λ ≤ max(rank_rtol · max(λ_max, 0), rank_atol).
+struct PseudoInverseSettings {
+  double rank_atol = 0.0;
+  /// Negative: d · machine epsilon of the eigenvalues' dtype.
+  double rank_rtol = 0.0;
+};
+
+/// Eigendecompositions of a stack [n, d, d]: eigenvalues [n, d] ascending and eigenvectors
+/// [n, d, d] (columns), both in the stack's dtype (a float64 retry is cast back). `failed[i]`:
+/// rows of matrix i unspecified, the caller keeps its previous decomposition.
+struct StackedEigendecomposition {
+  at::Tensor eigenvalues;
+  at::Tensor eigenvectors;
+  std::vector<bool> failed;
+  int64_t retried_in_double = 0;
+};
+
 /// X_i = (A_i + ε_i·I)^(−exponent_i) for every matrix of the stack A [n, d, d].
 /// Where the smallest eigenvalue λ_min of A + ε·I is below ε, every eigenvalue is shifted in two
 /// steps, λ ← λ − λ_min then λ ← λ + ε, so the smallest is exactly ε (docs/math.md). A non-finite
@@ -35,10 +53,31 @@ struct StackedMatrixResult {
 /// matmul-only solver (iterative_roots.h; Newton–DB routes roots that are not powers of two to
 /// coupled Newton), no eigenvalue shift: X = (A + ε·I)^(−1/p). Matrices it leaves unconverged,
 /// and non-integer roots, are computed by eigh as above.
+///
+/// With `pseudo_inverse` (eigh only, `iterative` must be null; the epsilons are 0): the powers
+/// of the eigenvalues of A are those of the pseudo-inverse, no shift.
 StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                          const std::vector<double>& exponents,
                                          bool retry_double_precision,
-                                         const IterativeRootSettings* iterative = nullptr);
+                                         const IterativeRootSettings* iterative = nullptr,
+                                         const PseudoInverseSettings* pseudo_inverse = nullptr);
+
+/// Eigenvalues and eigenvectors of every matrix of A [n, d, d] by eigh, retried in float64 when
+/// allowed and cast back to A's dtype.
+StackedEigendecomposition stacked_eigendecomposition(const at::Tensor& A,
+                                                     bool retry_double_precision);
+/// stacked_eigenbasis_qr's basis with its Rayleigh quotients qᵀ·A·q as eigenvalues (ascending).
+StackedEigendecomposition stacked_eigendecomposition_qr(const at::Tensor& A,
+                                                        const at::Tensor& previous_basis);
+
+/// X_i = Q_i·diag(f(λ_i))·Q_iᵀ from kept eigendecompositions (λ [n, d] ascending, Q [n, d, d]):
+/// f(λ) = λ^(−exponent_i) after step 3's shift where λ_min < ε_i, or with `pseudo_inverse` the
+/// pseudo-inverse powers (ε unused). `exponents[i] == 0` gives the identity. On the CPU every
+/// matrix is computed on its own (results independent of the stack); CUDA stacks at once.
+at::Tensor stacked_inverse_root_from_eigendecomposition(
+    const at::Tensor& eigenvalues, const at::Tensor& eigenvectors,
+    const std::vector<double>& epsilons, const std::vector<double>& exponents,
+    const PseudoInverseSettings* pseudo_inverse = nullptr);
 
 /// Eigenvectors Q_i (ascending eigenvalues) of every matrix of the stack A [n, d, d].
 StackedMatrixResult stacked_eigenbasis(const at::Tensor& A, bool retry_double_precision);

@@ -1,8 +1,9 @@
 #pragma once
 /// The preconditioner-list interface: the state of one preconditioning method for all blocks of a
 /// virtual group owned by this rank, organised in stacks of equal-shape blocks so the matrix work
-/// runs batched. Concrete lists: ShampooPreconditionerList (root inverse) and
-/// EigenvalueCorrectedPreconditionerList (SOAP). The stacks and rows they work on are in rows.h.
+/// runs batched. Concrete lists: ShampooPreconditionerList (root inverse),
+/// EigendecomposedPreconditionerList and EigenvalueCorrectedPreconditionerList (SOAP). The stacks
+/// and rows they work on are in rows.h.
 
 #include <ATen/ATen.h>
 
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "preconditioners/iterative_roots.h"
+#include "preconditioners/matrix_functions.h"
 #include "preconditioners/rows.h"
 
 namespace shampoo::detail {
@@ -37,6 +39,8 @@ struct MatrixPreconditionerSettings {
   bool retry_double_precision = true;
   /// Root-inverse Shampoo: the matmul-only root solver; none = eigh.
   std::optional<IterativeRootSettings> root_solver;
+  /// Rank-deficient factors by pseudo-inverse instead of the ε perturbation (eigh roots only).
+  std::optional<PseudoInverseSettings> pseudo_inverse;
   int64_t tolerated_failures = 3;
   FailureInjector inject_failure;
 };

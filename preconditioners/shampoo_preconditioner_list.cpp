@@ -62,9 +62,10 @@ void ShampooPreconditionerList::compute_root_chunk(int64_t stack, const Rows& ro
     const auto corrected = factors_.corrected_factors(stack, rows, k, scalars);
     const std::vector<double> exponents(rows.size(), spec.dim_exponents[k]);
     const auto& solver = factors_.settings().root_solver;
-    auto result = stacked_inverse_root(corrected, scalars.epsilon, exponents,
-                                       factors_.settings().retry_double_precision,
-                                       solver ? &*solver : nullptr);
+    const auto& pseudo_inverse = factors_.settings().pseudo_inverse;
+    auto result = stacked_inverse_root(
+        corrected, scalars.epsilon, exponents, factors_.settings().retry_double_precision,
+        solver ? &*solver : nullptr, pseudo_inverse ? &*pseudo_inverse : nullptr);
     factors_.record_double_retries(result.retried_in_double);
     factors_.record_solver_fallbacks(result.solver_fallbacks);
     for (int64_t i = 0; i < rows.size(); ++i) {

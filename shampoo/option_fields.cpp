@@ -289,6 +289,7 @@ const char* family_name(const RootInvShampooConfig&) { return "root-inverse Sham
 const char* family_name(const EigenvalueCorrectedShampooConfig&) {
   return "eigenvalue-corrected Shampoo";
 }
+const char* family_name(const EigendecomposedShampooConfig&) { return "eigendecomposed Shampoo"; }
 const char* family_name(const SpectralDescentConfig&) { return "spectral descent"; }
 const char* family_name(const SignDescentConfig&) { return "sign descent"; }
 const char* family_name(const SGDPreconditionerConfig&) { return "SGD preconditioner"; }
@@ -377,8 +378,28 @@ std::string describe_root_solver(const RootInvShampooConfig& c) {
                   c.tolerance, ", tf32 ", c.tf32 ? "true" : "false");
 }
 
-/// (kind, retry_double_precision or 0, eigenbasis_method or 0, root_solver_parts..., the fields
-/// of a listed family...): equal exactly when the family and all its fields are.
+/// The rank-deficient stability of a config as (kind, rank_atol bits, rank_rtol bits); zeros for
+/// the perturbation and for configs without one.
+std::vector<int64_t> stability_parts(const PreconditionerConfig& config) {
+  const auto* stability = rank_deficient_stability(config);
+  const auto* c = stability != nullptr ? std::get_if<PseudoInverseConfig>(stability) : nullptr;
+  if (c == nullptr) return {0, 0, 0};
+  return {static_cast<int64_t>(stability->index()), double_bits(c->rank_atol),
+          double_bits(c->rank_rtol)};
+}
+
+std::string describe_stability(const RankDeficientStabilityConfig& stability) {
+  const auto* c = std::get_if<PseudoInverseConfig>(&stability);
+  if (c == nullptr) return "rank_deficient_stability perturbation";
+  return c10::str(
+      "rank_deficient_stability pseudo-inverse (rank_atol ", c->rank_atol, ", rank_rtol ",
+      c->rank_rtol == kDtypeRankRtol ? std::string("d * machine epsilon") : c10::str(c->rank_rtol),
+      ")");
+}
+
+/// (kind, retry_double_precision or 0, eigenbasis_method or 0, root_solver_parts...,
+/// stability_parts..., the fields of a listed family...): equal exactly when the family and all
+/// its fields are.
 std::vector<int64_t> preconditioner_parts(const ShampooOptions& o) {
   std::vector<int64_t> out{static_cast<int64_t>(o.preconditioner().index())};
   std::visit(
@@ -387,12 +408,14 @@ std::vector<int64_t> preconditioner_parts(const ShampooOptions& o) {
         int64_t retry = 0;
         int64_t method = 0;
         if constexpr (requires { c.retry_double_precision; }) retry = c.retry_double_precision;
-        if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
+        if constexpr (requires { c.eigenbasis_method; }) {
           method = static_cast<int64_t>(c.eigenbasis_method);
         }
         out.insert(out.end(), {retry, method});
         const auto solver = root_solver_parts(o.preconditioner());
         out.insert(out.end(), solver.begin(), solver.end());
+        const auto stability = stability_parts(o.preconditioner());
+        out.insert(out.end(), stability.begin(), stability.end());
         if constexpr (FieldListed<C>) {
           family_fields(c, [&](const char*, const char*, const auto& v) { append_code(v, out); });
         }
@@ -418,9 +441,15 @@ std::string describe_preconditioner(const ShampooOptions& o) {
             return c10::str(family_name(c), " (eigenbasis_method ",
                             c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
                             ", retry_double_precision ", retry, ")");
+          } else if constexpr (std::is_same_v<C, EigendecomposedShampooConfig>) {
+            return c10::str(family_name(c), " (eigenbasis_method ",
+                            c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
+                            ", retry_double_precision ", retry, ", ",
+                            describe_stability(c.rank_deficient_stability), ")");
           } else {
             return c10::str(family_name(c), " (retry_double_precision ", retry, ", ",
-                            describe_root_solver(c), ")");
+                            describe_root_solver(c), ", ",
+                            describe_stability(c.rank_deficient_stability), ")");
           }
         }
       },
@@ -452,7 +481,26 @@ void write_preconditioner(const ShampooOptions& o, OutputArchive& a) {
   a.write("preconditioner_max_iterations", c10::IValue(solver.max_iterations));
   a.write("preconditioner_tolerance", c10::IValue(solver.tolerance));
   a.write("preconditioner_tf32", c10::IValue(int64_t{solver.tf32 ? 1 : 0}));
+  const auto* stability = rank_deficient_stability(o.preconditioner());
+  const auto* pseudo_inverse =
+      stability != nullptr ? std::get_if<PseudoInverseConfig>(stability) : nullptr;
+  const auto pinv = pseudo_inverse != nullptr ? *pseudo_inverse : PseudoInverseConfig{};
+  a.write("preconditioner_rank_deficient_stability",
+          c10::IValue(int64_t{pseudo_inverse != nullptr ? 1 : 0}));
+  a.write("preconditioner_pseudo_inverse_rank_atol", c10::IValue(pinv.rank_atol));
+  a.write("preconditioner_pseudo_inverse_rank_rtol", c10::IValue(pinv.rank_rtol));
   write_listed_families(o, a);
+}
+
+/// The rank-deficient stability entries; the perturbation (the default) when they are absent, as
+/// in checkpoints written before the pseudo-inverse existed.
+RankDeficientStabilityConfig read_stability(InputArchive& a) {
+  if (!has_entry(a, "preconditioner_rank_deficient_stability")) return PerturbationConfig{};
+  const int64_t kind = read_index(a, "preconditioner_rank_deficient_stability",
+                                  std::variant_size_v<RankDeficientStabilityConfig>);
+  if (kind == 0) return PerturbationConfig{};
+  return PseudoInverseConfig{read_double(a, "preconditioner_pseudo_inverse_rank_atol"),
+                             read_double(a, "preconditioner_pseudo_inverse_rank_rtol")};
 }
 
 /// The default config of the family with variant index `kind`.
@@ -482,19 +530,23 @@ void read_preconditioner(InputArchive& a, ShampooOptions& o) {
           });
         } else if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
           c = EigenvalueCorrectedShampooConfig{method, retry};
+        } else if constexpr (std::is_same_v<C, EigendecomposedShampooConfig>) {
+          c = EigendecomposedShampooConfig{method, retry, read_stability(a)};
         } else {
           c.retry_double_precision = retry;
           c.solver = static_cast<RootSolver>(read_index(a, "preconditioner_root_solver", 3));
           c.max_iterations = read_int(a, "preconditioner_max_iterations");
           c.tolerance = read_double(a, "preconditioner_tolerance");
           c.tf32 = read_index(a, "preconditioner_tf32", 2) != 0;
+          c.rank_deficient_stability = read_stability(a);
         }
       },
       config);
   o.preconditioner(config);
 }
 
-/// Archive keys of the preconditioner row: the original seven, then every listed family's.
+/// Archive keys of the preconditioner row: the original seven, the rank-deficient stability's, then
+/// every listed family's.
 std::vector<std::string> preconditioner_archive_keys() {
   std::vector<std::string> keys{"preconditioner_kind",
                                 "preconditioner_retry_double_precision",
@@ -502,7 +554,10 @@ std::vector<std::string> preconditioner_archive_keys() {
                                 "preconditioner_root_solver",
                                 "preconditioner_max_iterations",
                                 "preconditioner_tolerance",
-                                "preconditioner_tf32"};
+                                "preconditioner_tf32",
+                                "preconditioner_rank_deficient_stability",
+                                "preconditioner_pseudo_inverse_rank_atol",
+                                "preconditioner_pseudo_inverse_rank_rtol"};
   std::apply(
       [&](auto... family) {
         (family_fields(family,

@@ -121,7 +121,61 @@ void check_iterate_averaging(const IterateAveragingConfig& averaging, double mom
               "): averaging takes the place of momentum");
 }
 
+/// The pseudo-inverse thresholds, and the root solver it needs (eigh).
+void check_rank_deficient_stability(const PreconditionerConfig& preconditioner) {
+  const auto* stability = rank_deficient_stability(preconditioner);
+  if (stability == nullptr) return;
+  TORCH_CHECK(!stability->valueless_by_exception(),
+              "ShampooOptions.preconditioner.rank_deficient_stability: no value");
+  const auto* c = std::get_if<PseudoInverseConfig>(stability);
+  if (c == nullptr) return;
+  TORCH_CHECK(std::isfinite(c->rank_atol) && c->rank_atol >= 0.0,
+              "ShampooOptions.preconditioner.rank_deficient_stability.rank_atol: got ",
+              c->rank_atol, ", expected rank_atol >= 0");
+  TORCH_CHECK(
+      c->rank_rtol == kDtypeRankRtol || (std::isfinite(c->rank_rtol) && c->rank_rtol >= 0.0),
+      "ShampooOptions.preconditioner.rank_deficient_stability.rank_rtol: got ", c->rank_rtol,
+      ", expected rank_rtol >= 0 or kDtypeRankRtol (-1)");
+  const auto* root_inverse = std::get_if<RootInvShampooConfig>(&preconditioner);
+  TORCH_CHECK(root_inverse == nullptr || root_inverse->solver == RootSolver::kEigh,
+              "ShampooOptions.preconditioner.rank_deficient_stability: PseudoInverseConfig needs "
+              "solver kEigh, got ",
+              root_inverse != nullptr && root_inverse->solver == RootSolver::kNewtonDB
+                  ? "kNewtonDB"
+                  : "kCoupledNewton",
+              " (an iterative solver cannot drop eigenvalues)");
+}
+
+/// ε > 0 with the perturbation, ε = 0 with the pseudo-inverse (the reference's rule).
+void check_epsilon(double epsilon, const PreconditionerConfig& preconditioner) {
+  if (uses_pseudo_inverse(preconditioner)) {
+    TORCH_CHECK(epsilon == 0.0, "ShampooOptions.epsilon: got ", epsilon,
+                ", expected 0 with PseudoInverseConfig (the pseudo-inverse drops small "
+                "eigenvalues instead of adding epsilon)");
+    return;
+  }
+  TORCH_CHECK(std::isfinite(epsilon) && epsilon > 0.0, "ShampooOptions.epsilon: got ", epsilon,
+              ", expected epsilon > 0");
+}
+
 }  // namespace
+
+const RankDeficientStabilityConfig* rank_deficient_stability(const PreconditionerConfig& config) {
+  return std::visit(
+      [](const auto& c) -> const RankDeficientStabilityConfig* {
+        if constexpr (requires { c.rank_deficient_stability; }) {
+          return &c.rank_deficient_stability;
+        } else {
+          return nullptr;
+        }
+      },
+      config);
+}
+
+bool uses_pseudo_inverse(const PreconditionerConfig& config) {
+  const auto* stability = rank_deficient_stability(config);
+  return stability != nullptr && std::holds_alternative<PseudoInverseConfig>(*stability);
+}
 
 double ShampooOptions::resolved_beta3() const {
   return beta3() == -1.0 ? std::get<0>(betas()) : beta3();
@@ -142,8 +196,7 @@ void ShampooOptions::validate() const {
   TORCH_CHECK(beta3() == -1.0 || (std::isfinite(beta3()) && beta3() >= 0.0 && beta3() < 1.0),
               "ShampooOptions.beta3: got ", beta3(),
               ", expected -1 (= beta1) or a value in [0, 1)");
-  TORCH_CHECK(std::isfinite(epsilon()) && epsilon() > 0.0, "ShampooOptions.epsilon: got ",
-              epsilon(), ", expected epsilon > 0");
+  check_epsilon(epsilon(), preconditioner());
   TORCH_CHECK(std::isfinite(weight_decay()) && weight_decay() >= 0.0,
               "ShampooOptions.weight_decay: got ", weight_decay(), ", expected weight_decay >= 0");
   check_unit_interval(momentum(), "momentum", /*allow_one=*/false);
@@ -167,6 +220,13 @@ void ShampooOptions::validate() const {
   check_root_solver(preconditioner(), inverse_exponent_override());
   check_descent_and_diagonal(preconditioner());
   check_iterate_averaging(iterate_averaging(), momentum());
+  check_rank_deficient_stability(preconditioner());
+  if (const auto* c = std::get_if<EigendecomposedShampooConfig>(&preconditioner())) {
+    TORCH_CHECK(c->eigenbasis_method == EigenbasisMethod::kEigh ||
+                    c->eigenbasis_method == EigenbasisMethod::kQR,
+                "ShampooOptions.preconditioner.eigenbasis_method: got ",
+                static_cast<int>(c->eigenbasis_method), ", expected kEigh or kQR");
+  }
   for (const auto& [order, dims] : inverse_exponent_override()) {
     TORCH_CHECK(order >= 1, "ShampooOptions.inverse_exponent_override: order ", order,
                 " is not a block order (expected >= 1)");

@@ -38,6 +38,34 @@ enum class RootSolver {
   kNewtonDB,
 };
 
+/// Rank-deficient stability by perturbation (the default, the reference's PerturbationConfig with
+/// its default perturb_before_computation = true): ε·I is added to the factor before the
+/// eigendecomposition and eigenvalues below ε are shifted so the smallest is ε (docs/math.md
+/// step 3). ShampooOptions::epsilon must be > 0.
+struct PerturbationConfig {
+  bool operator==(const PerturbationConfig&) const = default;
+};
+
+/// rank_rtol value meaning "d · machine epsilon of the factor dtype" (the reference's None).
+inline constexpr double kDtypeRankRtol = -1.0;
+
+/// Rank-deficient stability by pseudo-inverse (the reference's PseudoInverseConfig): no ε; every
+/// eigenvalue λ ≤ max(rank_rtol · max(λ_max, 0), rank_atol) is dropped (its power is 0), the
+/// others are raised to −e (docs/math.md, "Pseudo-inverse"). ShampooOptions::epsilon must be 0.
+/// Only for eigenvalue-based roots: root-inverse Shampoo with RootSolver::kEigh and
+/// eigendecomposed Shampoo (not eigenvalue-corrected Shampoo, as in the reference).
+struct PseudoInverseConfig {
+  /// Absolute threshold (≥ 0). The reference's default.
+  double rank_atol = 0.0;
+  /// Relative threshold (≥ 0), or kDtypeRankRtol. The reference's default.
+  double rank_rtol = 0.0;
+  bool operator==(const PseudoInverseConfig&) const = default;
+};
+
+/// How eigenvalue-based inverse roots treat rank-deficient factors (the reference's
+/// rank_deficient_stability_config). Index = code in checkpoints: only append.
+using RankDeficientStabilityConfig = std::variant<PerturbationConfig, PseudoInverseConfig>;
+
 /// Root-inverse Shampoo (the default): each block is preconditioned by A_k^(−e_k) along every dim
 /// k, A_k the Kronecker factor, the root computed every `precondition_frequency` steps by
 /// `solver`. The iterative solvers run all same-size blocks of a stack as one batch and stop a
@@ -53,6 +81,8 @@ struct RootInvShampooConfig {
   /// Iterative solvers on CUDA: TensorFloat-32 matrix products (about 5× faster, relative error
   /// near 1e-2; raise `tolerance` to ~3e-2 with it). No effect on CPU.
   bool tf32 = false;
+  /// Perturbation by ε (default) or pseudo-inverse (RootSolver::kEigh only).
+  RankDeficientStabilityConfig rank_deficient_stability = PerturbationConfig{};
   bool operator==(const RootInvShampooConfig&) const = default;
 };
 
@@ -150,12 +180,36 @@ struct AdamPreconditionerConfig {
   bool operator==(const AdamPreconditionerConfig&) const = default;
 };
 
+/// Eigendecomposed Shampoo (the reference's EigendecomposedShampooPreconditionerConfig): keeps the
+/// eigendecomposition Q_k·diag(λ_k)·Q_kᵀ of every factor A_k + ε·I (recomputed at amortized
+/// steps) and applies X_k = Q_k·diag(f(λ_k))·Q_kᵀ at every preconditioning, f the inverse root
+/// −e_k after the ε shift (or the pseudo-inverse). Exponents and inverse_exponent_override as
+/// root-inverse Shampoo. Eigenvectors and eigenvalues are kept in factor_matrix_dtype (the
+/// reference's separate eigenvector / eigenvalue dtypes, float32 by default, are not offered).
+/// Eigenvalues start at 1 and eigenvectors at I, so X_k starts as I (ε^(−e_k)·I when ε > 1).
+struct EigendecomposedShampooConfig {
+  /// kEigh (default): eigh of A + ε·I with the float64 retry; kQR: one QR (subspace) iteration
+  /// warm-started from the previous eigenvectors, eigenvalues its Rayleigh quotients.
+  EigenbasisMethod eigenbasis_method = EigenbasisMethod::kEigh;
+  bool retry_double_precision = true;
+  RankDeficientStabilityConfig rank_deficient_stability = PerturbationConfig{};
+  bool operator==(const EigendecomposedShampooConfig&) const = default;
+};
+
 /// The preconditioner family. The index of the alternative is the kind written to checkpoints:
 /// append new families at the end, never reorder.
 using PreconditionerConfig =
     std::variant<RootInvShampooConfig, EigenvalueCorrectedShampooConfig, SpectralDescentConfig,
                  SignDescentConfig, SGDPreconditionerConfig, AdaGradPreconditionerConfig,
-                 RMSpropPreconditionerConfig, AdamPreconditionerConfig>;
+                 RMSpropPreconditionerConfig, AdamPreconditionerConfig,
+                 EigendecomposedShampooConfig>;
+
+/// The rank-deficient stability of a preconditioner config: that of root-inverse and
+/// eigendecomposed Shampoo; null for eigenvalue-corrected Shampoo, which has none.
+const RankDeficientStabilityConfig* rank_deficient_stability(const PreconditionerConfig& config);
+
+/// True when `config` applies the pseudo-inverse (PseudoInverseConfig).
+bool uses_pseudo_inverse(const PreconditionerConfig& config);
 
 /// Generalized primal averaging (docs/math.md, "Iterate averaging"; the reference's
 /// GeneralizedPrimalAveragingConfig, arXiv 2512.17131). Keeps per block the sequence Z of plain
@@ -217,7 +271,7 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   TORCH_ARG(Betas, betas) = std::make_tuple(0.9, 1.0);
   /// Filter coefficient of the gradient used in the step; −1 means beta1.
   TORCH_ARG(double, beta3) = -1.0;
-  /// Added to the factors before the root (> 0).
+  /// Added to the factors before the root (> 0; exactly 0 with PseudoInverseConfig).
   TORCH_ARG(double, epsilon) = 1e-12;
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(WeightDecayType, weight_decay_type) = WeightDecayType::kDecoupled;

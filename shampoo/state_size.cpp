@@ -16,17 +16,21 @@ namespace {
 
 /// Bytes the preconditioner lists and the elementwise state allocate for one block from the start
 /// (see the constructors of KroneckerFactors, ShampooPreconditionerList,
-/// EigenvalueCorrectedPreconditionerList, DiagonalPreconditionerList and ElementwiseState).
+/// EigendecomposedPreconditionerList, EigenvalueCorrectedPreconditionerList,
+/// DiagonalPreconditionerList and ElementwiseState).
 int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64_t>& shape,
                           int64_t numel, int64_t param_element_size) {
   const auto factor_size = static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
   const auto& preconditioner = options.preconditioner();
+  const bool eigendecomposed = std::holds_alternative<EigendecomposedShampooConfig>(preconditioner);
   int64_t bytes = 0;
   if (uses_kronecker_factors(options)) {
     const auto exponents = dim_exponents(options, static_cast<int64_t>(shape.size()));
     for (const auto k : c10::irange(shape.size())) {
       // A factor and its root (or eigenbasis); none for a dim with exponent 0.
-      if (exponents[k] != 0.0) bytes += 2 * shape[k] * shape[k] * factor_size;
+      if (exponents[k] == 0.0) continue;
+      bytes += 2 * shape[k] * shape[k] * factor_size;
+      if (eigendecomposed) bytes += shape[k] * factor_size;  // its eigenvalues
     }
   }
   // A second moment of the block's shape: SOAP's corrected one, or the diagonal families' V

@@ -7,6 +7,7 @@
 
 #include "preconditioners/descent_preconditioner_lists.h"
 #include "preconditioners/diagonal_preconditioner_list.h"
+#include "preconditioners/eigendecomposed_preconditioner_list.h"
 #include "preconditioners/eigenvalue_corrected_preconditioner_list.h"
 #include "preconditioners/shampoo_preconditioner_list.h"
 #include "shampoo/param_updates.h"
@@ -27,6 +28,14 @@ std::optional<IterativeRootSettings> iterative_root_settings(const RootInvShampo
   return s;
 }
 
+/// The pseudo-inverse thresholds of a rank-deficient stability config; none for perturbation.
+std::optional<PseudoInverseSettings> pseudo_inverse_settings(
+    const RankDeficientStabilityConfig& config) {
+  const auto* c = std::get_if<PseudoInverseConfig>(&config);
+  if (c == nullptr) return std::nullopt;
+  return PseudoInverseSettings{c->rank_atol, c->rank_rtol};
+}
+
 // One factory per family, chosen by overload resolution on the config.
 using Specs = std::vector<StackSpec>;
 using ListPtr = std::unique_ptr<PreconditionerList>;
@@ -35,7 +44,18 @@ ListPtr make_list(const RootInvShampooConfig& config, Specs specs,
                   MatrixPreconditionerSettings settings) {
   settings.retry_double_precision = config.retry_double_precision;
   settings.root_solver = iterative_root_settings(config);
+  settings.pseudo_inverse = pseudo_inverse_settings(config.rank_deficient_stability);
   return std::make_unique<ShampooPreconditionerList>(std::move(specs), settings);
+}
+
+ListPtr make_list(const EigendecomposedShampooConfig& config, Specs specs,
+                  MatrixPreconditionerSettings settings) {
+  settings.retry_double_precision = config.retry_double_precision;
+  settings.pseudo_inverse = pseudo_inverse_settings(config.rank_deficient_stability);
+  const auto method = config.eigenbasis_method == EigenbasisMethod::kQR
+                          ? EigendecompositionUpdate::kQR
+                          : EigendecompositionUpdate::kEigh;
+  return std::make_unique<EigendecomposedPreconditionerList>(std::move(specs), settings, method);
 }
 
 ListPtr make_list(const EigenvalueCorrectedShampooConfig& config, Specs specs,
@@ -176,8 +196,10 @@ int64_t block_target_order(const ShampooOptions& options) {
 }
 
 bool uses_kronecker_factors(const ShampooOptions& options) {
-  return std::holds_alternative<RootInvShampooConfig>(options.preconditioner()) ||
-         std::holds_alternative<EigenvalueCorrectedShampooConfig>(options.preconditioner());
+  const auto& p = options.preconditioner();
+  return std::holds_alternative<RootInvShampooConfig>(p) ||
+         std::holds_alternative<EigenvalueCorrectedShampooConfig>(p) ||
+         std::holds_alternative<EigendecomposedShampooConfig>(p);
 }
 
 VirtualGroup::VirtualGroup(const ShampooOptions& structure, std::vector<int64_t> user_groups,

@@ -92,6 +92,19 @@ std::vector<DistributedCase> cases() {
                              .solver = shampoo::RootSolver::kCoupledNewton})},
       {"newton_db", ShampooOptions(base).preconditioner(
                         shampoo::RootInvShampooConfig{.solver = shampoo::RootSolver::kNewtonDB})},
+      {"eigendecomposed",
+       ShampooOptions(base).preconditioner(shampoo::EigendecomposedShampooConfig{})},
+      {"eigendecomposed_qr_grafting",
+       ShampooOptions(base)
+           .grafting(shampoo::AdamGraftingConfig{0.99, 1e-8})
+           .preconditioner(shampoo::EigendecomposedShampooConfig{
+               .eigenbasis_method = shampoo::EigenbasisMethod::kQR})},
+      {"eigendecomposed_pseudo_inverse",
+       ShampooOptions(base).epsilon(0.0).preconditioner(shampoo::EigendecomposedShampooConfig{
+           .rank_deficient_stability = shampoo::PseudoInverseConfig{.rank_rtol = 1e-5}})},
+      {"root_inverse_pseudo_inverse",
+       ShampooOptions(base).epsilon(0.0).preconditioner(shampoo::RootInvShampooConfig{
+           .rank_deficient_stability = shampoo::PseudoInverseConfig{.rank_rtol = 1e-5}})},
   };
 }
 

@@ -59,6 +59,15 @@ std::vector<FactoryCase> factories() {
                     .grafting(shampoo::AdamGraftingConfig{})
                     .momentum(0.5));
        }},
+      {"eigendecomposed_shampoo",
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<shampoo::DistributedShampoo>(
+             p, shampoo::ShampooOptions(0.02)
+                    .epsilon(1e-6)
+                    .precondition_frequency(2)
+                    .preconditioner(shampoo::EigendecomposedShampooConfig{})
+                    .momentum(0.5));
+       }},
   };
 }
 

@@ -74,6 +74,14 @@ TEST_P(Resume, ResumedRunEqualsUninterruptedBitForBit) {
   if (GetParam() == 4) {
     options.preconditioner(shampoo::RootInvShampooConfig{.solver = shampoo::RootSolver::kNewtonDB});
   }
+  if (GetParam() == 5) {
+    options.preconditioner(
+        shampoo::EigendecomposedShampooConfig{.eigenbasis_method = shampoo::EigenbasisMethod::kQR});
+  }
+  if (GetParam() == 6) {
+    options.epsilon(0.0).preconditioner(shampoo::EigendecomposedShampooConfig{
+        .rank_deficient_stability = shampoo::PseudoInverseConfig{.rank_rtol = 1e-5}});
+  }
   if (GetParam() == 2)
     options.weight_decay(1e-3)
         .weight_decay_type(shampoo::WeightDecayType::kL2)
@@ -105,7 +113,7 @@ TEST_P(Resume, ResumedRunEqualsUninterruptedBitForBit) {
   std::filesystem::remove(path);
 }
 
-INSTANTIATE_TEST_SUITE_P(Configs, Resume, ::testing::Values(0, 1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(Configs, Resume, ::testing::Values(0, 1, 2, 3, 4, 5, 6));
 
 TEST(Resume, WithoutStateTheRunDiverges) {
   // The resume test above could not pass by accident: skipping the load changes the result.

@@ -67,21 +67,23 @@ TEST_P(StateSizeEstimateTest, EqualsTheStateAllocatedAtConstruction) {
 
 INSTANTIATE_TEST_SUITE_P(
     Options, StateSizeEstimateTest,
-    ::testing::Values(EstimateCase{"root_inverse", ShampooOptions().max_preconditioner_dim(32)},
-                      EstimateCase{"adam_grafting_double_factors",
-                                   ShampooOptions()
-                                       .max_preconditioner_dim(32)
-                                       .grafting(AdamGraftingConfig{})
-                                       .factor_matrix_dtype(torch::kDouble)},
-                      EstimateCase{"eigenvalue_corrected_adagrad",
-                                   ShampooOptions()
-                                       .max_preconditioner_dim(16)
-                                       .preconditioner(EigenvalueCorrectedShampooConfig{})
-                                       .grafting(AdaGradGraftingConfig{})},
-                      EstimateCase{"exponent_overrides_no_merge",
-                                   ShampooOptions().use_merge_dims(false).inverse_exponent_override(
-                                       {{1, {{0, 0.0}}}, {3, {{1, 0.0}, {2, 0.0}}}})},
-                      EstimateCase{"recommended", recommended_options()}),
+    ::testing::Values(
+        EstimateCase{"root_inverse", ShampooOptions().max_preconditioner_dim(32)},
+        EstimateCase{"adam_grafting_double_factors", ShampooOptions()
+                                                         .max_preconditioner_dim(32)
+                                                         .grafting(AdamGraftingConfig{})
+                                                         .factor_matrix_dtype(torch::kDouble)},
+        EstimateCase{"eigenvalue_corrected_adagrad",
+                     ShampooOptions()
+                         .max_preconditioner_dim(16)
+                         .preconditioner(EigenvalueCorrectedShampooConfig{})
+                         .grafting(AdaGradGraftingConfig{})},
+        EstimateCase{"eigendecomposed", ShampooOptions().max_preconditioner_dim(16).preconditioner(
+                                            shampoo::EigendecomposedShampooConfig{})},
+        EstimateCase{"exponent_overrides_no_merge",
+                     ShampooOptions().use_merge_dims(false).inverse_exponent_override(
+                         {{1, {{0, 0.0}}}, {3, {{1, 0.0}, {2, 0.0}}}})},
+        EstimateCase{"recommended", recommended_options()}),
     [](const auto& info) { return info.param.name; });
 
 TEST(StateSizeWarning, FiresOnceForAThinParameterWithDefaultOptions) {

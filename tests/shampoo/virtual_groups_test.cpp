@@ -117,6 +117,45 @@ TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithEveryRootSolver) {
   }
 }
 
+TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithEigendecomposedFamilies) {
+  const std::vector<std::pair<shampoo::PreconditionerConfig, double>> configs{
+      {shampoo::EigendecomposedShampooConfig{}, 1e-6},
+      {shampoo::EigendecomposedShampooConfig{.eigenbasis_method = shampoo::EigenbasisMethod::kQR},
+       1e-6},
+      {shampoo::EigendecomposedShampooConfig{.rank_deficient_stability =
+                                                 shampoo::PseudoInverseConfig{.rank_rtol = 1e-5}},
+       0.0},
+      {shampoo::RootInvShampooConfig{.rank_deficient_stability =
+                                         shampoo::PseudoInverseConfig{.rank_rtol = 1e-5}},
+       0.0}};
+  for (const auto& [config, epsilon] : configs) {
+    auto merged_params = make_params(5);
+    auto unmerged_params = make_params(5);
+    const auto initial = snapshot(merged_params);
+    auto with_config = [&](const std::vector<at::Tensor>& params) {
+      auto groups = make_groups(params, 8);
+      for (auto& g : groups) {
+        static_cast<ShampooOptions&>(g.options()).epsilon(epsilon).preconditioner(config);
+      }
+      return groups;
+    };
+    DistributedShampoo merged(with_config(merged_params));
+    DistributedShampoo unmerged(with_config(unmerged_params), ShampooOptions(),
+                                DistributedOptions().merge_param_groups(false));
+    ASSERT_EQ(merged.stats().virtual_groups, 1);
+    for (int step = 1; step <= 9; ++step) {
+      set_grads(merged_params, step);
+      set_grads(unmerged_params, step);
+      merged.step();
+      unmerged.step();
+      ASSERT_TRUE(bit_equal(snapshot(merged_params), snapshot(unmerged_params)))
+          << "config " << config.index() << " step " << step;
+    }
+    EXPECT_GT(merged.stats().amortized_computations, 0);
+    EXPECT_FALSE(merged_params[0].detach().equal(initial[0]));
+  }
+}
+
 TEST(VirtualGroups, SetLrChangesOnlyItsGroup) {
   auto a = make_params(2);
   auto b = make_params(2);

@@ -20,6 +20,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <cmath>
 #include <filesystem>
 
 #include "shampoo/option_fields.h"
@@ -113,9 +114,11 @@ void ShampooEngine::save_common(
     torch::serialize::OutputArchive group;
     options_of(groups[g], g).serialize(group);
     group.write("step", c10::IValue(group_steps_[g]));
+    group.write("lr_sum", c10::IValue(group_lr_sums_[g]));
     group.write("num_params", c10::IValue(group_sizes_[g]));
     all_groups.write("group_" + std::to_string(g), group);
   }
+  all_groups.write("eval_mode", c10::IValue(int64_t{eval_mode_ ? 1 : 0}));
   archive.write("groups", all_groups);
 }
 
@@ -207,9 +210,17 @@ void check_model(torch::serialize::InputArchive& archive, const std::vector<Para
   }
 }
 
+/// An entry added after format 2 was fixed (iterate averaging): `fallback` when absent.
+c10::IValue read_optional(torch::serialize::InputArchive& archive, const std::string& key,
+                          c10::IValue fallback) {
+  c10::IValue value;
+  return archive.try_read(key, value) ? value : fallback;
+}
+
 /// The options and step of param group g, checked against its size and structural options here.
 void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t num_params,
-                const ShampooOptions& current, ShampooOptions& saved, int64_t& step) {
+                const ShampooOptions& current, ShampooOptions& saved, int64_t& step,
+                double& lr_sum) {
   torch::serialize::InputArchive group;
   TORCH_CHECK(all_groups.try_read("group_" + std::to_string(g), group),
               "checkpoint: no entry for param group ", g);
@@ -229,6 +240,10 @@ void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t nu
               " as in this optimizer (a structural option; build the optimizer with the "
               "checkpoint's value)");
   step = read_int(group, "step");
+  const auto sum = read_optional(group, "lr_sum", c10::IValue(0.0));
+  TORCH_CHECK(sum.isDouble() && std::isfinite(sum.toDouble()) && sum.toDouble() >= 0.0,
+              "checkpoint: param group ", g, ": entry 'lr_sum' is not a finite float >= 0");
+  lr_sum = sum.toDouble();
 }
 
 }  // namespace
@@ -237,6 +252,8 @@ struct ShampooEngine::PreparedLoad {
   std::vector<std::unique_ptr<VirtualGroup>> virtual_groups;
   std::vector<ShampooOptions> options;
   std::vector<int64_t> steps;
+  std::vector<double> lr_sums;
+  bool eval_mode = false;
 };
 
 std::shared_ptr<ShampooEngine::PreparedLoad> ShampooEngine::prepare(
@@ -251,10 +268,14 @@ std::shared_ptr<ShampooEngine::PreparedLoad> ShampooEngine::prepare(
   auto prepared = std::make_shared<PreparedLoad>();
   prepared->options.resize(groups.size());
   prepared->steps.resize(groups.size());
+  prepared->lr_sums.resize(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
     read_group(all_groups, g, group_sizes_[g], options_of(groups[g], g), prepared->options[g],
-               prepared->steps[g]);
+               prepared->steps[g], prepared->lr_sums[g]);
   }
+  const auto eval_mode = read_optional(all_groups, "eval_mode", c10::IValue(int64_t{0}));
+  TORCH_CHECK(eval_mode.isInt(), "checkpoint: entry 'groups/eval_mode' is not an int");
+  prepared->eval_mode = eval_mode.toInt() != 0;
   std::map<BlockId, BlockState> states;
   for (int64_t b = 0; b < static_cast<int64_t>(blocks_.size()); ++b) {
     if (distributor_->owns(b)) states[blocks_[b].id] = read_block(b);
@@ -276,7 +297,9 @@ void ShampooEngine::install(PreparedLoad& prepared,
       }
     }
     group_steps_[g] = prepared.steps[g];
+    group_lr_sums_[g] = prepared.lr_sums[g];
   }
+  eval_mode_ = prepared.eval_mode;
 }
 
 void ShampooEngine::load(torch::serialize::InputArchive& archive,

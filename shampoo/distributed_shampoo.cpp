@@ -105,6 +105,18 @@ std::function<void()> DistributedShampoo::prepare_load(torch::serialize::InputAr
   return engine_->prepare_load(common, pieces, param_groups_);
 }
 
+void DistributedShampoo::train() {
+  c10::NoGradGuard no_grad;
+  engine_->set_eval_mode(false, param_groups_);
+}
+
+void DistributedShampoo::eval() {
+  c10::NoGradGuard no_grad;
+  engine_->set_eval_mode(true, param_groups_);
+}
+
+bool DistributedShampoo::is_training() const { return !engine_->eval_mode(); }
+
 ShampooStats DistributedShampoo::stats() const { return engine_->stats(); }
 
 ShampooOptions& DistributedShampoo::group_options(size_t group) {

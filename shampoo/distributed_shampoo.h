@@ -97,6 +97,18 @@ class DistributedShampoo : public torch::optim::Optimizer,
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,
                                      PieceReader& pieces) override;
 
+  /// Iterate averaging (ShampooOptions::iterate_averaging; docs/math.md, "Iterate averaging"):
+  /// the parameters hold the training sequence y, where gradients are taken. eval() moves the
+  /// parameters of the groups with averaging to the evaluation sequence x (evaluate and save the
+  /// model there), train() back to y; either does nothing when already in that mode, and nothing
+  /// to groups without averaging. step() in eval mode is an error. Collective in distributed
+  /// mode: every rank calls it (the owner of a block holds its Z; one AllGather). The mode is
+  /// saved in checkpoints.
+  void train();
+  void eval();
+  /// False after eval() until train() (true for a new optimizer).
+  bool is_training() const;
+
   ShampooStats stats() const;
 
   /// The options of param group `group` (a ShampooOptions).

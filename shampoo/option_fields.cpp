@@ -658,6 +658,98 @@ OptionField inverse_exponent_override_field() {
   return f;
 }
 
+// Iterate averaging: the alternative and its three numbers (μx of GPA, μy, the lr power of
+// Schedule-Free; the defaults of the other alternatives where a config has no such field).
+struct AveragingParts {
+  int64_t kind = 0;
+  GeneralizedPrimalAveragingConfig gpa;
+  ScheduleFreeConfig schedule_free;
+};
+AveragingParts averaging_parts(const ShampooOptions& o) {
+  AveragingParts p;
+  p.kind = static_cast<int64_t>(o.iterate_averaging().index());
+  if (const auto* c = std::get_if<GeneralizedPrimalAveragingConfig>(&o.iterate_averaging())) {
+    p.gpa = *c;
+  }
+  if (const auto* c = std::get_if<ScheduleFreeConfig>(&o.iterate_averaging())) {
+    p.schedule_free = *c;
+  }
+  return p;
+}
+
+/// (eval_interp_coeff, train_interp_coeff, eval_coeff_lr_power) of the active alternative.
+std::array<double, 3> averaging_numbers(const AveragingParts& p) {
+  if (p.kind == 1) return {p.gpa.eval_interp_coeff, p.gpa.train_interp_coeff, 0.0};
+  if (p.kind == 2) {
+    return {0.0, p.schedule_free.train_interp_coeff, p.schedule_free.eval_coeff_lr_power};
+  }
+  return {0.0, 0.0, 0.0};
+}
+
+constexpr std::array<const char*, 3> kAveragingNumberKeys = {
+    "iterate_averaging_eval_interp_coeff", "iterate_averaging_train_interp_coeff",
+    "iterate_averaging_eval_coeff_lr_power"};
+
+std::string describe_averaging(const ShampooOptions& o) {
+  const auto& a = o.iterate_averaging();
+  if (const auto* c = std::get_if<GeneralizedPrimalAveragingConfig>(&a)) {
+    return c10::str("GeneralizedPrimalAveragingConfig (eval_interp_coeff ", c->eval_interp_coeff,
+                    ", train_interp_coeff ", c->train_interp_coeff, ")");
+  }
+  if (const auto* c = std::get_if<ScheduleFreeConfig>(&a)) {
+    return c10::str("ScheduleFreeConfig (train_interp_coeff ", c->train_interp_coeff,
+                    ", eval_coeff_lr_power ", c->eval_coeff_lr_power, ")");
+  }
+  return "none";
+}
+
+// Added after format 2 was fixed: an archive without these entries keeps no averaging.
+void read_averaging(InputArchive& a, ShampooOptions& o) {
+  if (!has_entry(a, "iterate_averaging_kind")) {
+    o.iterate_averaging(std::monostate{});
+    return;
+  }
+  const int64_t kind =
+      read_index(a, "iterate_averaging_kind", std::variant_size_v<IterateAveragingConfig>);
+  std::array<double, 3> v{};
+  for (size_t i = 0; i < v.size(); ++i) v[i] = read_double(a, kAveragingNumberKeys[i]);
+  if (kind == 1) {
+    o.iterate_averaging(GeneralizedPrimalAveragingConfig{v[0], v[1]});
+  } else if (kind == 2) {
+    o.iterate_averaging(ScheduleFreeConfig{v[1], v[2]});
+  } else {
+    o.iterate_averaging(std::monostate{});
+  }
+}
+
+OptionField iterate_averaging_field() {
+  OptionField f;
+  f.name = "iterate_averaging";
+  f.kind = OptionKind::kStructural;
+  f.archive_keys = {"iterate_averaging_kind", kAveragingNumberKeys[0], kAveragingNumberKeys[1],
+                    kAveragingNumberKeys[2]};
+  f.code = [](const ShampooOptions& o) {
+    const auto p = averaging_parts(o);
+    std::vector<int64_t> code{p.kind};
+    for (const double x : averaging_numbers(p)) code.push_back(double_bits(x));
+    return code;
+  };
+  f.describe = describe_averaging;
+  f.write = [](const ShampooOptions& o, OutputArchive& a) {
+    const auto p = averaging_parts(o);
+    a.write("iterate_averaging_kind", c10::IValue(p.kind));
+    const auto numbers = averaging_numbers(p);
+    for (size_t i = 0; i < numbers.size(); ++i) {
+      a.write(kAveragingNumberKeys[i], c10::IValue(numbers[i]));
+    }
+  };
+  f.read = read_averaging;
+  f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
+    to.iterate_averaging(from.iterate_averaging());
+  };
+  return f;
+}
+
 std::vector<OptionField> make_option_fields() {
   return {
       SHAMPOO_SIMPLE_OPTION(double, lr, kFloat),
@@ -680,6 +772,7 @@ std::vector<OptionField> make_option_fields() {
       preconditioner_field(),
       inverse_exponent_override_field(),
       SHAMPOO_SIMPLE_OPTION(int64_t, num_tolerated_failed_amortized_computations, kStructural),
+      iterate_averaging_field(),
   };
 }
 

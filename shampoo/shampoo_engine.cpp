@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/generated/variable_factories.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <optional>
@@ -12,6 +13,7 @@
 
 #include "shampoo/option_fields.h"
 #include "shampoo/param_updates.h"
+#include "shampoo/step_plan.h"
 
 namespace shampoo::detail {
 
@@ -103,6 +105,7 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
   const auto group_index = static_cast<int64_t>(index);
   groups.emplace_back(params, std::move(options));
   group_steps_.push_back(0);
+  group_lr_sums_.push_back(0.0);
   group_sizes_.push_back(static_cast<int64_t>(params.size()));
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
@@ -394,10 +397,55 @@ void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& g
   distributor_->begin_step();
   try {
     check_groups(groups);
+    TORCH_CHECK(!eval_mode_ || !any_averaging(),
+                "DistributedShampoo: step() in eval mode; with iterate averaging the parameters "
+                "hold the evaluation sequence after eval(): call train() before step()");
   } catch (...) {
     abort_step();
     throw;
   }
+  // Read once per step: in backward, compute calls come later, and close_step commits these.
+  step_lr_sums_ = group_lr_sums_;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    step_lr_sums_[g] += lr_power_term(options_of(groups[g], g));
+  }
+}
+
+bool ShampooEngine::any_averaging() const {
+  return std::any_of(virtual_groups_.begin(), virtual_groups_.end(),
+                     [](const auto& vg) { return averaging_enabled(vg->structure()); });
+}
+
+void ShampooEngine::set_eval_mode(bool eval,
+                                  std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  TORCH_CHECK(!step_open_, "DistributedShampoo: ", eval ? "eval()" : "train()",
+              " while a step is open (in backward); switch between steps");
+  if (eval == eval_mode_) return;
+  check_groups(groups);
+  if (!any_averaging()) {
+    eval_mode_ = eval;
+    return;
+  }
+  distributor_->begin_step();
+  try {
+    for (const auto& vg : virtual_groups_) {
+      if (averaging_enabled(vg->structure())) {
+        vg->switch_sequence(eval, params_, blocks_, *distributor_);
+      }
+    }
+  } catch (...) {
+    if (distributor_->distributed()) distributor_->exchange(/*failed=*/true);
+    throw;
+  }
+  if (distributor_->distributed()) {
+    collectives_last_step_ = distributor_->exchange();
+    TORCH_CHECK(distributor_->failed_ranks().empty(),
+                "DistributedShampoo: ", eval ? "eval()" : "train()", " failed on rank(s) ",
+                fmt::format("{}", fmt::join(distributor_->failed_ranks(), ", ")),
+                "; no parameter was changed");
+    apply_received(*distributor_, params_, blocks_);
+  }
+  eval_mode_ = eval;
 }
 
 void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -413,8 +461,9 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
   // The step being computed: one past each group's count (advanced when the step completes).
   std::vector<int64_t> next_steps(group_steps_);
   for (auto& t : next_steps) ++t;
-  const StepInputs inputs{params_,      blocks_,      group_options, next_steps, grad_blocks,
-                          param_blocks, grad_abs_max, *distributor_, fault_,     computed_};
+  const StepInputs inputs{params_,       blocks_,     group_options, next_steps,
+                          step_lr_sums_, grad_blocks, param_blocks,  grad_abs_max,
+                          *distributor_, fault_,      computed_};
 
   bool protect = protect_all_;
   for (const auto& vg : virtual_groups_) protect = vg->may_raise(inputs) || protect;
@@ -465,7 +514,10 @@ void ShampooEngine::close_step(bool completed) {
                                                        : static_cast<bool>(computed_[b]);
       if (updated) advance[params_[blocks_[b].param].group] = true;
     }
-    for (size_t g = 0; g < group_steps_.size(); ++g) group_steps_[g] += advance[g] ? 1 : 0;
+    for (size_t g = 0; g < group_steps_.size(); ++g) {
+      group_steps_[g] += advance[g] ? 1 : 0;
+      if (advance[g]) group_lr_sums_[g] = step_lr_sums_[g];
+    }
   }
   rollback_bytes_last_step_ = journal_active_ ? journal_.bytes : 0;
   journal_ = StepJournal{};

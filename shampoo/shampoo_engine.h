@@ -61,6 +61,12 @@ class ShampooEngine {
   std::function<void()> prepare_load(torch::serialize::InputArchive& common, PieceReader& pieces,
                                      std::vector<torch::optim::OptimizerParamGroup>& groups);
 
+  /// Iterate averaging: moves the parameters of the groups with averaging to the evaluation
+  /// sequence (`eval`) or back to the training sequence; nothing when already there. Collective
+  /// in distributed mode (one AllGather: the owners hold Z). A step in eval mode is an error.
+  void set_eval_mode(bool eval, std::vector<torch::optim::OptimizerParamGroup>& groups);
+  bool eval_mode() const { return eval_mode_; }
+
   ShampooStats stats() const;
   int64_t group_step(size_t group) const { return group_steps_.at(group); }
   const DistributedOptions& distributed_options() const { return distributed_; }
@@ -113,6 +119,8 @@ class ShampooEngine {
   /// contiguous, Float or Double leaves of one dtype, on the device of the others, in no other
   /// group.
   void check_new_params(const std::vector<at::Tensor>& params, size_t index) const;
+  /// Whether any virtual group uses iterate averaging.
+  bool any_averaging() const;
   /// Checks that the param groups were not changed behind the optimizer's back.
   void check_groups(const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
 
@@ -123,6 +131,11 @@ class ShampooEngine {
   std::unordered_map<const void*, int64_t> param_lookup_;  // TensorImpl -> index in params_
   std::vector<BlockEntry> blocks_;
   std::vector<int64_t> group_steps_;
+  // Schedule-Free: per param group Σ lr^p over its completed steps (0 without it), and the open
+  // step's sums including its terms (committed for the groups that advance).
+  std::vector<double> group_lr_sums_;
+  std::vector<double> step_lr_sums_;
+  bool eval_mode_ = false;  // iterate averaging: parameters hold the evaluation sequence x
   std::vector<int64_t> group_sizes_;
   std::vector<int64_t> group_virtual_;  // virtual group of each param group
   std::vector<std::unique_ptr<VirtualGroup>> virtual_groups_;

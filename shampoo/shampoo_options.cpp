@@ -90,6 +90,37 @@ void check_descent_and_diagonal(const PreconditionerConfig& preconditioner) {
   }
 }
 
+/// The iterate averaging config's ranges (the reference's), and momentum 0 with it.
+void check_iterate_averaging(const IterateAveragingConfig& averaging, double momentum) {
+  if (std::holds_alternative<std::monostate>(averaging)) return;
+  const char* name = std::holds_alternative<GeneralizedPrimalAveragingConfig>(averaging)
+                         ? "GeneralizedPrimalAveragingConfig"
+                         : "ScheduleFreeConfig";
+  const double train = std::visit(
+      [](const auto& c) {
+        if constexpr (requires { c.train_interp_coeff; }) return c.train_interp_coeff;
+        return 1.0;
+      },
+      averaging);
+  TORCH_CHECK(std::isfinite(train) && train > 0.0 && train <= 1.0,
+              "ShampooOptions.iterate_averaging.train_interp_coeff: got ", train,
+              ", expected a value in (0, 1] (", name, ")");
+  if (const auto* c = std::get_if<GeneralizedPrimalAveragingConfig>(&averaging)) {
+    TORCH_CHECK(std::isfinite(c->eval_interp_coeff) && c->eval_interp_coeff >= 0.0 &&
+                    c->eval_interp_coeff < 1.0,
+                "ShampooOptions.iterate_averaging.eval_interp_coeff: got ", c->eval_interp_coeff,
+                ", expected a value in [0, 1) (", name, ")");
+  }
+  if (const auto* c = std::get_if<ScheduleFreeConfig>(&averaging)) {
+    TORCH_CHECK(std::isfinite(c->eval_coeff_lr_power) && c->eval_coeff_lr_power >= 0.0,
+                "ShampooOptions.iterate_averaging.eval_coeff_lr_power: got ",
+                c->eval_coeff_lr_power, ", expected a finite value >= 0 (", name, ")");
+  }
+  TORCH_CHECK(momentum == 0.0, "ShampooOptions.momentum: got ", momentum,
+              ", expected 0 with iterate averaging (", name,
+              "): averaging takes the place of momentum");
+}
+
 /// The pseudo-inverse thresholds, and the root solver it needs (eigh).
 void check_rank_deficient_stability(const PreconditionerConfig& preconditioner) {
   const auto* stability = rank_deficient_stability(preconditioner);
@@ -188,6 +219,7 @@ void ShampooOptions::validate() const {
   detail::check_grafting(grafting());
   check_root_solver(preconditioner(), inverse_exponent_override());
   check_descent_and_diagonal(preconditioner());
+  check_iterate_averaging(iterate_averaging(), momentum());
   check_rank_deficient_stability(preconditioner());
   if (const auto* c = std::get_if<EigendecomposedShampooConfig>(&preconditioner())) {
     TORCH_CHECK(c->eigenbasis_method == EigenbasisMethod::kEigh ||

@@ -211,6 +211,32 @@ const RankDeficientStabilityConfig* rank_deficient_stability(const Preconditione
 /// True when `config` applies the pseudo-inverse (PseudoInverseConfig).
 bool uses_pseudo_inverse(const PreconditionerConfig& config);
 
+/// Generalized primal averaging (docs/math.md, "Iterate averaging"; the reference's
+/// GeneralizedPrimalAveragingConfig, arXiv 2512.17131). Keeps per block the sequence Z of plain
+/// descent steps; the parameters hold the training sequence y, where gradients are taken, and
+/// DistributedShampoo::eval() moves them to the averaged sequence x. eval_interp_coeff μx in
+/// [0, 1) weighs the previous x in the average; train_interp_coeff μy in (0, 1] places y between
+/// Z (μy = 0) and x (μy = 1). μy = 1: heavy-ball momentum μx at lr·(1 − μx); μy = μx: Nesterov.
+struct GeneralizedPrimalAveragingConfig {
+  double eval_interp_coeff = 0.9;
+  double train_interp_coeff = 0.8;
+  bool operator==(const GeneralizedPrimalAveragingConfig&) const = default;
+};
+
+/// Schedule-Free (the reference's ScheduleFreeConfig, arXiv 2405.15682): primal averaging with
+/// μy = train_interp_coeff (in (0, 1]) and, at step t, μx = 1 − lr_t^p / Σ_{i≤t} lr_i^p with
+/// p = eval_coeff_lr_power (finite, ≥ 0), the sum kept per param group (saved in checkpoints).
+struct ScheduleFreeConfig {
+  double train_interp_coeff = 0.8;
+  double eval_coeff_lr_power = 2.0;
+  bool operator==(const ScheduleFreeConfig&) const = default;
+};
+
+/// Iterate averaging of a param group: none (std::monostate, the default), GPA or Schedule-Free.
+/// The index of the alternative is the code written to checkpoints: append, never reorder.
+using IterateAveragingConfig =
+    std::variant<std::monostate, GeneralizedPrimalAveragingConfig, ScheduleFreeConfig>;
+
 enum class WeightDecayType {
   kL2,         ///< G ← G + wd·W before everything else
   kDecoupled,  ///< P ← P + wd·W after preconditioning (AdamW-style)
@@ -268,6 +294,10 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   TORCH_ARG(InverseExponentOverride, inverse_exponent_override) = {};
   /// Consecutive failed root computations of a block tolerated before the step raises (≥ 0).
   TORCH_ARG(int64_t, num_tolerated_failed_amortized_computations) = 3;
+  /// Iterate averaging (GPA or Schedule-Free; none by default). Structural. Needs momentum 0
+  /// (the reference's classic momentum and averaging are alternatives); decoupled weight decay
+  /// then shrinks the averaging sequence Z instead of entering the direction.
+  TORCH_ARG(IterateAveragingConfig, iterate_averaging) = std::monostate{};
 
  public:
   double get_lr() const override { return lr(); }

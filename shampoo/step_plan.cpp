@@ -40,8 +40,45 @@ kernels::DirectionMode direction_mode(const ShampooOptions& options, int64_t t) 
 
 }  // namespace
 
+bool averaging_enabled(const ShampooOptions& options) {
+  return !std::holds_alternative<std::monostate>(options.iterate_averaging());
+}
+
+double lr_power_term(const ShampooOptions& options) {
+  const auto* c = std::get_if<ScheduleFreeConfig>(&options.iterate_averaging());
+  return c == nullptr ? 0.0 : std::pow(options.lr(), c->eval_coeff_lr_power);
+}
+
+AveragingCoefficients averaging_coefficients(const ShampooOptions& options, double lr_sum) {
+  AveragingCoefficients k;
+  if (const auto* c = std::get_if<GeneralizedPrimalAveragingConfig>(&options.iterate_averaging())) {
+    k.eval = c->eval_interp_coeff;
+    k.train = c->train_interp_coeff;
+  } else if (const auto* c = std::get_if<ScheduleFreeConfig>(&options.iterate_averaging())) {
+    // The Road Less Scheduled, eq. (23): x_t averages the z_i with weights lr_i^p.
+    k.eval = lr_sum > 0.0 ? 1.0 - lr_power_term(options) / lr_sum : 1.0;
+    k.train = c->train_interp_coeff;
+  }
+  return k;
+}
+
+namespace {
+
+/// With averaging, decoupled weight decay shrinks Z (Z ← (1 − lr·wd)·Z) instead of adding to P.
+void fill_averaging(const ShampooOptions& options, double lr_sum, kernels::ChainScalars& k) {
+  if (!averaging_enabled(options)) return;
+  const auto mu = averaging_coefficients(options, lr_sum);
+  k.averaging = 1;
+  k.average_decay = 1.0 - options.lr() * k.decoupled_weight_decay;
+  k.decoupled_weight_decay = 0.0;
+  k.average_step = 1.0 - mu.eval * mu.train;
+  k.average_pull = 1.0 - mu.eval;
+}
+
+}  // namespace
+
 kernels::ChainScalars chain_scalars(const ShampooOptions& options, int64_t t,
-                                    bool communicate_params) {
+                                    bool communicate_params, double lr_sum) {
   kernels::ChainScalars k;
   const double beta1 = std::get<0>(options.betas());
   const double weight_decay = options.weight_decay();
@@ -63,11 +100,13 @@ kernels::ChainScalars chain_scalars(const ShampooOptions& options, int64_t t,
   k.nesterov = options.use_nesterov() ? 1 : 0;
   k.lr = options.lr();
   k.output_updated_param = communicate_params ? 1 : 0;
+  fill_averaging(options, lr_sum, k);
   return k;
 }
 
 bool chain_reads_param(const kernels::ChainScalars& k) {
-  return k.l2_weight_decay != 0.0 || k.decoupled_weight_decay != 0.0 || k.output_updated_param != 0;
+  return k.l2_weight_decay != 0.0 || k.decoupled_weight_decay != 0.0 ||
+         k.output_updated_param != 0 || k.averaging != 0;
 }
 
 double gradient_bound(const ShampooOptions& options, double grad_abs_max,

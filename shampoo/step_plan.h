@@ -26,13 +26,30 @@ bool matrix_preconditioned_at(const ShampooOptions& structure, int64_t t,
 /// and 3): β2, the factor weight, the bias correction, ε, t.
 void push_statistics_scalars(const ShampooOptions& options, int64_t t, RowScalars& scalars);
 
+/// The coefficients of iterate averaging (docs/math.md, "Iterate averaging"): μx (eval) and μy
+/// (train). Schedule-Free's μx = 1 − lr^p / lr_sum, with `lr_sum` the group's Σ lr^p including
+/// this step's (μx = 1 while the sum is 0, i.e. lr = 0 so far).
+struct AveragingCoefficients {
+  double eval = 0.0;
+  double train = 1.0;
+};
+AveragingCoefficients averaging_coefficients(const ShampooOptions& options, double lr_sum);
+
+/// What a step adds to its group's Σ lr^p: lr^p with Schedule-Free, 0 otherwise.
+double lr_power_term(const ShampooOptions& options);
+
+/// Whether the options select iterate averaging (GPA or Schedule-Free).
+bool averaging_enabled(const ShampooOptions& options);
+
 /// The scalars of the elementwise chain of one block at step t: L2 or decoupled weight decay,
 /// β1/β3 filtering and its bias correction, the grafting coefficients and the direction mode,
-/// momentum, dampening, Nesterov, lr. `communicate_params`: the block's owner sends W + U.
+/// momentum, dampening, Nesterov, lr, iterate averaging (`lr_sum`: as for
+/// averaging_coefficients). `communicate_params`: the block's owner sends W + U.
 kernels::ChainScalars chain_scalars(const ShampooOptions& options, int64_t t,
-                                    bool communicate_params);
+                                    bool communicate_params, double lr_sum = 0.0);
 
-/// Whether the chain of this block reads the parameter W (weight decay, or W + U written out).
+/// Whether the chain of this block reads the parameter W (weight decay, averaging, or W + U
+/// written out).
 bool chain_reads_param(const kernels::ChainScalars& scalars);
 
 /// A bound on max |G'| of a block, G' = G + wd·W under L2 weight decay, from max |G|.

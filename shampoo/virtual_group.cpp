@@ -376,13 +376,14 @@ ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int
   const int64_t b = stacks_[s].blocks[row];
   const auto& block = in.blocks[b];
   const auto [options, t] = options_of_block(in, b);
+  const double lr_sum = in.group_lr_sums[in.params[block.param].group];
   push_statistics_scalars(options, t, st.scalars);
   st.amortize.push_back(amortized_at(structure_, t));
   st.preconditioned.push_back(
       matrix_preconditioned_at(structure_, t, preconditioner_->identity_before_amortization()));
 
   ChainBlockTensors c;
-  c.scalars = chain_scalars(options, t, in.distributor.communicate_params());
+  c.scalars = chain_scalars(options, t, in.distributor.communicate_params(), lr_sum);
   c.gradient_out = st.gradients[i];
   c.filtered_out = st.filtered[i];
   const auto& grad_view = in.grad_blocks[block.param][block.id.block];
@@ -394,8 +395,10 @@ ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int
     c.gradient_out.copy_(grad_view);
     c.grad = c.gradient_out;
   }
+  const auto& param_view = in.param_blocks[block.param][block.id.block];
   elementwise_->bind(s, row, c.scalars.beta1 != 0.0, c.scalars.momentum != 0.0, c);
-  updates.route(b, in.param_blocks[block.param][block.id.block], c.filtered_out, c);
+  if (c.scalars.averaging != 0) elementwise_->bind_average(s, row, param_view, c);
+  updates.route(b, param_view, c.filtered_out, c);
   return c;
 }
 
@@ -434,6 +437,36 @@ void VirtualGroup::precondition(Plan& plan) {
     preconditioner_->precondition(static_cast<int64_t>(s), rows, filtered, scalars, preconditioned);
     for (size_t j = 0; j < chain_of.size(); ++j) {
       plan.chain[chain_of[j]].preconditioned = preconditioned[static_cast<int64_t>(j)];
+    }
+  }
+}
+
+void VirtualGroup::switch_sequence(bool to_eval, const std::vector<ParamEntry>& params,
+                                   const std::vector<BlockEntry>& blocks,
+                                   Distributor& distributor) const {
+  const double mu_y = averaging_coefficients(structure_, 0.0).train;
+  const double c = to_eval ? 1.0 - 1.0 / mu_y : 1.0 - mu_y;
+  std::map<int64_t, std::vector<at::Tensor>> views;  // per parameter, its block views
+  for (size_t s = 0; s < stacks_.size(); ++s) {
+    for (int64_t r = 0; r < stacks_[s].spec.size(); ++r) {
+      const auto z = elementwise_->average(static_cast<int64_t>(s), r);
+      if (!z.defined()) continue;
+      const int64_t b = stacks_[s].blocks[r];
+      const auto& block = blocks[b];
+      auto& param_views = views[block.param];
+      if (param_views.empty()) {
+        param_views = block_views(params[block.param].param, params[block.param].plan);
+      }
+      auto view = param_views[block.id.block];
+      const auto delta = at::sub(z, view).mul_(c);
+      if (!distributor.distributed()) {
+        view.add_(delta);
+        continue;
+      }
+      // As a step's update: every rank, the owner included, applies the received value.
+      distributor.slot(b).copy_(distributor.communicate_params() ? at::add(view, delta).reshape(-1)
+                                                                 : delta.reshape(-1));
+      distributor.mark_updated(b);
     }
   }
 }

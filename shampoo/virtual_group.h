@@ -69,6 +69,8 @@ struct StepInputs {
   const std::vector<BlockEntry>& blocks;
   const std::vector<const ShampooOptions*>& group_options;  ///< per param group, live
   const std::vector<int64_t>& group_steps;                  ///< per param group, this step
+  /// Per param group: Σ lr^p of Schedule-Free including this step's term (0 otherwise).
+  const std::vector<double>& group_lr_sums;
   /// Per parameter: block views of its gradient (empty when it has no gradient this step).
   const std::vector<std::vector<at::Tensor>>& grad_blocks;
   /// Per parameter: block views of the parameter.
@@ -110,6 +112,14 @@ class VirtualGroup {
             StepJournal& journal) const;
   /// Puts back what save() took.
   void restore(const StepJournal::GroupMark& mark, const StepJournal& journal);
+
+  /// Iterate averaging (docs/math.md, "Iterate averaging"): moves the parameters of the owned
+  /// blocks from the training sequence y to the evaluation sequence x (`to_eval`), or back:
+  /// W ← W + c·(Z − W), c = 1 − 1/μy or 1 − μy. A block whose Z is not set yet (no step) is
+  /// unchanged. In place in a single process; distributed, the change (or with
+  /// communicate_params the changed block) goes into the Distributor's slot, flagged.
+  void switch_sequence(bool to_eval, const std::vector<ParamEntry>& params,
+                       const std::vector<BlockEntry>& blocks, Distributor& distributor) const;
 
   void export_states(std::map<BlockId, BlockState>& out) const;
   /// Restores the states of the owned blocks found in `states` (missing ones keep their fresh

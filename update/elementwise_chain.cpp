@@ -35,6 +35,7 @@ void check_block(const ChainBlockTensors& b, at::ScalarType dtype, at::Device de
   check(b.diagonal_state, "diagonal_state");
   check(b.preconditioned, "preconditioned");
   check(b.momentum_state, "momentum_state");
+  check(b.average_state, "average_state");
   check(b.param_out, "param_out");
   check(b.update_out, "update_out");
 }
@@ -56,6 +57,7 @@ kernels::ChainBlock<T> to_kernel_block(const ChainBlockTensors& b) {
   k.diagonal_state = ptr<T>(b.diagonal_state);
   k.preconditioned = ptr<T>(b.preconditioned);
   k.momentum_state = ptr<T>(b.momentum_state);
+  k.average_state = ptr<T>(b.average_state);
   k.param_out = ptr<T>(b.param_out);
   k.update_out = ptr<T>(b.update_out);
   k.s = b.scalars;
@@ -216,8 +218,10 @@ void run_chain_post(const std::vector<ChainBlockTensors>& blocks) {
                           "post pass writes either param_out or update_out");
     TORCH_INTERNAL_ASSERT(
         b.param.defined() || (b.scalars.decoupled_weight_decay == 0.0 && !b.param_out.defined() &&
-                              b.scalars.output_updated_param == 0),
+                              b.scalars.output_updated_param == 0 && !b.average_state.defined()),
         "post pass: this block needs the parameter");
+    TORCH_INTERNAL_ASSERT((b.scalars.averaging != 0) == b.average_state.defined(),
+                          "post pass: iterate averaging needs Z, and Z needs averaging");
   }
   AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_post",
                              [&] { run_pass<scalar_t>(Pass::kPost, blocks, device); });

@@ -23,6 +23,7 @@ struct ChainBlockTensors {
   at::Tensor diagonal_state;
   at::Tensor preconditioned;
   at::Tensor momentum_state;
+  at::Tensor average_state;
   at::Tensor param_out;
   at::Tensor update_out;
   kernels::ChainScalars scalars;
@@ -32,7 +33,8 @@ struct ChainBlockTensors {
 void run_chain_pre(const std::vector<ChainBlockTensors>& blocks);
 /// Norm pass: sets scalars.graft_ratio of every block in DirectionMode::kGraftNorm.
 void run_chain_norms(std::vector<ChainBlockTensors>& blocks);
-/// Post pass (grafting, decoupled weight decay, momentum, × −lr, apply or write) for every block.
+/// Post pass (grafting, decoupled weight decay, momentum, × −lr, iterate averaging, apply or
+/// write) for every block.
 void run_chain_post(const std::vector<ChainBlockTensors>& blocks);
 
 /// Whether the CUDA kernels of the chain were compiled into this build.

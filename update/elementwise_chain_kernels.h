@@ -4,7 +4,8 @@
 /// block with its own hyperparameters, in three passes:
 ///   pre:   L2 weight decay, diagonal (grafting) statistics, β1/β3 filtering   -> G', Ḡ
 ///   norms: ‖P‖² and ‖P_graft‖² per block (only for blocks that match norms)
-///   post:  grafting, decoupled weight decay, momentum, × (−lr), apply or write the update
+///   post:  grafting, decoupled weight decay, momentum, × (−lr), iterate averaging, apply or
+///          write the update
 /// The per-element math is shared by the CPU path (this header) and the CUDA kernels
 /// (update/cuda/), so both compute the same formulas (docs/math.md).
 
@@ -45,6 +46,12 @@ struct ChainScalars {
   int32_t nesterov = 0;
   double lr = 0.0;                   ///< U = −lr·P
   int32_t output_updated_param = 0;  ///< write W + U instead of U (communicate_params)
+  /// Iterate averaging (docs/math.md, "Iterate averaging"), with the averaging sequence Z:
+  /// Z_d = average_decay·Z, Z ← Z_d + U, U ← average_step·U + average_pull·(Z_d − W).
+  int32_t averaging = 0;
+  double average_decay = 1.0;  ///< 1 − lr·wd with decoupled weight decay (which then skips P)
+  double average_step = 1.0;   ///< 1 − μx·μy
+  double average_pull = 0.0;   ///< 1 − μx
 };
 
 /// Pointers of one block for the three passes. Rows of stacks or views of parameters; every
@@ -60,6 +67,7 @@ struct ChainBlock {
   T* diagonal_state = nullptr;  ///< V
   const T* preconditioned = nullptr;  ///< matrix-preconditioned Ḡ (post pass)
   T* momentum_state = nullptr;        ///< B
+  T* average_state = nullptr;         ///< Z (iterate averaging)
   T* param_out = nullptr;             ///< apply W ← W + U in place (single process) ...
   T* update_out = nullptr;            ///< ... or write U (or W + U) here (distributed)
   ChainScalars s;
@@ -138,8 +146,19 @@ SHAMPOO_HOST_DEVICE void chain_norm_element(const ChainBlock<T>& b, int64_t i,
   graft_sq += g * g;
 }
 
+/// Iterate averaging of element i: advances Z by the plain step U (after its decoupled weight
+/// decay) and returns the update of the training sequence (the parameter).
+template <typename T>
+SHAMPOO_HOST_DEVICE T primal_average(const ChainBlock<T>& b, int64_t i, T update) {
+  const ChainScalars& s = b.s;
+  const T decayed = T(s.average_decay) * b.average_state[i];
+  b.average_state[i] = decayed + update;
+  return T(s.average_step) * update + T(s.average_pull) * (decayed - b.param[i]);
+}
+
 /// Post pass for element i. The parameter is read only when needed (decoupled weight decay, an
-/// in-place update, or writing the updated parameter), so callers may leave it null otherwise.
+/// in-place update, averaging, or writing the updated parameter), so callers may leave it null
+/// otherwise.
 template <typename T>
 SHAMPOO_HOST_DEVICE void chain_post_element(const ChainBlock<T>& b, int64_t i) {
   const ChainScalars& s = b.s;
@@ -151,7 +170,8 @@ SHAMPOO_HOST_DEVICE void chain_post_element(const ChainBlock<T>& b, int64_t i) {
     b.momentum_state[i] = buffer;
     p = s.nesterov ? one_minus_dampening * p + T(s.momentum) * buffer : buffer;
   }
-  const T update = T(-s.lr) * p;
+  T update = T(-s.lr) * p;
+  if (b.average_state != nullptr) update = primal_average<T>(b, i, update);
   if (b.param_out != nullptr) {
     b.param_out[i] = b.param[i] + update;
   } else {

@@ -203,7 +203,8 @@ ShampooOptions every_field_changed() {
       .preconditioner(
           shampoo::EigenvalueCorrectedShampooConfig{shampoo::EigenbasisMethod::kQR, false})
       .inverse_exponent_override({{2, {{shampoo::kAllDims, 0.25}, {1, 0.0}}}, {1, {{0, 0.5}}}})
-      .num_tolerated_failed_amortized_computations(9);
+      .num_tolerated_failed_amortized_computations(9)
+      .iterate_averaging(shampoo::GeneralizedPrimalAveragingConfig{0.25, 0.625});
 }
 
 /// `written` saved to a file and read back.
@@ -245,6 +246,7 @@ TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
   EXPECT_EQ(read.inverse_exponent_override(), written.inverse_exponent_override());
   EXPECT_EQ(read.num_tolerated_failed_amortized_computations(),
             written.num_tolerated_failed_amortized_computations());
+  EXPECT_TRUE(read.iterate_averaging() == written.iterate_averaging());
 }
 
 TEST(OptionsArchive, RootSolverRoundTripsThroughAFile) {

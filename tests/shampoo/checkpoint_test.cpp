@@ -207,25 +207,9 @@ ShampooOptions every_field_changed() {
       .iterate_averaging(shampoo::GeneralizedPrimalAveragingConfig{0.25, 0.625});
 }
 
-/// `written` saved to a file and read back.
-ShampooOptions through_a_file(const ShampooOptions& written) {
-  const auto path = shampoo::testing::temp_path("options.pt");
-  {
-    torch::serialize::OutputArchive archive;
-    written.serialize(archive);
-    archive.save_to(path);
-  }
-  torch::serialize::InputArchive archive;
-  archive.load_from(path);
-  ShampooOptions read;
-  read.serialize(archive);
-  std::filesystem::remove(path);
-  return read;
-}
-
 TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
   const auto written = every_field_changed();
-  const auto read = through_a_file(written);
+  const auto read = shampoo::testing::options_round_trip(written);
   EXPECT_EQ(read.lr(), written.lr());
   EXPECT_EQ(read.betas(), written.betas());
   EXPECT_EQ(read.beta3(), written.beta3());
@@ -256,21 +240,15 @@ TEST(OptionsArchive, RootSolverRoundTripsThroughAFile) {
                                     .max_iterations = 37,
                                     .tolerance = 3e-2,
                                     .tf32 = true});
-  EXPECT_TRUE(through_a_file(written).preconditioner() == written.preconditioner());
+  EXPECT_TRUE(shampoo::testing::options_round_trip(written).preconditioner() ==
+              written.preconditioner());
 }
 
 TEST(OptionsArchive, EveryRowOfTheOptionTableRoundTrips) {
   // Table-driven: a row added to shampoo/option_fields.cpp is covered here once
   // every_field_changed() sets it (the first expectation fails until it does).
   const auto written = every_field_changed();
-  torch::serialize::OutputArchive out;
-  written.serialize(out);
-  const auto path = shampoo::testing::temp_path("options.pt");
-  out.save_to(path);
-  torch::serialize::InputArchive in;
-  in.load_from(path);
-  ShampooOptions read;
-  read.serialize(in);
+  const auto read = shampoo::testing::options_round_trip(written);
   std::set<std::string> keys;
   for (const auto& field : shampoo::detail::option_fields()) {
     EXPECT_NE(field.code(written), field.code(ShampooOptions{}))
@@ -281,7 +259,6 @@ TEST(OptionsArchive, EveryRowOfTheOptionTableRoundTrips) {
       EXPECT_TRUE(keys.insert(key).second) << "archive key " << key << " used twice";
     }
   }
-  std::filesystem::remove(path);
 }
 
 /// A structural option of the checkpoint's optimizer and a different value of it.

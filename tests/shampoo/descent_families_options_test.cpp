@@ -147,23 +147,10 @@ TEST(DescentOptions, GroupsOfDifferentFamiliesOrSettingsAreNotMerged) {
   }
 }
 
-ShampooOptions through_an_archive(const ShampooOptions& written) {
-  torch::serialize::OutputArchive out;
-  written.serialize(out);
-  const auto path = shampoo::testing::temp_path("descent_options.pt");
-  out.save_to(path);
-  torch::serialize::InputArchive in;
-  in.load_from(path);
-  ShampooOptions read;
-  read.serialize(in);
-  std::filesystem::remove(path);
-  return read;
-}
-
 TEST(DescentOptions, EveryFieldRoundTripsThroughAnArchive) {
   for (const auto& config : changed_configs()) {
     const auto written = with(config).lr(0.25);
-    const auto read = through_an_archive(written);
+    const auto read = shampoo::testing::options_round_trip(written);
     EXPECT_TRUE(read.preconditioner() == written.preconditioner()) << describe(written);
     EXPECT_TRUE(shampoo::structurally_equal(read, written));
   }
@@ -186,14 +173,7 @@ ShampooOptions read_archive_without_family_entries(const ShampooOptions& options
     out.write("preconditioner_tolerance", c10::IValue(1e-6));
     out.write("preconditioner_tf32", c10::IValue(int64_t{0}));
   }
-  const auto path = shampoo::testing::temp_path("old_options.pt");
-  out.save_to(path);
-  torch::serialize::InputArchive in;
-  in.load_from(path);
-  ShampooOptions read;
-  read.serialize(in);
-  std::filesystem::remove(path);
-  return read;
+  return shampoo::testing::read_options(out);
 }
 
 TEST(DescentOptions, ArchivesWithoutTheNewEntriesStillLoad) {

@@ -505,14 +505,8 @@ ShampooOptions through_archive(const ShampooOptions& written, bool drop_averagin
   for (const auto& field : shampoo::detail::option_fields()) {
     if (!drop_averaging || field.name != "iterate_averaging") field.write(written, out);
   }
-  const auto path = shampoo::testing::temp_path("averaging_options.pt");
-  out.save_to(path);
-  torch::serialize::InputArchive in;
-  in.load_from(path);
-  ShampooOptions read = ShampooOptions().iterate_averaging(ScheduleFreeConfig{});
-  read.serialize(in);
-  std::filesystem::remove(path);
-  return read;
+  return shampoo::testing::read_options(out,
+                                        ShampooOptions().iterate_averaging(ScheduleFreeConfig{}));
 }
 
 TEST(IterateAveraging, ArchivesRoundTripAndOldArchivesLoad) {

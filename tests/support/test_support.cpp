@@ -160,6 +160,21 @@ void remove_tree(const std::filesystem::path& path) {
   std::filesystem::remove(path, ec);
 }
 
+ShampooOptions read_options(torch::serialize::OutputArchive& archive, ShampooOptions read) {
+  std::stringstream bytes;
+  archive.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  read.serialize(in);
+  return read;
+}
+
+ShampooOptions options_round_trip(const ShampooOptions& written) {
+  torch::serialize::OutputArchive archive;
+  written.serialize(archive);
+  return read_options(archive);
+}
+
 std::string temp_path(const std::string& name) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string test =

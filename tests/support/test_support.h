@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/serialize/archive.h>
 #include <torch/types.h>
 
 #include <chrono>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "shampoo/shampoo_options.h"
 #include "support/rank_threads.h"
 
 namespace shampoo::testing {
@@ -80,5 +82,11 @@ void remove_tree(const std::filesystem::path& path);
 
 /// A temporary file path unique to the test (removed by the caller or at exit).
 std::string temp_path(const std::string& name);
+
+/// The options `archive` holds, read into `read` (entries the archive lacks keep read's values),
+/// through the bytes a checkpoint file would hold.
+ShampooOptions read_options(torch::serialize::OutputArchive& archive, ShampooOptions read = {});
+/// `written` serialized and read back into default options.
+ShampooOptions options_round_trip(const ShampooOptions& written);
 
 }  // namespace shampoo::testing

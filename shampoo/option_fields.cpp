@@ -286,6 +286,7 @@ using ListedFamilies =
                AdaGradPreconditionerConfig, RMSpropPreconditionerConfig, AdamPreconditionerConfig>;
 
 const char* family_name(const RootInvShampooConfig&) { return "root-inverse Shampoo"; }
+const char* family_name(const RootInvKLShampooConfig&) { return "root-inverse KL-Shampoo"; }
 const char* family_name(const EigenvalueCorrectedShampooConfig&) {
   return "eigenvalue-corrected Shampoo";
 }
@@ -364,7 +365,7 @@ bool has_entry(InputArchive& a, const std::string& key) {
 /// The root solver of a preconditioner config as (solver, max_iterations, tolerance bits, tf32);
 /// zeros for the other families.
 std::vector<int64_t> root_solver_parts(const PreconditionerConfig& config) {
-  const auto* c = std::get_if<RootInvShampooConfig>(&config);
+  const auto* c = root_inverse_config(config);
   if (c == nullptr) return {0, 0, 0, 0};
   return {static_cast<int64_t>(c->solver), c->max_iterations, double_bits(c->tolerance),
           c->tf32 ? 1 : 0};
@@ -475,7 +476,7 @@ void write_preconditioner(const ShampooOptions& o, OutputArchive& a) {
   a.write("preconditioner_kind", c10::IValue(p[0]));
   a.write("preconditioner_retry_double_precision", c10::IValue(p[1]));
   a.write("preconditioner_eigenbasis_method", c10::IValue(p[2]));
-  const auto* c = std::get_if<RootInvShampooConfig>(&o.preconditioner());
+  const auto* c = root_inverse_config(o.preconditioner());
   const RootInvShampooConfig solver = c != nullptr ? *c : RootInvShampooConfig{};
   a.write("preconditioner_root_solver", c10::IValue(static_cast<int64_t>(solver.solver)));
   a.write("preconditioner_max_iterations", c10::IValue(solver.max_iterations));

@@ -196,16 +196,32 @@ struct EigendecomposedShampooConfig {
   bool operator==(const EigendecomposedShampooConfig&) const = default;
 };
 
+/// Root-inverse KL-Shampoo (the reference's RootInvKLShampooPreconditionerConfig): root-inverse
+/// Shampoo whose factor along dim k accumulates the gradient multiplied along every other
+/// preconditioned dim j by the current inverse root X_j (docs/math.md, "KL-Shampoo"). Roots,
+/// exponents, solvers, rank-deficient stability and preconditioning are root-inverse Shampoo's:
+/// the fields are inherited (set them through the base, e.g.
+/// `RootInvKLShampooConfig{RootInvShampooConfig{.solver = RootSolver::kCoupledNewton}}`).
+/// Before the first amortized computation every X_j is I, so the factors are Shampoo's.
+struct RootInvKLShampooConfig : RootInvShampooConfig {
+  bool operator==(const RootInvKLShampooConfig&) const = default;
+};
+
 /// The preconditioner family. The index of the alternative is the kind written to checkpoints:
 /// append new families at the end, never reorder.
 using PreconditionerConfig =
     std::variant<RootInvShampooConfig, EigenvalueCorrectedShampooConfig, SpectralDescentConfig,
                  SignDescentConfig, SGDPreconditionerConfig, AdaGradPreconditionerConfig,
                  RMSpropPreconditionerConfig, AdamPreconditionerConfig,
-                 EigendecomposedShampooConfig>;
+                 EigendecomposedShampooConfig, RootInvKLShampooConfig>;
+
+/// The root-inverse settings of root-inverse Shampoo and root-inverse KL-Shampoo; null for the
+/// other families.
+const RootInvShampooConfig* root_inverse_config(const PreconditionerConfig& config);
 
 /// The rank-deficient stability of a preconditioner config: that of root-inverse and
-/// eigendecomposed Shampoo; null for eigenvalue-corrected Shampoo, which has none.
+/// eigendecomposed Shampoo and of KL-Shampoo; null for eigenvalue-corrected Shampoo, which has
+/// none, and the families without factors.
 const RankDeficientStabilityConfig* rank_deficient_stability(const PreconditionerConfig& config);
 
 /// True when `config` applies the pseudo-inverse (PseudoInverseConfig).

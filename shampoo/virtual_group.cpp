@@ -48,6 +48,14 @@ ListPtr make_list(const RootInvShampooConfig& config, Specs specs,
   return std::make_unique<ShampooPreconditionerList>(std::move(specs), settings);
 }
 
+// KL-Shampoo: the same list, its factors accumulating the gradient multiplied along the other
+// dims by their current inverse roots.
+ListPtr make_list(const RootInvKLShampooConfig& config, Specs specs,
+                  MatrixPreconditionerSettings settings) {
+  settings.statistics = FactorStatistics::kKL;
+  return make_list(static_cast<const RootInvShampooConfig&>(config), std::move(specs), settings);
+}
+
 ListPtr make_list(const EigendecomposedShampooConfig& config, Specs specs,
                   MatrixPreconditionerSettings settings) {
   settings.retry_double_precision = config.retry_double_precision;
@@ -197,7 +205,7 @@ int64_t block_target_order(const ShampooOptions& options) {
 
 bool uses_kronecker_factors(const ShampooOptions& options) {
   const auto& p = options.preconditioner();
-  return std::holds_alternative<RootInvShampooConfig>(p) ||
+  return root_inverse_config(p) != nullptr ||
          std::holds_alternative<EigenvalueCorrectedShampooConfig>(p) ||
          std::holds_alternative<EigendecomposedShampooConfig>(p);
 }

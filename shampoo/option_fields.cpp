@@ -291,6 +291,9 @@ const char* family_name(const EigenvalueCorrectedShampooConfig&) {
   return "eigenvalue-corrected Shampoo";
 }
 const char* family_name(const EigendecomposedShampooConfig&) { return "eigendecomposed Shampoo"; }
+const char* family_name(const EigendecomposedKLShampooConfig&) {
+  return "eigendecomposed KL-Shampoo";
+}
 const char* family_name(const SpectralDescentConfig&) { return "spectral descent"; }
 const char* family_name(const SignDescentConfig&) { return "sign descent"; }
 const char* family_name(const SGDPreconditionerConfig&) { return "SGD preconditioner"; }
@@ -442,7 +445,7 @@ std::string describe_preconditioner(const ShampooOptions& o) {
             return c10::str(family_name(c), " (eigenbasis_method ",
                             c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
                             ", retry_double_precision ", retry, ")");
-          } else if constexpr (std::is_same_v<C, EigendecomposedShampooConfig>) {
+          } else if constexpr (std::is_base_of_v<EigendecomposedShampooConfig, C>) {
             return c10::str(family_name(c), " (eigenbasis_method ",
                             c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
                             ", retry_double_precision ", retry, ", ",
@@ -531,8 +534,10 @@ void read_preconditioner(InputArchive& a, ShampooOptions& o) {
           });
         } else if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
           c = EigenvalueCorrectedShampooConfig{method, retry};
-        } else if constexpr (std::is_same_v<C, EigendecomposedShampooConfig>) {
-          c = EigendecomposedShampooConfig{method, retry, read_stability(a)};
+        } else if constexpr (std::is_base_of_v<EigendecomposedShampooConfig, C>) {
+          // Eigendecomposed Shampoo or KL-Shampoo: the same fields.
+          static_cast<EigendecomposedShampooConfig&>(c) =
+              EigendecomposedShampooConfig{method, retry, read_stability(a)};
         } else {
           c.retry_double_precision = retry;
           c.solver = static_cast<RootSolver>(read_index(a, "preconditioner_root_solver", 3));

@@ -134,6 +134,11 @@ const RootInvShampooConfig* root_inverse_config(const PreconditionerConfig& conf
   return std::get_if<RootInvKLShampooConfig>(&config);
 }
 
+const EigendecomposedShampooConfig* eigendecomposed_config(const PreconditionerConfig& config) {
+  if (const auto* c = std::get_if<EigendecomposedShampooConfig>(&config)) return c;
+  return std::get_if<EigendecomposedKLShampooConfig>(&config);
+}
+
 const RankDeficientStabilityConfig* rank_deficient_stability(const PreconditionerConfig& config) {
   return std::visit(
       [](const auto& c) -> const RankDeficientStabilityConfig* {
@@ -194,7 +199,7 @@ void ShampooOptions::validate() const {
   check_root_solver(preconditioner(), inverse_exponent_override());
   check_descent_and_diagonal(preconditioner());
   check_rank_deficient_stability(preconditioner());
-  if (const auto* c = std::get_if<EigendecomposedShampooConfig>(&preconditioner())) {
+  if (const auto* c = eigendecomposed_config(preconditioner())) {
     TORCH_CHECK(c->eigenbasis_method == EigenbasisMethod::kEigh ||
                     c->eigenbasis_method == EigenbasisMethod::kQR,
                 "ShampooOptions.preconditioner.eigenbasis_method: got ",

@@ -207,17 +207,32 @@ struct RootInvKLShampooConfig : RootInvShampooConfig {
   bool operator==(const RootInvKLShampooConfig&) const = default;
 };
 
+/// Eigendecomposed KL-Shampoo (the reference's EigendecomposedKLShampooPreconditionerConfig):
+/// eigendecomposed Shampoo whose factors accumulate KL-Shampoo's statistics, the inverse roots of
+/// the other dims formed from the kept eigendecompositions with the step's ε (docs/math.md,
+/// "KL-Shampoo"). The fields are eigendecomposed Shampoo's, inherited (e.g.
+/// `EigendecomposedKLShampooConfig{EigendecomposedShampooConfig{.eigenbasis_method = kQR}}`).
+/// Before the first decomposition the roots are f(1)·I (I for ε ≤ 1).
+struct EigendecomposedKLShampooConfig : EigendecomposedShampooConfig {
+  bool operator==(const EigendecomposedKLShampooConfig&) const = default;
+};
+
 /// The preconditioner family. The index of the alternative is the kind written to checkpoints:
 /// append new families at the end, never reorder.
 using PreconditionerConfig =
     std::variant<RootInvShampooConfig, EigenvalueCorrectedShampooConfig, SpectralDescentConfig,
                  SignDescentConfig, SGDPreconditionerConfig, AdaGradPreconditionerConfig,
                  RMSpropPreconditionerConfig, AdamPreconditionerConfig,
-                 EigendecomposedShampooConfig, RootInvKLShampooConfig>;
+                 EigendecomposedShampooConfig, RootInvKLShampooConfig,
+                 EigendecomposedKLShampooConfig>;
 
 /// The root-inverse settings of root-inverse Shampoo and root-inverse KL-Shampoo; null for the
 /// other families.
 const RootInvShampooConfig* root_inverse_config(const PreconditionerConfig& config);
+
+/// The eigendecomposed settings of eigendecomposed Shampoo and eigendecomposed KL-Shampoo; null
+/// for the other families.
+const EigendecomposedShampooConfig* eigendecomposed_config(const PreconditionerConfig& config);
 
 /// The rank-deficient stability of a preconditioner config: that of root-inverse and
 /// eigendecomposed Shampoo and of KL-Shampoo; null for eigenvalue-corrected Shampoo, which has

@@ -66,6 +66,13 @@ ListPtr make_list(const EigendecomposedShampooConfig& config, Specs specs,
   return std::make_unique<EigendecomposedPreconditionerList>(std::move(specs), settings, method);
 }
 
+ListPtr make_list(const EigendecomposedKLShampooConfig& config, Specs specs,
+                  MatrixPreconditionerSettings settings) {
+  settings.statistics = FactorStatistics::kKL;
+  return make_list(static_cast<const EigendecomposedShampooConfig&>(config), std::move(specs),
+                   settings);
+}
+
 ListPtr make_list(const EigenvalueCorrectedShampooConfig& config, Specs specs,
                   MatrixPreconditionerSettings settings) {
   settings.retry_double_precision = config.retry_double_precision;
@@ -207,7 +214,7 @@ bool uses_kronecker_factors(const ShampooOptions& options) {
   const auto& p = options.preconditioner();
   return root_inverse_config(p) != nullptr ||
          std::holds_alternative<EigenvalueCorrectedShampooConfig>(p) ||
-         std::holds_alternative<EigendecomposedShampooConfig>(p);
+         eigendecomposed_config(p) != nullptr;
 }
 
 VirtualGroup::VirtualGroup(const ShampooOptions& structure, std::vector<int64_t> user_groups,

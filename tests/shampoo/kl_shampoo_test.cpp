@@ -23,6 +23,9 @@ namespace {
 
 using shampoo::DistributedOptions;
 using shampoo::DistributedShampoo;
+using shampoo::EigenbasisMethod;
+using shampoo::EigendecomposedKLShampooConfig;
+using shampoo::EigendecomposedShampooConfig;
 using shampoo::PreconditionerConfig;
 using shampoo::PseudoInverseConfig;
 using shampoo::RootInvKLShampooConfig;
@@ -96,23 +99,23 @@ struct ReferenceConfig {
     return 1.0 / (2.0 * static_cast<double>(order));
   }
 
-  /// Q·diag(f(λ))·Qᵀ of A + ε·I: the two-step shift where λ_min < ε, then λ^(−e); or the
-  /// pseudo-inverse powers of A.
-  at::Tensor root(const at::Tensor& a, double e) const {
-    const auto n = a.size(0);
-    const auto [lambda, q] = at::linalg_eigh(a + epsilon * at::eye(n, f64()));
-    at::Tensor powers;
+  /// f(λ): the two-step shift where λ_min < ε, then λ^(−e); or the pseudo-inverse powers.
+  at::Tensor powers(const at::Tensor& lambda, double e) const {
     if (pseudo_inverse) {
       const double cutoff =
           std::max(rank_rtol * std::max(lambda.max().item<double>(), 0.0), rank_atol);
-      powers = at::where(lambda <= cutoff, at::zeros_like(lambda), lambda.pow(-e));
-    } else {
-      auto shifted = lambda;
-      const double lambda_min = lambda.min().item<double>();
-      if (lambda_min < epsilon) shifted = (lambda - lambda_min) + epsilon;
-      powers = shifted.pow(-e);
+      return at::where(lambda <= cutoff, at::zeros_like(lambda), lambda.pow(-e));
     }
-    return (q * powers).mm(q.t());
+    auto shifted = lambda;
+    const double lambda_min = lambda.min().item<double>();
+    if (lambda_min < epsilon) shifted = (lambda - lambda_min) + epsilon;
+    return shifted.pow(-e);
+  }
+
+  /// Q·diag(f(λ))·Qᵀ with λ, Q the eigendecomposition of A + ε·I.
+  at::Tensor root(const at::Tensor& a, double e) const {
+    const auto [lambda, q] = at::linalg_eigh(a + epsilon * at::eye(a.size(0), f64()));
+    return (q * powers(lambda, e)).mm(q.t());
   }
 };
 
@@ -121,18 +124,25 @@ struct ReferenceBlock {
   std::vector<at::Tensor> factors, roots;  // undefined for a dim with exponent 0
 };
 
+/// Roots start as I (root-inverse) or, eigendecomposed, as f(1)·I from λ = 1 and Q = I; after a
+/// decomposition the two variants form the same root.
 class ReferenceKL {
  public:
   ReferenceKL(const std::vector<at::Tensor>& params, const ShampooOptions& options)
       : config_(options) {
+    const bool eigendecomposed =
+        shampoo::eigendecomposed_config(options.preconditioner()) != nullptr;
     for (const auto& p : params) {
       ReferenceBlock b;
       b.param = p.detach().to(at::kDouble).clone();
       for (int64_t k = 0; k < p.dim(); ++k) {
-        const bool preconditioned = config_.exponent(p.dim(), k) != 0.0;
+        const double e = config_.exponent(p.dim(), k);
         const auto n = p.size(k);
-        b.factors.push_back(preconditioned ? at::zeros({n, n}, f64()) : at::Tensor());
-        b.roots.push_back(preconditioned ? at::eye(n, f64()) : at::Tensor());
+        const auto ones = at::ones({n}, f64());
+        b.factors.push_back(e != 0.0 ? at::zeros({n, n}, f64()) : at::Tensor());
+        b.roots.push_back(e == 0.0          ? at::Tensor()
+                          : eigendecomposed ? at::diag(config_.powers(ones, e))
+                                            : at::eye(n, f64()));
       }
       blocks_.push_back(std::move(b));
     }
@@ -184,15 +194,24 @@ class ReferenceKL {
 struct Variant {
   std::string name;
   PreconditionerConfig (*make)(const shampoo::RankDeficientStabilityConfig&);
+  PreconditionerConfig ordinary;  ///< the same family without KL statistics
 };
 
 void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
 
 std::vector<Variant> variants() {
-  return {{"root_inverse_kl", [](const shampoo::RankDeficientStabilityConfig& s) {
+  return {{"root_inverse_kl",
+           [](const shampoo::RankDeficientStabilityConfig& s) {
              return PreconditionerConfig{
                  RootInvKLShampooConfig{RootInvShampooConfig{.rank_deficient_stability = s}}};
-           }}};
+           },
+           RootInvShampooConfig{}},
+          {"eigendecomposed_kl",
+           [](const shampoo::RankDeficientStabilityConfig& s) {
+             return PreconditionerConfig{EigendecomposedKLShampooConfig{
+                 EigendecomposedShampooConfig{.rank_deficient_stability = s}}};
+           },
+           EigendecomposedShampooConfig{}}};
 }
 
 struct ReferenceCase {
@@ -249,6 +268,14 @@ std::vector<ReferenceCase> reference_cases() {
                      dtype});
     }
   }
+  // Eigendecomposed KL-Shampoo with ε > 1: before the first decomposition (t = 3) the roots that
+  // precondition the statistics are ε^(−e)·I, not I.
+  out.push_back({"eigendecomposed_kl_epsilon_above_one_double",
+                 reference_base().epsilon(2.0).precondition_frequency(3).preconditioner(
+                     EigendecomposedKLShampooConfig{}),
+                 at::kDouble});
+  // Not covered by this reference: the warm-started QR update of eigendecomposed KL-Shampoo (its
+  // decomposition is eigendecomposed Shampoo's, checked in eigendecomposed_families_test.cpp).
   return out;
 }
 
@@ -295,20 +322,19 @@ INSTANTIATE_TEST_SUITE_P(Variants, KLReference, ::testing::ValuesIn(reference_ca
 // Closed forms and the difference from Shampoo, per variant.
 // ----------------------------------------------------------------------------------------------
 
-class KLVariant : public ::testing::TestWithParam<Variant> {
- protected:
-  PreconditionerConfig config() const { return GetParam().make(shampoo::PerturbationConfig{}); }
-};
+class KLVariant : public ::testing::TestWithParam<Variant> {};
 
-/// Runs `kl` and ordinary root-inverse Shampoo (same options otherwise) on copies of `params`
-/// for `steps` steps; returns, per step, whether the parameters were bit-equal.
+/// Runs the variant and its family without KL statistics (same options otherwise) on copies of
+/// `params` for `steps` steps; returns, per step, whether the parameters were bit-equal.
 std::vector<bool> same_as_shampoo(const std::vector<at::Tensor>& params,
-                                  const ShampooOptions& options, const PreconditionerConfig& kl,
+                                  const ShampooOptions& options, const Variant& variant,
                                   int steps) {
   auto kl_params = clone_params(params);
   auto shampoo_params = clone_params(params);
-  DistributedShampoo with_kl(kl_params, ShampooOptions(options).preconditioner(kl));
-  DistributedShampoo ordinary(shampoo_params, options);
+  DistributedShampoo with_kl(kl_params, ShampooOptions(options).preconditioner(
+                                            variant.make(shampoo::PerturbationConfig{})));
+  DistributedShampoo ordinary(shampoo_params,
+                              ShampooOptions(options).preconditioner(variant.ordinary));
   std::vector<bool> same;
   for (int step = 1; step <= steps; ++step) {
     shampoo::testing::set_random_grads(kl_params, 60 + step);
@@ -324,8 +350,8 @@ std::vector<bool> same_as_shampoo(const std::vector<at::Tensor>& params,
 }
 
 // With one preconditioned dim there is no other dim to precondition the gradient along: the
-// factors, roots and steps are Shampoo's, bit for bit (a vector block; a matrix block whose dim 1
-// has exponent 0).
+// factors, roots and steps are those of the family without KL (root-inverse or eigendecomposed
+// Shampoo), bit for bit (a vector block; a matrix block whose dim 1 has exponent 0).
 TEST_P(KLVariant, OnePreconditionedDimEqualsShampoo) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   const std::vector<at::Tensor> params{at::randn({13}, gen), at::randn({6, 5}, gen)};
@@ -334,10 +360,11 @@ TEST_P(KLVariant, OnePreconditionedDimEqualsShampoo) {
                            .epsilon(1e-6)
                            .use_merge_dims(false)
                            .inverse_exponent_override({{2, {{1, 0.0}}}});
-  for (const bool same : same_as_shampoo(params, options, config(), 6)) EXPECT_TRUE(same);
+  for (const bool same : same_as_shampoo(params, options, GetParam(), 6)) EXPECT_TRUE(same);
 }
 
-// Before the first amortized computation every root is I, so the factors are Shampoo's: the runs
+// Before the first amortized computation every root is I (ε ≤ 1), so the factors are those of
+// the family without KL: the runs
 // agree bit for bit through the first amortized step (t = 2, from the factors of steps 1–2) and
 // the step after it (same roots), and differ from the second amortized step (t = 4) on, whose
 // roots come from factors that saw the gradient through the other dims' roots.
@@ -349,7 +376,7 @@ TEST_P(KLVariant, EqualsShampooUntilRootsExistThenDiffers) {
                            .epsilon(1e-4)
                            .precondition_frequency(2)
                            .use_merge_dims(false);
-  const auto same = same_as_shampoo(params, options, config(), 5);
+  const auto same = same_as_shampoo(params, options, GetParam(), 5);
   EXPECT_TRUE(same[0] && same[1] && same[2]);
   EXPECT_FALSE(same[3]);
   EXPECT_FALSE(same[4]);
@@ -564,6 +591,32 @@ TEST(KLOptions, BadValuesNameFieldValueAndRange) {
                       .validate());
 }
 
+// Eigendecomposed KL-Shampoo: eigendecomposed Shampoo's checks.
+TEST(KLOptions, EigendecomposedBadValuesNameFieldValueAndRange) {
+  const auto pinv = PseudoInverseConfig{};
+  expect_error(
+      [&] {
+        ShampooOptions()
+            .preconditioner(EigendecomposedKLShampooConfig{
+                EigendecomposedShampooConfig{.rank_deficient_stability = pinv}})
+            .validate();
+      },
+      {"ShampooOptions.epsilon: got 1e-12", "expected 0 with PseudoInverseConfig"});
+  expect_error(
+      [&] {
+        ShampooOptions()
+            .preconditioner(EigendecomposedKLShampooConfig{EigendecomposedShampooConfig{
+                .eigenbasis_method = static_cast<EigenbasisMethod>(7)}})
+            .validate();
+      },
+      {"ShampooOptions.preconditioner.eigenbasis_method: got 7", "expected kEigh or kQR"});
+  EXPECT_NO_THROW(ShampooOptions()
+                      .epsilon(0.0)
+                      .preconditioner(EigendecomposedKLShampooConfig{
+                          EigendecomposedShampooConfig{.rank_deficient_stability = pinv}})
+                      .validate());
+}
+
 TEST(KLOptions, TheFamilyAndItsFieldsAreStructural) {
   const auto kl = ShampooOptions().preconditioner(RootInvKLShampooConfig{});
   EXPECT_TRUE(shampoo::structurally_equal(kl, ShampooOptions(kl).lr(1).epsilon(1e-3)));
@@ -588,6 +641,19 @@ TEST(KLOptions, TheFamilyAndItsFieldsAreStructural) {
   EXPECT_NE(field->describe(kl).find("root-inverse KL-Shampoo (retry_double_precision true"),
             std::string::npos)
       << field->describe(kl);
+  // Eigendecomposed KL-Shampoo: another family than eigendecomposed Shampoo and than
+  // root-inverse KL-Shampoo; its eigenbasis method is structural.
+  const auto eigen_kl = ShampooOptions().preconditioner(EigendecomposedKLShampooConfig{});
+  EXPECT_TRUE(shampoo::structurally_equal(eigen_kl, ShampooOptions(eigen_kl).lr(1)));
+  EXPECT_FALSE(shampoo::structurally_equal(eigen_kl, kl));
+  EXPECT_FALSE(shampoo::structurally_equal(
+      eigen_kl, ShampooOptions().preconditioner(EigendecomposedShampooConfig{})));
+  EXPECT_FALSE(shampoo::structurally_equal(
+      eigen_kl, ShampooOptions().preconditioner(EigendecomposedKLShampooConfig{
+                    EigendecomposedShampooConfig{.eigenbasis_method = EigenbasisMethod::kQR}})));
+  EXPECT_NE(field->describe(eigen_kl).find("eigendecomposed KL-Shampoo (eigenbasis_method kEigh"),
+            std::string::npos)
+      << field->describe(eigen_kl);
 }
 
 /// `written` serialized, keeping only the archive entries that `keep` accepts, and read back into
@@ -630,7 +696,12 @@ TEST(KLOptions, ArchivesRoundTripEveryConfig) {
                                                   .tolerance = 1e-4,
                                                   .tf32 = true}},
       RootInvKLShampooConfig{RootInvShampooConfig{
-          .rank_deficient_stability = PseudoInverseConfig{.rank_atol = 1e-7, .rank_rtol = 1e-3}}}};
+          .rank_deficient_stability = PseudoInverseConfig{.rank_atol = 1e-7, .rank_rtol = 1e-3}}},
+      EigendecomposedKLShampooConfig{},
+      EigendecomposedKLShampooConfig{EigendecomposedShampooConfig{
+          .eigenbasis_method = EigenbasisMethod::kQR, .retry_double_precision = false}},
+      EigendecomposedKLShampooConfig{EigendecomposedShampooConfig{
+          .rank_deficient_stability = PseudoInverseConfig{.rank_rtol = shampoo::kDtypeRankRtol}}}};
   for (const auto& config : configs) {
     const auto written = ShampooOptions().epsilon(0.0).lr(0.3).preconditioner(config);
     const auto read = round_trip(written, [](const std::string&) { return true; });
@@ -642,15 +713,19 @@ TEST(KLOptions, ArchivesRoundTripEveryConfig) {
 // KL-Shampoo adds no archive entries of its own (its kind is the code): an archive written before
 // the rank-deficient stability entries existed still loads a KL config, with the perturbation.
 TEST(KLOptions, ArchiveWithoutTheNewerEntriesStillLoads) {
-  const PreconditionerConfig config = RootInvKLShampooConfig{
-      RootInvShampooConfig{.solver = shampoo::RootSolver::kCoupledNewton, .max_iterations = 7}};
-  const auto read =
-      round_trip(ShampooOptions().lr(0.3).preconditioner(config), [](const std::string& key) {
-        return key.find("rank_deficient") == std::string::npos &&
-               key.find("pseudo_inverse") == std::string::npos;
-      });
-  EXPECT_TRUE(read.preconditioner() == config);
-  EXPECT_EQ(read.lr(), 0.3);
+  for (const auto& config : std::vector<PreconditionerConfig>{
+           RootInvKLShampooConfig{RootInvShampooConfig{
+               .solver = shampoo::RootSolver::kCoupledNewton, .max_iterations = 7}},
+           EigendecomposedKLShampooConfig{
+               EigendecomposedShampooConfig{.eigenbasis_method = EigenbasisMethod::kQR}}}) {
+    const auto read =
+        round_trip(ShampooOptions().lr(0.3).preconditioner(config), [](const std::string& key) {
+          return key.find("rank_deficient") == std::string::npos &&
+                 key.find("pseudo_inverse") == std::string::npos;
+        });
+    EXPECT_TRUE(read.preconditioner() == config) << "config kind " << config.index();
+    EXPECT_EQ(read.lr(), 0.3);
+  }
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -29,7 +29,17 @@ void EigendecomposedPreconditionerList::update(int64_t stack, const Rows& rows,
                                                const at::Tensor& gradients,
                                                const RowScalars& scalars,
                                                const std::vector<bool>& amortize) {
-  factors_.update(stack, rows, gradients, scalars);
+  if (factors_.settings().statistics == FactorStatistics::kKL) {
+    // KL-Shampoo: the other dims' roots X_j, formed from the decompositions kept before this
+    // step with the step's ε, as precondition() forms them.
+    std::vector<at::Tensor> roots(factors_.spec(stack).block_shape.size());
+    for (const int64_t k : factors_.preconditioned_dims(stack)) {
+      roots[k] = inverse_roots(stack, rows, k, scalars);
+    }
+    factors_.update(stack, rows, gradients, scalars, &roots);
+  } else {
+    factors_.update(stack, rows, gradients, scalars);
+  }
   const auto [due, due_scalars] = select_rows(rows, scalars, amortize);
   compute_decompositions(stack, due, due_scalars);
 }

@@ -4,7 +4,8 @@
 /// recomputed at amortized steps by eigh or one warm-started QR step. Preconditioning forms
 /// X_k = Q_k·diag(f(λ_k))·Q_kᵀ with the ε and exponent of the call (f: step 3's shift and power,
 /// or the pseudo-inverse) and multiplies along every dim, as root-inverse Shampoo does with its
-/// roots. Eigenvalues start at 1 and eigenvectors at I.
+/// roots. Eigenvalues start at 1 and eigenvectors at I. With FactorStatistics::kKL (eigendecomposed
+/// KL-Shampoo) the factors accumulate the gradient multiplied along the other dims by those X_j.
 
 #include "preconditioners/kronecker_factors.h"
 #include "preconditioners/preconditioner_list.h"
@@ -39,7 +40,7 @@ class EigendecomposedPreconditionerList final : public PreconditionerList {
   int64_t state_bytes() const override;
 
   /// X_k of `rows` along `dim` from the kept decompositions with the rows' ε ([rows, d, d],
-  /// factor dtype). Used by precondition(); for tests.
+  /// factor dtype). Used by precondition() and by KL-Shampoo's statistics; for tests.
   at::Tensor inverse_roots(int64_t stack, const Rows& rows, int64_t dim,
                            const RowScalars& scalars) const;
   const at::Tensor& eigenvalues(int64_t stack, int64_t dim) const {

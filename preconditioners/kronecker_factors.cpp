@@ -34,8 +34,28 @@ KroneckerFactors::KroneckerFactors(std::vector<StackSpec> stacks,
   }
 }
 
+namespace {
+
+/// KL-Shampoo's gradient for the factor of dim k: `g` ([count, block_shape]) multiplied along
+/// every preconditioned dim j ≠ k by its matrices (rows begin..begin + count of other_dims[j]),
+/// in ascending j; `g` itself for Shampoo.
+at::Tensor contribution_operand(const at::Tensor& g, const std::vector<int64_t>& dims, int64_t k,
+                                const std::vector<at::Tensor>* other_dims, int64_t begin,
+                                int64_t count) {
+  if (other_dims == nullptr) return g;
+  auto out = g;
+  for (const int64_t j : dims) {
+    if (j == k) continue;
+    out = stacked_multiply_along_dim(out, (*other_dims)[j].narrow(0, begin, count), j);
+  }
+  return out;
+}
+
+}  // namespace
+
 void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
-                              const RowScalars& scalars) {
+                              const RowScalars& scalars,
+                              const std::vector<at::Tensor>* other_dims) {
   auto& s = stacks_[stack];
   if (s.dims.empty() || rows.size() == 0) return;
   const auto options = s.spec.options.dtype(settings_.factor_dtype);
@@ -52,7 +72,9 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / bytes_per_row);
     for (int64_t begin = 0; begin < rows.size(); begin += chunk) {
       const int64_t count = std::min(chunk, rows.size() - begin);
-      auto outer = stacked_outer_product(g.narrow(0, begin, count), k);
+      const auto operand =
+          contribution_operand(g.narrow(0, begin, count), s.dims, k, other_dims, begin, count);
+      auto outer = stacked_outer_product(operand, k);
       outer.mul_(weight.narrow(0, begin, count));
       const auto beta2_chunk = beta2.narrow(0, begin, count);
       if (rows.all) {
@@ -101,8 +123,8 @@ bool KroneckerFactors::may_raise(int64_t stack, const Rows& rows, const RowScala
                                         int64_t{1}, std::multiplies<>());
   for (const int64_t k : s.dims) {
     // max |L| of every member: one reduction over the stack, no copy of the rows.
-    const auto norms = at::linalg_vector_norm(s.factors[k], INFINITY, {1, 2}, false, at::kDouble)
-                           .to(at::kCPU);
+    const auto norms =
+        at::linalg_vector_norm(s.factors[k], INFINITY, {1, 2}, false, at::kDouble).to(at::kCPU);
     const auto* max_abs = norms.data_ptr<double>();
     const double contracted = static_cast<double>(numel / s.spec.block_shape[k]);
     for (int64_t i = 0; i < rows.size(); ++i) {

@@ -1,8 +1,9 @@
 #pragma once
-/// Kronecker factor statistics shared by the matrix preconditioners (root-inverse Shampoo and
-/// eigenvalue-corrected Shampoo): per stack and per preconditioned block dim, a stack of factor
-/// matrices L [n, d, d] updated as L ← β2·L + w·(G contracted with itself over the other dims),
-/// plus the failure policy of the amortized computations on them.
+/// Kronecker factor statistics shared by the matrix preconditioners (root-inverse, eigendecomposed
+/// and eigenvalue-corrected Shampoo, and KL-Shampoo): per stack and per preconditioned block dim, a
+/// stack of factor matrices L [n, d, d] updated as L ← β2·L + w·(G contracted with itself over the
+/// other dims; for KL-Shampoo G first multiplied along the other dims by their inverse roots), plus
+/// the failure policy of the amortized computations on them.
 
 #include <ATen/ATen.h>
 
@@ -24,9 +25,12 @@ class KroneckerFactors {
     return stacks_[stack].dims;
   }
 
-  /// L ← β2·L + w·outer(G) for `rows`, every preconditioned dim.
+  /// L ← β2·L + w·outer(G) for `rows`, every preconditioned dim. With `other_dims` (KL-Shampoo's
+  /// hook; per block dim j a stack [rows, d_j, d_j] in the factor dtype, undefined for an
+  /// unpreconditioned dim) the contribution to dim k is outer(G ×_j M_j over every preconditioned
+  /// j ≠ k), the products in ascending j.
   void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
-              const RowScalars& scalars);
+              const RowScalars& scalars, const std::vector<at::Tensor>* other_dims = nullptr);
 
   /// The factors of `rows` along `dim` divided by their bias corrections, in the factor dtype
   /// ([rows, d, d], a new tensor). Checks that they are finite: a non-finite factor is an error

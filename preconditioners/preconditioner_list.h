@@ -33,9 +33,19 @@ struct AmortizedCounters {
 /// Test seam: return true to make the amortized computation of (block name, dim) fail.
 using FailureInjector = std::function<bool(const std::string& block, int64_t dim)>;
 
+/// What the Kronecker factors accumulate (docs/math.md, "Step 2" and "KL-Shampoo").
+enum class FactorStatistics {
+  /// Shampoo: C_k(G′), the gradient contracted with itself over every dim but k.
+  kShampoo,
+  /// KL-Shampoo: C_k of the gradient multiplied along every other preconditioned dim j by its
+  /// current inverse root X_j.
+  kKL,
+};
+
 /// Settings common to the matrix preconditioner lists.
 struct MatrixPreconditionerSettings {
   at::ScalarType factor_dtype = at::kFloat;
+  FactorStatistics statistics = FactorStatistics::kShampoo;
   bool retry_double_precision = true;
   /// Root-inverse Shampoo: the matmul-only root solver; none = eigh.
   std::optional<IterativeRootSettings> root_solver;

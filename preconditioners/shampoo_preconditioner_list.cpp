@@ -26,7 +26,17 @@ ShampooPreconditionerList::ShampooPreconditionerList(std::vector<StackSpec> stac
 void ShampooPreconditionerList::update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
                                        const RowScalars& scalars,
                                        const std::vector<bool>& amortize) {
-  factors_.update(stack, rows, gradients, scalars);
+  if (factors_.settings().statistics == FactorStatistics::kKL) {
+    // KL-Shampoo: every factor sees the gradient preconditioned along the other dims by the roots
+    // of the last amortized computation (identity before the first), all before this step's roots.
+    std::vector<at::Tensor> roots(roots_[stack].size());
+    for (const int64_t k : factors_.preconditioned_dims(stack)) {
+      roots[k] = gather_rows(roots_[stack][k], rows);
+    }
+    factors_.update(stack, rows, gradients, scalars, &roots);
+  } else {
+    factors_.update(stack, rows, gradients, scalars);
+  }
   const auto [due, due_scalars] = select_rows(rows, scalars, amortize);
   compute_roots(stack, due, due_scalars);
 }

@@ -1,6 +1,8 @@
 #pragma once
 /// Root-inverse Shampoo: each block is multiplied along every preconditioned dim k by
 /// X_k = (L_k / bc + ε·I)^(−e_k), the roots recomputed at amortized steps and identity until then.
+/// With FactorStatistics::kKL (root-inverse KL-Shampoo) the factors accumulate the gradient
+/// multiplied along the other dims by their current roots X_j.
 
 #include "preconditioners/kronecker_factors.h"
 #include "preconditioners/preconditioner_list.h"

@@ -286,10 +286,14 @@ using ListedFamilies =
                AdaGradPreconditionerConfig, RMSpropPreconditionerConfig, AdamPreconditionerConfig>;
 
 const char* family_name(const RootInvShampooConfig&) { return "root-inverse Shampoo"; }
+const char* family_name(const RootInvKLShampooConfig&) { return "root-inverse KL-Shampoo"; }
 const char* family_name(const EigenvalueCorrectedShampooConfig&) {
   return "eigenvalue-corrected Shampoo";
 }
 const char* family_name(const EigendecomposedShampooConfig&) { return "eigendecomposed Shampoo"; }
+const char* family_name(const EigendecomposedKLShampooConfig&) {
+  return "eigendecomposed KL-Shampoo";
+}
 const char* family_name(const SpectralDescentConfig&) { return "spectral descent"; }
 const char* family_name(const SignDescentConfig&) { return "sign descent"; }
 const char* family_name(const SGDPreconditionerConfig&) { return "SGD preconditioner"; }
@@ -364,7 +368,7 @@ bool has_entry(InputArchive& a, const std::string& key) {
 /// The root solver of a preconditioner config as (solver, max_iterations, tolerance bits, tf32);
 /// zeros for the other families.
 std::vector<int64_t> root_solver_parts(const PreconditionerConfig& config) {
-  const auto* c = std::get_if<RootInvShampooConfig>(&config);
+  const auto* c = root_inverse_config(config);
   if (c == nullptr) return {0, 0, 0, 0};
   return {static_cast<int64_t>(c->solver), c->max_iterations, double_bits(c->tolerance),
           c->tf32 ? 1 : 0};
@@ -441,7 +445,7 @@ std::string describe_preconditioner(const ShampooOptions& o) {
             return c10::str(family_name(c), " (eigenbasis_method ",
                             c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
                             ", retry_double_precision ", retry, ")");
-          } else if constexpr (std::is_same_v<C, EigendecomposedShampooConfig>) {
+          } else if constexpr (std::is_base_of_v<EigendecomposedShampooConfig, C>) {
             return c10::str(family_name(c), " (eigenbasis_method ",
                             c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
                             ", retry_double_precision ", retry, ", ",
@@ -475,7 +479,7 @@ void write_preconditioner(const ShampooOptions& o, OutputArchive& a) {
   a.write("preconditioner_kind", c10::IValue(p[0]));
   a.write("preconditioner_retry_double_precision", c10::IValue(p[1]));
   a.write("preconditioner_eigenbasis_method", c10::IValue(p[2]));
-  const auto* c = std::get_if<RootInvShampooConfig>(&o.preconditioner());
+  const auto* c = root_inverse_config(o.preconditioner());
   const RootInvShampooConfig solver = c != nullptr ? *c : RootInvShampooConfig{};
   a.write("preconditioner_root_solver", c10::IValue(static_cast<int64_t>(solver.solver)));
   a.write("preconditioner_max_iterations", c10::IValue(solver.max_iterations));
@@ -530,8 +534,10 @@ void read_preconditioner(InputArchive& a, ShampooOptions& o) {
           });
         } else if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
           c = EigenvalueCorrectedShampooConfig{method, retry};
-        } else if constexpr (std::is_same_v<C, EigendecomposedShampooConfig>) {
-          c = EigendecomposedShampooConfig{method, retry, read_stability(a)};
+        } else if constexpr (std::is_base_of_v<EigendecomposedShampooConfig, C>) {
+          // Eigendecomposed Shampoo or KL-Shampoo: the same fields.
+          static_cast<EigendecomposedShampooConfig&>(c) =
+              EigendecomposedShampooConfig{method, retry, read_stability(a)};
         } else {
           c.retry_double_precision = retry;
           c.solver = static_cast<RootSolver>(read_index(a, "preconditioner_root_solver", 3));

@@ -20,7 +20,7 @@ void check_unit_interval(double value, const char* field, bool allow_one) {
 /// The iterative root solvers: a budget, a tolerance, and integer roots (every exponent 1/p).
 void check_root_solver(const PreconditionerConfig& preconditioner,
                        const InverseExponentOverride& overrides) {
-  const auto* c = std::get_if<RootInvShampooConfig>(&preconditioner);
+  const auto* c = root_inverse_config(preconditioner);
   if (c == nullptr) return;
   TORCH_CHECK(c->solver == RootSolver::kEigh || c->solver == RootSolver::kCoupledNewton ||
                   c->solver == RootSolver::kNewtonDB,
@@ -136,7 +136,7 @@ void check_rank_deficient_stability(const PreconditionerConfig& preconditioner) 
       c->rank_rtol == kDtypeRankRtol || (std::isfinite(c->rank_rtol) && c->rank_rtol >= 0.0),
       "ShampooOptions.preconditioner.rank_deficient_stability.rank_rtol: got ", c->rank_rtol,
       ", expected rank_rtol >= 0 or kDtypeRankRtol (-1)");
-  const auto* root_inverse = std::get_if<RootInvShampooConfig>(&preconditioner);
+  const auto* root_inverse = root_inverse_config(preconditioner);
   TORCH_CHECK(root_inverse == nullptr || root_inverse->solver == RootSolver::kEigh,
               "ShampooOptions.preconditioner.rank_deficient_stability: PseudoInverseConfig needs "
               "solver kEigh, got ",
@@ -159,6 +159,16 @@ void check_epsilon(double epsilon, const PreconditionerConfig& preconditioner) {
 }
 
 }  // namespace
+
+const RootInvShampooConfig* root_inverse_config(const PreconditionerConfig& config) {
+  if (const auto* c = std::get_if<RootInvShampooConfig>(&config)) return c;
+  return std::get_if<RootInvKLShampooConfig>(&config);
+}
+
+const EigendecomposedShampooConfig* eigendecomposed_config(const PreconditionerConfig& config) {
+  if (const auto* c = std::get_if<EigendecomposedShampooConfig>(&config)) return c;
+  return std::get_if<EigendecomposedKLShampooConfig>(&config);
+}
 
 const RankDeficientStabilityConfig* rank_deficient_stability(const PreconditionerConfig& config) {
   return std::visit(
@@ -221,7 +231,7 @@ void ShampooOptions::validate() const {
   check_descent_and_diagonal(preconditioner());
   check_iterate_averaging(iterate_averaging(), momentum());
   check_rank_deficient_stability(preconditioner());
-  if (const auto* c = std::get_if<EigendecomposedShampooConfig>(&preconditioner())) {
+  if (const auto* c = eigendecomposed_config(preconditioner())) {
     TORCH_CHECK(c->eigenbasis_method == EigenbasisMethod::kEigh ||
                     c->eigenbasis_method == EigenbasisMethod::kQR,
                 "ShampooOptions.preconditioner.eigenbasis_method: got ",

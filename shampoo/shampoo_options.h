@@ -196,16 +196,47 @@ struct EigendecomposedShampooConfig {
   bool operator==(const EigendecomposedShampooConfig&) const = default;
 };
 
+/// Root-inverse KL-Shampoo (the reference's RootInvKLShampooPreconditionerConfig): root-inverse
+/// Shampoo whose factor along dim k accumulates the gradient multiplied along every other
+/// preconditioned dim j by the current inverse root X_j (docs/math.md, "KL-Shampoo"). Roots,
+/// exponents, solvers, rank-deficient stability and preconditioning are root-inverse Shampoo's:
+/// the fields are inherited (set them through the base, e.g.
+/// `RootInvKLShampooConfig{RootInvShampooConfig{.solver = RootSolver::kCoupledNewton}}`).
+/// Before the first amortized computation every X_j is I, so the factors are Shampoo's.
+struct RootInvKLShampooConfig : RootInvShampooConfig {
+  bool operator==(const RootInvKLShampooConfig&) const = default;
+};
+
+/// Eigendecomposed KL-Shampoo (the reference's EigendecomposedKLShampooPreconditionerConfig):
+/// eigendecomposed Shampoo whose factors accumulate KL-Shampoo's statistics, the inverse roots of
+/// the other dims formed from the kept eigendecompositions with the step's ε (docs/math.md,
+/// "KL-Shampoo"). The fields are eigendecomposed Shampoo's, inherited (e.g.
+/// `EigendecomposedKLShampooConfig{EigendecomposedShampooConfig{.eigenbasis_method = kQR}}`).
+/// Before the first decomposition the roots are f(1)·I (I for ε ≤ 1).
+struct EigendecomposedKLShampooConfig : EigendecomposedShampooConfig {
+  bool operator==(const EigendecomposedKLShampooConfig&) const = default;
+};
+
 /// The preconditioner family. The index of the alternative is the kind written to checkpoints:
 /// append new families at the end, never reorder.
 using PreconditionerConfig =
     std::variant<RootInvShampooConfig, EigenvalueCorrectedShampooConfig, SpectralDescentConfig,
                  SignDescentConfig, SGDPreconditionerConfig, AdaGradPreconditionerConfig,
                  RMSpropPreconditionerConfig, AdamPreconditionerConfig,
-                 EigendecomposedShampooConfig>;
+                 EigendecomposedShampooConfig, RootInvKLShampooConfig,
+                 EigendecomposedKLShampooConfig>;
+
+/// The root-inverse settings of root-inverse Shampoo and root-inverse KL-Shampoo; null for the
+/// other families.
+const RootInvShampooConfig* root_inverse_config(const PreconditionerConfig& config);
+
+/// The eigendecomposed settings of eigendecomposed Shampoo and eigendecomposed KL-Shampoo; null
+/// for the other families.
+const EigendecomposedShampooConfig* eigendecomposed_config(const PreconditionerConfig& config);
 
 /// The rank-deficient stability of a preconditioner config: that of root-inverse and
-/// eigendecomposed Shampoo; null for eigenvalue-corrected Shampoo, which has none.
+/// eigendecomposed Shampoo and of KL-Shampoo; null for eigenvalue-corrected Shampoo, which has
+/// none, and the families without factors.
 const RankDeficientStabilityConfig* rank_deficient_stability(const PreconditionerConfig& config);
 
 /// True when `config` applies the pseudo-inverse (PseudoInverseConfig).

@@ -22,7 +22,7 @@ int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64
                           int64_t numel, int64_t param_element_size) {
   const auto factor_size = static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
   const auto& preconditioner = options.preconditioner();
-  const bool eigendecomposed = std::holds_alternative<EigendecomposedShampooConfig>(preconditioner);
+  const bool eigendecomposed = eigendecomposed_config(preconditioner) != nullptr;
   int64_t bytes = 0;
   if (uses_kronecker_factors(options)) {
     const auto exponents = dim_exponents(options, static_cast<int64_t>(shape.size()));

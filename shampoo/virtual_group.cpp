@@ -48,6 +48,14 @@ ListPtr make_list(const RootInvShampooConfig& config, Specs specs,
   return std::make_unique<ShampooPreconditionerList>(std::move(specs), settings);
 }
 
+// KL-Shampoo: the same list, its factors accumulating the gradient multiplied along the other
+// dims by their current inverse roots.
+ListPtr make_list(const RootInvKLShampooConfig& config, Specs specs,
+                  MatrixPreconditionerSettings settings) {
+  settings.statistics = FactorStatistics::kKL;
+  return make_list(static_cast<const RootInvShampooConfig&>(config), std::move(specs), settings);
+}
+
 ListPtr make_list(const EigendecomposedShampooConfig& config, Specs specs,
                   MatrixPreconditionerSettings settings) {
   settings.retry_double_precision = config.retry_double_precision;
@@ -56,6 +64,13 @@ ListPtr make_list(const EigendecomposedShampooConfig& config, Specs specs,
                           ? EigendecompositionUpdate::kQR
                           : EigendecompositionUpdate::kEigh;
   return std::make_unique<EigendecomposedPreconditionerList>(std::move(specs), settings, method);
+}
+
+ListPtr make_list(const EigendecomposedKLShampooConfig& config, Specs specs,
+                  MatrixPreconditionerSettings settings) {
+  settings.statistics = FactorStatistics::kKL;
+  return make_list(static_cast<const EigendecomposedShampooConfig&>(config), std::move(specs),
+                   settings);
 }
 
 ListPtr make_list(const EigenvalueCorrectedShampooConfig& config, Specs specs,
@@ -197,9 +212,9 @@ int64_t block_target_order(const ShampooOptions& options) {
 
 bool uses_kronecker_factors(const ShampooOptions& options) {
   const auto& p = options.preconditioner();
-  return std::holds_alternative<RootInvShampooConfig>(p) ||
+  return root_inverse_config(p) != nullptr ||
          std::holds_alternative<EigenvalueCorrectedShampooConfig>(p) ||
-         std::holds_alternative<EigendecomposedShampooConfig>(p);
+         eigendecomposed_config(p) != nullptr;
 }
 
 VirtualGroup::VirtualGroup(const ShampooOptions& structure, std::vector<int64_t> user_groups,

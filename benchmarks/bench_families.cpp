@@ -12,10 +12,10 @@
 ///
 /// Settings (the family's usual use, documented in benchmarks/RESULTS.md): lr 1e-3, betas
 /// (0.9, 0.999), max_preconditioner_dim 1024. The Kronecker families (root inverse,
-/// eigendecomposed) use Adam grafting and epsilon 1e-12 like bench_optimizer_step;
-/// eigenvalue-corrected Shampoo, the diagonal, sign and spectral families run without grafting.
-/// Spectral descent is for 2-D blocks only: the biases form a second param group with the Adam
-/// main preconditioner.
+/// eigendecomposed, their KL variants) use Adam grafting and epsilon 1e-12 like
+/// bench_optimizer_step; eigenvalue-corrected Shampoo, the diagonal, sign and spectral families run
+/// without grafting. Spectral descent is for 2-D blocks only: the biases form a second param group
+/// with the Adam main preconditioner.
 ///
 ///   bench_families [--repetitions 3] [--frequency 20] [--threads T] [--grad-pool 8]
 ///                  [--batch 128] [--families a,b,...] [--json PATH] [--label TEXT]
@@ -112,6 +112,8 @@ std::vector<Subject> all_subjects(const Args& args) {
   });
   add("root_inverse", shampoo_maker(args, shampoo::RootInvShampooConfig{}, true));
   add("eigendecomposed", shampoo_maker(args, shampoo::EigendecomposedShampooConfig{}, true));
+  add("kl_root_inverse", shampoo_maker(args, shampoo::RootInvKLShampooConfig{}, true));
+  add("kl_eigendecomposed", shampoo_maker(args, shampoo::EigendecomposedKLShampooConfig{}, true));
   add("eigenvalue_corrected",
       shampoo_maker(args, shampoo::EigenvalueCorrectedShampooConfig{}, false));
   add("spectral_descent", spectral_maker(args));

@@ -88,7 +88,8 @@ Args parse_args(int argc, char** argv) {
       .add("solvers", args.solvers,
            "comma-separated root solver settings: eigh, coupled-newton, newton-db, "
            "newton-db-tf32, coupled-newton-tf32; or the other preconditioner families: "
-           "eigendecomposed, eigenvalue-corrected, spectral-descent (2-D tensors; the others "
+           "eigendecomposed, kl-root-inverse, kl-eigendecomposed, eigenvalue-corrected, "
+           "spectral-descent (2-D tensors; the others "
            "with adam-preconditioner), sign-descent, adam-preconditioner")
       .add("frequency", args.frequency, "precondition_frequency N of the amortized runs", 2)
       .add("window", args.window, "timed consecutive steps per repetition at frequency N", 1)
@@ -125,6 +126,10 @@ bool family_setting(const std::string& name, SolverSetting& out) {
   out.name = name;
   if (name == "eigendecomposed") {
     out.config = shampoo::EigendecomposedShampooConfig{};
+  } else if (name == "kl-root-inverse") {
+    out.config = shampoo::RootInvKLShampooConfig{};
+  } else if (name == "kl-eigendecomposed") {
+    out.config = shampoo::EigendecomposedKLShampooConfig{};
   } else if (name == "eigenvalue-corrected") {
     out.config = shampoo::EigenvalueCorrectedShampooConfig{};
   } else if (name == "spectral-descent") {
@@ -155,7 +160,8 @@ SolverSetting solver_setting(const std::string& name) {
     throw std::invalid_argument(
         fmt::format("--solvers: got '{}', expected a comma-separated list of eigh, coupled-newton, "
                     "newton-db, newton-db-tf32, coupled-newton-tf32 or the families "
-                    "eigendecomposed, eigenvalue-corrected, spectral-descent, sign-descent, "
+                    "eigendecomposed, kl-root-inverse, kl-eigendecomposed, eigenvalue-corrected, "
+                    "spectral-descent, sign-descent, "
                     "adam-preconditioner",
                     name));
   }

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <functional>
 
+#include "support/device_parity.h"
 #include "support/test_support.h"
 
 namespace {
@@ -527,23 +528,10 @@ class FamilyCuda : public ::testing::TestWithParam<FamilyCase> {};
 TEST_P(FamilyCuda, EqualsCpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const auto& c = GetParam();
-  auto cpu = make_params(c, 6);
-  std::vector<at::Tensor> gpu;
-  for (const auto& p : cpu) gpu.push_back(p.detach().cuda().requires_grad_());
-  DistributedShampoo on_cpu(cpu, family_options(c));
-  DistributedShampoo on_gpu(gpu, family_options(c));
-  for (int t = 1; t <= 4; ++t) {
-    set_grads(cpu, t);
-    for (size_t i = 0; i < gpu.size(); ++i) gpu[i].mutable_grad() = cpu[i].grad().cuda();
-    on_cpu.step();
-    on_gpu.step();
-    for (size_t i = 0; i < cpu.size(); ++i) {
-      // Newton–Schulz and SVD in float32 on cuBLAS/cuSOLVER against CPU BLAS/LAPACK round
-      // differently; five iterations amplify it: a tenfold atol.
-      ASSERT_TRUE(all_close(gpu[i].detach().cpu(), cpu[i].detach(), {1.3e-6, 1e-4}))
-          << c.name << " step " << t << " parameter " << i;
-    }
-  }
+  // Newton–Schulz and SVD in float32 on cuBLAS/cuSOLVER against CPU BLAS/LAPACK round
+  // differently; five iterations amplify it: a tenfold atol.
+  shampoo::testing::expect_cuda_matches_cpu(make_params(c, 6), family_options(c), 4, set_grads,
+                                            {1.3e-6, 1e-4}, c.name);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyCuda, ::testing::ValuesIn(families()),

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "shampoo/option_fields.h"
+#include "support/device_parity.h"
 #include "support/test_support.h"
 
 namespace {
@@ -765,26 +766,13 @@ class KLCuda : public ::testing::TestWithParam<ReferenceCase> {};
 TEST_P(KLCuda, MatchesCpuWithinTolerance) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const auto& c = GetParam();
-  auto cpu_params = reference_params(at::kFloat);
-  std::vector<at::Tensor> cuda_params;
-  for (const auto& p : cpu_params) {
-    cuda_params.push_back(p.detach().to(at::kCUDA).requires_grad_());
-  }
-  DistributedShampoo cpu(cpu_params, c.options);
-  DistributedShampoo cuda(cuda_params, c.options);
-  for (int step = 1; step <= 5; ++step) {
-    shampoo::testing::set_random_grads(cpu_params, 500 + step);
-    for (size_t i = 0; i < cpu_params.size(); ++i) {
-      cuda_params[i].mutable_grad() = cpu_params[i].grad().to(at::kCUDA);
-    }
-    cpu.step();
-    cuda.step();
-    for (size_t i = 0; i < cpu_params.size(); ++i) {
-      // cuSOLVER and LAPACK are different algorithms (as tests/preconditioners/cuda_test.cpp).
-      ASSERT_TRUE(all_close(cuda_params[i].detach().cpu(), cpu_params[i].detach(), {1e-4, 1e-5}))
-          << c.name << " step " << step << " parameter " << i;
-    }
-  }
+  // cuSOLVER and LAPACK are different algorithms (as tests/preconditioners/cuda_test.cpp).
+  shampoo::testing::expect_cuda_matches_cpu(
+      reference_params(at::kFloat), c.options, 5,
+      [](const std::vector<at::Tensor>& params, int t) {
+        shampoo::testing::set_random_grads(params, 500 + t);
+      },
+      {1e-4, 1e-5}, c.name);
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, KLCuda, ::testing::ValuesIn([] {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "preconditioners/matrix_functions.h"
+#include "shampoo/kronecker_reference.h"
 #include "shampoo/option_fields.h"
 #include "support/device_parity.h"
 #include "support/test_support.h"
@@ -37,82 +38,21 @@ using shampoo::testing::bit_equal;
 using shampoo::testing::expect_error;
 using shampoo::testing::snapshot;
 using shampoo::testing::tolerance_for;
+using shampoo::testing::kronecker::apply_along;
+using shampoo::testing::kronecker::contract_all_but;
+using shampoo::testing::kronecker::expect_matches_reference;
+using shampoo::testing::kronecker::f64;
+using shampoo::testing::kronecker::reference_base;
+using shampoo::testing::kronecker::reference_params;
+using shampoo::testing::kronecker::ReferenceCase;
+using shampoo::testing::kronecker::ReferenceConfig;
+using shampoo::testing::kronecker::without_stability_entries;
 
 // ----------------------------------------------------------------------------------------------
 // The float64 reference (docs/math.md): one block per parameter (no merging, every dim at most
 // max_preconditioner_dim), no filtering, grafting, momentum or weight decay, so a step is
 // statistics, decompositions at amortized steps, X_k from the kept decomposition, W ← W − lr·P.
 // ----------------------------------------------------------------------------------------------
-
-at::TensorOptions f64() { return at::TensorOptions().dtype(at::kDouble); }
-
-/// out[.., i, ..] = Σ_j M[i, j]·T[.., j, ..] along dim k.
-at::Tensor apply_along(const at::Tensor& t, const at::Tensor& m, int64_t k) {
-  const auto moved = t.movedim(k, 0);
-  const auto shape = moved.sizes().vec();
-  return m.mm(moved.reshape({shape[0], -1})).reshape(shape).movedim(0, k);
-}
-
-/// G contracted with itself over every dim but k.
-at::Tensor contract_all_but(const at::Tensor& g, int64_t k) {
-  const auto m = g.movedim(k, 0).reshape({g.size(k), -1});
-  return m.mm(m.t());
-}
-
-struct ReferenceConfig {
-  double lr, beta2, epsilon;
-  int64_t frequency;
-  bool qr = false;
-  bool pseudo_inverse = false;
-  double rank_atol = 0.0, rank_rtol = 0.0;
-  shampoo::InverseExponentOverride overrides;
-
-  explicit ReferenceConfig(const ShampooOptions& o) {
-    lr = o.lr();
-    beta2 = std::get<1>(o.betas());
-    epsilon = o.epsilon();
-    frequency = o.precondition_frequency();
-    overrides = o.inverse_exponent_override();
-    std::visit(
-        [&](const auto& c) {
-          if constexpr (requires { c.eigenbasis_method; }) {
-            qr = c.eigenbasis_method == EigenbasisMethod::kQR;
-          }
-          if constexpr (requires { c.rank_deficient_stability; }) {
-            if (const auto* p = std::get_if<PseudoInverseConfig>(&c.rank_deficient_stability)) {
-              pseudo_inverse = true;
-              rank_atol = p->rank_atol;
-              rank_rtol = p->rank_rtol;
-            }
-          }
-        },
-        o.preconditioner());
-  }
-
-  double exponent(int64_t order, int64_t k) const {
-    const auto it = overrides.find(order);
-    if (it != overrides.end()) {
-      if (const auto d = it->second.find(k); d != it->second.end()) return d->second;
-      if (const auto a = it->second.find(shampoo::kAllDims); a != it->second.end()) {
-        return a->second;
-      }
-    }
-    return 1.0 / (2.0 * static_cast<double>(order));
-  }
-};
-
-/// f(λ): the two-step shift where λ_min < ε, then λ^(−e); or the pseudo-inverse powers.
-at::Tensor reference_powers(const at::Tensor& lambda, double e, const ReferenceConfig& c) {
-  if (c.pseudo_inverse) {
-    const double cutoff =
-        std::max(c.rank_rtol * std::max(lambda.max().item<double>(), 0.0), c.rank_atol);
-    return at::where(lambda <= cutoff, at::zeros_like(lambda), lambda.pow(-e));
-  }
-  auto shifted = lambda;
-  const double lambda_min = lambda.min().item<double>();
-  if (lambda_min < c.epsilon) shifted = (lambda - lambda_min) + c.epsilon;
-  return shifted.pow(-e);
-}
 
 struct ReferenceBlock {
   at::Tensor param;
@@ -137,10 +77,9 @@ class ReferenceEigendecomposed {
 
   void step(const std::vector<at::Tensor>& grads) {
     ++t_;
-    const bool amortized =
-        (t_ % config_.frequency == 0 && t_ > config_.frequency) || t_ == config_.frequency;
-    const double w = config_.beta2 < 1.0 ? 1.0 - config_.beta2 : 1.0;
-    const double bc2 = config_.beta2 < 1.0 ? 1.0 - std::pow(config_.beta2, double(t_)) : 1.0;
+    const bool amortized = config_.amortized(t_);
+    const double w = config_.weight();
+    const double bc2 = config_.bias_correction(t_);
     for (size_t i = 0; i < blocks_.size(); ++i) {
       auto& b = blocks_[i];
       const auto g = grads[i].to(at::kDouble);
@@ -152,7 +91,7 @@ class ReferenceEigendecomposed {
         b.factors[k] = config_.beta2 * b.factors[k] + w * contract_all_but(g, k);
         if (amortized) decompose(b, k, bc2);
         const auto& q = b.eigenvectors[k];
-        const auto x = (q * reference_powers(b.eigenvalues[k], e, config_)).mm(q.t());
+        const auto x = (q * config_.powers(b.eigenvalues[k], e)).mm(q.t());
         p = apply_along(p, x, k);
       }
       b.param = b.param - config_.lr * p;
@@ -188,22 +127,6 @@ class ReferenceEigendecomposed {
 // ----------------------------------------------------------------------------------------------
 // Reference cases.
 // ----------------------------------------------------------------------------------------------
-
-struct ReferenceCase {
-  std::string name;
-  ShampooOptions options;
-  at::ScalarType dtype;
-};
-
-void PrintTo(const ReferenceCase& c, std::ostream* os) { *os << c.name; }
-
-ShampooOptions reference_base() {
-  return ShampooOptions(0.05)
-      .betas({0.0, 0.95})
-      .epsilon(1e-3)
-      .max_preconditioner_dim(8)
-      .use_merge_dims(false);
-}
 
 std::vector<ReferenceCase> reference_cases() {
   const auto eigh = EigendecomposedShampooConfig{};
@@ -253,40 +176,10 @@ std::vector<ReferenceCase> reference_cases() {
   return out;
 }
 
-std::vector<at::Tensor> reference_params(at::ScalarType dtype) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-  std::vector<at::Tensor> params;
-  for (const auto& shape : std::vector<std::vector<int64_t>>{{6, 5}, {7}, {3, 4, 2}}) {
-    params.push_back(at::randn(shape, gen).to(dtype).requires_grad_());
-  }
-  return params;
-}
-
 class EigendecomposedReference : public ::testing::TestWithParam<ReferenceCase> {};
 
 TEST_P(EigendecomposedReference, EveryStepMatchesTheFloat64Reference) {
-  const auto& c = GetParam();
-  auto params = reference_params(c.dtype);
-  const auto initial = snapshot(params);
-  DistributedShampoo opt(params, c.options);
-  ReferenceEigendecomposed reference(params, c.options);
-  for (int step = 1; step <= 7; ++step) {
-    shampoo::testing::set_random_grads(params, 300 + step);
-    std::vector<at::Tensor> grads;
-    for (const auto& p : params) grads.push_back(p.grad().detach().clone());
-    opt.step();
-    reference.step(grads);
-    for (size_t i = 0; i < params.size(); ++i) {
-      ASSERT_TRUE(
-          all_close(params[i].detach(), reference.param(i).to(c.dtype), tolerance_for(c.dtype)))
-          << c.name << " step " << step << " parameter " << i;
-    }
-  }
-  for (size_t i = 0; i < params.size(); ++i) {
-    EXPECT_FALSE(params[i].detach().equal(initial[i])) << "parameter " << i << " did not move";
-  }
-  EXPECT_GT(opt.stats().amortized_computations, 0);
-  EXPECT_EQ(opt.stats().failed_amortized_computations, 0);
+  expect_matches_reference<ReferenceEigendecomposed>(GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, EigendecomposedReference, ::testing::ValuesIn(reference_cases()),
@@ -583,29 +476,8 @@ TEST(EigendecomposedOptions, ArchiveWithoutTheNewEntriesStillLoads) {
   for (const auto& config : std::vector<shampoo::PreconditionerConfig>{
            RootInvShampooConfig{.solver = shampoo::RootSolver::kCoupledNewton, .max_iterations = 7},
            shampoo::EigenvalueCorrectedShampooConfig{EigenbasisMethod::kQR, true}}) {
-    const auto written = ShampooOptions().lr(0.3).preconditioner(config);
-    torch::serialize::OutputArchive full;
-    written.serialize(full);
-    const auto full_path = shampoo::testing::temp_path("full_options.pt");
-    full.save_to(full_path);
-    torch::serialize::InputArchive full_in;
-    full_in.load_from(full_path);
-    // Every entry but the new ones, as an archive of before.
-    torch::serialize::OutputArchive out;
-    for (const auto& field : shampoo::detail::option_fields()) {
-      for (const auto& key : field.archive_keys) {
-        if (key.find("rank_deficient") != std::string::npos ||
-            key.find("pseudo_inverse") != std::string::npos) {
-          continue;
-        }
-        c10::IValue value;
-        ASSERT_TRUE(full_in.try_read(key, value)) << key;
-        out.write(key, value);
-      }
-    }
-    std::filesystem::remove(full_path);
-    const auto read = shampoo::testing::read_options(
-        out, ShampooOptions().preconditioner(EigendecomposedShampooConfig{}));
+    const auto read = without_stability_entries(ShampooOptions().lr(0.3).preconditioner(config),
+                                                EigendecomposedShampooConfig{});
     EXPECT_TRUE(read.preconditioner() == config) << "config kind " << config.index();
     EXPECT_EQ(read.lr(), 0.3);
   }

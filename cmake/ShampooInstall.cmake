@@ -9,7 +9,7 @@ install(TARGETS ${shampoo_components}
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-foreach(component shampoo distributor parallel preconditioners update)
+foreach(component shampoo amp distributor parallel preconditioners update)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${component}/
     DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/${component}
     FILES_MATCHING PATTERN "*.h" PATTERN "cuda/*.cu" EXCLUDE)

@@ -59,12 +59,29 @@ std::vector<int> Distributor::add_blocks(const std::vector<DistributedBlock>& bl
   for (auto& [unit_index, indices] : new_by_unit) {
     if (unit_index >= static_cast<int64_t>(units_.size())) units_.resize(unit_index + 1);
     auto& unit = units_[unit_index];
+    // The items owners are assigned to: blocks, or whole parameters (their blocks' costs summed,
+    // in the order of their first block).
+    std::vector<int64_t> item_of(indices.size());
     std::vector<int64_t> costs;
-    for (const int64_t b : indices) costs.push_back(block_cost(blocks_[b].numel, element_size));
+    std::map<int64_t, int64_t> item_of_param;
+    for (size_t i = 0; i < indices.size(); ++i) {
+      const auto& block = blocks_[indices[i]];
+      const int64_t cost = block_cost(block.numel, element_size);
+      if (config_.shard_by_parameter) {
+        const auto [it, fresh] =
+            item_of_param.emplace(block.id.param, static_cast<int64_t>(costs.size()));
+        if (fresh) costs.push_back(0);
+        item_of[i] = it->second;
+        costs[it->second] += cost;
+      } else {
+        item_of[i] = static_cast<int64_t>(costs.size());
+        costs.push_back(cost);
+      }
+    }
     if (loads_.empty()) loads_.assign(world_size_, 0);
     const auto owners = assign_owners(costs, world_size_, loads_);
     for (size_t i = 0; i < indices.size(); ++i) {
-      owners_[indices[i]] = owners[i];
+      owners_[indices[i]] = owners[item_of[i]];
       unit.blocks.push_back(indices[i]);
     }
     if (distributed()) layout_unit(unit);
@@ -178,15 +195,8 @@ at::Tensor Distributor::received(int64_t block) const {
 
 std::vector<std::vector<int64_t>> Distributor::gather_from_all_ranks(
     const std::vector<int64_t>& values) {
-  const auto n = static_cast<int64_t>(values.size());
   if (!config_.process_group) return {values};
-  auto send = at::tensor(values, at::TensorOptions().dtype(at::kLong));
-  auto receive = at::empty({global_world_size_ * n}, send.options());
-  config_.process_group->getBackend(c10::DeviceType::CPU)->_allgather_base(receive, send)->wait();
-  std::vector<std::vector<int64_t>> out(global_world_size_);
-  const auto* data = receive.data_ptr<int64_t>();
-  for (int r = 0; r < global_world_size_; ++r) out[r].assign(data + r * n, data + (r + 1) * n);
-  return out;
+  return gather_int64(*config_.process_group, values);
 }
 
 int64_t Distributor::bytes_sent_per_step() const {

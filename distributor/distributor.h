@@ -25,6 +25,8 @@ struct DistributorConfig {
   at::ScalarType communication_dtype = at::kFloat;
   int64_t num_trainers_per_group = -1;
   bool communicate_params = false;
+  /// Every block of a parameter gets the same owner (DistributedOptions::shard_by_parameter).
+  bool shard_by_parameter = false;
 };
 
 /// A block as the distributor sees it.
@@ -48,11 +50,14 @@ class Distributor {
   int global_rank() const { return global_rank_; }
   int global_world_size() const { return global_world_size_; }
   bool communicate_params() const { return config_.communicate_params; }
+  bool shard_by_parameter() const { return config_.shard_by_parameter; }
   at::ScalarType communication_dtype() const { return config_.communication_dtype; }
 
   /// Registers blocks (in order; indices continue the earlier ones) and assigns their owners,
-  /// continuing the loads of earlier blocks so existing assignments never move. Rebuilds the
-  /// buffer layouts. Returns the owner (trainer-group rank) of each new block.
+  /// continuing the loads of earlier blocks so existing assignments never move (with
+  /// shard_by_parameter, whole parameters: the blocks of one parameter, all new in one call,
+  /// share an owner). Rebuilds the buffer layouts. Returns the owner (trainer-group rank) of
+  /// each new block.
   std::vector<int> add_blocks(const std::vector<DistributedBlock>& blocks);
 
   int owner(int64_t block) const { return owners_[block]; }

@@ -198,17 +198,6 @@ void check_all_ok(const std::exception_ptr& own_error,
   }
 }
 
-DistributedCheckpointable& checkpointable(const torch::optim::Optimizer& optimizer,
-                                          const char* function) {
-  auto* object =
-      dynamic_cast<DistributedCheckpointable*>(const_cast<torch::optim::Optimizer*>(&optimizer));
-  TORCH_CHECK(object != nullptr, function,
-              ": this optimizer type does not support world-size-independent checkpoints "
-              "(DistributedShampoo, ShardedOptimizer and InBackwardOptimizer do); use "
-              "torch::save / torch::load for one process");
-  return *object;
-}
-
 c10::intrusive_ptr<c10d::ProcessGroup> choose_group(
     const DistributedCheckpointable& optimizer, c10::intrusive_ptr<c10d::ProcessGroup> explicit_) {
   return explicit_ ? std::move(explicit_) : optimizer.checkpoint_group();
@@ -415,13 +404,13 @@ CheckpointManifest read_checkpoint_manifest(const fs::path& dir) {
 
 void save_distributed_checkpoint(const torch::optim::Optimizer& optimizer, const fs::path& dir,
                                  c10::intrusive_ptr<c10d::ProcessGroup> group) {
-  save_distributed_state(checkpointable(optimizer, "save_distributed_checkpoint"), dir,
+  save_distributed_state(detail::checkpointable(optimizer, "save_distributed_checkpoint"), dir,
                          std::move(group));
 }
 
 void load_distributed_checkpoint(torch::optim::Optimizer& optimizer, const fs::path& dir,
                                  c10::intrusive_ptr<c10d::ProcessGroup> group) {
-  load_distributed_state(checkpointable(optimizer, "load_distributed_checkpoint"), dir,
+  load_distributed_state(detail::checkpointable(optimizer, "load_distributed_checkpoint"), dir,
                          std::move(group));
 }
 
@@ -583,9 +572,18 @@ void load_distributed_state(DistributedCheckpointable& target, const fs::path& d
   std::function<void()> install;
   try {
     const auto manifest = read_checkpoint_manifest(dir);
-    TORCH_CHECK(manifest.kind == target.checkpoint_kind(), "checkpoint ", dir.string(),
-                ": written by a ", manifest.kind, ", this optimizer is a ",
-                target.checkpoint_kind());
+    const auto kind = target.checkpoint_kind();
+    const std::string scaled = detail::kWithGradScalerSuffix;
+    TORCH_CHECK(manifest.kind != kind + scaled, "checkpoint ", dir.string(), ": written by a ",
+                kind, " together with a GradScaler (kind ", manifest.kind,
+                "), loaded without one: load it with load_distributed_checkpoint(optimizer, "
+                "scaler, dir) so that the scale and its growth tracker are restored too");
+    TORCH_CHECK(manifest.kind + scaled != kind, "checkpoint ", dir.string(), ": written by a ",
+                manifest.kind, " without a GradScaler, loaded with one (kind ", kind,
+                "): load it with load_distributed_checkpoint(optimizer, dir); the scaler then "
+                "keeps its own state");
+    TORCH_CHECK(manifest.kind == kind, "checkpoint ", dir.string(), ": written by a ",
+                manifest.kind, ", this optimizer is a ", kind);
     const auto common_name = generation_dir(manifest.generation) + "/common.pt";
     auto common = load_archive(dir, manifest_file(manifest, dir, common_name));
     PieceReader pieces(dir.string(), read_locations(dir, manifest),
@@ -602,6 +600,17 @@ void load_distributed_state(DistributedCheckpointable& target, const fs::path& d
 }
 
 namespace detail {
+DistributedCheckpointable& checkpointable(const torch::optim::Optimizer& optimizer,
+                                          const char* function) {
+  auto* object =
+      dynamic_cast<DistributedCheckpointable*>(const_cast<torch::optim::Optimizer*>(&optimizer));
+  TORCH_CHECK(object != nullptr, function,
+              ": this optimizer type does not support world-size-independent checkpoints "
+              "(DistributedShampoo, ShardedOptimizer and InBackwardOptimizer do); use "
+              "torch::save / torch::load for one process");
+  return *object;
+}
+
 void write_param_shapes(torch::serialize::OutputArchive& archive,
                         const std::vector<at::Tensor>& params) {
   archive.write("num_params", c10::IValue(static_cast<int64_t>(params.size())));

@@ -141,6 +141,14 @@ struct CheckpointManifest {
 CheckpointManifest read_checkpoint_manifest(const std::filesystem::path& dir);
 
 namespace detail {
+/// The checkpoint kind of an optimizer saved together with a GradScaler (amp/grad_scaler.h):
+/// "<optimizer kind>+GradScaler". Loading names the mismatch when one side has the scaler.
+inline constexpr const char* kWithGradScalerSuffix = "+GradScaler";
+
+/// `optimizer` as a DistributedCheckpointable; an error naming `function` when it is not one.
+DistributedCheckpointable& checkpointable(const torch::optim::Optimizer& optimizer,
+                                          const char* function);
+
 /// Writes the parameters' count and shapes ("num_params", "shape_<i>") into `archive`.
 void write_param_shapes(torch::serialize::OutputArchive& archive,
                         const std::vector<at::Tensor>& params);

@@ -3,40 +3,83 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <tuple>
 
 #include "parallel/grad_ready_hooks.h"
+#include "parallel/process_group.h"
 
 namespace shampoo {
 namespace {
 
-/// Orders tensors by dtype and device (c10::Device has no ordering).
-using KindKey = std::tuple<int, int, int>;
-KindKey kind_of(const at::Tensor& t) {
-  return {static_cast<int>(t.scalar_type()), static_cast<int>(t.device().type()),
+constexpr int kFrozen = -2;  // owner() of a parameter that requires no gradient
+
+/// Orders tensors by owner, dtype and device (c10::Device has no ordering).
+using BucketKey = std::tuple<int, int, int, int>;
+BucketKey bucket_key(const at::Tensor& t, int owner) {
+  return {owner, static_cast<int>(t.scalar_type()), static_cast<int>(t.device().type()),
           static_cast<int>(t.device().index())};
 }
 
-/// Every parameter is a dense floating-point leaf tensor that requires grad.
+/// FNV-1a over a list of integers: a short fingerprint the ranks compare.
+int64_t fingerprint(const std::vector<int64_t>& values) {
+  uint64_t hash = 1469598103934665603ULL;
+  for (const int64_t v : values) {
+    hash ^= static_cast<uint64_t>(v);
+    hash *= 1099511628211ULL;
+  }
+  return static_cast<int64_t>(hash >> 1);
+}
+
+/// Every parameter is a dense floating-point leaf tensor.
 void check_params(const std::vector<at::Tensor>& params) {
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
-    TORCH_CHECK(p.defined() && p.is_leaf() && p.requires_grad(),
-                "GradientSynchronizer: "
-                "parameter ",
-                i, " must be a leaf tensor that requires grad");
+    TORCH_CHECK(p.defined() && p.is_leaf(), "GradientSynchronizer: parameter ", i,
+                " must be a leaf tensor (a module's parameter), got a computed tensor");
     TORCH_CHECK(p.is_floating_point() && p.layout() == at::kStrided,
-                "GradientSynchronizer: "
-                "parameter ",
-                i, " must be a dense floating-point tensor");
+                "GradientSynchronizer: parameter ", i,
+                " must be a dense floating-point tensor, got ", p.scalar_type(), " ", p.layout());
+  }
+}
+
+/// The ranks must pass the same parameters and freeze the same ones: one small AllGather, and an
+/// error on every rank (never a hang in a later collective) when they differ.
+void check_ranks_agree(const std::vector<at::Tensor>& params, c10d::ProcessGroup& group) {
+  int64_t numel = 0;
+  std::vector<int64_t> frozen;
+  for (size_t i = 0; i < params.size(); ++i) {
+    numel += params[i].numel();
+    if (!params[i].requires_grad()) frozen.push_back(static_cast<int64_t>(i));
+  }
+  const std::vector<int64_t> mine{static_cast<int64_t>(params.size()), numel,
+                                  static_cast<int64_t>(frozen.size()),
+                                  frozen.empty() ? -1 : frozen.front(), fingerprint(frozen)};
+  const auto all = detail::gather_int64(group, mine);
+  const int rank = group.getRank();
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    TORCH_CHECK(all[r][0] == mine[0] && all[r][1] == mine[1], "GradientSynchronizer: rank ", r,
+                " has ", all[r][0], " parameters with ", all[r][1], " elements, rank ", rank,
+                " has ", mine[0], " with ", mine[1], "; every rank must pass the same parameters");
+    TORCH_CHECK(all[r][2] == mine[2] && all[r][4] == mine[4],
+                "GradientSynchronizer: the parameters that need no gradient (requires_grad false) "
+                "differ between ranks: rank ",
+                r, " has ", all[r][2], all[r][3] >= 0 ? " (the first is parameter " : "",
+                all[r][3] >= 0 ? std::to_string(all[r][3]) + ")" : std::string(), ", rank ", rank,
+                " has ", mine[2], mine[3] >= 0 ? " (the first is parameter " : "",
+                mine[3] >= 0 ? std::to_string(mine[3]) + ")" : std::string(),
+                "; every rank must freeze the same parameters, or gradients would be averaged "
+                "(or reduced to their owner) over different sets");
   }
 }
 
 /// Copies rank 0's parameter values to every rank: one broadcast per dtype/device.
 void broadcast_from_rank_zero(const std::vector<at::Tensor>& params, c10d::ProcessGroup& group) {
-  std::map<KindKey, std::vector<at::Tensor>> by_kind;
-  for (const auto& p : params) by_kind[kind_of(p)].push_back(p);
+  std::map<BucketKey, std::vector<at::Tensor>> by_kind;
+  for (const auto& p : params) by_kind[bucket_key(p, 0)].push_back(p);
   at::NoGradGuard no_grad;
   for (auto& [kind, tensors] : by_kind) {
     std::vector<at::Tensor> flat_parts;
@@ -54,16 +97,17 @@ void broadcast_from_rank_zero(const std::vector<at::Tensor>& params, c10d::Proce
 }
 
 /// The parameters (indices) of each bucket, buckets in the order they are opened: parameters in
-/// reverse registration order (gradients arrive roughly last layer first), one dtype and device
-/// per bucket, a bucket closed when the next parameter would take it over `cap_bytes`.
+/// reverse registration order (gradients arrive roughly last layer first), one owner, dtype and
+/// device per bucket, a bucket closed when the next parameter would take it over `cap_bytes`.
 std::vector<std::vector<int64_t>> bucket_members(const std::vector<at::Tensor>& params,
+                                                 const std::vector<int>& owners,
                                                  int64_t cap_bytes) {
   std::vector<std::vector<int64_t>> members;
   std::vector<int64_t> bytes;  // per bucket
-  std::map<KindKey, int64_t> open;
+  std::map<BucketKey, int64_t> open;
   for (int64_t i = static_cast<int64_t>(params.size()) - 1; i >= 0; --i) {
     const auto& p = params[i];
-    const auto key = kind_of(p);
+    const auto key = bucket_key(p, owners[i]);
     const int64_t size = p.numel() * static_cast<int64_t>(p.element_size());
     auto it = open.find(key);
     if (it == open.end() || bytes[it->second] + size > cap_bytes) {
@@ -82,28 +126,25 @@ std::vector<std::vector<int64_t>> bucket_members(const std::vector<at::Tensor>& 
 GradientSynchronizer::GradientSynchronizer(std::vector<at::Tensor> params,
                                            c10::intrusive_ptr<c10d::ProcessGroup> group,
                                            GradientSynchronizerOptions options)
-    : params_(std::move(params)), group_(std::move(group)), options_(options) {
+    : group_(std::move(group)), options_(options) {
   TORCH_CHECK(group_, "GradientSynchronizer: process group is null");
   TORCH_CHECK(options_.bucket_cap_bytes() > 0, "GradientSynchronizerOptions.bucket_cap_bytes: got ",
               options_.bucket_cap_bytes(), ", expected > 0");
-  check_params(params_);
-  if (options_.broadcast_parameters()) broadcast_from_rank_zero(params_, *group_);
+  check_params(params);
+  check_ranks_agree(params, *group_);
+  if (options_.broadcast_parameters()) broadcast_from_rank_zero(params, *group_);
 
-  bucket_of_.assign(params_.size(), -1);
-  for (auto& members : bucket_members(params_, options_.bucket_cap_bytes())) {
-    Bucket bucket;
-    int64_t offset = static_cast<int64_t>(members.size());  // flags first
-    for (const int64_t i : members) {
-      bucket.offsets.push_back(offset);
-      offset += params_[i].numel();
-      bucket_of_[i] = num_buckets();
-    }
-    const auto& first = params_[members.front()];
-    bucket.buffer = at::zeros({offset}, first.options().requires_grad(false));
-    bucket.params = std::move(members);
-    buckets_.push_back(std::move(bucket));
+  synchronized_of_.assign(params.size(), -1);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].requires_grad()) continue;
+    synchronized_of_[i] = static_cast<int64_t>(params_.size());
+    given_index_.push_back(static_cast<int64_t>(i));
+    params_.push_back(params[i]);
   }
+  owners_.assign(params_.size(), ParameterOwners::kEveryRank);
+  build_buckets();
   arrived_.assign(params_.size(), false);
+  accumulated_.assign(params_.size(), false);
   for (size_t i = 0; i < params_.size(); ++i) {
     hook_handles_.push_back(detail::add_grad_ready_callback(
         params_[i], [this, i](const at::Tensor&) { on_grad_ready(static_cast<int64_t>(i)); }));
@@ -114,7 +155,7 @@ GradientSynchronizer::~GradientSynchronizer() {
   for (size_t i = 0; i < params_.size(); ++i) {
     detail::remove_grad_ready_callback(params_[i], hook_handles_[i]);
   }
-  // Never leave an all-reduce running on buffers about to be freed.
+  // Never leave a collective running on buffers about to be freed.
   for (auto& bucket : buckets_) {
     if (bucket.work) {
       try {
@@ -123,6 +164,85 @@ GradientSynchronizer::~GradientSynchronizer() {
       }
     }
   }
+}
+
+void GradientSynchronizer::build_buckets() {
+  buckets_.clear();
+  bucket_of_.assign(params_.size(), -1);
+  for (auto& members : bucket_members(params_, owners_, options_.bucket_cap_bytes())) {
+    Bucket bucket;
+    int64_t offset = static_cast<int64_t>(members.size());  // flags first
+    for (const int64_t i : members) {
+      bucket.offsets.push_back(offset);
+      offset += params_[i].numel();
+      bucket_of_[i] = num_buckets();
+    }
+    const auto& first = params_[members.front()];
+    bucket.root = owners_[members.front()];
+    bucket.numel = offset;
+    bucket.options = first.options().requires_grad(false);
+    // All-reduce buffers are kept (no allocation per step); a reduce buffer lives only while its
+    // bucket is in flight, so that a rank holds no gradient memory of what it does not own.
+    if (bucket.root == ParameterOwners::kEveryRank) {
+      bucket.buffer = at::zeros({offset}, bucket.options);
+    }
+    bucket.params = std::move(members);
+    buckets_.push_back(std::move(bucket));
+  }
+}
+
+void GradientSynchronizer::shard_gradients(const ParameterOwners& owners) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(next_to_launch_ == 0 &&
+                  std::none_of(arrived_.begin(), arrived_.end(), [](bool a) { return a; }),
+              "GradientSynchronizer::shard_gradients: called during a backward pass; call it "
+              "between iterations");
+  const auto owners_group = owners.owners_group();
+  TORCH_CHECK(owners_group,
+              "GradientSynchronizer::shard_gradients: the optimizer has no process "
+              "group (a single-process optimizer owns every parameter on every rank); build it "
+              "over the synchronizer's process group");
+  TORCH_CHECK(
+      owners_group->getSize() == group_->getSize() && owners_group->getRank() == group_->getRank(),
+      "GradientSynchronizer::shard_gradients: the optimizer's process group has size ",
+      owners_group->getSize(), " (this rank is ", owners_group->getRank(),
+      " there), the synchronizer's has size ", group_->getSize(), " (rank ", group_->getRank(),
+      "); they must be groups of the same ranks");
+  std::vector<int> owners_now(params_.size(), ParameterOwners::kEveryRank);
+  std::vector<int64_t> listing;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto owner = owners.owner_of(params_[i]);
+    if (owner.has_value()) {
+      TORCH_CHECK(
+          *owner == ParameterOwners::kEveryRank || (*owner >= 0 && *owner < group_->getSize()),
+          "GradientSynchronizer::shard_gradients: the owner of parameter ", given_index_[i],
+          " is rank ", *owner, ", outside the group of ", group_->getSize(), " ranks");
+      owners_now[i] = *owner;
+    }
+    listing.push_back(owners_now[i]);
+  }
+  // Every rank computes the owners from the same inputs; a mismatch (different models, options
+  // or world sizes) would pair reduces of different buckets, so it is an error on every rank.
+  const auto all = detail::gather_int64(*group_, {fingerprint(listing)});
+  for (int r = 0; r < group_->getSize(); ++r) {
+    TORCH_CHECK(all[r][0] == all[0][0], "GradientSynchronizer::shard_gradients: rank ", r,
+                " assigns the parameters to other owners than rank 0 (the optimizers differ "
+                "between ranks: parameters, options or process groups)");
+  }
+  owners_ = std::move(owners_now);
+  sharded_ = true;
+  build_buckets();
+}
+
+int GradientSynchronizer::owner(size_t index) const {
+  TORCH_CHECK(index < synchronized_of_.size(), "GradientSynchronizer::owner: parameter ", index,
+              " out of range (", synchronized_of_.size(), " parameters)");
+  const int64_t i = synchronized_of_[index];
+  return i < 0 ? kFrozen : owners_[i];
+}
+
+bool GradientSynchronizer::holds(int64_t param) const {
+  return owners_[param] == ParameterOwners::kEveryRank || owners_[param] == group_->getRank();
 }
 
 void GradientSynchronizer::set_bucket_ready_callback(
@@ -138,8 +258,11 @@ GradientSynchronizer::NoSync::NoSync(GradientSynchronizer& owner)
 GradientSynchronizer::NoSync::~NoSync() { owner_.enabled_ = previous_; }
 
 void GradientSynchronizer::on_grad_ready(int64_t param) {
-  if (!enabled_) return;
   std::lock_guard<std::mutex> lock(mutex_);
+  // Remembered also while accumulating: the sum of earlier micro-batches is synchronized even
+  // when the last one gives this parameter no gradient.
+  accumulated_[param] = true;
+  if (!enabled_) return;
   if (arrived_[param]) return;
   arrived_[param] = true;
   ++buckets_[bucket_of_[param]].ready;
@@ -154,7 +277,7 @@ void GradientSynchronizer::launch_ready_buckets(bool from_hook) {
     launch(buckets_[next_to_launch_++]);
     if (from_hook) ++started_this_iteration_;
   }
-  // Finish, in order, the buckets whose all-reduce already completed (overlapping backward).
+  // Finish, in order, the buckets whose collective already completed (overlapping backward).
   while (from_hook && next_to_finish_ < next_to_launch_ &&
          buckets_[next_to_finish_].work->isCompleted()) {
     finish(buckets_[next_to_finish_++]);
@@ -163,45 +286,69 @@ void GradientSynchronizer::launch_ready_buckets(bool from_hook) {
 
 void GradientSynchronizer::launch(Bucket& bucket) {
   at::NoGradGuard no_grad;
+  if (!bucket.buffer.defined()) bucket.buffer = at::empty({bucket.numel}, bucket.options);
   const auto count = static_cast<int64_t>(bucket.params.size());
+  const bool reduce = bucket.root != ParameterOwners::kEveryRank;
+  const bool keep = !reduce || bucket.root == group_->getRank();
+  auto flags = bucket.buffer.narrow(0, 0, count);
+  flags.zero_();
   for (int64_t k = 0; k < count; ++k) {
-    const auto& p = params_[bucket.params[k]];
+    const int64_t i = bucket.params[k];
+    auto& p = params_[i];
     const auto& grad = p.grad();
     auto values = bucket.buffer.narrow(0, bucket.offsets[k], p.numel());
-    if (grad.defined() && arrived_[bucket.params[k]]) {
-      values.copy_(grad.reshape(-1));
-      bucket.buffer[k].fill_(1);
+    if (grad.defined() && accumulated_[i]) {
+      values.view(p.sizes()).copy_(grad);
+      flags[k].fill_(1);
     } else {
       values.zero_();
-      bucket.buffer[k].fill_(0);
     }
+    // Packed: a rank that does not own the bucket needs none of its gradients any more.
+    if (!keep && grad.defined()) p.mutable_grad().reset();
   }
   std::vector<at::Tensor> tensors{bucket.buffer};
-  bucket.work = group_->getBackend(bucket.buffer.device().type())->allreduce(tensors);
-  bucket.launched = true;
+  auto* backend = group_->getBackend(bucket.buffer.device().type()).get();
+  if (reduce) {
+    c10d::ReduceOptions options;
+    options.rootRank = bucket.root;
+    bucket.work = backend->reduce(tensors, options);
+  } else {
+    bucket.work = backend->allreduce(tensors);
+  }
 }
 
 void GradientSynchronizer::finish(Bucket& bucket) {
   bucket.work->wait();
   at::NoGradGuard no_grad;
-  const auto world = static_cast<double>(group_->getSize());
-  const auto count = static_cast<int64_t>(bucket.params.size());
-  const auto flags = bucket.buffer.narrow(0, 0, count).to(at::kCPU, at::kDouble).contiguous();
-  const double* present = flags.data_ptr<double>();
-  std::vector<at::Tensor> updated;
-  for (int64_t k = 0; k < count; ++k) {
-    auto& p = params_[bucket.params[k]];
-    if (present[k] == 0.0) continue;  // no rank had a gradient
-    const auto average =
-        bucket.buffer.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes()) / world;
-    if (p.grad().defined()) {
-      p.mutable_grad().copy_(average);
-    } else {
-      p.mutable_grad() = average;
+  const bool reduce = bucket.root != ParameterOwners::kEveryRank;
+  std::vector<at::Tensor> ready;
+  if (!reduce || bucket.root == group_->getRank()) {
+    const auto world = static_cast<double>(group_->getSize());
+    const auto count = static_cast<int64_t>(bucket.params.size());
+    const auto flags = bucket.buffer.narrow(0, 0, count).to(at::kCPU, at::kDouble).contiguous();
+    const double* present = flags.data_ptr<double>();
+    for (int64_t k = 0; k < count; ++k) {
+      auto& p = params_[bucket.params[k]];
+      if (present[k] == 0.0) {  // no rank had a gradient
+        if (reduce) ready.push_back(p);
+        continue;
+      }
+      const auto average =
+          bucket.buffer.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes()) / world;
+      if (p.grad().defined()) {
+        p.mutable_grad().copy_(average);
+      } else {
+        p.mutable_grad() = average;
+      }
+      ready.push_back(p);
     }
-    updated.push_back(p);
+  } else {
+    for (const int64_t i : bucket.params) ready.push_back(params_[i]);
   }
-  if (bucket_ready_ && !updated.empty()) bucket_ready_(updated);
+  if (reduce) bucket.buffer = at::Tensor();
+  // A sharded bucket is announced on every rank (owners and the others alike), so that
+  // collectives run from the callback match up; an all-reduced one when any rank had a gradient.
+  if (bucket_ready_ && !ready.empty()) bucket_ready_(ready);
 }
 
 void GradientSynchronizer::synchronize() {
@@ -214,12 +361,79 @@ void GradientSynchronizer::synchronize() {
   started_this_iteration_ = 0;
   for (auto& bucket : buckets_) {
     bucket.ready = 0;
-    bucket.launched = false;
     bucket.work.reset();
   }
   arrived_.assign(params_.size(), false);
+  accumulated_.assign(params_.size(), false);
   next_to_launch_ = 0;
   next_to_finish_ = 0;
+}
+
+double GradientSynchronizer::clip_grad_norm_(double max_norm, double norm_type) {
+  TORCH_CHECK(norm_type > 0.0, "GradientSynchronizer::clip_grad_norm_: norm_type: got ", norm_type,
+              ", expected > 0 or infinity");
+  const bool inf_norm = std::isinf(norm_type);
+  const auto n = static_cast<int64_t>(params_.size());
+  // Per parameter: its gradient's norm (on the rank that owns it; replicated ones on rank 0)
+  // and 1 when it has a gradient. Each entry has one non-zero contribution, so the all-reduced
+  // sum is exact and every rank sees the norms the unsharded ranks would compute.
+  auto local = at::zeros({2 * n}, at::TensorOptions().dtype(at::kDouble));
+  const int rank = group_->getRank();
+  {
+    at::NoGradGuard no_grad;
+    for (int64_t i = 0; i < n; ++i) {
+      const auto& grad = params_[i].grad();
+      const bool counted =
+          owners_[i] == ParameterOwners::kEveryRank ? rank == 0 : owners_[i] == rank;
+      if (!grad.defined() || !counted) continue;
+      const auto norm = inf_norm ? grad.abs().max() : grad.norm(norm_type);
+      local[i] = norm.to(at::kCPU, at::kDouble);
+      local[n + i] = 1.0;
+    }
+  }
+  if (n > 0) {
+    // Over the CPU backend: one small tensor (NCCL would need it on the GPU and gain nothing).
+    std::vector<at::Tensor> tensors{local};
+    group_->getBackend(c10::DeviceType::CPU)->allreduce(tensors)->wait();
+  }
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> norms;
+  std::vector<at::Tensor> held;
+  const auto* values = local.data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (values[n + i] == 0.0) continue;
+    const auto& p = params_[i];
+    // The norm in the gradient's dtype and on its device, as LibTorch computes it.
+    norms.push_back(at::scalar_tensor(values[i], p.options().requires_grad(false)));
+    if (holds(i) && p.grad().defined()) held.push_back(p.grad());
+  }
+  if (norms.empty()) return 0.0;
+  at::Tensor total;
+  if (inf_norm) {
+    total = norms.size() == 1 ? norms[0] : at::max(at::stack(norms));
+  } else {
+    total = norms.size() == 1 ? norms[0] : at::stack(norms).norm(norm_type);
+  }
+  const auto coefficient = at::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
+  for (auto& grad : held) grad.mul_(coefficient.to(grad.device()));
+  return total.item().toDouble();
+}
+
+int64_t GradientSynchronizer::gradient_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& p : params_) {
+    if (p.grad().defined()) bytes += static_cast<int64_t>(p.grad().nbytes());
+  }
+  return bytes;
+}
+
+int64_t GradientSynchronizer::buffer_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t bytes = 0;
+  for (const auto& bucket : buckets_) {
+    if (bucket.buffer.defined()) bytes += static_cast<int64_t>(bucket.buffer.nbytes());
+  }
+  return bytes;
 }
 
 }  // namespace shampoo

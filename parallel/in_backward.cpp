@@ -38,6 +38,8 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   bool stepping = false;
   int pass_task = -1;  // autograd graph task of the open pass
   GradientSynchronizer* sync = nullptr;
+  BackwardUnscaler* unscaler = nullptr;
+  bool pass_overflow = false;  // a gradient of this pass was inf or NaN on this rank
 
   bool next_pass_steps() const { return no_step == 0 && (passes + 1) % accumulation_steps == 0; }
 
@@ -68,6 +70,7 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
     pass_open = true;
     pass_task = task;
     stepping = next_pass_steps();
+    pass_overflow = false;
     // Runs once the whole backward pass is done: finish what is left and close the pass.
     std::weak_ptr<State> weak = shared_from_this();
     torch::autograd::Engine::get_default_engine().queue_callback([weak] {
@@ -94,6 +97,17 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   /// Steps `params` (all registered) with their optimizers and releases their gradients.
   void step_params(const std::vector<at::Tensor>& params) {
     c10::NoGradGuard no_grad;
+    if (unscaler != nullptr) {
+      // After an overflow the pass will be undone: nothing more steps (a non-finite gradient
+      // would only make DistributedShampoo raise).
+      if (!pass_overflow && !unscaler->unscale_ready(params)) pass_overflow = true;
+      if (pass_overflow) {
+        for (const auto& p : params) {
+          if (entry_of.count(p.unsafeGetTensorImpl()) != 0) p.mutable_grad().reset();
+        }
+        return;
+      }
+    }
     std::unordered_map<size_t, std::vector<at::Tensor>> by_set;
     for (const auto& p : params) {
       const auto it = entry_of.find(p.unsafeGetTensorImpl());
@@ -130,20 +144,27 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
 
   void close_pass() {
     if (stepping) {
+      bool overflowed = false;
       try {
         if (sync != nullptr) sync->synchronize();  // the remaining buckets step via the callback
-        // Every phased optimizer finishes its step on every rank (DistributedShampoo: its one
-        // AllGather), also if no gradient of its parameters arrived here.
+        overflowed = unscaler != nullptr && unscaler->pass_overflowed(pass_overflow);
+        // Every phased optimizer finishes (or, after an overflow anywhere, undoes) its step on
+        // every rank (DistributedShampoo: its one AllGather), also if no gradient of its
+        // parameters arrived here.
         for (auto& set : sets) {
           if (set.phased == nullptr) continue;
           if (!set.phased->backward_step_open()) set.phased->begin_backward_step();
-          set.phased->finish_backward_step();
+          if (overflowed) {
+            set.phased->abort_backward_step();
+          } else {
+            set.phased->finish_backward_step();
+          }
         }
       } catch (...) {
         abort_pass();
         throw;
       }
-      ++steps;
+      if (!overflowed) ++steps;
     }
     ++passes;
     pass_open = false;
@@ -190,6 +211,11 @@ torch::optim::Optimizer& InBackwardOptimizer::add(std::vector<torch::Tensor> par
   set.optimizer = factory(params);
   TORCH_CHECK(set.optimizer != nullptr, "apply_optimizer_in_backward: the factory returned null");
   set.phased = dynamic_cast<PhasedBackwardStep*>(set.optimizer.get());
+  TORCH_CHECK(state_->unscaler == nullptr || set.phased != nullptr,
+              "apply_optimizer_in_backward: a GradScaler is attached, and optimizer ",
+              state_->sets.size(),
+              " cannot undo a step (it is not one that steps in phases, such as "
+              "DistributedShampoo): a later overflow in the same backward could not be skipped");
   if (set.phased != nullptr) set.phased->set_in_backward(true);
   set.params = params;
   const size_t set_index = state_->sets.size();
@@ -250,6 +276,47 @@ void InBackwardOptimizer::attach(GradientSynchronizer& sync) {
     }
   });
   state_->update_sync();
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::owners_group() const {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  for (size_t i = 0; i < state_->sets.size(); ++i) {
+    const auto* owners = dynamic_cast<const ParameterOwners*>(state_->sets[i].optimizer.get());
+    auto own = owners != nullptr ? owners->owners_group() : nullptr;
+    if (!own) continue;
+    TORCH_CHECK(!group || group.get() == own.get(), "InBackwardOptimizer: optimizer ", i,
+                " shards its parameters over another process group than the ones before it; "
+                "gradient sharding needs one process group");
+    group = own;
+  }
+  return group;
+}
+
+std::optional<int> InBackwardOptimizer::owner_of(const at::Tensor& param) const {
+  const auto it = state_->entry_of.find(param.unsafeGetTensorImpl());
+  if (it == state_->entry_of.end()) return std::nullopt;
+  const auto& set = state_->sets[state_->entries[it->second].set];
+  const auto* owners = dynamic_cast<const ParameterOwners*>(set.optimizer.get());
+  if (owners == nullptr) return ParameterOwners::kEveryRank;
+  return owners->owner_of(param).value_or(ParameterOwners::kEveryRank);
+}
+
+void InBackwardOptimizer::set_unscaler(BackwardUnscaler* unscaler) {
+  TORCH_CHECK(!state_->pass_open,
+              "InBackwardOptimizer: a GradScaler is attached or detached "
+              "during a backward pass; do it between iterations");
+  if (unscaler != nullptr) {
+    for (size_t i = 0; i < state_->sets.size(); ++i) {
+      TORCH_CHECK(state_->sets[i].phased != nullptr,
+                  "GradScaler with optimizer-in-backward: optimizer ", i,
+                  " steps its parameters during backward and cannot undo those steps (a "
+                  "LibTorch optimizer, or another that does not step in phases), so a gradient "
+                  "that overflows later in the same backward could not skip the step. Use "
+                  "DistributedShampoo in backward (its step can be undone), or the ordinary "
+                  "step with scaler.step(optimizer)");
+    }
+  }
+  state_->unscaler = unscaler;
 }
 
 int64_t InBackwardOptimizer::backward_passes() const { return state_->passes; }

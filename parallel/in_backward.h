@@ -23,10 +23,32 @@
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/gradient_synchronizer.h"
 #include "parallel/optimizer_factory.h"
+#include "parallel/parameter_owners.h"
 
 namespace shampoo {
 
-class InBackwardOptimizer : public torch::optim::Optimizer, public DistributedCheckpointable {
+/// What optimizer-in-backward needs of a gradient scaler (GradScaler::attach implements it for
+/// InBackwardOptimizer::set_unscaler): unscale each set of gradients before it steps, and agree
+/// across ranks at the end of the pass whether any gradient overflowed.
+class BackwardUnscaler {
+ public:
+  virtual ~BackwardUnscaler() = default;
+  /// Unscales the gradients of `params` in place (those without one are skipped); false when
+  /// one of them holds inf or NaN on this rank.
+  virtual bool unscale_ready(const std::vector<at::Tensor>& params) = 0;
+  /// At the end of every pass that steps, on every rank: whether any rank found inf or NaN
+  /// (`found_here`: this one did). Collective. True makes the pass undo its steps.
+  virtual bool pass_overflowed(bool found_here) = 0;
+
+ protected:
+  BackwardUnscaler() = default;
+  BackwardUnscaler(const BackwardUnscaler&) = default;
+  BackwardUnscaler& operator=(const BackwardUnscaler&) = default;
+};
+
+class InBackwardOptimizer : public torch::optim::Optimizer,
+                            public DistributedCheckpointable,
+                            public ParameterOwners {
  public:
   InBackwardOptimizer();
   ~InBackwardOptimizer() override;
@@ -62,6 +84,21 @@ class InBackwardOptimizer : public torch::optim::Optimizer, public DistributedCh
   /// as soon as that bucket's all-reduce has finished, overlapping the rest of backward; the
   /// remaining buckets finish at the end of backward. The synchronizer must outlive this.
   void attach(GradientSynchronizer& sync);
+
+  /// ParameterOwners (gradient sharding: sync.shard_gradients(in_backward_optimizer)): a
+  /// parameter of a set whose optimizer owns a subset of its parameters (ShardedOptimizer,
+  /// DistributedShampoo) has that optimizer's owner; the parameters of LibTorch optimizers are
+  /// stepped on every rank (kEveryRank). The sets' process groups must be one and the same.
+  c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const override;
+  std::optional<int> owner_of(const at::Tensor& param) const override;
+
+  /// Mixed precision (GradScaler::attach(in_backward) calls this): every set of gradients is
+  /// unscaled before it steps; after a gradient with inf or NaN (on any rank) the rest of the
+  /// pass does not step and, at the end of backward, every rank undoes the steps the pass took,
+  /// so parameters and state are as before it (the scaler then records a skipped step). Every
+  /// optimizer must be able to undo a step: one that steps in phases (DistributedShampoo);
+  /// LibTorch's optimizers step for good and are refused, naming the set. Null detaches.
+  void set_unscaler(BackwardUnscaler* unscaler);
 
   /// Backward passes seen, and those that stepped.
   int64_t backward_passes() const;

@@ -6,6 +6,10 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <sstream>
 
 namespace shampoo::detail {
 namespace {
@@ -39,6 +43,22 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
     return std::make_unique<torch::optim::RMSpropParamState>();
   }
   TORCH_CHECK(false, "make_param_state: not one of LibTorch's SGD, Adam, AdamW, Adagrad, RMSprop");
+}
+
+std::unique_ptr<torch::optim::OptimizerParamState> copy_param_state(
+    const torch::optim::Optimizer& optimizer, const torch::optim::OptimizerParamState& state) {
+  // Through the bytes of an archive: the only way to reach every tensor of a state whose type
+  // is known by name only.
+  torch::serialize::OutputArchive out;
+  state.serialize(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream in_bytes(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(in_bytes);
+  auto copy = make_param_state(optimizer);
+  copy->serialize(in);
+  return copy;
 }
 
 }  // namespace shampoo::detail

@@ -18,4 +18,9 @@ std::string libtorch_optimizer_name(const torch::optim::Optimizer& optimizer);
 std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
     const torch::optim::Optimizer& optimizer);
 
+/// A deep copy of `state` (a per-parameter state of `optimizer`, one of the above): tensors
+/// copied, not shared (OptimizerParamState::clone shares them), for undoing a step.
+std::unique_ptr<torch::optim::OptimizerParamState> copy_param_state(
+    const torch::optim::Optimizer& optimizer, const torch::optim::OptimizerParamState& state);
+
 }  // namespace shampoo::detail

@@ -1,5 +1,6 @@
 #include "parallel/process_group.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
 
@@ -128,6 +129,19 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       "subgroup_" + tag + "_" + std::to_string(first), parent_store);
   return make_process_group(store, rank - first, size, timeout, has_cuda_backend(*parent));
+}
+
+std::vector<std::vector<int64_t>> gather_int64(c10d::ProcessGroup& group,
+                                               const std::vector<int64_t>& values) {
+  const auto n = static_cast<int64_t>(values.size());
+  const int world = group.getSize();
+  auto send = at::tensor(values, at::TensorOptions().dtype(at::kLong));
+  auto receive = at::empty({world * n}, send.options());
+  group.getBackend(c10::DeviceType::CPU)->_allgather_base(receive, send)->wait();
+  std::vector<std::vector<int64_t>> out(world);
+  const auto* data = receive.data_ptr<int64_t>();
+  for (int r = 0; r < world; ++r) out[r].assign(data + r * n, data + (r + 1) * n);
+  return out;
 }
 
 }  // namespace detail

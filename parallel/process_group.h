@@ -3,9 +3,11 @@
 /// CPU tensors and, when LibTorch has CUDA and a GPU is present, NCCL for CUDA tensors.
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <vector>
 
 namespace shampoo {
 
@@ -53,6 +55,12 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(
 
 /// Whether `group` has a backend for CUDA tensors.
 bool has_cuda_backend(const c10d::ProcessGroup& group);
+
+/// AllGathers a few int64 values from every rank of `group` over its CPU backend (agreement
+/// checks before any other collective): result[r] = rank r's values. Every rank passes the same
+/// count. Collective.
+std::vector<std::vector<int64_t>> gather_int64(c10d::ProcessGroup& group,
+                                               const std::vector<int64_t>& values);
 
 }  // namespace detail
 }  // namespace shampoo

@@ -5,8 +5,11 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <unordered_set>
+
 #include "parallel/block_assignment.h"
 #include "parallel/libtorch_optimizers.h"
+#include "parallel/process_group.h"
 
 namespace shampoo {
 namespace {
@@ -45,7 +48,9 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
       group_(std::move(group)) {
   TORCH_CHECK(group_, "ShardedOptimizer: process group is null");
   TORCH_CHECK(factory, "ShardedOptimizer: the optimizer factory is empty");
-  TORCH_CHECK(!params_.empty(), "ShardedOptimizer: no parameters");
+  TORCH_CHECK(!params_.empty(),
+              "ShardedOptimizer: got an empty parameter list (nothing would be trained; pass the "
+              "model's parameters)");
   const auto dtype = params_.front().scalar_type();
   const auto device = params_.front().device();
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -53,8 +58,10 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
                 "ShardedOptimizer: parameter ", i, " is ", params_[i].scalar_type(), " on ",
                 params_[i].device(), ", parameter 0 is ", dtype, " on ", device,
                 "; all parameters must share one dtype and device (one AllGather buffer)");
-    TORCH_CHECK(params_[i].is_contiguous(), "ShardedOptimizer: parameter ", i,
-                " is not contiguous");
+    TORCH_CHECK(params_[i].layout() == at::kStrided && params_[i].is_floating_point(),
+                "ShardedOptimizer: parameter ", i, " must be a dense floating-point tensor, got ",
+                params_[i].scalar_type(), " ", params_[i].layout());
+    index_of_[params_[i].unsafeGetTensorImpl()] = i;
   }
   const int world = group_->getSize();
   const int rank = group_->getRank();
@@ -79,14 +86,11 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
   // Every rank must shard the same parameters: compare (count, elements) across ranks.
   std::vector<int64_t> mine{static_cast<int64_t>(params_.size()), 0};
   for (const auto& p : params_) mine[1] += p.numel();
-  auto send = at::tensor(mine, at::TensorOptions().dtype(at::kLong));
-  auto all = at::empty({2 * world}, send.options());
-  group_->getBackend(c10::DeviceType::CPU)->_allgather_base(all, send)->wait();
+  const auto all = detail::gather_int64(*group_, mine);
   for (int r = 0; r < world; ++r) {
-    TORCH_CHECK(all[2 * r].item<int64_t>() == mine[0] && all[2 * r + 1].item<int64_t>() == mine[1],
-                "ShardedOptimizer: rank ", r, " has ", all[2 * r].item<int64_t>(),
-                " parameters with ", all[2 * r + 1].item<int64_t>(), " elements, rank ", rank,
-                " has ", mine[0], " with ", mine[1], "; every rank must pass the same parameters");
+    TORCH_CHECK(all[r] == mine, "ShardedOptimizer: rank ", r, " has ", all[r][0],
+                " parameters with ", all[r][1], " elements, rank ", rank, " has ", mine[0],
+                " with ", mine[1], "; every rank must pass the same parameters");
   }
 
   std::vector<torch::Tensor> own;
@@ -97,14 +101,28 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
   TORCH_CHECK(local_ != nullptr, "ShardedOptimizer: the factory returned null");
 }
 
+std::optional<int> ShardedOptimizer::owner_of(const at::Tensor& param) const {
+  const auto it = index_of_.find(param.unsafeGetTensorImpl());
+  if (it == index_of_.end()) return std::nullopt;
+  return owners_[it->second];
+}
+
 torch::Tensor ShardedOptimizer::step(LossClosure closure) {
+  TORCH_CHECK(!in_backward_,
+              "ShardedOptimizer::step(): this optimizer runs in backward "
+              "(apply_optimizer_in_backward); its steps happen during loss.backward()");
   torch::Tensor loss;
   if (closure) {
     c10::AutoGradMode enable_grad(true);
     loss = closure();
   }
   local_->step();
-  if (group_->getSize() == 1) return loss;  // every parameter is local
+  all_gather();
+  return loss;
+}
+
+void ShardedOptimizer::all_gather() {
+  if (group_->getSize() == 1) return;  // every parameter is local
   c10::NoGradGuard no_grad;
   const int rank = group_->getRank();
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -118,7 +136,86 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
         receive_.narrow(0, owners_[i] * segment_size_ + offsets_[i], params_[i].numel());
     params_[i].detach().copy_(segment.view(params_[i].sizes()));
   }
-  return loss;
+}
+
+void ShardedOptimizer::set_in_backward(bool in_backward) {
+  TORCH_CHECK(!in_backward || !detail::libtorch_optimizer_name(*local_).empty(),
+              "ShardedOptimizer in backward (apply_optimizer_in_backward): the factory must make "
+              "one of LibTorch's SGD, Adam, AdamW, Adagrad or RMSprop, whose per-parameter state "
+              "can be copied so that an aborted backward pass is undone");
+  in_backward_ = in_backward;
+}
+
+void ShardedOptimizer::begin_backward_step() {
+  TORCH_CHECK(!open_, "ShardedOptimizer: a backward step is already open");
+  open_ = true;
+  journal_.clear();
+}
+
+void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
+  TORCH_INTERNAL_ASSERT(open_);
+  c10::NoGradGuard no_grad;
+  const int rank = group_->getRank();
+  std::unordered_set<void*> stepping;
+  for (const auto& p : params) {
+    const auto it = index_of_.find(p.unsafeGetTensorImpl());
+    TORCH_CHECK(it != index_of_.end(),
+                "ShardedOptimizer: a parameter given to step_parameters is not one of its own");
+    if (owners_[it->second] == rank && p.grad().defined()) stepping.insert(p.unsafeGetTensorImpl());
+  }
+  if (stepping.empty()) return;
+  // Copies of what this call changes, once per pass and parameter.
+  std::unordered_set<void*> saved;
+  for (const auto& s : journal_) saved.insert(s.param.unsafeGetTensorImpl());
+  for (const auto& p : params_) {
+    void* key = p.unsafeGetTensorImpl();
+    if (stepping.count(key) == 0 || saved.count(key) != 0) continue;
+    Saved s;
+    s.param = p;
+    s.value = p.detach().clone();
+    const auto state = local_->state().find(key);
+    if (state != local_->state().end()) {
+      s.state = detail::copy_param_state(*local_, *state->second);
+    }
+    journal_.push_back(std::move(s));
+  }
+  // The local optimizer steps every parameter with a gradient: hide the others' meanwhile.
+  std::vector<std::pair<at::Tensor, at::Tensor>> hidden;
+  for (const auto& group : local_->param_groups()) {
+    for (auto q : group.params()) {
+      if (stepping.count(q.unsafeGetTensorImpl()) == 0 && q.grad().defined()) {
+        hidden.emplace_back(q, q.grad());
+        q.mutable_grad().reset();
+      }
+    }
+  }
+  try {
+    local_->step();
+  } catch (...) {
+    for (auto& [q, g] : hidden) q.mutable_grad() = g;
+    throw;
+  }
+  for (auto& [q, g] : hidden) q.mutable_grad() = g;
+}
+
+void ShardedOptimizer::finish_backward_step() {
+  TORCH_INTERNAL_ASSERT(open_);
+  open_ = false;
+  journal_.clear();
+  all_gather();
+}
+
+void ShardedOptimizer::abort_backward_step() {
+  if (!open_) return;
+  c10::NoGradGuard no_grad;
+  for (auto& s : journal_) {
+    s.param.detach().copy_(s.value);
+    void* key = s.param.unsafeGetTensorImpl();
+    local_->state().erase(key);
+    if (s.state) local_->state()[key] = std::move(s.state);
+  }
+  journal_.clear();
+  open_ = false;
 }
 
 void ShardedOptimizer::save(torch::serialize::OutputArchive& archive) const {

@@ -97,6 +97,8 @@ void ShampooEngine::save_common(
   header.write("format_version", c10::IValue(kFormatVersion));
   header.write("world_size", c10::IValue(static_cast<int64_t>(distributor_->world_size())));
   header.write("rank", c10::IValue(static_cast<int64_t>(distributor_->rank())));
+  header.write("shard_by_parameter",
+               c10::IValue(int64_t{distributor_->shard_by_parameter() ? 1 : 0}));
   archive.write("shampoo", header);
 
   torch::serialize::OutputArchive model;
@@ -184,6 +186,17 @@ void check_header(torch::serialize::InputArchive& archive, const Distributor& di
   const int64_t rank = read_int(header, "rank", "shampoo/");
   TORCH_CHECK(rank == distributor.rank(), "checkpoint: written by rank ", rank, ", loaded by rank ",
               distributor.rank(), "; every rank loads its own file");
+  // Written since gradient sharding; absent in older files, which owned blocks.
+  c10::IValue by_parameter;
+  const bool saved_by_parameter =
+      header.try_read("shard_by_parameter", by_parameter) && by_parameter.toInt() != 0;
+  TORCH_CHECK(saved_by_parameter == distributor.shard_by_parameter(),
+              "checkpoint: DistributedOptions.shard_by_parameter was ",
+              saved_by_parameter ? "true" : "false", " when it was written and is ",
+              distributor.shard_by_parameter() ? "true" : "false",
+              " here, so this rank owns other blocks than the rank that wrote the file; use the "
+              "same setting, or save_distributed_checkpoint / load_distributed_checkpoint, "
+              "which load under any ownership");
 }
 
 /// The parameter list: the same number of parameters with the same shapes.

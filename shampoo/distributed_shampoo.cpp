@@ -23,6 +23,12 @@ DistributedShampoo::DistributedShampoo(std::vector<torch::optim::OptimizerParamG
       engine_(std::make_unique<detail::ShampooEngine>(defaults, std::move(distributed))) {
   // Once per optimizer, over all groups (a group of biases alone has a large ratio), before the
   // groups are registered and their state allocated.
+  size_t num_params = 0;
+  for (const auto& group : param_groups) num_params += group.params().size();
+  TORCH_CHECK(num_params > 0, "DistributedShampoo: got an empty parameter list (",
+              param_groups.size(),
+              " param groups, no parameters), so nothing would be trained; pass the model's "
+              "parameters (model->parameters())");
   detail::warn_if_state_is_large(param_groups, defaults);
   for (const auto& group : param_groups) add_param_group(group);
 }
@@ -118,6 +124,14 @@ void DistributedShampoo::eval() {
 bool DistributedShampoo::is_training() const { return !engine_->eval_mode(); }
 
 ShampooStats DistributedShampoo::stats() const { return engine_->stats(); }
+
+c10::intrusive_ptr<c10d::ProcessGroup> DistributedShampoo::owners_group() const {
+  return engine_->distributed_options().process_group();
+}
+
+std::optional<int> DistributedShampoo::owner_of(const at::Tensor& param) const {
+  return engine_->param_owner(param);
+}
 
 ShampooOptions& DistributedShampoo::group_options(size_t group) {
   TORCH_CHECK(group < param_groups_.size(), "group_options: group ", group, " out of range (",

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "parallel/distributed_checkpoint.h"
+#include "parallel/parameter_owners.h"
 #include "parallel/phased_backward_step.h"
 #include "shampoo/shampoo_options.h"
 #include "shampoo/step_phase.h"
@@ -59,8 +60,13 @@ struct ShampooStats {
 
 class DistributedShampoo : public torch::optim::Optimizer,
                            public PhasedBackwardStep,
-                           public DistributedCheckpointable {
+                           public DistributedCheckpointable,
+                           public ParameterOwners {
  public:
+  /// Parameters may be Float, Double, BFloat16 or Half, in any strided layout (a channels_last
+  /// conv weight is blocked by its logical shape and updated in its layout); bf16 and fp16
+  /// parameters are stepped in float32 (their state and the update are float32, the result is
+  /// rounded into the parameter). An empty parameter list is an error.
   explicit DistributedShampoo(std::vector<torch::Tensor> params, ShampooOptions defaults = {},
                               DistributedOptions distributed = {});
   explicit DistributedShampoo(std::vector<torch::optim::OptimizerParamGroup> param_groups,
@@ -110,6 +116,13 @@ class DistributedShampoo : public torch::optim::Optimizer,
   bool is_training() const;
 
   ShampooStats stats() const;
+
+  /// ParameterOwners (gradient sharding, GradientSynchronizer::shard_gradients): the rank that
+  /// owns every block of `param` (nullopt when it is not one of this optimizer's). An error when
+  /// its blocks have several owners: build the optimizer with
+  /// DistributedOptions::shard_by_parameter(true).
+  c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const override;
+  std::optional<int> owner_of(const at::Tensor& param) const override;
 
   /// The options of param group `group` (a ShampooOptions).
   ShampooOptions& group_options(size_t group);

@@ -43,12 +43,14 @@ void apply_received(const Distributor& distributor, const std::vector<ParamEntry
                     const std::vector<BlockEntry>& blocks) {
   std::vector<at::Tensor> add_to, add_from;
   std::vector<std::vector<at::Tensor>> views(params.size());
+  std::vector<at::Tensor> work(params.size());  // what the views are of (write_back)
   for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
     if (!distributor.received_updated(b)) continue;
     const auto& block = blocks[b];
     auto& param_views = views[block.param];
     if (param_views.empty()) {
-      param_views = block_views(params[block.param].param, params[block.param].plan);
+      work[block.param] = work_tensor(params[block.param].param);
+      param_views = block_views(work[block.param], params[block.param].plan);
     }
     auto view = param_views[block.id.block];
     auto received = distributor.received(b).view(view.sizes());
@@ -62,6 +64,9 @@ void apply_received(const Distributor& distributor, const std::vector<ParamEntry
     }
   }
   if (!add_to.empty()) at::_foreach_add_(add_to, add_from);
+  for (size_t p = 0; p < params.size(); ++p) {
+    if (work[p].defined()) write_back(params[p].param, work[p]);
+  }
 }
 
 void restore_params(const std::vector<std::pair<at::Tensor, at::Tensor>>& saved) {

@@ -3,10 +3,13 @@
 ///   #include <shampoo/shampoo.h>
 ///   CMake: find_package(DistributedShampoo) -> DistributedShampoo::shampoo
 
+#include "amp/autocast_guard.h"
+#include "amp/grad_scaler.h"
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/gradient_synchronizer.h"
 #include "parallel/in_backward.h"
 #include "parallel/optimizer_factory.h"
+#include "parallel/parameter_owners.h"
 #include "parallel/process_group.h"
 #include "parallel/sharded_optimizer.h"
 #include "shampoo/checkpoint.h"

@@ -77,6 +77,7 @@ ShampooEngine::ShampooEngine(const ShampooOptions& defaults, DistributedOptions 
   config.communication_dtype = distributed_.communication_dtype();
   config.num_trainers_per_group = distributed_.num_trainers_per_group();
   config.communicate_params = distributed_.communicate_params();
+  config.shard_by_parameter = distributed_.shard_by_parameter();
   distributor_ = std::make_unique<Distributor>(std::move(config));
 }
 
@@ -142,9 +143,10 @@ void ShampooEngine::check_new_params(const std::vector<at::Tensor>& params, size
                 p.scalar_type(), ", expected a floating-point tensor");
     TORCH_CHECK(p.layout() == at::kStrided, "param group ", index, ": parameter ", i,
                 " is sparse (layout ", p.layout(), "); DistributedShampoo needs dense parameters");
-    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble, "param group ",
-                index, ": parameter ", i, " has dtype ", p.scalar_type(),
-                ", expected Float or Double");
+    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble ||
+                    p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
+                "param group ", index, ": parameter ", i, " has dtype ", p.scalar_type(),
+                ", expected Float, Double, BFloat16 or Half");
     // One dtype per group: the group's blocks run one elementwise chain (groups of different
     // dtypes are fine, they never share a virtual group).
     TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "param group ", index, ": parameter ",
@@ -154,8 +156,6 @@ void ShampooEngine::check_new_params(const std::vector<at::Tensor>& params, size
                 p.scalar_type(), " parameters into a param group of their own)");
     TORCH_CHECK(p.is_leaf(), "param group ", index, ": parameter ", i,
                 " is not a leaf tensor (can't optimize a non-leaf Tensor)");
-    TORCH_CHECK(p.is_contiguous(), "param group ", index, ": parameter ", i,
-                " is not contiguous; make it contiguous before building the optimizer");
     if (!params_.empty() || i > 0) {
       const auto& device = params_.empty() ? params[0].device() : params_[0].param.device();
       TORCH_CHECK(p.device() == device, "param group ", index, ": parameter ", i, " is on ",
@@ -360,7 +360,9 @@ void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
                 ", ", grad.scalar_type(), ", ", grad.device(), ", ", grad.layout(),
                 ") does not match the parameter (", param.sizes(), ", ", param.scalar_type(), ", ",
                 param.device(), ", dense)");
-    grads.push_back(grad);
+    // bf16/fp16 and non-contiguous (channels_last) gradients are read as a contiguous copy in
+    // the compute dtype, the layout the blocks are views of.
+    grads.push_back(needs_work_copy(grad) ? work_tensor(grad) : grad);
     grad_owner.push_back(p);
   }
   if (grads.empty()) return;
@@ -455,7 +457,11 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
   std::vector<double> grad_abs_max(params_.size(), 0.0);
   collect_gradients(params, grad_blocks, grad_abs_max);
   std::vector<std::vector<at::Tensor>> param_blocks(params_.size());
-  for (const int64_t p : params) param_blocks[p] = block_views(params_[p].param, params_[p].plan);
+  std::vector<at::Tensor> work(params_.size());  // the parameter, or a copy written back below
+  for (const int64_t p : params) {
+    work[p] = work_tensor(params_[p].param);
+    param_blocks[p] = block_views(work[p], params_[p].plan);
+  }
   std::vector<const ShampooOptions*> group_options(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) group_options[g] = &options_of(groups[g], g);
   // The step being computed: one past each group's count (advanced when the step completes).
@@ -482,6 +488,12 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
     journal_active_ = true;
   }
   for (auto& vg : virtual_groups_) vg->step(inputs);
+  // A single process updated the work copies in place: round them into their parameters.
+  if (!distributor_->distributed()) {
+    for (const int64_t p : params) {
+      if (!grad_blocks[p].empty()) write_back(params_[p].param, work[p]);
+    }
+  }
   if (fault_) fault_(StepPhase::kComputed);
 }
 
@@ -573,6 +585,32 @@ void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups)
 int64_t ShampooEngine::param_index(const at::Tensor& param) const {
   const auto it = param_lookup_.find(param.unsafeGetTensorImpl());
   return it == param_lookup_.end() ? -1 : it->second;
+}
+
+std::optional<int> ShampooEngine::param_owner(const at::Tensor& param) const {
+  const int64_t p = param_index(param);
+  if (p < 0) return std::nullopt;
+  TORCH_CHECK(distributor_->distributed(),
+              "DistributedShampoo: no process group (DistributedOptions::process_group), so every "
+              "rank steps every parameter: gradient sharding needs a distributed optimizer");
+  TORCH_CHECK(distributor_->world_size() == distributor_->global_world_size(),
+              "DistributedShampoo: gradient sharding reduces each gradient to one rank of the "
+              "whole process group, but DistributedOptions.num_trainers_per_group (",
+              distributed_.num_trainers_per_group(),
+              ") splits the blocks over subgroups; use num_trainers_per_group -1");
+  const auto& entry = params_[p];
+  const auto first = entry.first_block;
+  const auto count = static_cast<int64_t>(entry.plan.blocks.size());
+  if (count == 0) return ParameterOwners::kEveryRank;
+  const int owner = distributor_->owner(first);
+  for (int64_t b = first + 1; b < first + count; ++b) {
+    TORCH_CHECK(distributor_->owner(b) == owner, "DistributedShampoo: the blocks of parameter ", p,
+                " (shape ", entry.param.sizes(), ", ", count, " blocks) are owned by ranks ", owner,
+                " and ", distributor_->owner(b),
+                "; gradient sharding needs every block of a parameter on one rank: build the "
+                "optimizer with DistributedOptions().shard_by_parameter(true)");
+  }
+  return owner;
 }
 
 ShampooStats ShampooEngine::stats() const {

@@ -46,6 +46,9 @@ class ShampooEngine {
   bool step_open() const { return step_open_; }
   /// Index of `param` among the registered parameters, or -1.
   int64_t param_index(const at::Tensor& param) const;
+  /// The rank (of the whole process group) owning every block of `param`; nullopt when it is
+  /// not registered; an error when its blocks have several owners or with trainer subgroups.
+  std::optional<int> param_owner(const at::Tensor& param) const;
 
   void save(torch::serialize::OutputArchive& archive,
             const std::vector<torch::optim::OptimizerParamGroup>& groups) const;

@@ -281,6 +281,11 @@ void DistributedOptions::validate() const {
                 "DistributedOptions.num_trainers_per_group: got ", num_trainers_per_group(),
                 ", expected a divisor of the world size ", world);
   }
+  TORCH_CHECK(!shard_by_parameter() || num_trainers_per_group() == -1 ||
+                  (process_group() && num_trainers_per_group() == process_group()->getSize()),
+              "DistributedOptions.shard_by_parameter: not with num_trainers_per_group (got ",
+              num_trainers_per_group(),
+              "): gradient sharding reduces each gradient to one owner among all ranks");
 }
 
 }  // namespace shampoo

@@ -362,6 +362,12 @@ struct DistributedOptions {
   TORCH_ARG(bool, communicate_params) = false;
   /// Fold groups that differ only in float hyperparameters into one virtual group.
   TORCH_ARG(bool, merge_param_groups) = true;
+  /// Owners are assigned to whole parameters (every block of a parameter on one rank, balanced
+  /// by the sum of the blocks' costs) instead of to blocks. Gradient sharding
+  /// (GradientSynchronizer::shard_gradients) needs it: each rank then needs the gradients of its
+  /// own parameters only. The results do not depend on it (ownership never changes the math);
+  /// the balance is coarser. Not with num_trainers_per_group.
+  TORCH_ARG(bool, shard_by_parameter) = false;
 
  public:
   void validate() const;

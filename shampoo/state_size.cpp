@@ -19,7 +19,7 @@ namespace {
 /// EigendecomposedPreconditionerList, EigenvalueCorrectedPreconditionerList,
 /// DiagonalPreconditionerList and ElementwiseState).
 int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64_t>& shape,
-                          int64_t numel, int64_t param_element_size) {
+                          int64_t numel, int64_t state_element_size) {
   const auto factor_size = static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
   const auto& preconditioner = options.preconditioner();
   const bool eigendecomposed = eigendecomposed_config(preconditioner) != nullptr;
@@ -39,11 +39,11 @@ int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64
       std::holds_alternative<AdaGradPreconditionerConfig>(preconditioner) ||
       std::holds_alternative<RMSpropPreconditionerConfig>(preconditioner) ||
       std::holds_alternative<AdamPreconditionerConfig>(preconditioner)) {
-    bytes += numel * param_element_size;
+    bytes += numel * state_element_size;
   }
   // Grafting statistics V.
   if (grafting_method(grafting_kind(options.grafting())).has_state) {
-    bytes += numel * param_element_size;
+    bytes += numel * state_element_size;
   }
   return bytes;
 }
@@ -71,11 +71,14 @@ std::optional<StateSizeEstimate> estimate_state_size(
     for (const auto& param : group.params()) {
       if (!param.defined()) return std::nullopt;
       const auto element_size = static_cast<int64_t>(param.element_size());
+      // bf16/fp16 parameters keep float32 state (virtual_group.h, compute_dtype).
+      const auto state_element_size =
+          static_cast<int64_t>(c10::elementSize(compute_dtype(param.scalar_type())));
       const auto plan = make_block_plan(param.sizes(), options->max_preconditioner_dim(),
                                         options->use_merge_dims(), block_target_order(*options));
       int64_t bytes = 0;
       for (const auto& block : plan.blocks) {
-        bytes += block_state_bytes(*options, block.sizes, block.numel, element_size);
+        bytes += block_state_bytes(*options, block.sizes, block.numel, state_element_size);
       }
       estimate.param_bytes += param.numel() * element_size;
       estimate.state_bytes += bytes;

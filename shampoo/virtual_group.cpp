@@ -189,6 +189,25 @@ std::atomic<int64_t> step_chunk_limit{kDefaultStepChunkBytes};
 }  // namespace
 
 int64_t step_chunk_bytes() { return step_chunk_limit.load(); }
+
+at::ScalarType compute_dtype(at::ScalarType param_dtype) {
+  return param_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+bool needs_work_copy(const at::Tensor& param) {
+  return param.scalar_type() != compute_dtype(param.scalar_type()) || !param.is_contiguous();
+}
+
+at::Tensor work_tensor(const at::Tensor& param) {
+  if (!needs_work_copy(param)) return param;
+  return param.detach().to(compute_dtype(param.scalar_type()), /*non_blocking=*/false,
+                           /*copy=*/false, at::MemoryFormat::Contiguous);
+}
+
+void write_back(const at::Tensor& param, const at::Tensor& work) {
+  if (work.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return;
+  param.detach().copy_(work);
+}
 void set_step_chunk_bytes_for_testing(int64_t bytes) {
   step_chunk_limit.store(bytes > 0 ? bytes : kDefaultStepChunkBytes);
 }
@@ -233,7 +252,8 @@ void VirtualGroup::build_stacks(const std::vector<BlockEntry>& blocks,
   for (const int64_t b : owned_) {
     const auto& block = blocks[b];
     const auto& param = params[block.param].param;
-    const auto options = param.options().requires_grad(false);
+    const auto options =
+        param.options().dtype(compute_dtype(param.scalar_type())).requires_grad(false);
     auto it = std::find_if(stacks_.begin(), stacks_.end(), [&](const Stack& s) {
       return s.spec.block_shape == block.shape && s.spec.options.dtype() == options.dtype() &&
              s.spec.options.device() == options.device();
@@ -462,6 +482,7 @@ void VirtualGroup::switch_sequence(bool to_eval, const std::vector<ParamEntry>& 
   const double mu_y = averaging_coefficients(structure_, 0.0).train;
   const double c = to_eval ? 1.0 - 1.0 / mu_y : 1.0 - mu_y;
   std::map<int64_t, std::vector<at::Tensor>> views;  // per parameter, its block views
+  std::map<int64_t, at::Tensor> work;                // per parameter, what the views are of
   for (size_t s = 0; s < stacks_.size(); ++s) {
     for (int64_t r = 0; r < stacks_[s].spec.size(); ++r) {
       const auto z = elementwise_->average(static_cast<int64_t>(s), r);
@@ -470,7 +491,8 @@ void VirtualGroup::switch_sequence(bool to_eval, const std::vector<ParamEntry>& 
       const auto& block = blocks[b];
       auto& param_views = views[block.param];
       if (param_views.empty()) {
-        param_views = block_views(params[block.param].param, params[block.param].plan);
+        work[block.param] = work_tensor(params[block.param].param);
+        param_views = block_views(work[block.param], params[block.param].plan);
       }
       auto view = param_views[block.id.block];
       const auto delta = at::sub(z, view).mul_(c);
@@ -483,6 +505,9 @@ void VirtualGroup::switch_sequence(bool to_eval, const std::vector<ParamEntry>& 
                                                                  : delta.reshape(-1));
       distributor.mark_updated(b);
     }
+  }
+  if (!distributor.distributed()) {
+    for (const auto& [p, tensor] : work) write_back(params[p].param, tensor);
   }
 }
 

@@ -29,6 +29,20 @@ class StepUpdates;
 int64_t step_chunk_bytes();
 void set_step_chunk_bytes_for_testing(int64_t bytes);
 
+/// The dtype a parameter is stepped in: its own for Float and Double; Float for BFloat16 and
+/// Half (their state, the update and W + U are float32; the result is rounded into the
+/// parameter), as the reference keeps its factors in float32 (factor_matrix_dtype).
+at::ScalarType compute_dtype(at::ScalarType param_dtype);
+/// Whether a step works on a copy of `param` (another compute dtype, or a layout that is not
+/// contiguous, such as a channels_last conv weight) instead of the parameter itself.
+bool needs_work_copy(const at::Tensor& param);
+/// What a step reads and updates in place of `param`: the parameter, or a contiguous copy in the
+/// compute dtype that write_back() rounds into it.
+at::Tensor work_tensor(const at::Tensor& param);
+/// Copies a work copy's values into its parameter (in the parameter's dtype and layout); nothing
+/// when `work` is the parameter itself.
+void write_back(const at::Tensor& param, const at::Tensor& work);
+
 /// A registered parameter.
 struct ParamEntry {
   at::Tensor param;

@@ -317,7 +317,11 @@ TEST(InBackwardMisuse, ClearErrors) {
 }
 
 TEST(InBackwardDistributed, EqualsDistributedOrdinaryStep) {
-  for (const bool shampoo_optimizer : {true, false}) {
+  // DistributedShampoo and ShardedOptimizer step in phases (their one AllGather at the end of
+  // backward); Adam steps whole, per bucket.
+  enum class Which { kShampoo, kAdam, kShardedAdam };
+  for (const auto which : {Which::kShampoo, Which::kAdam, Which::kShardedAdam}) {
+    const bool shampoo_optimizer = which == Which::kShampoo;
     shampoo::testing::run_ranks(2, [&](int rank,
                                        const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
       const auto shard = shampoo::testing::make_blobs(64, 6, 3, 70 + rank);
@@ -329,6 +333,14 @@ TEST(InBackwardDistributed, EqualsDistributedOrdinaryStep) {
               shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
                   shampoo::AdamGraftingConfig{}),
               shampoo::DistributedOptions().process_group(group));
+        }
+        if (which == Which::kShardedAdam) {
+          return std::make_unique<shampoo::ShardedOptimizer>(
+              p,
+              [](std::vector<torch::Tensor> q) {
+                return std::make_unique<torch::optim::Adam>(q, torch::optim::AdamOptions(0.01));
+              },
+              group);
         }
         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
       };
@@ -350,7 +362,7 @@ TEST(InBackwardDistributed, EqualsDistributedOrdinaryStep) {
         shampoo::testing::classification_loss(model, shard, true);  // steps inside backward
         for (const auto& p : model->parameters()) ASSERT_FALSE(p.grad().defined());
         ASSERT_TRUE(bit_equal(values(model), values(ordinary_model)))
-            << (shampoo_optimizer ? "shampoo" : "adam") << " rank " << rank << " step " << step;
+            << static_cast<int>(which) << " rank " << rank << " step " << step;
       }
       EXPECT_GT(sync.buckets_started_in_backward(), 0);
     });

@@ -88,8 +88,8 @@ TEST(OptionsValidation, BadDistributedOptions) {
 TEST(OptionsValidation, BadParameters) {
   expect_error([] { DistributedShampoo opt({at::ones({3}, at::kLong)}); },
                {"parameter 0", "Long", "floating-point"});
-  expect_error([] { DistributedShampoo opt({at::ones({3}, at::kHalf)}); },
-               {"parameter 0", "Half", "Float or Double"});
+  expect_error([] { DistributedShampoo opt({at::ones({3}).to(at::kFloat8_e4m3fn)}); },
+               {"parameter 0", "Float8_e4m3fn", "Float, Double, BFloat16 or Half"});
   expect_error(
       [] {
         auto sparse = at::eye(3).to_sparse();
@@ -111,7 +111,16 @@ TEST(OptionsValidation, BadParameters) {
         DistributedShampoo opt({p, p});
       },
       {"already in param group 0"});
-  expect_error([] { DistributedShampoo opt({at::randn({4, 4}).t()}); }, {"not contiguous"});
+  // An empty list trains nothing: an error, as in PyTorch's optimizers. (Non-contiguous
+  // parameters, such as channels_last weights, are accepted: mixed_precision_test.)
+  expect_error([] { DistributedShampoo opt(std::vector<at::Tensor>{}); }, {"empty parameter list"});
+  expect_error(
+      [] {
+        std::vector<torch::optim::OptimizerParamGroup> groups;
+        groups.emplace_back(std::vector<at::Tensor>{});
+        DistributedShampoo opt(groups);
+      },
+      {"empty parameter list", "1 param groups"});
 }
 
 TEST(MixedDtypes, OneGroupWithFloatAndDoubleIsRefusedAtConstruction) {

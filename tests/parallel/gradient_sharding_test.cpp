@@ -13,6 +13,7 @@
 #include <limits>
 #include <mutex>
 
+#include "parallel/sharding_runs.h"
 #include "support/test_support.h"
 
 namespace {
@@ -30,217 +31,45 @@ using shampoo::testing::run_ranks;
 using shampoo::testing::snapshot;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
-/// Shard `rank` of a fixed batch of 96 points.
-shampoo::testing::Dataset shard(int rank, int world) {
-  const auto data = shampoo::testing::make_blobs(96, 6, 3, /*seed=*/21);
-  const int64_t size = 96 / world;
-  return {data.inputs.narrow(0, rank * size, size), data.labels.narrow(0, rank * size, size)};
-}
+using shampoo::testing::expect_only_owned_gradients;
+using shampoo::testing::GradientAgreement;
+using shampoo::testing::kind_name;
+using shampoo::testing::make_run;
+using shampoo::testing::sharding_batch;
+using shampoo::testing::ShardingKind;
+using shampoo::testing::train_step;
+using shampoo::testing::TrainingRun;
 
-enum class Kind {
-  kShampooRootInverse,
-  kShampooEigenvalueCorrected,
-  kShardedAdam,
-  kInBackwardShampoo,
-  kInBackwardShardedAdam,
-};
-
-std::string kind_name(Kind kind) {
-  switch (kind) {
-    case Kind::kShampooRootInverse:
-      return "shampoo_root_inverse";
-    case Kind::kShampooEigenvalueCorrected:
-      return "shampoo_eigenvalue_corrected";
-    case Kind::kShardedAdam:
-      return "sharded_adam";
-    case Kind::kInBackwardShampoo:
-      return "in_backward_shampoo";
-    case Kind::kInBackwardShardedAdam:
-      return "in_backward_sharded_adam";
-  }
-  return "?";
-}
-
-bool in_backward(Kind kind) {
-  return kind == Kind::kInBackwardShampoo || kind == Kind::kInBackwardShardedAdam;
-}
-
-ShampooOptions shampoo_options(bool eigenvalue_corrected) {
-  auto options = ShampooOptions(0.02)
-                     .betas({0.9, 0.999})
-                     .epsilon(1e-6)
-                     .precondition_frequency(3)
-                     .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
-  if (eigenvalue_corrected) options.preconditioner(shampoo::EigenvalueCorrectedShampooConfig{});
-  return options;
-}
-
-/// The optimizer of `kind` over `params`; `by_parameter`: Shampoo owns whole parameters (what
-/// gradient sharding needs; the unsharded reference runs use block ownership).
-shampoo::OptimizerFactory factory(Kind kind, const Group& group, bool by_parameter) {
-  return [=](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
-    switch (kind) {
-      case Kind::kShampooRootInverse:
-      case Kind::kShampooEigenvalueCorrected:
-      case Kind::kInBackwardShampoo:
-        return std::make_unique<DistributedShampoo>(
-            p, shampoo_options(kind == Kind::kShampooEigenvalueCorrected),
-            DistributedOptions().process_group(group).shard_by_parameter(by_parameter));
-      case Kind::kShardedAdam:
-      case Kind::kInBackwardShardedAdam:
-        return std::make_unique<shampoo::ShardedOptimizer>(
-            p,
-            [](std::vector<at::Tensor> q) {
-              return std::make_unique<torch::optim::Adam>(q, torch::optim::AdamOptions(0.01));
-            },
-            group);
-    }
-    return nullptr;
-  };
-}
-
-/// One data-parallel training run on this rank; returns the final parameters. `check` runs after
-/// every synchronization with the synchronizer and the parameters.
-struct TrainingRun {
-  torch::nn::Sequential model;
-  std::unique_ptr<GradientSynchronizer> sync;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;  // ordinary step
-  std::unique_ptr<shampoo::InBackwardOptimizer> in_backward;
-};
-
-TrainingRun make_run(Kind kind, const Group& group, bool sharded, int64_t bucket_cap) {
-  TrainingRun run;
-  run.model = shampoo::testing::make_mlp(6, 10, 3, /*seed=*/5);
-  run.sync = std::make_unique<GradientSynchronizer>(
-      run.model->parameters(), group, GradientSynchronizerOptions().bucket_cap_bytes(bucket_cap));
-  const auto make = factory(kind, group, /*by_parameter=*/sharded);
-  if (in_backward(kind)) {
-    run.in_backward = std::make_unique<shampoo::InBackwardOptimizer>(
-        shampoo::apply_optimizer_in_backward(run.model->parameters(), make));
-    run.in_backward->attach(*run.sync);
-    if (sharded) run.sync->shard_gradients(*run.in_backward);
-  } else {
-    run.optimizer = make(run.model->parameters());
-    if (sharded) {
-      run.sync->shard_gradients(dynamic_cast<const ParameterOwners&>(*run.optimizer));
-    }
-  }
-  return run;
-}
-
-/// The gradients a rank holds after synchronize(): exactly those of the parameters it owns.
-void expect_only_owned_gradients(const TrainingRun& run, int rank) {
-  const auto params = run.model->parameters();
-  int64_t owned_bytes = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const int owner = run.sync->owner(i);
-    ASSERT_NE(owner, ParameterOwners::kEveryRank) << "parameter " << i;
-    EXPECT_EQ(params[i].grad().defined(), owner == rank) << "parameter " << i << " rank " << rank;
-    if (owner == rank) owned_bytes += static_cast<int64_t>(params[i].nbytes());
-  }
-  EXPECT_EQ(run.sync->gradient_bytes(), owned_bytes);
-  EXPECT_EQ(run.sync->buffer_bytes(), 0);  // reduce buffers live only while in flight
-}
-
-void train_step(TrainingRun& run, const shampoo::testing::Dataset& data, int rank,
-                bool check_sharding) {
-  if (run.in_backward) {
-    shampoo::testing::classification_loss(run.model, data, true);  // steps inside backward
-    for (const auto& p : run.model->parameters()) ASSERT_FALSE(p.grad().defined());
-    return;
-  }
-  run.optimizer->zero_grad();
-  shampoo::testing::classification_loss(run.model, data, true);
-  run.sync->synchronize();
-  if (check_sharding) expect_only_owned_gradients(run, rank);
-  run.optimizer->step();
-}
-
-class ShardedGradients : public ::testing::TestWithParam<std::tuple<Kind, int>> {};
-
-bool is_shampoo(Kind kind) {
-  return kind == Kind::kShampooRootInverse || kind == Kind::kShampooEigenvalueCorrected ||
-         kind == Kind::kInBackwardShampoo;
-}
+class ShardedGradients : public ::testing::TestWithParam<std::tuple<ShardingKind, int>> {};
 
 TEST_P(ShardedGradients, EqualUnshardedDataParallelism) {
   const auto [kind, world] = GetParam();
-  constexpr int kSteps = 20;
   std::mutex mutex;
-  int64_t gradient_elements = 0;
-  int64_t bit_equal_elements = 0;
+  GradientAgreement total;
   run_ranks(world, [&](int rank, const Group& group) {
-    // Small buckets: several per step, most started from hooks during backward.
-    auto reference = make_run(kind, group, /*sharded=*/false, 256);
-    auto sharded = make_run(kind, group, /*sharded=*/true, 256);
-    const auto data = shard(rank, world);
-    for (int step = 0; step < kSteps; ++step) {
-      if (step == 0 && !in_backward(kind)) {
-        // The same parameters: the reduced gradients against the all-reduced ones.
-        for (auto* run : {&reference, &sharded}) {
-          run->optimizer->zero_grad();
-          shampoo::testing::classification_loss(run->model, data, true);
-          run->sync->synchronize();
-        }
-        expect_only_owned_gradients(sharded, rank);
-        const auto full = reference.model->parameters();
-        const auto mine = sharded.model->parameters();
-        for (size_t i = 0; i < mine.size(); ++i) {
-          if (!mine[i].grad().defined()) continue;
-          EXPECT_TRUE(all_close(mine[i].grad(), full[i].grad())) << "parameter " << i;
-          std::lock_guard<std::mutex> lock(mutex);
-          gradient_elements += mine[i].numel();
-          bit_equal_elements += mine[i].grad().eq(full[i].grad()).sum().item<int64_t>();
-        }
-        reference.optimizer->step();
-        sharded.optimizer->step();
-        continue;
-      }
-      train_step(reference, data, rank, false);
-      train_step(sharded, data, rank, true);
-    }
-    const auto expected = snapshot(reference.model->parameters());
-    const auto actual = snapshot(sharded.model->parameters());
-    if (world == 2) {
-      // a + b is the same in any order: the reduce gives the all-reduce's sums exactly.
-      EXPECT_TRUE(bit_equal(actual, expected)) << kind_name(kind) << " rank " << rank;
-    } else if (!is_shampoo(kind)) {
-      // Gloo's reduce adds four values in another order than its ring all-reduce: the gradients
-      // differ in the last bits (checked at the first step above); Adam carries that noise
-      // along within float32 tolerance.
-      for (size_t i = 0; i < actual.size(); ++i) {
-        EXPECT_TRUE(all_close(actual[i], expected[i])) << kind_name(kind) << " parameter " << i;
-      }
-    } else {
-      // Shampoo's roots and eigenbases amplify last-bit differences (by up to epsilon^(-1/4),
-      // and without bound for nearly equal eigenvalues): 7 of 213 gradient elements 1 ulp
-      // apart at step 1 grew to 2.7e-2 relative in the parameters after 20 steps for
-      // root-inverse Shampoo, to O(1) in single elements for the eigenvalue-corrected one; any
-      // other summation order does the same. What must agree is the training: the loss.
-      const auto full = shampoo::testing::make_blobs(96, 6, 3, 21);
-      const double a =
-          shampoo::testing::classification_loss(sharded.model, full, false).item<double>();
-      const double b =
-          shampoo::testing::classification_loss(reference.model, full, false).item<double>();
-      EXPECT_NEAR(a, b, 2e-2 * b) << kind_name(kind) << " rank " << rank;
-    }
-    EXPECT_GT(sharded.sync->buckets_started_in_backward(), 0);
+    GradientAgreement agreement;
+    shampoo::testing::check_sharded_equals_unsharded(kind, rank, world, group, agreement);
+    std::lock_guard<std::mutex> lock(mutex);
+    total.elements += agreement.elements;
+    total.bit_equal += agreement.bit_equal;
   });
-  if (gradient_elements > 0) {
-    std::cout << kind_name(kind) << " world " << world << ": " << bit_equal_elements << " of "
-              << gradient_elements
+  if (total.elements > 0) {
+    std::cout << kind_name(kind) << " world " << world << ": " << total.bit_equal << " of "
+              << total.elements
               << " reduced gradient elements bit-identical to the all-reduced ones\n";
     if (world == 2) {
-      EXPECT_EQ(bit_equal_elements, gradient_elements);
+      EXPECT_EQ(total.bit_equal, total.elements);
     }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Optimizers, ShardedGradients,
-    ::testing::Combine(::testing::Values(Kind::kShampooRootInverse,
-                                         Kind::kShampooEigenvalueCorrected, Kind::kShardedAdam,
-                                         Kind::kInBackwardShampoo, Kind::kInBackwardShardedAdam),
+    ::testing::Combine(::testing::Values(ShardingKind::kShampooRootInverse,
+                                         ShardingKind::kShampooEigenvalueCorrected,
+                                         ShardingKind::kShardedAdam,
+                                         ShardingKind::kInBackwardShampoo,
+                                         ShardingKind::kInBackwardShardedAdam),
                        ::testing::Values(2, 4)),
     [](const auto& info) {
       return kind_name(std::get<0>(info.param)) + "_world" +
@@ -249,8 +78,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(ShardedGradients, NonOwnersReleaseGradientsDuringBackward) {
   run_ranks(2, [&](int rank, const Group& group) {
-    auto run = make_run(Kind::kShardedAdam, group, /*sharded=*/true, /*bucket_cap=*/64);
-    shampoo::testing::classification_loss(run.model, shard(rank, 2), true);
+    auto run = make_run(ShardingKind::kShardedAdam, group, /*sharded=*/true, /*bucket_cap=*/64);
+    shampoo::testing::classification_loss(run.model, sharding_batch(rank, 2), true);
     // Before synchronize(): every bucket was launched from a hook (one parameter each), and the
     // rank that does not own it released the gradient right after packing it.
     const auto params = run.model->parameters();
@@ -266,9 +95,9 @@ TEST(ShardedGradients, NonOwnersReleaseGradientsDuringBackward) {
 
 TEST(ShardedGradients, AccumulationWithNoSyncEqualsUnsharded) {
   run_ranks(2, [&](int rank, const Group& group) {
-    auto reference = make_run(Kind::kShampooRootInverse, group, false, 128);
-    auto sharded = make_run(Kind::kShampooRootInverse, group, true, 128);
-    const auto data = shard(rank, 2);
+    auto reference = make_run(ShardingKind::kShampooRootInverse, group, false, 128);
+    auto sharded = make_run(ShardingKind::kShampooRootInverse, group, true, 128);
+    const auto data = sharding_batch(rank, 2);
     const auto half = data.inputs.size(0) / 2;
     const shampoo::testing::Dataset first{data.inputs.narrow(0, 0, half),
                                           data.labels.narrow(0, 0, half)};
@@ -332,9 +161,9 @@ TEST(ShardedGradients, ClipGradNormEqualsLibTorchOnTheFullGradients) {
   for (const double norm_type : {2.0, 1.0, std::numeric_limits<double>::infinity()}) {
     for (const double max_norm : {0.05, 100.0}) {  // clipping, and not
       run_ranks(2, [&](int rank, const Group& group) {
-        auto reference = make_run(Kind::kShardedAdam, group, false, 128);
-        auto sharded = make_run(Kind::kShardedAdam, group, true, 128);
-        const auto data = shard(rank, 2);
+        auto reference = make_run(ShardingKind::kShardedAdam, group, false, 128);
+        auto sharded = make_run(ShardingKind::kShardedAdam, group, true, 128);
+        const auto data = sharding_batch(rank, 2);
         for (int step = 0; step < 3; ++step) {
           for (TrainingRun* run : {&reference, &sharded}) {
             run->optimizer->zero_grad();
@@ -365,15 +194,15 @@ TEST(ShardedGradients, ClipGradNormEqualsLibTorchOnTheFullGradients) {
 TEST(ShardedGradients, CheckpointSavedShardedResumesUnshardedAtWorld1) {
   const auto dir = std::filesystem::path(shampoo::testing::temp_path("zero2_ckpt"));
   shampoo::testing::remove_tree(dir);
-  const auto options = shampoo_options(false);
+  const auto options = shampoo::testing::sharding_shampoo_options(false);
   std::vector<at::Tensor> uninterrupted;
   std::vector<at::Tensor> at_save;
   std::mutex mutex;
   // World 2, sharded: 6 steps, a checkpoint after 3.
   run_ranks(2, [&](int rank, const Group& group) {
-    auto run = make_run(Kind::kShampooRootInverse, group, true, 128);
+    auto run = make_run(ShardingKind::kShampooRootInverse, group, true, 128);
     for (int step = 0; step < 6; ++step) {
-      train_step(run, shard(rank, 2), rank, true);
+      train_step(run, sharding_batch(rank, 2), rank, true);
       if (step == 2) {
         shampoo::save_distributed_checkpoint(*run.optimizer, dir);
         std::lock_guard<std::mutex> lock(mutex);
@@ -395,7 +224,7 @@ TEST(ShardedGradients, CheckpointSavedShardedResumesUnshardedAtWorld1) {
   for (int step = 3; step < 6; ++step) {
     resumed.zero_grad();
     for (int r = 0; r < 2; ++r) {
-      shampoo::testing::classification_loss(model, shard(r, 2), true);
+      shampoo::testing::classification_loss(model, sharding_batch(r, 2), true);
     }
     for (auto& p : model->parameters()) p.mutable_grad().div_(2.0);
     resumed.step();

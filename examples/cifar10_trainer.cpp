@@ -90,11 +90,29 @@ struct Evaluation {
   double accuracy = 0;
 };
 
+/// The autocast dtype of --amp (Float when off).
+at::ScalarType amp_dtype(AmpMode mode) {
+  switch (mode) {
+    case AmpMode::kBf16: return at::kBFloat16;
+    case AmpMode::kFp16: return at::kHalf;
+    case AmpMode::kOff: return at::kFloat;
+  }
+  return at::kFloat;
+}
+
+/// The forward passes of --amp: under autocast on the run's device (a no-op guard when off).
+shampoo::AutocastGuard autocast_for(const TrainerConfig& config, c10::Device device) {
+  return shampoo::AutocastGuard(device.type(), config.amp == AmpMode::kOff ? at::kBFloat16
+                                                                           : amp_dtype(config.amp),
+                                config.amp != AmpMode::kOff);
+}
+
 /// Test loss and accuracy: every rank evaluates its contiguous share of the test set and the
-/// sums are all-reduced.
+/// sums are all-reduced. With --amp the forward passes run under autocast, as in training.
 Evaluation evaluate(ImageClassifier& model, const ImageDataset& data, int64_t batch_size,
-                    const Distributed& d) {
+                    const Distributed& d, const TrainerConfig& config, c10::Device device) {
   torch::NoGradGuard no_grad;
+  const auto autocast = autocast_for(config, device);
   model.eval();
   const int64_t n = data.test.size();
   const int64_t begin = n * d.rank / d.world_size;
@@ -201,6 +219,7 @@ struct Trainer {
   std::unique_ptr<shampoo::GradientSynchronizer> synchronizer;
   std::vector<ParamGroupPlan> plans;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::unique_ptr<shampoo::GradScaler> scaler;  // --amp fp16
   std::unique_ptr<CosineAnnealingLr> scheduler;
   LossMetrics metrics;
   TrainingProgress progress;
@@ -223,7 +242,8 @@ void resume(Trainer& t) {
   const auto& config = t.config;
   t.checkpoint.emplace(
       config.checkpoint_dir, t.d.group, run_signature(config, t.batch.global, t.data.train.size()),
-      TrainingCheckpoint::State{t.model.get(), t.optimizer.get(), &t.metrics, &t.progress},
+      TrainingCheckpoint::State{t.model.get(), t.optimizer.get(), &t.metrics, &t.progress,
+                                t.scaler.get()},
       t.device);
   if (!t.checkpoint->exists()) return;
   t.resumed_from_world_size = t.checkpoint->load();
@@ -253,10 +273,19 @@ void build_model_and_optimizer(Trainer& t) {
   }
   t.plans = plan_param_groups(t.model->named_parameters(), config);
   t.optimizer = make_optimizer(config, t.plans, t.d.group);
+  if (t.synchronizer && config.sharding == ShardingMode::kGradients) {
+    // ZeRO-2: each gradient goes to the rank that steps its parameter.
+    t.synchronizer->shard_gradients(dynamic_cast<const shampoo::ParameterOwners&>(*t.optimizer));
+  }
+  if (config.amp == AmpMode::kFp16) {
+    // fp16's narrow range needs loss scaling; bf16 has float32's exponent range and needs none.
+    t.scaler = std::make_unique<shampoo::GradScaler>(
+        shampoo::GradScalerOptions().process_group(t.d.group));
+  }
   if (config.lr_schedule == LrSchedule::kCosine) {
     // Made before a checkpoint is loaded: its base rates are the configured ones.
     t.scheduler = std::make_unique<CosineAnnealingLr>(
-        *t.optimizer, t.sampler.batches_per_epoch() * config.epochs);
+        lr_optimizer(*t.optimizer), t.sampler.batches_per_epoch() * config.epochs);
   }
   // The model's tensors are loaded in place, after the synchronizer and the optimizer took them.
   if (!config.checkpoint_dir.empty()) resume(t);
@@ -321,6 +350,15 @@ void print_setup(Trainer& t) {
                     grafting_name(config.grafting));
   }
   t.log.lead(optimizer_line);
+  t.log.lead(fmt::format("Mixed precision: {} | gradient sharding: {}",
+                         config.amp == AmpMode::kOff   ? "off (float32)"
+                         : config.amp == AmpMode::kBf16 ? "bf16 autocast"
+                                                        : "fp16 autocast with a GradScaler",
+                         t.synchronizer && t.synchronizer->sharded()
+                             ? "each gradient reduced to its owner (ZeRO-2)"
+                         : config.sharding == ShardingMode::kGradients
+                             ? "none needed (one process)"
+                             : "off (gradients all-reduced)"));
   std::string groups = describe_param_groups(t.plans);
   if (!groups.empty() && groups.back() == '\n') groups.pop_back();
   t.log.lead(groups);
@@ -333,10 +371,24 @@ double train_step(Trainer& t, const at::Tensor& order, int64_t batch) {
   const auto images = t.data.normalize(t.data.train.images.index_select(0, index));
   const auto labels = t.data.train.labels.index_select(0, index);
   t.optimizer->zero_grad();
-  const auto loss = torch::nn::functional::cross_entropy(t.model->forward(images), labels);
-  loss.backward();
+  at::Tensor loss;
+  {
+    // The forward pass under --amp's autocast (the loss itself comes out in float32).
+    const auto autocast = autocast_for(t.config, t.device);
+    loss = torch::nn::functional::cross_entropy(t.model->forward(images), labels);
+  }
+  if (t.scaler) {
+    t.scaler->scale(loss).backward();
+  } else {
+    loss.backward();
+  }
   if (t.synchronizer) t.synchronizer->synchronize();
-  t.optimizer->step();
+  if (t.scaler) {
+    t.scaler->step(*t.optimizer);  // skipped on every rank when a gradient overflowed
+    t.scaler->update();
+  } else {
+    t.optimizer->step();
+  }
   if (t.scheduler) t.scheduler->step();
   return loss.item<double>();
 }
@@ -389,7 +441,7 @@ std::optional<IterationLosses> train_epoch(Trainer& t, int64_t epoch) {
     global = t.metrics.global(t.d.group);
     if (t.csv) {
       t.csv->add_iteration(epoch, t.progress.iteration, local, global,
-                           t.optimizer->param_groups()[0].options().get_lr());
+                           lr_optimizer(*t.optimizer).param_groups()[0].options().get_lr());
     }
     t.progress_bar.update(batch + 1, fmt::format("loss {:.4f}", global.window_loss));
     const bool last = batch + 1 == batches;
@@ -423,7 +475,7 @@ std::optional<Evaluation> train(Trainer& t, int64_t last_epoch) {
     if (!global) break;
     const double train_seconds = seconds_since(epoch_start);
     average_buffers(*t.model, t.d);
-    evaluation = evaluate(*t.model, t.data, t.config.eval_batch_size, t.d);
+    evaluation = evaluate(*t.model, t.data, t.config.eval_batch_size, t.d, t.config, t.device);
     t.progress.epoch = epoch;
     const double epoch_seconds = seconds_since(epoch_start);
     t.log.lead(
@@ -449,6 +501,10 @@ void print_summary(Trainer& t, const Evaluation& evaluation, Clock::time_point r
                     "collective(s) per step",
                     stats.amortized_computations, stats.failed_amortized_computations,
                     stats.collectives_last_step));
+  }
+  if (t.scaler) {
+    t.log.lead(fmt::format("GradScaler: scale {:g}, {} step(s) skipped for inf/NaN gradients",
+                           t.scaler->get_scale(), t.scaler->skipped_steps()));
   }
   if (t.csv) {
     t.log.lead(
@@ -490,7 +546,7 @@ int run(int argc, const char* const* argv) {
       resolve_device(config.device, shampoo::local_rank_from_env(), query_cuda());
   make_current(device);
   // float32 as on the CPU: cuDNN would run convolutions in TF32 (10-bit mantissa, ~1e-3
-  // relative) by default. Mixed precision is not what this trainer measures.
+  // relative) by default. Lower precision is asked for explicitly, with --amp.
   if (device.is_cuda()) at::globalContext().setAllowTF32CuDNN(false);
   const Distributed d = join_process_group();
   int64_t full_train_size = 0;
@@ -506,7 +562,9 @@ int run(int argc, const char* const* argv) {
   const int64_t first_iteration = t.progress.iteration;
   auto evaluation = train(t, last_epoch);
   report_stop(t, last_epoch, first_iteration);
-  if (!evaluation) evaluation = evaluate(*t.model, t.data, config.eval_batch_size, d);
+  if (!evaluation) {
+    evaluation = evaluate(*t.model, t.data, config.eval_batch_size, d, config, device);
+  }
   print_summary(t, *evaluation, run_start);
   return 0;
 }

@@ -21,6 +21,10 @@ const Names<ProgressMode> kProgressModes{
     {"auto", ProgressMode::kAuto}, {"on", ProgressMode::kOn}, {"off", ProgressMode::kOff}};
 const Names<DeviceChoice> kDeviceChoices{
     {"auto", DeviceChoice::kAuto}, {"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}};
+const Names<AmpMode> kAmpModes{
+    {"off", AmpMode::kOff}, {"bf16", AmpMode::kBf16}, {"fp16", AmpMode::kFp16}};
+const Names<ShardingMode> kShardingModes{{"none", ShardingMode::kNone},
+                                         {"gradients", ShardingMode::kGradients}};
 const Names<OptimizerKind> kOptimizers{{"sgd", OptimizerKind::kSgd},
                                        {"adam", OptimizerKind::kAdam},
                                        {"adamw", OptimizerKind::kAdamW},
@@ -110,6 +114,16 @@ void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues
                   "this node under torchrun, GPU 0 otherwise; collectives of CUDA tensors over "
                   "NCCL), cpu (collectives over Gloo), or auto = cuda when a CUDA device is "
                   "available, else cpu")
+      .add_choice("amp", config.amp, kAmpModes,
+                  "mixed precision: the forward pass under autocast (shampoo::AutocastGuard) in "
+                  "bf16, or in fp16 with a shampoo::GradScaler (loss scaling, steps with an inf "
+                  "or NaN gradient skipped on every rank); parameters, gradients and optimizer "
+                  "state stay float32; off = float32 throughout")
+      .add_choice("sharding", config.sharding, kShardingModes,
+                  "what is sharded across ranks: none, or gradients (ZeRO-2: each gradient is "
+                  "reduced to the rank that steps its parameter and released on the others; "
+                  "sgd/adam/adamw run as shampoo::ShardedOptimizer, shampoo owns whole "
+                  "parameters)")
       .add_choice("progress", config.progress, kProgressModes,
                   "progress bar with rate and ETA on rank 0 (stderr); auto = only when stderr "
                   "is a terminal")
@@ -194,6 +208,10 @@ std::string optimizer_name(OptimizerKind kind) { return name_of(kOptimizers, kin
 std::string grafting_name(GraftingKind kind) { return name_of(kGraftings, kind); }
 
 std::string device_choice_name(DeviceChoice choice) { return name_of(kDeviceChoices, choice); }
+
+std::string amp_name(AmpMode mode) { return name_of(kAmpModes, mode); }
+
+std::string sharding_name(ShardingMode mode) { return name_of(kShardingModes, mode); }
 
 std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* argv) {
   TrainerConfig config;

@@ -23,6 +23,11 @@ enum class LrSchedule { kConstant, kCosine };
 enum class ProgressMode { kAuto, kOn, kOff };
 /// --device: auto = CUDA when torch::cuda::is_available(), else CPU (examples/trainer_device.h).
 enum class DeviceChoice { kAuto, kCpu, kCuda };
+/// --amp: the forward pass under autocast in bf16 or fp16 (fp16 with a GradScaler).
+enum class AmpMode { kOff, kBf16, kFp16 };
+/// --sharding: none (gradients all-reduced, every rank holds all of them) or gradients (ZeRO-2:
+/// each gradient reduced to the rank that steps its parameter).
+enum class ShardingMode { kNone, kGradients };
 
 struct TrainerConfig {
   // Data and model.
@@ -49,6 +54,8 @@ struct TrainerConfig {
   int64_t checkpoint_every = 0;          // iterations; 0 = after every epoch only
   std::filesystem::path metrics_dir;     // empty = no CSV files
   DeviceChoice device = DeviceChoice::kAuto;
+  AmpMode amp = AmpMode::kOff;
+  ShardingMode sharding = ShardingMode::kNone;
 
   // Optimizer (shared).
   OptimizerKind optimizer = OptimizerKind::kShampoo;
@@ -90,6 +97,9 @@ std::string optimizer_name(OptimizerKind kind);
 std::string grafting_name(GraftingKind kind);
 /// "auto", "cpu" or "cuda" (the --device spellings).
 std::string device_choice_name(DeviceChoice choice);
+/// "off", "bf16" or "fp16"; "none" or "gradients".
+std::string amp_name(AmpMode mode);
+std::string sharding_name(ShardingMode mode);
 
 /// Examples per iteration: over all ranks (the global batch) and per rank.
 struct BatchSizes {

@@ -7,6 +7,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <unordered_set>
 #include <utility>
 
 #include "shampoo/shampoo.h"
@@ -66,7 +67,48 @@ std::vector<torch::optim::OptimizerParamGroup> make_groups(const std::vector<Par
   return groups;
 }
 
+/// Whether this run shards gradients across ranks (--sharding gradients with several ranks).
+bool shards_gradients(const TrainerConfig& config,
+                      const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  return config.sharding == ShardingMode::kGradients && group && group->getSize() > 1;
+}
+
+/// A torch::optim optimizer over the plans; with gradient sharding a ShardedOptimizer over all
+/// parameters whose local optimizer keeps a group per plan with the parameters this rank owns
+/// (possibly none), so that the groups line up on every rank and in checkpoints.
+template <typename Optimizer, typename Options>
+std::unique_ptr<torch::optim::Optimizer> make_libtorch_optimizer(
+    const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans, const Options& defaults,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  if (!shards_gradients(config, group)) {
+    return std::make_unique<Optimizer>(make_groups(plans, defaults), defaults);
+  }
+  std::vector<at::Tensor> all;
+  for (const auto& plan : plans) all.insert(all.end(), plan.params.begin(), plan.params.end());
+  auto local = [plans, defaults](std::vector<at::Tensor> own) {
+    std::unordered_set<const void*> mine;
+    for (const auto& p : own) mine.insert(p.unsafeGetTensorImpl());
+    auto restricted = plans;
+    for (auto& plan : restricted) {
+      std::vector<at::Tensor> kept;
+      for (const auto& p : plan.params) {
+        if (mine.count(p.unsafeGetTensorImpl()) != 0) kept.push_back(p);
+      }
+      plan.params = std::move(kept);
+    }
+    return std::make_unique<Optimizer>(make_groups(restricted, defaults), defaults);
+  };
+  return std::make_unique<ShardedOptimizer>(all, local, group);
+}
+
 }  // namespace
+
+torch::optim::Optimizer& lr_optimizer(torch::optim::Optimizer& optimizer) {
+  if (auto* sharded = dynamic_cast<ShardedOptimizer*>(&optimizer)) {
+    return sharded->local_optimizer();
+  }
+  return optimizer;
+}
 
 std::vector<ParamGroupPlan> plan_param_groups(
     const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
@@ -108,21 +150,21 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
                                 .dampening(config.dampening)
                                 .weight_decay(config.weight_decay)
                                 .nesterov(config.use_nesterov);
-      return std::make_unique<torch::optim::SGD>(make_groups(plans, defaults), defaults);
+      return make_libtorch_optimizer<torch::optim::SGD>(config, plans, defaults, group);
     }
     case OptimizerKind::kAdam: {
       const auto defaults = torch::optim::AdamOptions(config.lr)
                                 .betas({config.beta1, config.beta2})
                                 .eps(config.epsilon)
                                 .weight_decay(config.weight_decay);
-      return std::make_unique<torch::optim::Adam>(make_groups(plans, defaults), defaults);
+      return make_libtorch_optimizer<torch::optim::Adam>(config, plans, defaults, group);
     }
     case OptimizerKind::kAdamW: {
       const auto defaults = torch::optim::AdamWOptions(config.lr)
                                 .betas({config.beta1, config.beta2})
                                 .eps(config.epsilon)
                                 .weight_decay(config.weight_decay);
-      return std::make_unique<torch::optim::AdamW>(make_groups(plans, defaults), defaults);
+      return make_libtorch_optimizer<torch::optim::AdamW>(config, plans, defaults, group);
     }
     case OptimizerKind::kShampoo: {
       const ShampooOptions defaults = make_shampoo_options(config);
@@ -131,7 +173,8 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
                              .communication_dtype(config.communication_dtype)
                              .num_trainers_per_group(config.num_trainers_per_group)
                              .communicate_params(config.communicate_params)
-                             .merge_param_groups(config.merge_groups);
+                             .merge_param_groups(config.merge_groups)
+                             .shard_by_parameter(shards_gradients(config, group));
       return std::make_unique<DistributedShampoo>(make_groups(plans, defaults), defaults,
                                                   std::move(distributed));
     }

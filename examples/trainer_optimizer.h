@@ -31,11 +31,18 @@ std::vector<ParamGroupPlan> plan_param_groups(
     const TrainerConfig& config);
 
 /// torch::optim::SGD / Adam / AdamW, or shampoo::DistributedShampoo distributed over `group`
-/// (null = one process), with one param group per plan. Throws c10::Error naming the option
-/// when a value is out of range.
+/// (null = one process), with one param group per plan. With --sharding gradients on several
+/// ranks, the LibTorch optimizers run inside a shampoo::ShardedOptimizer (ZeRO-1, so that each
+/// rank needs only its own parameters' gradients) and Shampoo owns whole parameters; the
+/// result is a shampoo::ParameterOwners for GradientSynchronizer::shard_gradients. Throws
+/// c10::Error naming the option when a value is out of range.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(
     const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans,
     const c10::intrusive_ptr<c10d::ProcessGroup>& group);
+
+/// The optimizer whose param groups hold the learning rates (schedulers, logs): the local one
+/// of a ShardedOptimizer, else `optimizer` itself.
+torch::optim::Optimizer& lr_optimizer(torch::optim::Optimizer& optimizer);
 
 /// One line per group ("conv.weight: lr 0.01, weight decay 0.0001") for the log.
 std::string describe_param_groups(const std::vector<ParamGroupPlan>& plans);

@@ -245,6 +245,11 @@ void TrainingCheckpoint::save_common(torch::serialize::OutputArchive& common) co
     optimizer.write("state", to_bytes(bytes.str()));
   }
   common.write("optimizer", optimizer);
+  if (state_.scaler != nullptr) {
+    torch::serialize::OutputArchive scaler(unit);
+    state_.scaler->save(scaler);
+    common.write("grad_scaler", scaler);
+  }
 }
 
 void TrainingCheckpoint::save_pieces(shampoo::PieceWriter& pieces) const {
@@ -323,6 +328,23 @@ std::function<void()> TrainingCheckpoint::prepare_optimizer(torch::serialize::In
   return [optimizer, whole] { optimizer->load(*whole); };
 }
 
+std::function<void()> TrainingCheckpoint::prepare_scaler(
+    torch::serialize::InputArchive& common) const {
+  auto archive = std::make_shared<torch::serialize::InputArchive>();
+  const bool saved = common.try_read("grad_scaler", *archive);
+  TORCH_CHECK(saved || state_.scaler == nullptr, "--checkpoint-dir ", dir_.string(),
+              ": written by a run without a GradScaler (--amp off or bf16), and this run has one "
+              "(--amp fp16); resume with the --amp of the run that wrote it");
+  TORCH_CHECK(!saved || state_.scaler != nullptr, "--checkpoint-dir ", dir_.string(),
+              ": written by a run with a GradScaler (--amp fp16), whose scale this run would "
+              "lose; resume with --amp fp16");
+  if (!saved) return [] {};
+  shampoo::GradScaler check(state_.scaler->options());  // reads and checks, changing nothing
+  check.load(*archive);
+  auto* scaler = state_.scaler;
+  return [scaler, archive] { scaler->load(*archive); };
+}
+
 std::function<void()> TrainingCheckpoint::prepare_load(torch::serialize::InputArchive& common,
                                                        shampoo::PieceReader& pieces) {
   check_signature(common);
@@ -349,9 +371,12 @@ std::function<void()> TrainingCheckpoint::prepare_load(torch::serialize::InputAr
   rng.try_read("cuda", cuda_state);
   auto install_model = prepare_model(common);
   auto install_optimizer = prepare_optimizer(common, pieces);
-  return [this, progress, metrics, cpu_state, cuda_state, install_model, install_optimizer] {
+  auto install_scaler = prepare_scaler(common);
+  return [this, progress, metrics, cpu_state, cuda_state, install_model, install_optimizer,
+          install_scaler] {
     install_model();
     install_optimizer();
+    install_scaler();
     *state_.metrics = metrics;
     *state_.progress = progress;
     set_generator_state(at::detail::getDefaultCPUGenerator(), cpu_state);

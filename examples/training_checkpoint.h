@@ -13,6 +13,7 @@
 ///   rng         the default CPU generator's state (and the CUDA generator's on a CUDA run)
 ///   optimizer   a DistributedCheckpointable optimizer's common part (DistributedShampoo), or
 ///               the whole state of a torch::optim optimizer, which every rank holds alike
+///   grad_scaler the GradScaler's state (--amp fp16 only; the same on every rank)
 /// Pieces, each written by one rank:
 ///   optimizer/...          a DistributedCheckpointable optimizer's (DistributedShampoo: every
 ///                          block by the rank that owns it)
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "examples/loss_metrics.h"
+#include "amp/grad_scaler.h"
 #include "parallel/distributed_checkpoint.h"
 
 namespace shampoo::examples {
@@ -57,6 +59,9 @@ class TrainingCheckpoint : public shampoo::DistributedCheckpointable {
     torch::optim::Optimizer* optimizer = nullptr;
     LossMetrics* metrics = nullptr;
     TrainingProgress* progress = nullptr;
+    /// --amp fp16's loss scaler (null without one). A checkpoint written with a scaler is
+    /// resumed only with one, and the other way round.
+    shampoo::GradScaler* scaler = nullptr;
   };
 
   /// `group` null = one process. `device`: the run's (--device), for the optimizer's state and
@@ -94,6 +99,7 @@ class TrainingCheckpoint : public shampoo::DistributedCheckpointable {
   std::function<void()> prepare_optimizer(torch::serialize::InputArchive& common,
                                           shampoo::PieceReader& pieces);
   std::function<void()> prepare_model(torch::serialize::InputArchive& common) const;
+  std::function<void()> prepare_scaler(torch::serialize::InputArchive& common) const;
   void check_signature(torch::serialize::InputArchive& common) const;
 
   std::filesystem::path dir_;

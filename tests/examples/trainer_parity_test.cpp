@@ -465,6 +465,78 @@ TEST_F(TrainerTest, BadLabelIsAClearError) {
 
 }  // namespace
 
+// ---- gradient sharding and mixed precision ---------------------------------------------------
+
+class ShardingTest : public TrainerTest, public ::testing::WithParamInterface<OptimizerCase> {};
+
+// ZeRO-2 in the trainer: each gradient reduced to its owner instead of all-reduced. At two ranks
+// a reduce adds the same two numbers as the all-reduce, so the runs agree bit for bit.
+TEST_P(ShardingTest, ShardedGradientsEqualAllReducedGradients) {
+  if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
+  const auto& c = GetParam();
+  const auto flags = base_flags(data_dir_, 2) + c.flags +
+                     std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr / 2)};
+  const TrainerRun all_reduced = run_ok("all_reduced", 2, flags);
+  const TrainerRun sharded =
+      run_ok("sharded", 2, flags + std::vector<std::string>{"--sharding", "gradients"});
+  EXPECT_NE(sharded.log.find("each gradient reduced to its owner (ZeRO-2)"), std::string::npos)
+      << sharded.log;
+  EXPECT_TRUE(identical(sharded.train.at("global_loss"), all_reduced.train.at("global_loss")));
+  EXPECT_TRUE(identical(sharded.eval.at("test_loss"), all_reduced.eval.at("test_loss")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, ShardingTest,
+                         ::testing::Values(optimizer_cases()[0], optimizer_cases()[1]),
+                         [](const auto& info) { return info.param.name; });
+
+// --amp fp16 on the CPU: autocast in fp16 and a GradScaler; the scaler's state is checkpointed,
+// and a run without one cannot resume from it.
+TEST_F(TrainerTest, AmpFp16TrainsWithAScalerThatTheCheckpointKeeps) {
+  if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
+  const auto checkpoint = (dir_ / "checkpoint").string();
+  const auto flags = base_flags(data_dir_, 2) + shampoo_flags() +
+                     std::vector<std::string>{"--lr", "1e-3", "--sharding", "gradients",
+                                              "--checkpoint-dir", checkpoint};
+  const TrainerRun fp16 =
+      run_ok("fp16", 2, flags + std::vector<std::string>{"--amp", "fp16"});
+  EXPECT_NE(fp16.log.find("fp16 autocast with a GradScaler"), std::string::npos) << fp16.log;
+  EXPECT_NE(fp16.log.find("GradScaler: scale"), std::string::npos) << fp16.log;
+  for (const double loss : fp16.train.at("global_loss")) EXPECT_TRUE(std::isfinite(loss));
+  const auto& losses = fp16.train.at("global_loss");
+  EXPECT_LT(losses.back(), losses.front());
+  // Resuming (nothing left to train) with --amp off: an error that names the flag.
+  const TrainerRun off = run_trainer(dir_ / "off", 2, flags + std::vector<std::string>{"--amp", "off"});
+  EXPECT_NE(off.exit_code, 0);
+  EXPECT_NE(off.log.find("written by a run with a GradScaler (--amp fp16)"), std::string::npos)
+      << off.log;
+}
+
+// The acceptance run: `make demo`'s settings (Fashion-MNIST, ConvNet, Shampoo, 2 CPU ranks) for
+// 2 epochs, once in float32 and once with --amp bf16: final test accuracies within 0.5 points.
+TEST_F(TrainerTest, DemoAmpBf16ReachesFloat32AccuracyOnFashionMnist) {
+  if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
+  const fs::path work = dir_;
+  const std::vector<std::string> demo{
+      "--dataset", "fashion-mnist", "--model", "convnet", "--optimizer", "shampoo",
+      "--epochs", "2", "--local-batch-size", "128", "--lrs", "0.003,0.001,0.001",
+      "--weight-decay", "1e-4", "--bias-weight-decay", "0", "--betas", "0.9,0.999",
+      "--epsilon", "1e-12", "--grafting", "adam", "--grafting-epsilon", "1e-8",
+      "--max-preconditioner-dim", "128", "--precondition-frequency", "50", "--lr-schedule",
+      "cosine", "--window-size", "50", "--log-every", "100"};
+  std::map<std::string, double> accuracy;
+  for (const std::string amp : {"off", "bf16"}) {
+    const TrainerRun run =
+        run_trainer(work / amp, 2, demo + std::vector<std::string>{"--amp", amp});
+    ASSERT_EQ(run.exit_code, 0) << run.log;
+    ASSERT_EQ(rows(run.eval, "test_accuracy"), 2u) << run.log;
+    accuracy[amp] = run.eval.at("test_accuracy").back();
+  }
+  std::cout << "final test accuracy after 2 epochs: float32 " << accuracy["off"] << ", bf16 "
+            << accuracy["bf16"] << "\n";
+  EXPECT_GT(accuracy["off"], 0.8);
+  EXPECT_NEAR(accuracy["bf16"], accuracy["off"], 0.005);
+}
+
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   std::string record_dir;

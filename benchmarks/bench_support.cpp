@@ -145,6 +145,28 @@ std::string layered_mlp_name(int64_t layers, int64_t width) {
   return fmt::format("mlp {} x [Linear({}, {}), LayerNorm({}), ReLU]", layers, width, width, width);
 }
 
+std::vector<std::vector<int64_t>> transformer_workload_shapes(int64_t divisor) {
+  std::vector<std::vector<int64_t>> shapes{{4096, 1024}};
+  for (int layer = 0; layer < 2; ++layer) {
+    for (const auto& s : std::vector<std::vector<int64_t>>{{3072, 1024},
+                                                           {3072},
+                                                           {1024, 1024},
+                                                           {1024},
+                                                           {4096, 1024},
+                                                           {4096},
+                                                           {1024, 4096},
+                                                           {1024},
+                                                           {1024},
+                                                           {1024}}) {
+      shapes.push_back(s);
+    }
+  }
+  for (auto& s : shapes) {
+    for (auto& d : s) d /= divisor;
+  }
+  return shapes;
+}
+
 std::vector<std::vector<at::Tensor>> make_gradient_pool(torch::nn::Sequential& model, int64_t k,
                                                         int64_t batch, int64_t in_features,
                                                         int64_t classes) {

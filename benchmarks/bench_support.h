@@ -66,6 +66,12 @@ std::string mlp_name(at::IntArrayRef sizes);
 torch::nn::Sequential make_layered_mlp(int64_t layers, int64_t width);
 std::string layered_mlp_name(int64_t layers, int64_t width);
 
+/// The parameter shapes of the transformer-like workload of issue 13 (bench_transformer,
+/// bench_gradient_sharding; 29.4M parameters in 21 tensors): an embedding (4096, 1024), then
+/// twice (3072, 1024), (3072), (1024, 1024), (1024), (4096, 1024), (4096), (1024, 4096), (1024),
+/// (1024), (1024); every dim divided by `divisor` (1 = full size).
+std::vector<std::vector<int64_t>> transformer_workload_shapes(int64_t divisor = 1);
+
 /// Gradients of `k` forward/backward passes (cross-entropy) on random batches: Gaussian inputs
 /// [batch, in_features], random labels below `classes`. Real gradient structure (a linear
 /// layer's gradient has rank <= batch size); pool[i][p] is pass i's gradient of parameter p.

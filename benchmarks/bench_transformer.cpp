@@ -238,30 +238,6 @@ int64_t current_memory_bytes(const at::Device& device) {
 
 // ---- workload -----------------------------------------------------------------------------------
 
-std::vector<std::vector<int64_t>> workload_shapes(bool small) {
-  std::vector<std::vector<int64_t>> shapes{{4096, 1024}};
-  for (int layer = 0; layer < 2; ++layer) {
-    for (const auto& s : std::vector<std::vector<int64_t>>{{3072, 1024},
-                                                           {3072},
-                                                           {1024, 1024},
-                                                           {1024},
-                                                           {4096, 1024},
-                                                           {4096},
-                                                           {1024, 4096},
-                                                           {1024},
-                                                           {1024},
-                                                           {1024}}) {
-      shapes.push_back(s);
-    }
-  }
-  if (small) {
-    for (auto& s : shapes) {
-      for (auto& d : s) d /= kSmallDivisor;
-    }
-  }
-  return shapes;
-}
-
 /// Parameters (with their .grad tensors allocated) and the gradient sets, on the device.
 struct Workload {
   at::Device device{at::kCPU};
@@ -293,7 +269,7 @@ void reset_parameters(Workload& w) {
 Workload make_workload(const at::Device& device, bool small) {
   Workload w;
   w.device = device;
-  w.shapes = workload_shapes(small);
+  w.shapes = transformer_workload_shapes(small ? kSmallDivisor : 1);
   for (const auto& p : draw_parameters(w)) {
     w.params.push_back(p.to(device).set_requires_grad(true));
   }

@@ -14,7 +14,7 @@ fi
 build_dir=$1
 shift
 
-read -r -a benchmarks <<< "${BENCHMARKS:-bench_optimizer_step bench_families bench_virtual_groups bench_distributed bench_in_backward bench_micro}"
+read -r -a benchmarks <<< "${BENCHMARKS:-bench_optimizer_step bench_families bench_virtual_groups bench_distributed bench_in_backward bench_gradient_sharding bench_micro}"
 
 # Which sources were measured: the git revision of this checkout, "+dirty" with local changes.
 # A --label among the arguments overrides it.

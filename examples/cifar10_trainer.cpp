@@ -93,17 +93,20 @@ struct Evaluation {
 /// The autocast dtype of --amp (Float when off).
 at::ScalarType amp_dtype(AmpMode mode) {
   switch (mode) {
-    case AmpMode::kBf16: return at::kBFloat16;
-    case AmpMode::kFp16: return at::kHalf;
-    case AmpMode::kOff: return at::kFloat;
+    case AmpMode::kBf16:
+      return at::kBFloat16;
+    case AmpMode::kFp16:
+      return at::kHalf;
+    case AmpMode::kOff:
+      return at::kFloat;
   }
   return at::kFloat;
 }
 
 /// The forward passes of --amp: under autocast on the run's device (a no-op guard when off).
 shampoo::AutocastGuard autocast_for(const TrainerConfig& config, c10::Device device) {
-  return shampoo::AutocastGuard(device.type(), config.amp == AmpMode::kOff ? at::kBFloat16
-                                                                           : amp_dtype(config.amp),
+  return shampoo::AutocastGuard(device.type(),
+                                config.amp == AmpMode::kOff ? at::kBFloat16 : amp_dtype(config.amp),
                                 config.amp != AmpMode::kOff);
 }
 
@@ -240,11 +243,11 @@ ImageDataset load_data(const TrainerConfig& config, int64_t* full_train_size) {
 /// Loads the checkpoint in --checkpoint-dir when there is one (collective).
 void resume(Trainer& t) {
   const auto& config = t.config;
-  t.checkpoint.emplace(
-      config.checkpoint_dir, t.d.group, run_signature(config, t.batch.global, t.data.train.size()),
-      TrainingCheckpoint::State{t.model.get(), t.optimizer.get(), &t.metrics, &t.progress,
-                                t.scaler.get()},
-      t.device);
+  t.checkpoint.emplace(config.checkpoint_dir, t.d.group,
+                       run_signature(config, t.batch.global, t.data.train.size()),
+                       TrainingCheckpoint::State{t.model.get(), t.optimizer.get(), &t.metrics,
+                                                 &t.progress, t.scaler.get()},
+                       t.device);
   if (!t.checkpoint->exists()) return;
   t.resumed_from_world_size = t.checkpoint->load();
   // Where the next iteration is in its epoch: the epochs have the same batches at any number
@@ -350,15 +353,14 @@ void print_setup(Trainer& t) {
                     grafting_name(config.grafting));
   }
   t.log.lead(optimizer_line);
-  t.log.lead(fmt::format("Mixed precision: {} | gradient sharding: {}",
-                         config.amp == AmpMode::kOff   ? "off (float32)"
-                         : config.amp == AmpMode::kBf16 ? "bf16 autocast"
-                                                        : "fp16 autocast with a GradScaler",
-                         t.synchronizer && t.synchronizer->sharded()
-                             ? "each gradient reduced to its owner (ZeRO-2)"
-                         : config.sharding == ShardingMode::kGradients
-                             ? "none needed (one process)"
-                             : "off (gradients all-reduced)"));
+  t.log.lead(fmt::format(
+      "Mixed precision: {} | gradient sharding: {}",
+      config.amp == AmpMode::kOff    ? "off (float32)"
+      : config.amp == AmpMode::kBf16 ? "bf16 autocast"
+                                     : "fp16 autocast with a GradScaler",
+      t.synchronizer && t.synchronizer->sharded()   ? "each gradient reduced to its owner (ZeRO-2)"
+      : config.sharding == ShardingMode::kGradients ? "none needed (one process)"
+                                                    : "off (gradients all-reduced)"));
   std::string groups = describe_param_groups(t.plans);
   if (!groups.empty() && groups.back() == '\n') groups.pop_back();
   t.log.lead(groups);

@@ -35,8 +35,8 @@
 #include <utility>
 #include <vector>
 
-#include "examples/loss_metrics.h"
 #include "amp/grad_scaler.h"
+#include "examples/loss_metrics.h"
 #include "parallel/distributed_checkpoint.h"
 
 namespace shampoo::examples {

@@ -43,6 +43,22 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
 
   bool next_pass_steps() const { return no_step == 0 && (passes + 1) % accumulation_steps == 0; }
 
+  /// The process group that `group_of` gives for the sets' optimizers (null for those without
+  /// one); an error ending in `mismatch` when two optimizers give different groups.
+  template <typename GroupOf>
+  c10::intrusive_ptr<c10d::ProcessGroup> one_group(const GroupOf& group_of,
+                                                   const char* mismatch) const {
+    c10::intrusive_ptr<c10d::ProcessGroup> group;
+    for (size_t i = 0; i < sets.size(); ++i) {
+      auto own = group_of(*sets[i].optimizer);
+      if (!own) continue;
+      TORCH_CHECK(!group || group.get() == own.get(), "InBackwardOptimizer: optimizer ", i, " ",
+                  mismatch);
+      group = own;
+    }
+    return group;
+  }
+
   void update_sync() {
     if (sync != nullptr) sync->set_enabled(next_pass_steps());
   }
@@ -279,17 +295,13 @@ void InBackwardOptimizer::attach(GradientSynchronizer& sync) {
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::owners_group() const {
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
-  for (size_t i = 0; i < state_->sets.size(); ++i) {
-    const auto* owners = dynamic_cast<const ParameterOwners*>(state_->sets[i].optimizer.get());
-    auto own = owners != nullptr ? owners->owners_group() : nullptr;
-    if (!own) continue;
-    TORCH_CHECK(!group || group.get() == own.get(), "InBackwardOptimizer: optimizer ", i,
-                " shards its parameters over another process group than the ones before it; "
-                "gradient sharding needs one process group");
-    group = own;
-  }
-  return group;
+  return state_->one_group(
+      [](const torch::optim::Optimizer& optimizer) -> c10::intrusive_ptr<c10d::ProcessGroup> {
+        const auto* owners = dynamic_cast<const ParameterOwners*>(&optimizer);
+        return owners != nullptr ? owners->owners_group() : nullptr;
+      },
+      "shards its parameters over another process group than the ones before it; gradient "
+      "sharding needs one process group");
 }
 
 std::optional<int> InBackwardOptimizer::owner_of(const at::Tensor& param) const {
@@ -364,17 +376,13 @@ std::string set_key(size_t i) { return "optimizer_" + std::to_string(i); }
 }  // namespace
 
 c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::checkpoint_group() const {
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
-  for (size_t i = 0; i < state_->sets.size(); ++i) {
-    const auto* inner = as_checkpointable(*state_->sets[i].optimizer);
-    auto own = inner != nullptr ? inner->checkpoint_group() : nullptr;
-    if (!own) continue;
-    TORCH_CHECK(!group || group.get() == own.get(), "InBackwardOptimizer: optimizer ", i,
-                " uses another process group than the ones before it; a checkpoint is saved "
-                "and loaded over one process group");
-    group = own;
-  }
-  return group;
+  return state_->one_group(
+      [](const torch::optim::Optimizer& optimizer) -> c10::intrusive_ptr<c10d::ProcessGroup> {
+        const auto* inner = as_checkpointable(optimizer);
+        return inner != nullptr ? inner->checkpoint_group() : nullptr;
+      },
+      "uses another process group than the ones before it; a checkpoint is saved and loaded "
+      "over one process group");
 }
 
 void InBackwardOptimizer::save_common(torch::serialize::OutputArchive& common) const {

@@ -3,6 +3,7 @@
 // skips the step everywhere and changes nothing), optimizer-in-backward, and AutocastGuard.
 #include <c10/util/Exception.h>
 #include <shampoo/shampoo.h>
+#include <torch/cuda.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
@@ -199,8 +200,7 @@ TEST(GradScaler, DisabledIsAPassThroughAndBf16GradientsAreUnscaled) {
   }
 }
 
-// ---- checkpoints
-// ---------------------------------------------------------------------------------
+// ---- checkpoints -------------------------------------------------------------------------------
 
 /// A scaler after some iterations with an overflow: scale and tracker off their defaults.
 void advance(GradScaler& scaler, Tiny& tiny, int iterations, int overflow_at) {
@@ -272,10 +272,32 @@ struct Observed {
   std::string state;
 };
 
-Observed observe(const torch::optim::Optimizer& optimizer, torch::nn::Sequential& model) {
+/// The bytes of `archive`.
+std::string bytes_of(torch::serialize::OutputArchive& archive) {
   std::ostringstream stream;
-  torch::save(optimizer, stream);
-  return {snapshot(model->parameters()), stream.str()};
+  archive.save_to(stream);
+  return stream.str();
+}
+
+Observed observe(const torch::optim::Optimizer& optimizer, torch::nn::Sequential& model) {
+  std::string state;
+  if (const auto* sharded = dynamic_cast<const shampoo::ShardedOptimizer*>(&optimizer)) {
+    // Per parameter, in model order: a whole archive of the local optimizer lists its states in
+    // the order of its hash map, which an undo (erase, insert) may change.
+    auto& local = const_cast<shampoo::ShardedOptimizer*>(sharded)->local_optimizer();
+    for (const auto& p : model->parameters()) {
+      const auto it = local.state().find(p.unsafeGetTensorImpl());
+      if (it == local.state().end()) continue;
+      torch::serialize::OutputArchive archive;
+      it->second->serialize(archive);
+      state += bytes_of(archive);
+    }
+  } else {
+    torch::serialize::OutputArchive archive;
+    optimizer.save(archive);
+    state = bytes_of(archive);
+  }
+  return {snapshot(model->parameters()), state};
 }
 
 enum class ShardedKind { kShampoo, kShardedAdam };
@@ -338,8 +360,7 @@ TEST(GradScalerSharded, OverflowOnOneRankSkipsEverywhereAndChangesNothing) {
   }
 }
 
-// ---- optimizer-in-backward
-// -----------------------------------------------------------------------
+// ---- optimizer-in-backward ---------------------------------------------------------------------
 
 TEST(GradScalerInBackward, EqualsOrdinaryScaledStepsAndUndoesAnOverflowingPass) {
   for (const auto kind : {ShardedKind::kShampoo, ShardedKind::kShardedAdam}) {
@@ -430,8 +451,41 @@ TEST(GradScalerInBackward, RefusedForOptimizersThatCannotUndoAStep) {
       {"GradScaler is attached", "cannot undo"});
 }
 
-// ---- AutocastGuard
-// -------------------------------------------------------------------------------
+// ---- CUDA (skipped without a GPU) --------------------------------------------------------------
+
+// float32 gradients through ATen's CUDA kernel, bf16 ones through the scaler's own path (the
+// kernel has no bf16 on CUDA in torch 2.11): the same values and found-inf flags as on the CPU.
+TEST(GradScalerCuda, UnscalesFloatAndBf16GradientsLikeTheCpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  for (const bool overflow : {false, true}) {
+    std::vector<at::Tensor> results;
+    std::vector<int64_t> skipped;
+    for (const auto device : {at::Device(at::kCPU), at::Device(at::kCUDA, 0)}) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+      auto w32 = at::randn({5, 3}, gen).to(device).requires_grad_();
+      auto w16 = at::randn({7}, gen).to(at::kBFloat16).to(device).requires_grad_();
+      torch::optim::SGD optimizer(std::vector<at::Tensor>{w32, w16}, torch::optim::SGDOptions(0.1));
+      GradScaler scaler(GradScalerOptions().init_scale(4096.0));
+      auto loss = (w32 * w32).sum() + (w16.to(at::kFloat) * 3.0).sum();
+      scaler.scale(loss).backward();
+      if (overflow) w16.mutable_grad()[2] = INFINITY;
+      scaler.unscale_(optimizer);
+      results.push_back(w32.grad().cpu());
+      if (!overflow) results.push_back(w16.grad().cpu());
+      scaler.step(optimizer);
+      scaler.update();
+      skipped.push_back(scaler.skipped_steps());
+      EXPECT_EQ(scaler.get_scale(), overflow ? 2048.0 : 4096.0) << device;
+    }
+    const size_t per_device = results.size() / 2;
+    for (size_t i = 0; i < per_device; ++i) {
+      EXPECT_TRUE(shampoo::testing::all_close(results[per_device + i], results[i]));
+    }
+    EXPECT_EQ(skipped[0], skipped[1]);
+  }
+}
+
+// ---- AutocastGuard -----------------------------------------------------------------------------
 
 TEST(AutocastGuard, LowersMatmulsNestsAndRestores) {
   const auto a = at::randn({4, 4});

@@ -495,17 +495,17 @@ TEST_F(TrainerTest, AmpFp16TrainsWithAScalerThatTheCheckpointKeeps) {
   if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
   const auto checkpoint = (dir_ / "checkpoint").string();
   const auto flags = base_flags(data_dir_, 2) + shampoo_flags() +
-                     std::vector<std::string>{"--lr", "1e-3", "--sharding", "gradients",
-                                              "--checkpoint-dir", checkpoint};
-  const TrainerRun fp16 =
-      run_ok("fp16", 2, flags + std::vector<std::string>{"--amp", "fp16"});
+                     std::vector<std::string>{
+                         "--lr", "1e-3", "--sharding", "gradients", "--checkpoint-dir", checkpoint};
+  const TrainerRun fp16 = run_ok("fp16", 2, flags + std::vector<std::string>{"--amp", "fp16"});
   EXPECT_NE(fp16.log.find("fp16 autocast with a GradScaler"), std::string::npos) << fp16.log;
   EXPECT_NE(fp16.log.find("GradScaler: scale"), std::string::npos) << fp16.log;
   for (const double loss : fp16.train.at("global_loss")) EXPECT_TRUE(std::isfinite(loss));
   const auto& losses = fp16.train.at("global_loss");
   EXPECT_LT(losses.back(), losses.front());
   // Resuming (nothing left to train) with --amp off: an error that names the flag.
-  const TrainerRun off = run_trainer(dir_ / "off", 2, flags + std::vector<std::string>{"--amp", "off"});
+  const TrainerRun off =
+      run_trainer(dir_ / "off", 2, flags + std::vector<std::string>{"--amp", "off"});
   EXPECT_NE(off.exit_code, 0);
   EXPECT_NE(off.log.find("written by a run with a GradScaler (--amp fp16)"), std::string::npos)
       << off.log;
@@ -516,13 +516,40 @@ TEST_F(TrainerTest, AmpFp16TrainsWithAScalerThatTheCheckpointKeeps) {
 TEST_F(TrainerTest, DemoAmpBf16ReachesFloat32AccuracyOnFashionMnist) {
   if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
   const fs::path work = dir_;
-  const std::vector<std::string> demo{
-      "--dataset", "fashion-mnist", "--model", "convnet", "--optimizer", "shampoo",
-      "--epochs", "2", "--local-batch-size", "128", "--lrs", "0.003,0.001,0.001",
-      "--weight-decay", "1e-4", "--bias-weight-decay", "0", "--betas", "0.9,0.999",
-      "--epsilon", "1e-12", "--grafting", "adam", "--grafting-epsilon", "1e-8",
-      "--max-preconditioner-dim", "128", "--precondition-frequency", "50", "--lr-schedule",
-      "cosine", "--window-size", "50", "--log-every", "100"};
+  const std::vector<std::string> demo{"--dataset",
+                                      "fashion-mnist",
+                                      "--model",
+                                      "convnet",
+                                      "--optimizer",
+                                      "shampoo",
+                                      "--epochs",
+                                      "2",
+                                      "--local-batch-size",
+                                      "128",
+                                      "--lrs",
+                                      "0.003,0.001,0.001",
+                                      "--weight-decay",
+                                      "1e-4",
+                                      "--bias-weight-decay",
+                                      "0",
+                                      "--betas",
+                                      "0.9,0.999",
+                                      "--epsilon",
+                                      "1e-12",
+                                      "--grafting",
+                                      "adam",
+                                      "--grafting-epsilon",
+                                      "1e-8",
+                                      "--max-preconditioner-dim",
+                                      "128",
+                                      "--precondition-frequency",
+                                      "50",
+                                      "--lr-schedule",
+                                      "cosine",
+                                      "--window-size",
+                                      "50",
+                                      "--log-every",
+                                      "100"};
   std::map<std::string, double> accuracy;
   for (const std::string amp : {"off", "bf16"}) {
     const TrainerRun run =

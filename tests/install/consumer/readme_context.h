@@ -20,4 +20,7 @@ struct quickstart {
   int num_steps = 3;
 };
 
+/// The mixed-precision snippet: the same model, batch and loss.
+struct mixed_precision : quickstart {};
+
 }  // namespace readme_context

@@ -457,9 +457,10 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
   std::vector<double> grad_abs_max(params_.size(), 0.0);
   collect_gradients(params, grad_blocks, grad_abs_max);
   std::vector<std::vector<at::Tensor>> param_blocks(params_.size());
-  std::vector<at::Tensor> work(params_.size());  // the parameter, or a copy written back below
+  // The parameter, or (bf16, fp16, non-contiguous, with a gradient) a copy written back below.
+  std::vector<at::Tensor> work(params_.size());
   for (const int64_t p : params) {
-    work[p] = work_tensor(params_[p].param);
+    work[p] = grad_blocks[p].empty() ? params_[p].param : work_tensor(params_[p].param);
     param_blocks[p] = block_views(work[p], params_[p].plan);
   }
   std::vector<const ShampooOptions*> group_options(groups.size());

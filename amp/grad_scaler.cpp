@@ -261,6 +261,13 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   states_.clear();
 }
 
+std::function<void()> GradScaler::prepare_load(
+    std::shared_ptr<torch::serialize::InputArchive> archive) {
+  GradScaler check(options_);  // reads and checks, changing nothing here
+  check.load(*archive);
+  return [this, archive] { load(*archive); };
+}
+
 torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
                                             const GradScaler& scaler) {
   scaler.save(archive);
@@ -300,12 +307,11 @@ class OptimizerWithScaler final : public DistributedCheckpointable {
     auto archive = std::make_shared<torch::serialize::InputArchive>();
     TORCH_CHECK(common.try_read("grad_scaler", *archive),
                 "load_distributed_checkpoint: the checkpoint has no GradScaler state");
-    GradScaler check(scaler_.options());  // reads and checks it, changing nothing
-    check.load(*archive);
+    auto install_scaler = scaler_.prepare_load(archive);
     auto install = optimizer_.prepare_load(common, pieces);
-    return [install, archive, this] {
+    return [install, install_scaler] {
       install();
-      scaler_.load(*archive);
+      install_scaler();
     };
   }
 

@@ -42,6 +42,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <unordered_map>
@@ -112,6 +114,9 @@ class GradScaler : public BackwardUnscaler {
   /// PyTorch; an archive without a scaler's state is an error.
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);
+  /// Reads and checks `archive` as load() would, changing nothing; returns what loads it (which
+  /// then does not throw). For checkpoints that install all their parts or none.
+  std::function<void()> prepare_load(std::shared_ptr<torch::serialize::InputArchive> archive);
 
   /// BackwardUnscaler (through attach).
   bool unscale_ready(const std::vector<at::Tensor>& params) override;

@@ -339,10 +339,7 @@ std::function<void()> TrainingCheckpoint::prepare_scaler(
               ": written by a run with a GradScaler (--amp fp16), whose scale this run would "
               "lose; resume with --amp fp16");
   if (!saved) return [] {};
-  shampoo::GradScaler check(state_.scaler->options());  // reads and checks, changing nothing
-  check.load(*archive);
-  auto* scaler = state_.scaler;
-  return [scaler, archive] { scaler->load(*archive); };
+  return state_.scaler->prepare_load(archive);
 }
 
 std::function<void()> TrainingCheckpoint::prepare_load(torch::serialize::InputArchive& common,

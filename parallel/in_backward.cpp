@@ -11,6 +11,7 @@
 #include <unordered_set>
 
 #include "parallel/grad_ready_hooks.h"
+#include "parallel/libtorch_optimizers.h"
 #include "parallel/phased_backward_step.h"
 
 namespace shampoo {
@@ -135,24 +136,9 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
         if (!set.phased->backward_step_open()) set.phased->begin_backward_step();
         set.phased->step_parameters(ready);
       } else {
-        // A torch::optim optimizer steps every parameter with a gradient: hide the gradients of
-        // the set's other parameters (still accumulating, or not produced yet) meanwhile.
-        std::unordered_set<const void*> stepping_now;
-        for (const auto& p : ready) stepping_now.insert(p.unsafeGetTensorImpl());
-        std::vector<std::pair<at::Tensor, at::Tensor>> hidden;
-        for (auto& q : set.params) {
-          if (stepping_now.count(q.unsafeGetTensorImpl()) == 0 && q.grad().defined()) {
-            hidden.emplace_back(q, q.grad());
-            q.mutable_grad().reset();
-          }
-        }
-        try {
-          set.optimizer->step();
-        } catch (...) {
-          for (auto& [q, g] : hidden) q.mutable_grad() = g;
-          throw;
-        }
-        for (auto& [q, g] : hidden) q.mutable_grad() = g;
+        // A torch::optim optimizer steps every parameter with a gradient: the set's others
+        // (still accumulating, or not produced yet) are hidden meanwhile.
+        detail::step_only(*set.optimizer, ready);
       }
       for (auto& p : ready) p.mutable_grad().reset();  // released right after its step
     }

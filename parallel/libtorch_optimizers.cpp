@@ -10,6 +10,8 @@
 #include <torch/serialize/output-archive.h>
 
 #include <sstream>
+#include <unordered_set>
+#include <utility>
 
 namespace shampoo::detail {
 namespace {
@@ -43,6 +45,27 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
     return std::make_unique<torch::optim::RMSpropParamState>();
   }
   TORCH_CHECK(false, "make_param_state: not one of LibTorch's SGD, Adam, AdamW, Adagrad, RMSprop");
+}
+
+void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ready) {
+  std::unordered_set<const void*> stepping;
+  for (const auto& p : ready) stepping.insert(p.unsafeGetTensorImpl());
+  std::vector<std::pair<at::Tensor, at::Tensor>> hidden;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& q : group.params()) {
+      if (stepping.count(q.unsafeGetTensorImpl()) == 0 && q.grad().defined()) {
+        hidden.emplace_back(q, q.grad());
+        q.mutable_grad().reset();
+      }
+    }
+  }
+  try {
+    optimizer.step();
+  } catch (...) {
+    for (auto& [q, g] : hidden) q.mutable_grad() = g;
+    throw;
+  }
+  for (auto& [q, g] : hidden) q.mutable_grad() = g;
 }
 
 std::unique_ptr<torch::optim::OptimizerParamState> copy_param_state(

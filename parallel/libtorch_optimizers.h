@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace shampoo::detail {
 
@@ -17,6 +18,11 @@ std::string libtorch_optimizer_name(const torch::optim::Optimizer& optimizer);
 /// OptimizerParamState::serialize(InputArchive&).
 std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
     const torch::optim::Optimizer& optimizer);
+
+/// Steps `optimizer` (any torch::optim optimizer, which steps every parameter with a gradient)
+/// for the parameters in `ready` only: the gradients of its other parameters are hidden during
+/// the step and put back afterwards, also when the step throws.
+void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ready);
 
 /// A deep copy of `state` (a per-parameter state of `optimizer`, one of the above): tensors
 /// copied, not shared (OptimizerParamState::clone shares them), for undoing a step.

@@ -156,20 +156,20 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
   TORCH_INTERNAL_ASSERT(open_);
   c10::NoGradGuard no_grad;
   const int rank = group_->getRank();
-  std::unordered_set<void*> stepping;
+  std::vector<at::Tensor> ready;  // this rank's, with a gradient
   for (const auto& p : params) {
     const auto it = index_of_.find(p.unsafeGetTensorImpl());
     TORCH_CHECK(it != index_of_.end(),
                 "ShardedOptimizer: a parameter given to step_parameters is not one of its own");
-    if (owners_[it->second] == rank && p.grad().defined()) stepping.insert(p.unsafeGetTensorImpl());
+    if (owners_[it->second] == rank && p.grad().defined()) ready.push_back(params_[it->second]);
   }
-  if (stepping.empty()) return;
+  if (ready.empty()) return;
   // Copies of what this call changes, once per pass and parameter.
   std::unordered_set<void*> saved;
   for (const auto& s : journal_) saved.insert(s.param.unsafeGetTensorImpl());
-  for (const auto& p : params_) {
+  for (const auto& p : ready) {
     void* key = p.unsafeGetTensorImpl();
-    if (stepping.count(key) == 0 || saved.count(key) != 0) continue;
+    if (!saved.insert(key).second) continue;
     Saved s;
     s.param = p;
     s.value = p.detach().clone();
@@ -179,23 +179,7 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
     }
     journal_.push_back(std::move(s));
   }
-  // The local optimizer steps every parameter with a gradient: hide the others' meanwhile.
-  std::vector<std::pair<at::Tensor, at::Tensor>> hidden;
-  for (const auto& group : local_->param_groups()) {
-    for (auto q : group.params()) {
-      if (stepping.count(q.unsafeGetTensorImpl()) == 0 && q.grad().defined()) {
-        hidden.emplace_back(q, q.grad());
-        q.mutable_grad().reset();
-      }
-    }
-  }
-  try {
-    local_->step();
-  } catch (...) {
-    for (auto& [q, g] : hidden) q.mutable_grad() = g;
-    throw;
-  }
-  for (auto& [q, g] : hidden) q.mutable_grad() = g;
+  detail::step_only(*local_, ready);
 }
 
 void ShardedOptimizer::finish_backward_step() {

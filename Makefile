@@ -48,13 +48,16 @@ test: build
 # Fashion-MNIST with Distributed Shampoo under torchrun, on the GPUs when nvidia-smi lists one,
 # else on 2 CPU ranks, then the plot of its metrics (examples/run_demo.sh.in; DEMO_DIR,
 # DEMO_RANKS and DEMO_DEVICE override).
-demo: build
+# Builds only what it runs: the library and the trainer (not the tests and benchmarks).
+demo: $(CONFIG_STAMP)
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target cifar10_trainer
 	$(BUILD_DIR)/examples/run_demo.sh
 
 # Shampoo against Adam, AdamW and SGD with momentum on the demo's model and data, each over an lr
 # grid; CSV, plot and Markdown table in $(BUILD_DIR)/compare (examples/run_compare.sh.in: the
 # full budget on a GPU, a reduced one of about 15 minutes on a 2-core CPU; COMPARE_* override).
-compare: build
+compare: $(CONFIG_STAMP)
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target cifar10_trainer
 	$(BUILD_DIR)/examples/run_compare.sh
 
 bench: build

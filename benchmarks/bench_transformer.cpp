@@ -406,7 +406,7 @@ struct EveryStep {
   shampoo::ShampooStats stats;
 };
 
-/// One more step of `run` with the memory at each phase of the step (shampoo/step_phase.h):
+/// One more step of `run` with the memory at each phase of the step (shampoo/fault_point.h):
 /// bytes allocated at the phase and the peak since the previous one, in MB above the bytes
 /// allocated before the step. The phase hook makes the step keep its undo journal (copies of
 /// the state it changes, alive from before the statistics to the end); its bytes are reported
@@ -426,7 +426,7 @@ void print_memory_phases(Run& run, const std::string& name) {
         {phase, current_memory_bytes(device) - base, peak_memory_bytes(device) - base});
     reset_peak_memory(device);
   };
-  run.optimizer->set_fault_injector_for_testing([&](shampoo::StepPhase phase) {
+  run.optimizer->set_fault_injector_for_testing([&](shampoo::FaultPoint phase) {
     constexpr const char* kNames[] = {"statistics+roots", "preconditioned", "computed", "exchange"};
     record(kNames[static_cast<int>(phase)]);
   });

@@ -9,10 +9,35 @@ install(TARGETS ${shampoo_components}
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-foreach(component shampoo amp distributor parallel preconditioners update)
-  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${component}/
-    DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/${component}
-    FILES_MATCHING PATTERN "*.h" PATTERN "cuda/*.cu" EXCLUDE)
+# The public headers only: shampoo/shampoo.h and what it includes (checked by
+# tests/install/install_test.cmake). shampoo/<name>.h goes to include/shampoo/<name>.h, the other
+# folders' headers under include/shampoo/<folder>/, so nothing generic ("parallel/", ...) lands at
+# the top of the include tree. The internals (engine, lists, kernels, distributor) are not
+# installed.
+set(SHAMPOO_PUBLIC_HEADERS
+  amp/autocast_guard.h
+  amp/grad_scaler.h
+  parallel/distributed_checkpoint.h
+  parallel/gradient_synchronizer.h
+  parallel/in_backward.h
+  parallel/optimizer_factory.h
+  parallel/parameter_owners.h
+  parallel/phased_backward_step.h
+  parallel/process_group.h
+  parallel/sharded_optimizer.h
+  preconditioners/preconditioner_configs.h
+  shampoo/checkpoint.h
+  shampoo/distributed_shampoo.h
+  shampoo/fault_point.h
+  shampoo/shampoo.h
+  shampoo/shampoo_options.h)
+foreach(header ${SHAMPOO_PUBLIC_HEADERS})
+  get_filename_component(folder ${header} DIRECTORY)
+  set(destination ${CMAKE_INSTALL_INCLUDEDIR}/shampoo)
+  if(NOT folder STREQUAL "shampoo")
+    set(destination ${destination}/${folder})
+  endif()
+  install(FILES ${PROJECT_SOURCE_DIR}/${header} DESTINATION ${destination})
 endforeach()
 install(FILES ${PROJECT_BINARY_DIR}/include/shampoo/config.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/shampoo)

@@ -41,9 +41,12 @@ function(shampoo_add_component name)
   add_library(${target} STATIC ${sources})
   add_library(shampoo::${name} ALIAS ${target})
   set_target_properties(${target} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME shampoo_${name})
+  # Installed: <shampoo/shampoo.h> from include/, and the public headers' own includes
+  # ("parallel/...", "amp/...") from include/shampoo/ (cmake/ShampooInstall.cmake).
   target_include_directories(${target} PUBLIC
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
-    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/shampoo>)
   target_link_libraries(${target} PUBLIC torch ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
   target_compile_features(${target} PUBLIC cxx_std_20)
   target_include_directories(${target} PUBLIC $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/include>)

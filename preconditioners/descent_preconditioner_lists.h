@@ -44,31 +44,43 @@ class StatelessPreconditionerList : public PreconditionerList {
 class SpectralDescentPreconditionerList final : public StatelessPreconditionerList {
  public:
   SpectralDescentPreconditionerList(std::vector<StackSpec> stacks,
-                                    OrthogonalizationSettings settings);
+                                    const SpectralDescentConfig& config,
+                                    const MatrixPreconditionerSettings& settings = {});
+
+  static int64_t estimated_state_bytes(const SpectralDescentConfig& /*config*/,
+                                       const BlockLayout& /*layout*/) {
+    return 0;
+  }
+  /// Blocking merges a parameter's dims down to matrices (distributor/block_plan.h), as the
+  /// reference requires a target dimensionality of 2 with it.
+  static constexpr int64_t kBlockOrder = 2;
 
   using PreconditionerList::precondition;
   void precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
                     const RowScalars& scalars, at::Tensor& out) const override;
 
  private:
-  OrthogonalizationSettings settings_;
+  SpectralDescentConfig config_;
 };
-
-/// The scale of sign descent (see SignDescentScale in shampoo/shampoo_options.h).
-enum class SignScale { kOne, kL1Norm };
 
 /// Sign descent: P = sign(Ḡ)·scale, scale 1 or Σ|Ḡ| of the block; any block order.
 class SignDescentPreconditionerList final : public StatelessPreconditionerList {
  public:
-  SignDescentPreconditionerList(std::vector<StackSpec> stacks, SignScale scale)
-      : StatelessPreconditionerList(std::move(stacks)), scale_(scale) {}
+  SignDescentPreconditionerList(std::vector<StackSpec> stacks, const SignDescentConfig& config,
+                                const MatrixPreconditionerSettings& /*settings*/ = {})
+      : StatelessPreconditionerList(std::move(stacks)), scale_(config.scale) {}
+
+  static int64_t estimated_state_bytes(const SignDescentConfig& /*config*/,
+                                       const BlockLayout& /*layout*/) {
+    return 0;
+  }
 
   using PreconditionerList::precondition;
   void precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
                     const RowScalars& scalars, at::Tensor& out) const override;
 
  private:
-  SignScale scale_;
+  SignDescentScale scale_;
 };
 
 }  // namespace shampoo::detail

@@ -9,18 +9,17 @@
 
 namespace shampoo::detail {
 
-/// The coefficients of one diagonal method (fixed for a virtual group).
-struct DiagonalSettings {
-  bool has_state = true;  ///< false: SGD, P = Ḡ
-  double beta2 = 1.0;
-  double weight = 1.0;           ///< w in V ← β2·V + w·G′²
-  bool bias_correction = false;  ///< bc2 = 1 − β2^t (only when β2 < 1)
-  double epsilon = 1e-10;
-};
-
 class DiagonalPreconditionerList final : public PreconditionerList {
  public:
-  DiagonalPreconditionerList(std::vector<StackSpec> stacks, DiagonalSettings settings);
+  /// SGD, AdaGrad, RMSprop or Adam (the family's coefficients: diagonal_coefficients).
+  DiagonalPreconditionerList(std::vector<StackSpec> stacks, const DiagonalConfig& config,
+                             const MatrixPreconditionerSettings& settings = {});
+
+  /// The second moment V (the block's size in the blocks' dtype); none for SGD.
+  static int64_t estimated_state_bytes(const DiagonalConfig& config, const BlockLayout& layout) {
+    return diagonal_coefficients(config, 1).has_state ? layout.numel() * layout.state_element_size
+                                                      : 0;
+  }
 
   void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
               const RowScalars& scalars, const std::vector<bool>& amortize) override;
@@ -42,7 +41,8 @@ class DiagonalPreconditionerList final : public PreconditionerList {
 
  private:
   std::vector<StackSpec> stacks_;
-  DiagonalSettings settings_;
+  DiagonalConfig config_;
+  DiagonalCoefficients coefficients_;       // at step 1: what does not depend on the step
   std::vector<at::Tensor> second_moments_;  // [stack] -> [n, block_shape]
   AmortizedCounters counters_;
 };

@@ -7,58 +7,51 @@
 /// roots. Eigenvalues start at 1 and eigenvectors at I. With FactorStatistics::kKL (eigendecomposed
 /// KL-Shampoo) the factors accumulate the gradient multiplied along the other dims by those X_j.
 
-#include "preconditioners/kronecker_factors.h"
-#include "preconditioners/preconditioner_list.h"
+#include "preconditioners/kronecker_factor_list.h"
 
 namespace shampoo::detail {
 
-enum class EigendecompositionUpdate { kEigh, kQR };
-
-class EigendecomposedPreconditionerList final : public PreconditionerList {
+class EigendecomposedPreconditionerList final : public KroneckerFactorList {
  public:
   EigendecomposedPreconditionerList(std::vector<StackSpec> stacks,
-                                    MatrixPreconditionerSettings settings,
-                                    EigendecompositionUpdate method);
+                                    const EigendecomposedShampooConfig& config,
+                                    MatrixPreconditionerSettings settings);
 
-  void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
-              const RowScalars& scalars, const std::vector<bool>& amortize) override;
+  /// A factor, its eigenvectors and its eigenvalues per preconditioned dim.
+  static int64_t estimated_state_bytes(const EigendecomposedShampooConfig& /*config*/,
+                                       const BlockLayout& layout) {
+    return estimated_factor_bytes(layout, /*matrices_per_dim=*/1, /*vectors_per_dim=*/1);
+  }
+
   using PreconditionerList::precondition;
   void precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
                     const RowScalars& scalars, at::Tensor& out) const override;
-  std::map<std::string, at::Tensor> export_member(int64_t stack, int64_t row) const override;
-  void import_member(int64_t stack, int64_t row,
-                     const std::map<std::string, at::Tensor>& state) override;
   /// False: the preconditioner before the first decomposition is X_k = f(1)·I, which is I only
   /// for ε ≤ 1 (and no pseudo-inverse cut-off at 1); it is computed like any other.
   bool identity_before_amortization() const override { return false; }
-  const AmortizedCounters& counters() const override { return factors_.counters(); }
-  void set_counters(const AmortizedCounters& counters) override { factors_.set_counters(counters); }
-  bool amortization_may_raise(int64_t stack, const Rows& rows, const RowScalars& scalars,
-                              const std::vector<double>& gradient_bound) const override {
-    return factors_.may_raise(stack, rows, scalars, gradient_bound);
-  }
-  int64_t state_bytes() const override;
 
   /// X_k of `rows` along `dim` from the kept decompositions with the rows' ε ([rows, d, d],
   /// factor dtype). Used by precondition() and by KL-Shampoo's statistics; for tests.
   at::Tensor inverse_roots(int64_t stack, const Rows& rows, int64_t dim,
                            const RowScalars& scalars) const;
   const at::Tensor& eigenvalues(int64_t stack, int64_t dim) const {
-    return eigenvalues_[stack][dim];
+    return dim_state(eigenvalues_, stack, dim);
   }
   const at::Tensor& eigenvectors(int64_t stack, int64_t dim) const {
-    return eigenvectors_[stack][dim];
+    return dim_state(eigenvectors_, stack, dim);
   }
 
  private:
-  void compute_decompositions(int64_t stack, const Rows& rows, const RowScalars& scalars);
-  StackedEigendecomposition decompose_dim(int64_t stack, const Rows& rows, int64_t dim,
-                                          const RowScalars& scalars) const;
+  DimResult compute_dim(int64_t stack, const Rows& rows, int64_t dim,
+                        const RowScalars& scalars) override;
+  at::Tensor kl_operand(int64_t stack, const Rows& rows, int64_t dim,
+                        const RowScalars& scalars) const override {
+    return inverse_roots(stack, rows, dim, scalars);
+  }
 
-  KroneckerFactors factors_;
-  EigendecompositionUpdate method_;
-  std::vector<std::vector<at::Tensor>> eigenvalues_;   // [stack][dim] -> [n, d]
-  std::vector<std::vector<at::Tensor>> eigenvectors_;  // [stack][dim] -> [n, d, d]
+  EigendecomposedShampooConfig config_;
+  int eigenvalues_;   // dim state "eigenvalues_<k>": [n, d]
+  int eigenvectors_;  // dim state "eigenvectors_<k>": [n, d, d]
 };
 
 }  // namespace shampoo::detail

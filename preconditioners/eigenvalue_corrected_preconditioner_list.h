@@ -5,48 +5,46 @@
 /// (block shape). Preconditioning rotates Ḡ in, divides by sqrt(D / bc2) + ε and rotates back.
 /// With the identity bases of the first steps it is Adam (β2 < 1) or AdaGrad (β2 = 1).
 
-#include "preconditioners/kronecker_factors.h"
-#include "preconditioners/preconditioner_list.h"
+#include "preconditioners/kronecker_factor_list.h"
 
 namespace shampoo::detail {
 
-enum class EigenbasisUpdate { kEigh, kQR };
-
-class EigenvalueCorrectedPreconditionerList final : public PreconditionerList {
+class EigenvalueCorrectedPreconditionerList final : public KroneckerFactorList {
  public:
   EigenvalueCorrectedPreconditionerList(std::vector<StackSpec> stacks,
-                                        MatrixPreconditionerSettings settings,
-                                        EigenbasisUpdate method);
+                                        const EigenvalueCorrectedShampooConfig& config,
+                                        MatrixPreconditionerSettings settings);
 
-  void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
-              const RowScalars& scalars, const std::vector<bool>& amortize) override;
+  /// A factor and its eigenbasis per preconditioned dim, and the corrected second moment (the
+  /// block's size in the blocks' dtype).
+  static int64_t estimated_state_bytes(const EigenvalueCorrectedShampooConfig& /*config*/,
+                                       const BlockLayout& layout) {
+    return estimated_factor_bytes(layout, /*matrices_per_dim=*/1, /*vectors_per_dim=*/0) +
+           layout.numel() * layout.state_element_size;
+  }
+
   using PreconditionerList::precondition;
   void precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
                     const RowScalars& scalars, at::Tensor& out) const override;
-  std::map<std::string, at::Tensor> export_member(int64_t stack, int64_t row) const override;
-  void import_member(int64_t stack, int64_t row,
-                     const std::map<std::string, at::Tensor>& state) override;
   bool identity_before_amortization() const override { return false; }
-  const AmortizedCounters& counters() const override { return factors_.counters(); }
-  void set_counters(const AmortizedCounters& counters) override { factors_.set_counters(counters); }
-  bool amortization_may_raise(int64_t stack, const Rows& rows, const RowScalars& scalars,
-                              const std::vector<double>& gradient_bound) const override {
-    return factors_.may_raise(stack, rows, scalars, gradient_bound);
-  }
-  int64_t state_bytes() const override;
 
-  const at::Tensor& basis(int64_t stack, int64_t dim) const { return bases_[stack][dim]; }
-  const at::Tensor& corrections(int64_t stack) const { return corrections_[stack]; }
+  const at::Tensor& basis(int64_t stack, int64_t dim) const {
+    return dim_state(bases_, stack, dim);
+  }
+  const at::Tensor& corrections(int64_t stack) const { return block_state(corrections_, stack); }
 
  private:
-  void compute_bases(int64_t stack, const Rows& rows, const RowScalars& scalars);
-  /// Applies Q_kᵀ (into the bases, `inverse` false) or Q_k (back) along every rotated dim.
+  DimResult compute_dim(int64_t stack, const Rows& rows, int64_t dim,
+                        const RowScalars& scalars) override;
+  /// The second moment of the gradient rotated into the (new) bases.
+  void after_update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
+                    const RowScalars& scalars) override;
+  /// Applies Q_kᵀ (into the bases, `back` false) or Q_k (back) along every rotated dim.
   at::Tensor rotate(int64_t stack, const Rows& rows, const at::Tensor& blocks, bool back) const;
 
-  KroneckerFactors factors_;
-  EigenbasisUpdate method_;
-  std::vector<std::vector<at::Tensor>> bases_;  // [stack][dim] -> [n, d, d]
-  std::vector<at::Tensor> corrections_;         // [stack] -> [n, block_shape]
+  EigenvalueCorrectedShampooConfig config_;
+  int bases_;        // dim state "basis_<k>": [n, d, d]
+  int corrections_;  // block state "corrections": [n, block_shape]
 };
 
 }  // namespace shampoo::detail

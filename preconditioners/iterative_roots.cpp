@@ -118,7 +118,7 @@ at::Tensor batched_power(const at::Tensor& M, int64_t p) {
   }
 }
 
-double floor_of(const IterativeRootSettings& s, const at::Tensor& A) {
+double floor_of(const RootInvShampooConfig& s, const at::Tensor& A) {
   return s.tf32 && A.is_cuda() ? kFloorTf32 : kFloor;
 }
 
@@ -131,7 +131,7 @@ struct BatchOutcome {
 /// The reference's coupled inverse Newton iteration for the root p of A (already regularized):
 /// z = (p + 1) / (2‖A‖_F), X ← z^(1/p)·I, M ← z·A, then X ← X·M_p, M ← M_p^p·M with
 /// M_p = (1 + 1/p)·I − M/p, until max|M − I| ≤ tolerance.
-BatchOutcome coupled_newton(const at::Tensor& A, int64_t p, const IterativeRootSettings& s) {
+BatchOutcome coupled_newton(const at::Tensor& A, int64_t p, const RootInvShampooConfig& s) {
   const auto eye = at::eye(A.size(1), A.options());
   const auto z = per_member((p + 1.0) / (2.0 * at::linalg_vector_norm(A, 2, {1, 2})));
   auto X = eye * at::pow(z, 1.0 / static_cast<double>(p));
@@ -173,7 +173,7 @@ struct SquareRoots {
   at::Tensor root, inverse_root;
   BatchOutcome outcome;
 };
-SquareRoots newton_db_pass(const at::Tensor& B, const IterativeRootSettings& s) {
+SquareRoots newton_db_pass(const at::Tensor& B, const RootInvShampooConfig& s) {
   const auto eye = at::eye(B.size(1), B.options());
   auto Y = B;
   auto Z = eye.expand(B.sizes()).contiguous();
@@ -194,7 +194,7 @@ SquareRoots newton_db_pass(const at::Tensor& B, const IterativeRootSettings& s) 
 
 /// A^(−1/p), p = 2^k: scale B = A/s with s = min(‖A‖_F, margin·λ̂_max), then k square-root
 /// passes (each on the previous pass's root), X = s^(−1/p)·Z_k.
-BatchOutcome newton_db(const at::Tensor& A, int64_t p, const IterativeRootSettings& s) {
+BatchOutcome newton_db(const at::Tensor& A, int64_t p, const RootInvShampooConfig& s) {
   const auto frobenius = at::linalg_vector_norm(A, 2, {1, 2});
   const auto scale = per_member(at::minimum(frobenius, power_iteration_estimate(A) * kScaleMargin));
   auto B = A / scale;
@@ -211,10 +211,10 @@ BatchOutcome newton_db(const at::Tensor& A, int64_t p, const IterativeRootSettin
 }
 
 BatchOutcome solve_batch(const at::Tensor& A, const at::Tensor& eps, int64_t root,
-                         const IterativeRootSettings& s) {
+                         const RootInvShampooConfig& s) {
   const auto regularized = A + at::eye(A.size(1), A.options()) * eps;
-  auto out = s.method == IterativeRootMethod::kNewtonDB ? newton_db(regularized, root, s)
-                                                        : coupled_newton(regularized, root, s);
+  auto out = s.solver == RootSolver::kNewtonDB ? newton_db(regularized, root, s)
+                                               : coupled_newton(regularized, root, s);
   out.converged = out.converged & at::isfinite(out.values).flatten(1).all(1);
   return out;
 }
@@ -240,10 +240,9 @@ int64_t integer_root(double exponent) {
 }
 
 IterativeRootResult iterative_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
-                                           int64_t root, const IterativeRootSettings& settings) {
+                                           int64_t root, const RootInvShampooConfig& settings) {
   TORCH_INTERNAL_ASSERT(A.dim() == 3 && A.size(1) == A.size(2) && root >= 1);
-  TORCH_INTERNAL_ASSERT(settings.method != IterativeRootMethod::kNewtonDB ||
-                        newton_db_supports(root));
+  TORCH_INTERNAL_ASSERT(settings.solver != RootSolver::kNewtonDB || newton_db_supports(root));
   const int64_t n = A.size(0);
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(epsilons.size()) == n);
   const Tf32Mode tf32(settings.tf32 && A.is_cuda());

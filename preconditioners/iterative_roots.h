@@ -12,22 +12,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "preconditioners/preconditioner_configs.h"
+
 namespace shampoo::detail {
-
-enum class IterativeRootMethod {
-  kCoupledNewton,  ///< X ← X·M_p, M ← M_p^p·M with M_p = (1 + 1/p)·I − M/p (Frobenius scaling)
-  kNewtonDB,       ///< Y ← Y·T, Z ← T·Z with T = (3·I − Z·Y)/2, log2(p) passes
-};
-
-struct IterativeRootSettings {
-  IterativeRootMethod method = IterativeRootMethod::kCoupledNewton;
-  /// Iteration budget per matrix (per pass for Newton–DB).
-  int64_t max_iterations = 100;
-  /// A matrix has converged when max|M − I| ≤ tolerance (M = Z·Y for Newton–DB).
-  double tolerance = 1e-6;
-  /// TensorFloat-32 matrix products on CUDA (no effect on CPU).
-  bool tf32 = false;
-};
 
 struct IterativeRootResult {
   /// [n, d, d] in the input dtype; rows of matrices that did not converge are unspecified.
@@ -38,10 +25,12 @@ struct IterativeRootResult {
   std::vector<int64_t> iterations;
 };
 
-/// X_i ≈ (A_i + ε_i·I)^(−1/root) for the stack A [n, d, d], ε [n] (as `epsilons`), root ≥ 1.
-/// Newton–DB needs root a power of two; callers route other roots to coupled Newton.
+/// X_i ≈ (A_i + ε_i·I)^(−1/root) for the stack A [n, d, d], ε [n] (as `epsilons`), root ≥ 1, by
+/// `settings.solver` (kCoupledNewton or kNewtonDB) with its max_iterations (per pass for
+/// Newton–DB), tolerance on max|M − I| and tf32. Newton–DB needs root a power of two; callers
+/// route other roots to coupled Newton.
 IterativeRootResult iterative_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
-                                           int64_t root, const IterativeRootSettings& settings);
+                                           int64_t root, const RootInvShampooConfig& settings);
 
 /// Whether Newton–DB computes the root `root` (a power of two ≥ 2).
 bool newton_db_supports(int64_t root);

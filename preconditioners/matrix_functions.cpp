@@ -98,7 +98,7 @@ at::Tensor shifted_powers(const at::Tensor& eigenvalues, const at::Tensor& epsil
 /// reference's PseudoInverseConfig; rtol < 0 means d·machine epsilon of `dtype`, the dtype the
 /// reference's eigenvalues have: the factor dtype also after a float64 retry).
 at::Tensor pseudo_inverse_powers(const at::Tensor& eigenvalues, const at::Tensor& exponents,
-                                 const PseudoInverseSettings& settings, at::ScalarType dtype) {
+                                 const PseudoInverseConfig& settings, at::ScalarType dtype) {
   const double machine_epsilon = dtype == at::kDouble
                                      ? std::numeric_limits<double>::epsilon()
                                      : static_cast<double>(std::numeric_limits<float>::epsilon());
@@ -113,7 +113,7 @@ at::Tensor pseudo_inverse_powers(const at::Tensor& eigenvalues, const at::Tensor
 
 /// f(λ) of step 3 (shift, then power) or of the pseudo-inverse.
 at::Tensor root_powers(const at::Tensor& eigenvalues, const at::Tensor& epsilons,
-                       const at::Tensor& exponents, const PseudoInverseSettings* pseudo_inverse,
+                       const at::Tensor& exponents, const PseudoInverseConfig* pseudo_inverse,
                        at::ScalarType dtype) {
   if (pseudo_inverse != nullptr) {
     return pseudo_inverse_powers(eigenvalues, exponents, *pseudo_inverse, dtype);
@@ -125,7 +125,7 @@ at::Tensor root_powers(const at::Tensor& eigenvalues, const at::Tensor& epsilons
 StackedMatrixResult eigh_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                       const std::vector<double>& exponents,
                                       bool retry_double_precision,
-                                      const PseudoInverseSettings* pseudo_inverse) {
+                                      const PseudoInverseConfig* pseudo_inverse) {
   const int64_t n = A.size(0);
   const int64_t d = A.size(1);
   StackedMatrixResult result;
@@ -200,7 +200,7 @@ std::vector<T> pick(const std::vector<T>& values, const std::vector<int64_t>& ro
 /// the others.
 std::vector<int64_t> solve_rows(const at::Tensor& A, const std::vector<double>& epsilons,
                                 const std::vector<int64_t>& rows, int64_t root,
-                                const IterativeRootSettings& settings, at::Tensor& values) {
+                                const RootInvShampooConfig& settings, at::Tensor& values) {
   auto solved =
       iterative_inverse_root(select_matrices(A, rows), pick(epsilons, rows), root, settings);
   std::vector<int64_t> unsolved;
@@ -219,7 +219,7 @@ std::vector<int64_t> solve_rows(const at::Tensor& A, const std::vector<double>& 
 StackedMatrixResult solver_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                         const std::vector<double>& exponents,
                                         bool retry_double_precision,
-                                        const IterativeRootSettings& settings) {
+                                        const RootInvShampooConfig& settings) {
   StackedMatrixResult result{at::empty_like(A), std::vector<bool>(A.size(0), false), 0, 0};
   std::vector<int64_t> by_eigh;
   for (const auto& [exponent, rows] : rows_by_exponent(exponents)) {
@@ -229,8 +229,8 @@ StackedMatrixResult solver_inverse_root(const at::Tensor& A, const std::vector<d
       continue;
     }
     auto s = settings;
-    if (s.method == IterativeRootMethod::kNewtonDB && !newton_db_supports(root)) {
-      s.method = IterativeRootMethod::kCoupledNewton;
+    if (s.solver == RootSolver::kNewtonDB && !newton_db_supports(root)) {
+      s.solver = RootSolver::kCoupledNewton;
     }
     auto unsolved = solve_rows(A, epsilons, rows, root, s, result.values);
     // TF32 cannot resolve a factor whose condition exceeds ~1e3 (its rounding makes it
@@ -266,8 +266,8 @@ std::vector<bool> stacked_all_finite(const at::Tensor& A) {
 StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                          const std::vector<double>& exponents,
                                          bool retry_double_precision,
-                                         const IterativeRootSettings* iterative,
-                                         const PseudoInverseSettings* pseudo_inverse) {
+                                         const RootInvShampooConfig* iterative,
+                                         const PseudoInverseConfig* pseudo_inverse) {
   TORCH_INTERNAL_ASSERT(A.dim() == 3 && A.size(1) == A.size(2), "expected [n, d, d], got ",
                         A.sizes());
   const int64_t n = A.size(0);
@@ -382,10 +382,11 @@ StackedEigendecomposition stacked_eigendecomposition(const at::Tensor& A,
   return result;
 }
 
-at::Tensor stacked_inverse_root_from_eigendecomposition(
-    const at::Tensor& eigenvalues, const at::Tensor& eigenvectors,
-    const std::vector<double>& epsilons, const std::vector<double>& exponents,
-    const PseudoInverseSettings* pseudo_inverse) {
+at::Tensor stacked_inverse_root_from_eigendecomposition(const at::Tensor& eigenvalues,
+                                                        const at::Tensor& eigenvectors,
+                                                        const std::vector<double>& epsilons,
+                                                        const std::vector<double>& exponents,
+                                                        const PseudoInverseConfig* pseudo_inverse) {
   const int64_t n = eigenvectors.size(0);
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(epsilons.size()) == n &&
                         static_cast<int64_t>(exponents.size()) == n);

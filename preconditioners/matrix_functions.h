@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "preconditioners/iterative_roots.h"
+#include "preconditioners/preconditioner_configs.h"
 
 namespace shampoo::detail {
 
@@ -23,14 +24,6 @@ struct StackedMatrixResult {
   int64_t retried_in_double = 0;
   /// Matrices an iterative solver left unconverged, computed by eigh instead (diagnostics).
   int64_t solver_fallbacks = 0;
-};
-
-/// Pseudo-inverse thresholds (docs/math.md, "Pseudo-inverse"): an eigenvalue λ of a matrix is
-/// dropped (its power is 0) when λ ≤ max(rank_rtol · max(λ_max, 0), rank_atol).
-struct PseudoInverseSettings {
-  double rank_atol = 0.0;
-  /// Negative: d · machine epsilon of the eigenvalues' dtype.
-  double rank_rtol = 0.0;
 };
 
 /// Eigendecompositions of a stack [n, d, d]: eigenvalues [n, d] ascending and eigenvectors
@@ -59,8 +52,8 @@ struct StackedEigendecomposition {
 StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                          const std::vector<double>& exponents,
                                          bool retry_double_precision,
-                                         const IterativeRootSettings* iterative = nullptr,
-                                         const PseudoInverseSettings* pseudo_inverse = nullptr);
+                                         const RootInvShampooConfig* iterative = nullptr,
+                                         const PseudoInverseConfig* pseudo_inverse = nullptr);
 
 /// Eigenvalues and eigenvectors of every matrix of A [n, d, d] by eigh, retried in float64 when
 /// allowed and cast back to A's dtype.
@@ -77,7 +70,7 @@ StackedEigendecomposition stacked_eigendecomposition_qr(const at::Tensor& A,
 at::Tensor stacked_inverse_root_from_eigendecomposition(
     const at::Tensor& eigenvalues, const at::Tensor& eigenvectors,
     const std::vector<double>& epsilons, const std::vector<double>& exponents,
-    const PseudoInverseSettings* pseudo_inverse = nullptr);
+    const PseudoInverseConfig* pseudo_inverse = nullptr);
 
 /// Eigenvectors Q_i (ascending eigenvalues) of every matrix of the stack A [n, d, d].
 StackedMatrixResult stacked_eigenbasis(const at::Tensor& A, bool retry_double_precision);

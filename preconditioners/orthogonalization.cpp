@@ -37,8 +37,8 @@ at::Tensor svd_orthogonalize(const at::Tensor& blocks, bool scale_by_nuclear_nor
 
 namespace {
 
-at::Tensor orthogonalize_batch(const at::Tensor& blocks, const OrthogonalizationSettings& s) {
-  if (s.algorithm == OrthogonalizationAlgorithm::kSVD) {
+at::Tensor orthogonalize_batch(const at::Tensor& blocks, const SpectralDescentConfig& s) {
+  if (s.method == OrthogonalizationMethod::kSVD) {
     return svd_orthogonalize(blocks, s.scale_by_nuclear_norm);
   }
   return newton_schulz(blocks, s.num_iterations, s.coefficients);
@@ -46,8 +46,7 @@ at::Tensor orthogonalize_batch(const at::Tensor& blocks, const Orthogonalization
 
 }  // namespace
 
-at::Tensor stacked_orthogonalize(const at::Tensor& blocks,
-                                 const OrthogonalizationSettings& settings) {
+at::Tensor stacked_orthogonalize(const at::Tensor& blocks, const SpectralDescentConfig& settings) {
   TORCH_INTERNAL_ASSERT(blocks.dim() == 3, "stacked_orthogonalize: expected [n, m, k], got ",
                         blocks.sizes());
   at::Tensor out;
@@ -61,7 +60,7 @@ at::Tensor stacked_orthogonalize(const at::Tensor& blocks,
       out.narrow(0, i, 1).copy_(orthogonalize_batch(member, settings));
     }
   }
-  if (settings.sqrt_aspect_ratio) {
+  if (settings.scale == OrthogonalizationScale::kSqrtAspectRatio) {
     const double rows = static_cast<double>(blocks.size(1));
     const double cols = static_cast<double>(blocks.size(2));
     out.mul_(std::sqrt(std::max(1.0, rows / cols)));

@@ -8,20 +8,9 @@
 #include <array>
 #include <cstdint>
 
+#include "preconditioners/preconditioner_configs.h"
+
 namespace shampoo::detail {
-
-enum class OrthogonalizationAlgorithm { kNewtonSchulz, kSVD };
-
-struct OrthogonalizationSettings {
-  OrthogonalizationAlgorithm algorithm = OrthogonalizationAlgorithm::kNewtonSchulz;
-  /// Newton–Schulz: iterations and the coefficients (a, b, c) of X ← a·X + b·(XXᵀ)X + c·(XXᵀ)²X.
-  int64_t num_iterations = 5;
-  std::array<double, 3> coefficients = {3.4445, -4.7750, 2.0315};
-  /// SVD: multiply U·Vᵀ by the nuclear norm Σ s_i.
-  bool scale_by_nuclear_norm = false;
-  /// Multiply the result by sqrt(max(1, rows / cols)) (Muon's scaling); else by 1.
-  bool sqrt_aspect_ratio = false;
-};
 
 /// The quintic Newton–Schulz iteration on a stack [n, m, k], all matrices as one batch: from
 /// X₀ = A / max(‖A‖_F, 1e-8) (per matrix), iterated on the orientation with more rows than
@@ -39,7 +28,6 @@ at::Tensor svd_orthogonalize(const at::Tensor& blocks, bool scale_by_nuclear_nor
 /// batch of one), since batched CPU BLAS rounds a matrix depending on the rest of its batch and
 /// merged ≡ unmerged and distributed ≡ single process must hold bit for bit
 /// (kronecker_contractions.h).
-at::Tensor stacked_orthogonalize(const at::Tensor& blocks,
-                                 const OrthogonalizationSettings& settings);
+at::Tensor stacked_orthogonalize(const at::Tensor& blocks, const SpectralDescentConfig& settings);
 
 }  // namespace shampoo::detail

@@ -1,21 +1,19 @@
 #pragma once
-/// The preconditioner-list interface: the state of one preconditioning method for all blocks of a
+/// The preconditioner-list interface: the state of one preconditioning family for all blocks of a
 /// virtual group owned by this rank, organised in stacks of equal-shape blocks so the matrix work
-/// runs batched. Concrete lists: ShampooPreconditionerList (root inverse),
-/// EigendecomposedPreconditionerList and EigenvalueCorrectedPreconditionerList (SOAP). The stacks
-/// and rows they work on are in rows.h.
+/// runs batched. Every family's config names its list (preconditioner_configs.h, `List`); the
+/// Kronecker-factor families share KroneckerFactorList (kronecker_factor_list.h). The stacks and
+/// rows they work on are in rows.h; preconditioner_factory.h builds a list from a config.
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <optional>
 #include <string>
 #include <vector>
 
-#include "preconditioners/iterative_roots.h"
-#include "preconditioners/matrix_functions.h"
+#include "preconditioners/preconditioner_configs.h"
 #include "preconditioners/rows.h"
 
 namespace shampoo::detail {
@@ -33,26 +31,25 @@ struct AmortizedCounters {
 /// Test seam: return true to make the amortized computation of (block name, dim) fail.
 using FailureInjector = std::function<bool(const std::string& block, int64_t dim)>;
 
-/// What the Kronecker factors accumulate (docs/math.md, "Step 2" and "KL-Shampoo").
-enum class FactorStatistics {
-  /// Shampoo: C_k(G′), the gradient contracted with itself over every dim but k.
-  kShampoo,
-  /// KL-Shampoo: C_k of the gradient multiplied along every other preconditioned dim j by its
-  /// current inverse root X_j.
-  kKL,
-};
-
-/// Settings common to the matrix preconditioner lists.
+/// What every list is built with besides its family's config (preconditioner_configs.h): the
+/// options of the virtual group that are not the family's own.
 struct MatrixPreconditionerSettings {
   at::ScalarType factor_dtype = at::kFloat;
+  /// Set by the factory from the config (factor_statistics): KL-Shampoo's configs say kKL.
   FactorStatistics statistics = FactorStatistics::kShampoo;
-  bool retry_double_precision = true;
-  /// Root-inverse Shampoo: the matmul-only root solver; none = eigh.
-  std::optional<IterativeRootSettings> root_solver;
-  /// Rank-deficient factors by pseudo-inverse instead of the ε perturbation (eigh roots only).
-  std::optional<PseudoInverseSettings> pseudo_inverse;
   int64_t tolerated_failures = 3;
   FailureInjector inject_failure;
+};
+
+/// One block as a list's state-size estimate sees it (the static `estimated_state_bytes(config,
+/// layout)` of every list): the bytes it allocates for that block when it is built.
+struct BlockLayout {
+  std::vector<int64_t> shape;
+  /// Per dim: the root-inverse exponent, 0 = the dim is not preconditioned (StackSpec).
+  std::vector<double> dim_exponents;
+  int64_t factor_element_size = 4;  ///< bytes of an element of factor_matrix_dtype
+  int64_t state_element_size = 4;   ///< bytes of an element of the blocks' compute dtype
+  int64_t numel() const;
 };
 
 class PreconditionerList {

@@ -102,11 +102,12 @@ void ShampooEngine::save_common(
   archive.write("shampoo", header);
 
   torch::serialize::OutputArchive model;
-  model.write("num_params", c10::IValue(static_cast<int64_t>(params_.size())));
-  for (size_t p = 0; p < params_.size(); ++p) {
-    model.write("shape_" + std::to_string(p),
-                at::tensor(params_[p].param.sizes().vec(), at::TensorOptions().dtype(at::kLong)),
-                /*is_buffer=*/true);
+  model.write("num_params", c10::IValue(static_cast<int64_t>(registry_.params.size())));
+  for (size_t p = 0; p < registry_.params.size(); ++p) {
+    model.write(
+        "shape_" + std::to_string(p),
+        at::tensor(registry_.params[p].param.sizes().vec(), at::TensorOptions().dtype(at::kLong)),
+        /*is_buffer=*/true);
   }
   archive.write("params", model);
 
@@ -117,7 +118,7 @@ void ShampooEngine::save_common(
     options_of(groups[g], g).serialize(group);
     group.write("step", c10::IValue(group_steps_[g]));
     group.write("lr_sum", c10::IValue(group_lr_sums_[g]));
-    group.write("num_params", c10::IValue(group_sizes_[g]));
+    group.write("num_params", c10::IValue(registry_.group_sizes[g]));
     all_groups.write("group_" + std::to_string(g), group);
   }
   all_groups.write("eval_mode", c10::IValue(int64_t{eval_mode_ ? 1 : 0}));
@@ -272,7 +273,7 @@ struct ShampooEngine::PreparedLoad {
 std::shared_ptr<ShampooEngine::PreparedLoad> ShampooEngine::prepare(
     torch::serialize::InputArchive& archive, const std::function<BlockState(int64_t)>& read_block,
     const std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  check_model(archive, params_);
+  check_model(archive, registry_.params);
   torch::serialize::InputArchive all_groups;
   TORCH_CHECK(archive.try_read("groups", all_groups), "checkpoint: no param groups");
   const int64_t num_groups = read_int(all_groups, "num_groups");
@@ -283,15 +284,15 @@ std::shared_ptr<ShampooEngine::PreparedLoad> ShampooEngine::prepare(
   prepared->steps.resize(groups.size());
   prepared->lr_sums.resize(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    read_group(all_groups, g, group_sizes_[g], options_of(groups[g], g), prepared->options[g],
-               prepared->steps[g], prepared->lr_sums[g]);
+    read_group(all_groups, g, registry_.group_sizes[g], options_of(groups[g], g),
+               prepared->options[g], prepared->steps[g], prepared->lr_sums[g]);
   }
   const auto eval_mode = read_optional(all_groups, "eval_mode", c10::IValue(int64_t{0}));
   TORCH_CHECK(eval_mode.isInt(), "checkpoint: entry 'groups/eval_mode' is not an int");
   prepared->eval_mode = eval_mode.toInt() != 0;
   std::map<BlockId, BlockState> states;
-  for (int64_t b = 0; b < static_cast<int64_t>(blocks_.size()); ++b) {
-    if (distributor_->owns(b)) states[blocks_[b].id] = read_block(b);
+  for (int64_t b = 0; b < static_cast<int64_t>(registry_.blocks.size()); ++b) {
+    if (distributor_->owns(b)) states[registry_.blocks[b].id] = read_block(b);
   }
   // New virtual groups; the current ones stay in place until install().
   prepared->virtual_groups = build_virtual_groups(groups);
@@ -324,7 +325,7 @@ void ShampooEngine::load(torch::serialize::InputArchive& archive,
   const auto prepared = prepare(
       archive,
       [&](int64_t b) {
-        const auto& id = blocks_[b].id;
+        const auto& id = registry_.blocks[b].id;
         torch::serialize::InputArchive block;
         TORCH_CHECK(all_blocks.try_read(id.key(), block), "checkpoint: no state for ",
                     id.to_string(), " (written for another model or another rank layout)");
@@ -338,12 +339,13 @@ std::function<void()> ShampooEngine::prepare_load(
     torch::serialize::InputArchive& common, PieceReader& pieces,
     std::vector<torch::optim::OptimizerParamGroup>& groups) {
   check_groups(groups);
-  TORCH_CHECK(!step_open_, "checkpoint: cannot load while a step is open (in backward)");
+  TORCH_CHECK(!transaction_.is_open(),
+              "checkpoint: cannot load while a step is open (in backward)");
   check_version(common);
   const auto prepared = prepare(
       common,
       [&](int64_t b) {
-        auto block = pieces.read(piece_key(blocks_[b].id));
+        auto block = pieces.read(piece_key(registry_.blocks[b].id));
         return read_block_archive(block);
       },
       groups);

@@ -21,8 +21,8 @@
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/parameter_owners.h"
 #include "parallel/phased_backward_step.h"
+#include "shampoo/fault_point.h"
 #include "shampoo/shampoo_options.h"
-#include "shampoo/step_phase.h"
 
 namespace shampoo {
 
@@ -133,7 +133,7 @@ class DistributedShampoo : public torch::optim::Optimizer,
   /// Test seam: makes the amortized computation of (block, dim) fail whenever the function
   /// returns true; block names are "parameter P block B".
   void set_failure_injector_for_testing(std::function<bool(const std::string&, int64_t)> fn);
-  /// Test seam: `fn` is called at every StepPhase of every step; what it throws fails the step
+  /// Test seam: `fn` is called at every FaultPoint of every step; what it throws fails the step
   /// there (which must then change nothing). Empty = off.
   void set_fault_injector_for_testing(StepFaultInjector fn);
 

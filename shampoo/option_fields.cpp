@@ -6,11 +6,14 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <map>
 #include <sstream>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <variant>
+
+#include "update/grafting.h"
 
 namespace shampoo::detail {
 namespace {
@@ -22,6 +25,11 @@ c10::IValue read_entry(InputArchive& archive, const std::string& key) {
   c10::IValue value;
   TORCH_CHECK(archive.try_read(key, value), "ShampooOptions archive: entry '", key, "' is missing");
   return value;
+}
+
+bool has_entry(InputArchive& a, const std::string& key) {
+  c10::IValue value;
+  return a.try_read(key, value);
 }
 
 double read_double(InputArchive& archive, const std::string& key) {
@@ -177,30 +185,64 @@ OptionField start_preconditioning_step_field() {
   return f;
 }
 
-// Grafting: the kind (the variant's alternative, update/grafting.h) is structural, its beta2 and
-// epsilon are floats.
+// Grafting: the kind (the variant's alternative, update/grafting.h) and
+// drop_weighting_factor_on_gsquare are structural, its beta2 and epsilon are floats.
+bool grafting_drops_weighting(const GraftingConfig& config) {
+  return std::visit(
+      [](const auto& g) {
+        if constexpr (requires { g.drop_weighting_factor_on_gsquare; }) {
+          return g.drop_weighting_factor_on_gsquare;
+        } else {
+          return false;
+        }
+      },
+      config);
+}
+
+/// The default config of `kind` with drop_weighting_factor_on_gsquare set where it has one.
+GraftingConfig grafting_of_kind(GraftingKind kind, bool drop_weighting) {
+  auto config = default_grafting(kind);
+  std::visit(
+      [&](auto& g) {
+        if constexpr (requires { g.drop_weighting_factor_on_gsquare; }) {
+          g.drop_weighting_factor_on_gsquare = drop_weighting;
+        }
+      },
+      config);
+  return config;
+}
+
+constexpr const char* kGraftingDropKey = "grafting_drop_weighting_factor_on_gsquare";
+
 OptionField grafting_kind_field() {
   OptionField f;
   f.name = "grafting kind";
   f.kind = OptionKind::kStructural;
-  f.archive_keys = {"grafting_kind"};
-  const auto code = [](const ShampooOptions& o) {
-    return static_cast<int64_t>(grafting_kind(o.grafting()));
+  f.archive_keys = {"grafting_kind", kGraftingDropKey};
+  f.code = [](const ShampooOptions& o) {
+    return std::vector<int64_t>{static_cast<int64_t>(grafting_kind(o.grafting())),
+                                grafting_drops_weighting(o.grafting()) ? 1 : 0};
   };
-  f.code = [code](const ShampooOptions& o) { return std::vector<int64_t>{code(o)}; };
   f.describe = [](const ShampooOptions& o) {
-    return std::string(grafting_method(grafting_kind(o.grafting())).name);
+    const std::string name = grafting_method(grafting_kind(o.grafting())).name;
+    return grafting_drops_weighting(o.grafting()) ? name + " (drop_weighting_factor_on_gsquare)"
+                                                  : name;
   };
-  f.write = [code](const ShampooOptions& o, OutputArchive& a) {
-    a.write("grafting_kind", c10::IValue(code(o)));
+  f.write = [](const ShampooOptions& o, OutputArchive& a) {
+    a.write("grafting_kind", c10::IValue(static_cast<int64_t>(grafting_kind(o.grafting()))));
+    a.write(kGraftingDropKey, c10::IValue(int64_t{grafting_drops_weighting(o.grafting()) ? 1 : 0}));
   };
+  // Checkpoints written before grafting configs were the diagonal configs have no drop entry.
   f.read = [](InputArchive& a, ShampooOptions& o) {
-    o.grafting(default_grafting(
-        static_cast<GraftingKind>(read_index(a, "grafting_kind", kGraftingKinds))));
+    const auto kind = static_cast<GraftingKind>(read_index(a, "grafting_kind", kGraftingKinds));
+    const bool drop = has_entry(a, kGraftingDropKey) && read_index(a, kGraftingDropKey, 2) != 0;
+    o.grafting(grafting_of_kind(kind, drop));
   };
   f.copy = [](const ShampooOptions& from, ShampooOptions& to) {
-    if (grafting_kind(to.grafting()) != grafting_kind(from.grafting())) {
-      to.grafting(default_grafting(grafting_kind(from.grafting())));
+    const auto kind = grafting_kind(from.grafting());
+    const bool drop = grafting_drops_weighting(from.grafting());
+    if (grafting_kind(to.grafting()) != kind || grafting_drops_weighting(to.grafting()) != drop) {
+      to.grafting(grafting_of_kind(kind, drop));
     }
   };
   return f;
@@ -236,77 +278,12 @@ OptionField grafting_floats_field() {
   return f;
 }
 
-// The descent and diagonal families (SpectralDescentConfig ... AdamPreconditionerConfig): each
-// family lists its fields once, as (archive key, name in messages, member); the code, the
-// description and the archive entries of the preconditioner row are made from that list.
-template <typename C, typename F>
-requires std::is_same_v<std::remove_const_t<C>, SpectralDescentConfig>
-void family_fields(C& c, F&& f) {
-  f("preconditioner_spectral_method", "method", c.method);
-  f("preconditioner_spectral_num_iterations", "num_iterations", c.num_iterations);
-  f("preconditioner_spectral_coefficients", "coefficients", c.coefficients);
-  f("preconditioner_spectral_scale_by_nuclear_norm", "scale_by_nuclear_norm",
-    c.scale_by_nuclear_norm);
-  f("preconditioner_spectral_scale", "scale", c.scale);
-}
-template <typename C, typename F>
-requires std::is_same_v<std::remove_const_t<C>, SignDescentConfig>
-void family_fields(C& c, F&& f) { f("preconditioner_sign_scale", "scale", c.scale); }
-template <typename C, typename F>
-requires std::is_same_v<std::remove_const_t<C>, SGDPreconditionerConfig>
-void family_fields(C& /*c*/, F&& /*f*/) {}
-template <typename C, typename F>
-requires std::is_same_v<std::remove_const_t<C>, AdaGradPreconditionerConfig>
-void family_fields(C& c, F&& f) { f("preconditioner_adagrad_epsilon", "epsilon", c.epsilon); }
-template <typename C, typename F>
-requires std::is_same_v<std::remove_const_t<C>, RMSpropPreconditionerConfig>
-void family_fields(C& c, F&& f) {
-  f("preconditioner_rmsprop_beta2", "beta2", c.beta2);
-  f("preconditioner_rmsprop_epsilon", "epsilon", c.epsilon);
-  f("preconditioner_rmsprop_drop_weighting_factor_on_gsquare", "drop_weighting_factor_on_gsquare",
-    c.drop_weighting_factor_on_gsquare);
-}
-template <typename C, typename F>
-requires std::is_same_v<std::remove_const_t<C>, AdamPreconditionerConfig>
-void family_fields(C& c, F&& f) {
-  f("preconditioner_adam_beta2", "beta2", c.beta2);
-  f("preconditioner_adam_epsilon", "epsilon", c.epsilon);
-  f("preconditioner_adam_drop_weighting_factor_on_gsquare", "drop_weighting_factor_on_gsquare",
-    c.drop_weighting_factor_on_gsquare);
-}
+// The preconditioner row. Every family lists its fields once, with the family
+// (preconditioners/preconditioner_configs.h, visit_fields); the row's code, description and
+// archive entries are made from those lists: two configs merge exactly when the family and every
+// field are equal.
 
-template <typename C>
-concept FieldListed = requires(const C& c) {
-  family_fields(c, [](auto&&...) {});
-};
-
-/// The families with a field list, in variant order.
-using ListedFamilies =
-    std::tuple<SpectralDescentConfig, SignDescentConfig, SGDPreconditionerConfig,
-               AdaGradPreconditionerConfig, RMSpropPreconditionerConfig, AdamPreconditionerConfig>;
-
-const char* family_name(const RootInvShampooConfig&) { return "root-inverse Shampoo"; }
-const char* family_name(const RootInvKLShampooConfig&) { return "root-inverse KL-Shampoo"; }
-const char* family_name(const EigenvalueCorrectedShampooConfig&) {
-  return "eigenvalue-corrected Shampoo";
-}
-const char* family_name(const EigendecomposedShampooConfig&) { return "eigendecomposed Shampoo"; }
-const char* family_name(const EigendecomposedKLShampooConfig&) {
-  return "eigendecomposed KL-Shampoo";
-}
-const char* family_name(const SpectralDescentConfig&) { return "spectral descent"; }
-const char* family_name(const SignDescentConfig&) { return "sign descent"; }
-const char* family_name(const SGDPreconditionerConfig&) { return "SGD preconditioner"; }
-const char* family_name(const AdaGradPreconditionerConfig&) { return "AdaGrad preconditioner"; }
-const char* family_name(const RMSpropPreconditionerConfig&) { return "RMSprop preconditioner"; }
-const char* family_name(const AdamPreconditionerConfig&) { return "Adam preconditioner"; }
-
-/// Names of the enumerators of the family fields' enums, in value order.
-std::vector<const char*> enum_names(OrthogonalizationMethod) { return {"kNewtonSchulz", "kSVD"}; }
-std::vector<const char*> enum_names(OrthogonalizationScale) { return {"kOne", "kSqrtAspectRatio"}; }
-std::vector<const char*> enum_names(SignDescentScale) { return {"kOne", "kL1Norm"}; }
-
-// A family field's value: its code, its text, its archive entry.
+// A family field's value: its code, its text, its archive entries.
 void append_code(int64_t v, std::vector<int64_t>& out) { out.push_back(v); }
 void append_code(double v, std::vector<int64_t>& out) { out.push_back(double_bits(v)); }
 void append_code(bool v, std::vector<int64_t>& out) { out.push_back(v ? 1 : 0); }
@@ -316,6 +293,16 @@ void append_code(const std::array<double, 3>& v, std::vector<int64_t>& out) {
 template <typename E>
 requires std::is_enum_v<E>
 void append_code(E v, std::vector<int64_t>& out) { out.push_back(static_cast<int64_t>(v)); }
+/// (kind, rank_atol bits, rank_rtol bits); zeros for the perturbation.
+void append_code(const RankDeficientStabilityConfig& v, std::vector<int64_t>& out) {
+  const auto* c = std::get_if<PseudoInverseConfig>(&v);
+  if (c == nullptr) {
+    out.insert(out.end(), {0, 0, 0});
+    return;
+  }
+  out.insert(out.end(), {static_cast<int64_t>(v.index()), double_bits(c->rank_atol),
+                         double_bits(c->rank_rtol)});
+}
 
 std::string value_text(int64_t v) { return c10::str(v); }
 std::string value_text(double v) { return c10::str(v); }
@@ -325,20 +312,42 @@ std::string value_text(const std::array<double, 3>& v) {
 }
 template <typename E>
 requires std::is_enum_v<E> std::string value_text(E v) {
-  const auto names = enum_names(v);
+  const auto names = enumerator_names(v);
   const auto i = static_cast<size_t>(v);
   return i < names.size() ? names[i] : c10::str(static_cast<int64_t>(v));
 }
+std::string value_text(const RankDeficientStabilityConfig& v) {
+  const auto* c = std::get_if<PseudoInverseConfig>(&v);
+  if (c == nullptr) return "perturbation";
+  return c10::str(
+      "pseudo-inverse (rank_atol ", c->rank_atol, ", rank_rtol ",
+      c->rank_rtol == kDtypeRankRtol ? std::string("d * machine epsilon") : c10::str(c->rank_rtol),
+      ")");
+}
 
-c10::IValue archive_value(int64_t v) { return c10::IValue(v); }
-c10::IValue archive_value(double v) { return c10::IValue(v); }
-c10::IValue archive_value(bool v) { return c10::IValue(int64_t{v ? 1 : 0}); }
-c10::IValue archive_value(const std::array<double, 3>& v) {
-  return c10::IValue(std::vector<double>(v.begin(), v.end()));
+using Entries = std::vector<std::pair<std::string, c10::IValue>>;
+Entries archive_entries(const std::string& key, int64_t v) { return {{key, c10::IValue(v)}}; }
+Entries archive_entries(const std::string& key, double v) { return {{key, c10::IValue(v)}}; }
+Entries archive_entries(const std::string& key, bool v) {
+  return {{key, c10::IValue(int64_t{v ? 1 : 0})}};
+}
+Entries archive_entries(const std::string& key, const std::array<double, 3>& v) {
+  return {{key, c10::IValue(std::vector<double>(v.begin(), v.end()))}};
 }
 template <typename E>
-requires std::is_enum_v<E> c10::IValue archive_value(E v) {
-  return c10::IValue(static_cast<int64_t>(v));
+requires std::is_enum_v<E> Entries archive_entries(const std::string& key, E v) {
+  return {{key, c10::IValue(static_cast<int64_t>(v))}};
+}
+// The rank-deficient stability: its kind under `key`, the pseudo-inverse thresholds (or their
+// defaults) under two entries of their own.
+constexpr const char* kRankAtolKey = "preconditioner_pseudo_inverse_rank_atol";
+constexpr const char* kRankRtolKey = "preconditioner_pseudo_inverse_rank_rtol";
+Entries archive_entries(const std::string& key, const RankDeficientStabilityConfig& v) {
+  const auto* c = std::get_if<PseudoInverseConfig>(&v);
+  const auto pinv = c != nullptr ? *c : PseudoInverseConfig{};
+  return {{key, c10::IValue(int64_t{c != nullptr ? 1 : 0})},
+          {kRankAtolKey, c10::IValue(pinv.rank_atol)},
+          {kRankRtolKey, c10::IValue(pinv.rank_rtol)}};
 }
 
 void read_value(InputArchive& a, const std::string& key, int64_t& v) { v = read_int(a, key); }
@@ -357,72 +366,46 @@ void read_value(InputArchive& a, const std::string& key, std::array<double, 3>& 
 template <typename E>
 requires std::is_enum_v<E>
 void read_value(InputArchive& a, const std::string& key, E& v) {
-  v = static_cast<E>(read_index(a, key, static_cast<int64_t>(enum_names(v).size())));
+  v = static_cast<E>(read_index(a, key, static_cast<int64_t>(enumerator_names(v).size())));
+}
+void read_value(InputArchive& a, const std::string& key, RankDeficientStabilityConfig& v) {
+  const int64_t kind =
+      read_index(a, key, static_cast<int64_t>(std::variant_size_v<RankDeficientStabilityConfig>));
+  if (kind == 0) {
+    v = PerturbationConfig{};
+  } else {
+    v = PseudoInverseConfig{read_double(a, kRankAtolKey), read_double(a, kRankRtolKey)};
+  }
 }
 
-bool has_entry(InputArchive& a, const std::string& key) {
-  c10::IValue value;
-  return a.try_read(key, value);
+/// Entries every checkpoint has had since the first format: reading them is required. Entries
+/// added later (a family's, the rank-deficient stability's) keep the default when absent.
+bool required_entry(const std::string& key) {
+  static const std::array<std::string, 6> kRequired = {"preconditioner_retry_double_precision",
+                                                       "preconditioner_eigenbasis_method",
+                                                       "preconditioner_root_solver",
+                                                       "preconditioner_max_iterations",
+                                                       "preconditioner_tolerance",
+                                                       "preconditioner_tf32"};
+  return std::find(kRequired.begin(), kRequired.end(), key) != kRequired.end();
 }
 
-/// The root solver of a preconditioner config as (solver, max_iterations, tolerance bits, tf32);
-/// zeros for the other families.
-std::vector<int64_t> root_solver_parts(const PreconditionerConfig& config) {
-  const auto* c = root_inverse_config(config);
-  if (c == nullptr) return {0, 0, 0, 0};
-  return {static_cast<int64_t>(c->solver), c->max_iterations, double_bits(c->tolerance),
-          c->tf32 ? 1 : 0};
+/// f(default config) for every family, in variant order.
+template <typename F, size_t... I>
+void for_each_family(F&& f, std::index_sequence<I...>) {
+  (f(std::variant_alternative_t<I, PreconditionerConfig>{}), ...);
+}
+template <typename F>
+void for_each_family(F&& f) {
+  for_each_family(f, std::make_index_sequence<std::variant_size_v<PreconditionerConfig>>{});
 }
 
-std::string describe_root_solver(const RootInvShampooConfig& c) {
-  constexpr const char* kNames[] = {"kEigh", "kCoupledNewton", "kNewtonDB"};
-  const auto name = kNames[static_cast<int>(c.solver)];
-  if (c.solver == RootSolver::kEigh) return c10::str("solver ", name);
-  return c10::str("solver ", name, ", max_iterations ", c.max_iterations, ", tolerance ",
-                  c.tolerance, ", tf32 ", c.tf32 ? "true" : "false");
-}
-
-/// The rank-deficient stability of a config as (kind, rank_atol bits, rank_rtol bits); zeros for
-/// the perturbation and for configs without one.
-std::vector<int64_t> stability_parts(const PreconditionerConfig& config) {
-  const auto* stability = rank_deficient_stability(config);
-  const auto* c = stability != nullptr ? std::get_if<PseudoInverseConfig>(stability) : nullptr;
-  if (c == nullptr) return {0, 0, 0};
-  return {static_cast<int64_t>(stability->index()), double_bits(c->rank_atol),
-          double_bits(c->rank_rtol)};
-}
-
-std::string describe_stability(const RankDeficientStabilityConfig& stability) {
-  const auto* c = std::get_if<PseudoInverseConfig>(&stability);
-  if (c == nullptr) return "rank_deficient_stability perturbation";
-  return c10::str(
-      "rank_deficient_stability pseudo-inverse (rank_atol ", c->rank_atol, ", rank_rtol ",
-      c->rank_rtol == kDtypeRankRtol ? std::string("d * machine epsilon") : c10::str(c->rank_rtol),
-      ")");
-}
-
-/// (kind, retry_double_precision or 0, eigenbasis_method or 0, root_solver_parts...,
-/// stability_parts..., the fields of a listed family...): equal exactly when the family and all
-/// its fields are.
-std::vector<int64_t> preconditioner_parts(const ShampooOptions& o) {
+/// (kind, the active family's fields' codes...).
+std::vector<int64_t> preconditioner_code(const ShampooOptions& o) {
   std::vector<int64_t> out{static_cast<int64_t>(o.preconditioner().index())};
   std::visit(
       [&](const auto& c) {
-        using C = std::decay_t<decltype(c)>;
-        int64_t retry = 0;
-        int64_t method = 0;
-        if constexpr (requires { c.retry_double_precision; }) retry = c.retry_double_precision;
-        if constexpr (requires { c.eigenbasis_method; }) {
-          method = static_cast<int64_t>(c.eigenbasis_method);
-        }
-        out.insert(out.end(), {retry, method});
-        const auto solver = root_solver_parts(o.preconditioner());
-        out.insert(out.end(), solver.begin(), solver.end());
-        const auto stability = stability_parts(o.preconditioner());
-        out.insert(out.end(), stability.begin(), stability.end());
-        if constexpr (FieldListed<C>) {
-          family_fields(c, [&](const char*, const char*, const auto& v) { append_code(v, out); });
-        }
+        visit_fields(c, [&](const char*, const char*, const auto& v) { append_code(v, out); });
       },
       o.preconditioner());
   return out;
@@ -431,80 +414,34 @@ std::vector<int64_t> preconditioner_parts(const ShampooOptions& o) {
 std::string describe_preconditioner(const ShampooOptions& o) {
   return std::visit(
       [](const auto& c) -> std::string {
-        using C = std::decay_t<decltype(c)>;
-        if constexpr (FieldListed<C>) {
-          std::vector<std::string> parts;
-          family_fields(c, [&](const char*, const char* name, const auto& v) {
-            parts.push_back(c10::str(name, " ", value_text(v)));
-          });
-          if (parts.empty()) return family_name(c);
-          return c10::str(family_name(c), " (", c10::Join(", ", parts), ")");
-        } else {
-          const char* retry = c.retry_double_precision ? "true" : "false";
-          if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
-            return c10::str(family_name(c), " (eigenbasis_method ",
-                            c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
-                            ", retry_double_precision ", retry, ")");
-          } else if constexpr (std::is_base_of_v<EigendecomposedShampooConfig, C>) {
-            return c10::str(family_name(c), " (eigenbasis_method ",
-                            c.eigenbasis_method == EigenbasisMethod::kQR ? "kQR" : "kEigh",
-                            ", retry_double_precision ", retry, ", ",
-                            describe_stability(c.rank_deficient_stability), ")");
-          } else {
-            return c10::str(family_name(c), " (retry_double_precision ", retry, ", ",
-                            describe_root_solver(c), ", ",
-                            describe_stability(c.rank_deficient_stability), ")");
-          }
-        }
+        std::vector<std::string> parts;
+        visit_fields(c, [&](const char*, const char* name, const auto& v) {
+          parts.push_back(c10::str(name, " ", value_text(v)));
+        });
+        if (parts.empty()) return family_name(c);
+        return c10::str(family_name(c), " (", c10::Join(", ", parts), ")");
       },
       o.preconditioner());
 }
 
-/// Every listed family's entries: the active family's values, the defaults for the others.
-void write_listed_families(const ShampooOptions& o, OutputArchive& a) {
-  std::apply(
-      [&](auto... family) {
-        (family_fields(
-             std::get_if<decltype(family)>(&o.preconditioner()) != nullptr
-                 ? std::get<decltype(family)>(o.preconditioner())
-                 : family,
-             [&](const char* key, const char*, const auto& v) { a.write(key, archive_value(v)); }),
-         ...);
-      },
-      ListedFamilies{});
-}
-
+/// Every family's entries: the active family's values, the defaults of the first family that
+/// lists a key for the others (a key shared by families is one entry).
 void write_preconditioner(const ShampooOptions& o, OutputArchive& a) {
-  const auto p = preconditioner_parts(o);
-  a.write("preconditioner_kind", c10::IValue(p[0]));
-  a.write("preconditioner_retry_double_precision", c10::IValue(p[1]));
-  a.write("preconditioner_eigenbasis_method", c10::IValue(p[2]));
-  const auto* c = root_inverse_config(o.preconditioner());
-  const RootInvShampooConfig solver = c != nullptr ? *c : RootInvShampooConfig{};
-  a.write("preconditioner_root_solver", c10::IValue(static_cast<int64_t>(solver.solver)));
-  a.write("preconditioner_max_iterations", c10::IValue(solver.max_iterations));
-  a.write("preconditioner_tolerance", c10::IValue(solver.tolerance));
-  a.write("preconditioner_tf32", c10::IValue(int64_t{solver.tf32 ? 1 : 0}));
-  const auto* stability = rank_deficient_stability(o.preconditioner());
-  const auto* pseudo_inverse =
-      stability != nullptr ? std::get_if<PseudoInverseConfig>(stability) : nullptr;
-  const auto pinv = pseudo_inverse != nullptr ? *pseudo_inverse : PseudoInverseConfig{};
-  a.write("preconditioner_rank_deficient_stability",
-          c10::IValue(int64_t{pseudo_inverse != nullptr ? 1 : 0}));
-  a.write("preconditioner_pseudo_inverse_rank_atol", c10::IValue(pinv.rank_atol));
-  a.write("preconditioner_pseudo_inverse_rank_rtol", c10::IValue(pinv.rank_rtol));
-  write_listed_families(o, a);
-}
-
-/// The rank-deficient stability entries; the perturbation (the default) when they are absent, as
-/// in checkpoints written before the pseudo-inverse existed.
-RankDeficientStabilityConfig read_stability(InputArchive& a) {
-  if (!has_entry(a, "preconditioner_rank_deficient_stability")) return PerturbationConfig{};
-  const int64_t kind = read_index(a, "preconditioner_rank_deficient_stability",
-                                  std::variant_size_v<RankDeficientStabilityConfig>);
-  if (kind == 0) return PerturbationConfig{};
-  return PseudoInverseConfig{read_double(a, "preconditioner_pseudo_inverse_rank_atol"),
-                             read_double(a, "preconditioner_pseudo_inverse_rank_rtol")};
+  std::map<std::string, c10::IValue> entries;
+  std::visit(
+      [&](const auto& c) {
+        visit_fields(c, [&](const char* key, const char*, const auto& v) {
+          for (auto& [k, value] : archive_entries(key, v)) entries[k] = value;
+        });
+      },
+      o.preconditioner());
+  for_each_family([&](const auto& family) {
+    visit_fields(family, [&](const char* key, const char*, const auto& v) {
+      for (auto& [k, value] : archive_entries(key, v)) entries.emplace(k, value);
+    });
+  });
+  a.write("preconditioner_kind", c10::IValue(static_cast<int64_t>(o.preconditioner().index())));
+  for (const auto& [key, value] : entries) a.write(key, value);
 }
 
 /// The default config of the family with variant index `kind`.
@@ -518,59 +455,29 @@ PreconditionerConfig default_preconditioner(size_t kind, std::index_sequence<I..
 void read_preconditioner(InputArchive& a, ShampooOptions& o) {
   const int64_t kind =
       read_index(a, "preconditioner_kind", std::variant_size_v<PreconditionerConfig>);
-  const bool retry = read_index(a, "preconditioner_retry_double_precision", 2) != 0;
-  const auto method =
-      static_cast<EigenbasisMethod>(read_index(a, "preconditioner_eigenbasis_method", 2));
   auto config =
       default_preconditioner(static_cast<size_t>(kind),
                              std::make_index_sequence<std::variant_size_v<PreconditionerConfig>>{});
   std::visit(
       [&](auto& c) {
-        using C = std::decay_t<decltype(c)>;
-        if constexpr (FieldListed<C>) {
-          // Entries added with the family: an archive without them keeps the defaults.
-          family_fields(c, [&](const char* key, const char*, auto& v) {
-            if (has_entry(a, key)) read_value(a, key, v);
-          });
-        } else if constexpr (std::is_same_v<C, EigenvalueCorrectedShampooConfig>) {
-          c = EigenvalueCorrectedShampooConfig{method, retry};
-        } else if constexpr (std::is_base_of_v<EigendecomposedShampooConfig, C>) {
-          // Eigendecomposed Shampoo or KL-Shampoo: the same fields.
-          static_cast<EigendecomposedShampooConfig&>(c) =
-              EigendecomposedShampooConfig{method, retry, read_stability(a)};
-        } else {
-          c.retry_double_precision = retry;
-          c.solver = static_cast<RootSolver>(read_index(a, "preconditioner_root_solver", 3));
-          c.max_iterations = read_int(a, "preconditioner_max_iterations");
-          c.tolerance = read_double(a, "preconditioner_tolerance");
-          c.tf32 = read_index(a, "preconditioner_tf32", 2) != 0;
-          c.rank_deficient_stability = read_stability(a);
-        }
+        visit_fields(c, [&](const char* key, const char*, auto& v) {
+          if (required_entry(key) || has_entry(a, key)) read_value(a, key, v);
+        });
       },
       config);
   o.preconditioner(config);
 }
 
-/// Archive keys of the preconditioner row: the original seven, the rank-deficient stability's, then
-/// every listed family's.
+/// Archive keys of the preconditioner row: the kind, then every family's, each once.
 std::vector<std::string> preconditioner_archive_keys() {
-  std::vector<std::string> keys{"preconditioner_kind",
-                                "preconditioner_retry_double_precision",
-                                "preconditioner_eigenbasis_method",
-                                "preconditioner_root_solver",
-                                "preconditioner_max_iterations",
-                                "preconditioner_tolerance",
-                                "preconditioner_tf32",
-                                "preconditioner_rank_deficient_stability",
-                                "preconditioner_pseudo_inverse_rank_atol",
-                                "preconditioner_pseudo_inverse_rank_rtol"};
-  std::apply(
-      [&](auto... family) {
-        (family_fields(family,
-                       [&](const char* key, const char*, const auto&) { keys.push_back(key); }),
-         ...);
-      },
-      ListedFamilies{});
+  std::vector<std::string> keys{"preconditioner_kind"};
+  for_each_family([&](const auto& family) {
+    visit_fields(family, [&](const char* key, const char*, const auto& v) {
+      for (const auto& [k, value] : archive_entries(key, v)) {
+        if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+      }
+    });
+  });
   return keys;
 }
 
@@ -579,7 +486,7 @@ OptionField preconditioner_field() {
   f.name = "preconditioner";
   f.kind = OptionKind::kStructural;
   f.archive_keys = preconditioner_archive_keys();
-  f.code = preconditioner_parts;
+  f.code = preconditioner_code;
   f.describe = describe_preconditioner;
   f.write = write_preconditioner;
   f.read = read_preconditioner;

@@ -1,6 +1,6 @@
 #include "shampoo/param_updates.h"
 
-#include "shampoo/step_plan.h"
+#include "shampoo/step_scalars.h"
 #include "shampoo/virtual_group.h"
 
 namespace shampoo::detail {

@@ -13,7 +13,8 @@
 
 #include "shampoo/option_fields.h"
 #include "shampoo/param_updates.h"
-#include "shampoo/step_plan.h"
+#include "shampoo/rank_agreement.h"
+#include "shampoo/step_scalars.h"
 
 namespace shampoo::detail {
 
@@ -33,34 +34,37 @@ const ShampooOptions& options_of(const torch::optim::OptimizerParamGroup& group,
 
 namespace {
 
-/// The block plans of a new group's parameters. Spectral descent needs 2-D blocks: a parameter
-/// whose plan has a block of another order is an error naming it, its shape, its blocks and the
-/// ways out (docs/math.md, "Spectral descent").
+/// The block plans of a new group's parameters. A family whose blocks must have a given order
+/// (spectral descent: 2-D blocks, its list's kBlockOrder) makes a parameter whose plan has a block
+/// of another order an error naming it, its shape, its blocks and the ways out (docs/math.md,
+/// "Spectral descent").
 std::vector<BlockPlan> block_plans(const ShampooOptions& options,
                                    const std::vector<at::Tensor>& params, size_t group,
                                    size_t first_param) {
   std::vector<BlockPlan> plans;
-  const bool spectral = std::holds_alternative<SpectralDescentConfig>(options.preconditioner());
+  const int64_t order = block_target_order(options);
+  const char* family =
+      std::visit([](const auto& c) { return family_name(c); }, options.preconditioner());
   for (size_t i = 0; i < params.size(); ++i) {
     plans.push_back(make_block_plan(params[i].sizes(), options.max_preconditioner_dim(),
-                                    options.use_merge_dims(), block_target_order(options)));
-    if (!spectral) continue;
+                                    options.use_merge_dims(), order));
+    if (order == 1) continue;
     for (size_t b = 0; b < plans.back().blocks.size(); ++b) {
       const auto& shape = plans.back().blocks[b].sizes;
       TORCH_CHECK(
-          shape.size() == 2, "param group ", group, ": parameter ", i, " (parameter ",
-          first_param + i, " overall, shape ", params[i].sizes(),
-          "): spectral descent (SpectralDescentConfig) orthogonalizes 2-D blocks only, but its "
-          "block ",
-          b, " has shape ", at::IntArrayRef(shape), " (", shape.size(),
-          "-D). Blocking drops size-1 dims, merges trailing dims down to two while their product "
-          "stays <= max_preconditioner_dim (",
+          static_cast<int64_t>(shape.size()) == order, "param group ", group, ": parameter ", i,
+          " (parameter ", first_param + i, " overall, shape ", params[i].sizes(), "): ", family,
+          " preconditions ", order, "-D blocks only, but its block ", b, " has shape ",
+          at::IntArrayRef(shape), " (", shape.size(),
+          "-D). Blocking drops size-1 dims, merges trailing dims down to ", order,
+          " while their product stays <= max_preconditioner_dim (",
           options.max_preconditioner_dim(), ", use_merge_dims ",
           options.use_merge_dims() ? "true" : "false",
-          ") and splits dims larger than it. Put the parameters that are not matrices (biases, "
-          "norm scales, scalars) into a param group with another preconditioner, or, for a "
-          "parameter of more than two dims, enable use_merge_dims and raise "
-          "max_preconditioner_dim so that its dims merge into two");
+          ") and splits dims larger than it. Put the parameters of other orders (biases, norm "
+          "scales, scalars) into a param group with another preconditioner, or, for a parameter "
+          "of more dims, enable use_merge_dims and raise max_preconditioner_dim so that its dims "
+          "merge into ",
+          order);
     }
   }
   return plans;
@@ -101,118 +105,14 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
   }
 
   const auto& params = group.params();
-  check_new_params(params, index);
-  auto plans = block_plans(shampoo_options, params, index, params_.size());
-  const auto group_index = static_cast<int64_t>(index);
+  registry_.check_new_params(params, index);
+  auto plans = block_plans(shampoo_options, params, index, registry_.params.size());
   groups.emplace_back(params, std::move(options));
   group_steps_.push_back(0);
   group_lr_sums_.push_back(0.0);
-  group_sizes_.push_back(static_cast<int64_t>(params.size()));
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto& p = params[i];
-    ParamEntry entry;
-    entry.param = p;
-    entry.group = group_index;
-    entry.plan = std::move(plans[i]);
-    entry.first_block = static_cast<int64_t>(blocks_.size());
-    const auto param_index = static_cast<int64_t>(params_.size());
-    param_lookup_[p.unsafeGetTensorImpl()] = param_index;
-    for (size_t b = 0; b < entry.plan.blocks.size(); ++b) {
-      BlockEntry block;
-      block.id = BlockId{param_index, static_cast<int64_t>(b)};
-      block.param = param_index;
-      block.shape = entry.plan.blocks[b].sizes;
-      block.numel = entry.plan.blocks[b].numel;
-      blocks_.push_back(block);
-    }
-    params_.push_back(std::move(entry));
-  }
-  check_ranks_agree(groups);
+  registry_.add(params, static_cast<int64_t>(index), std::move(plans));
+  check_ranks_agree(*distributor_, groups, registry_);
   rebuild(groups, /*require_all=*/false);
-}
-
-void ShampooEngine::check_new_params(const std::vector<at::Tensor>& params, size_t index) const {
-  std::unordered_map<const void*, size_t> seen;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    seen.emplace(params_[i].param.unsafeGetTensorImpl(), static_cast<size_t>(params_[i].group));
-  }
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto& p = params[i];
-    TORCH_CHECK(p.defined(), "param group ", index, ": parameter ", i, " is undefined");
-    TORCH_CHECK(p.is_floating_point(), "param group ", index, ": parameter ", i, " has dtype ",
-                p.scalar_type(), ", expected a floating-point tensor");
-    TORCH_CHECK(p.layout() == at::kStrided, "param group ", index, ": parameter ", i,
-                " is sparse (layout ", p.layout(), "); DistributedShampoo needs dense parameters");
-    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble ||
-                    p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
-                "param group ", index, ": parameter ", i, " has dtype ", p.scalar_type(),
-                ", expected Float, Double, BFloat16 or Half");
-    // One dtype per group: the group's blocks run one elementwise chain (groups of different
-    // dtypes are fine, they never share a virtual group).
-    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "param group ", index, ": parameter ",
-                i, ": dtype: got ", p.scalar_type(), ", expected ", params[0].scalar_type(),
-                " (the dtype of parameter 0; the parameters of one param group share a dtype, put "
-                "the ",
-                p.scalar_type(), " parameters into a param group of their own)");
-    TORCH_CHECK(p.is_leaf(), "param group ", index, ": parameter ", i,
-                " is not a leaf tensor (can't optimize a non-leaf Tensor)");
-    if (!params_.empty() || i > 0) {
-      const auto& device = params_.empty() ? params[0].device() : params_[0].param.device();
-      TORCH_CHECK(p.device() == device, "param group ", index, ": parameter ", i, " is on ",
-                  p.device(), " but other parameters are on ", device,
-                  "; DistributedShampoo needs all parameters on one device");
-    }
-    const auto [it, inserted] = seen.emplace(p.unsafeGetTensorImpl(), index);
-    TORCH_CHECK(inserted, "param group ", index, ": parameter ", i, " is already in param group ",
-                it->second, " (a tensor may belong to one group only)");
-  }
-}
-
-void ShampooEngine::check_ranks_agree(
-    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  if (!distributor_->distributed()) return;
-  // FNV-1a over the structure that every rank must share.
-  uint64_t hash = 1469598103934665603ULL;
-  auto mix = [&](int64_t v) {
-    for (int byte = 0; byte < 8; ++byte) {
-      hash ^= static_cast<uint64_t>(v >> (8 * byte)) & 0xffu;
-      hash *= 1099511628211ULL;
-    }
-  };
-  int64_t numel = 0;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const auto& options = options_of(groups[g], g);
-    for (const auto& field : option_fields()) {
-      if (field.kind != OptionKind::kStructural) continue;
-      for (const int64_t v : field.code(options)) mix(v);
-      mix(-1);  // end of the field: codes of different lengths stay apart
-    }
-    mix(group_sizes_[g]);
-  }
-  for (const auto& p : params_) {
-    mix(p.group);
-    mix(static_cast<int64_t>(p.param.scalar_type()));
-    for (const int64_t d : p.param.sizes()) mix(d);
-    mix(-1);
-    numel += p.param.numel();
-  }
-  const std::vector<int64_t> mine{static_cast<int64_t>(hash), static_cast<int64_t>(params_.size()),
-                                  numel, static_cast<int64_t>(groups.size())};
-  const auto all = distributor_->gather_from_all_ranks(mine);
-  std::string differing;
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r] == all[0]) continue;
-    const bool same_counts = all[r][1] == all[0][1] && all[r][2] == all[0][2];
-    differing += fmt::format(
-        " rank {} has {} parameters ({} elements) in {} groups, rank 0 has {} ({} elements) in {} "
-        "groups{};",
-        r, all[r][1], all[r][2], all[r][3], all[0][1], all[0][2], all[0][3],
-        same_counts ? " with other shapes, dtypes or structural options" : "");
-  }
-  TORCH_CHECK(differing.empty(),
-              "DistributedShampoo: the ranks registered different "
-              "parameters or structural options:",
-              differing, " every rank must build the same model and param groups");
 }
 
 void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -272,33 +172,35 @@ std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
   std::vector<ShampooOptions> structures;
   std::vector<std::vector<int64_t>> members;
   merge_groups(groups, structures, members);
-  for (auto& block : blocks_) block.virtual_group = group_virtual_[params_[block.param].group];
+  for (auto& block : registry_.blocks)
+    block.virtual_group = group_virtual_[registry_.params[block.param].group];
 
   // Owners of blocks not yet known to the distributor. Communication units: one for everything
   // when merging (one AllGather per step), one per virtual group otherwise.
   const int64_t known = distributor_->num_blocks();
   std::vector<DistributedBlock> fresh;
-  for (int64_t b = known; b < static_cast<int64_t>(blocks_.size()); ++b) {
+  for (int64_t b = known; b < static_cast<int64_t>(registry_.blocks.size()); ++b) {
     DistributedBlock d;
-    d.id = blocks_[b].id;
-    d.numel = blocks_[b].numel;
-    d.unit = distributed_.merge_param_groups() ? 0 : blocks_[b].virtual_group;
-    d.device = params_[blocks_[b].param].param.device();
+    d.id = registry_.blocks[b].id;
+    d.numel = registry_.blocks[b].numel;
+    d.unit = distributed_.merge_param_groups() ? 0 : registry_.blocks[b].virtual_group;
+    d.device = registry_.params[registry_.blocks[b].param].param.device();
     fresh.push_back(d);
   }
   const auto owners = distributor_->add_blocks(fresh);
-  for (size_t i = 0; i < owners.size(); ++i) blocks_[known + i].owner = owners[i];
+  for (size_t i = 0; i < owners.size(); ++i) registry_.blocks[known + i].owner = owners[i];
 
   std::vector<std::unique_ptr<VirtualGroup>> built;
   for (size_t k = 0; k < structures.size(); ++k) {
     std::vector<int64_t> owned;
-    for (int64_t b = 0; b < static_cast<int64_t>(blocks_.size()); ++b) {
-      if (blocks_[b].virtual_group == static_cast<int64_t>(k) && distributor_->owns(b)) {
+    for (int64_t b = 0; b < static_cast<int64_t>(registry_.blocks.size()); ++b) {
+      if (registry_.blocks[b].virtual_group == static_cast<int64_t>(k) && distributor_->owns(b)) {
         owned.push_back(b);
       }
     }
     built.push_back(std::make_unique<VirtualGroup>(structures[k], members[k], std::move(owned),
-                                                   blocks_, params_, inject_failure_));
+                                                   registry_.blocks, registry_.params,
+                                                   inject_failure_));
   }
   return built;
 }
@@ -324,13 +226,13 @@ void ShampooEngine::check_groups(
               " param groups, but ", group_steps_.size(),
               " were registered; param groups cannot be removed, build a new optimizer instead");
   for (size_t g = 0; g < groups.size(); ++g) {
-    TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == group_sizes_[g],
+    TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == registry_.group_sizes[g],
                 "DistributedShampoo: param group ", g, " has ", groups[g].params().size(),
-                " parameters, but ", group_sizes_[g],
+                " parameters, but ", registry_.group_sizes[g],
                 " were registered; use add_param_group "
                 "to add parameters");
     const auto& options = options_of(groups[g], g);
-    const auto& structure = virtual_groups_[group_virtual_[g]]->structure();
+    const auto& structure = virtual_groups_[group_virtual_[g]]->structural_options();
     const auto* changed = structural_difference(options, structure);
     TORCH_CHECK(changed == nullptr, "DistributedShampoo: param group ", g, ": structural option ",
                 describe_difference(*changed, options, structure),
@@ -351,13 +253,13 @@ void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
   std::vector<at::Tensor> grads;
   std::vector<int64_t> grad_owner;
   for (const int64_t p : params) {
-    const auto& param = params_[p].param;
+    const auto& param = registry_.params[p].param;
     const auto& grad = param.grad();
     if (!grad.defined() || param.numel() == 0) continue;
     TORCH_CHECK(grad.sizes() == param.sizes() && grad.scalar_type() == param.scalar_type() &&
                     grad.device() == param.device() && grad.layout() == at::kStrided,
-                "parameter ", p, " (group ", params_[p].group, "): its gradient (", grad.sizes(),
-                ", ", grad.scalar_type(), ", ", grad.device(), ", ", grad.layout(),
+                "parameter ", p, " (group ", registry_.params[p].group, "): its gradient (",
+                grad.sizes(), ", ", grad.scalar_type(), ", ", grad.device(), ", ", grad.layout(),
                 ") does not match the parameter (", param.sizes(), ", ", param.scalar_type(), ", ",
                 param.device(), ", dense)");
     // bf16/fp16 and non-contiguous (channels_last) gradients are read as a contiguous copy in
@@ -373,29 +275,23 @@ void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
   for (size_t i = 0; i < grads.size(); ++i) {
     const auto p = grad_owner[i];
     TORCH_CHECK(std::isfinite(max_abs[i]), "DistributedShampoo: the gradient of parameter ", p,
-                " (group ", params_[p].group, ", shape ", params_[p].param.sizes(),
-                ") has non-finite values (NaN or inf) at step ", group_steps_[params_[p].group] + 1,
-                "; the step was not applied");
+                " (group ", registry_.params[p].group, ", shape ",
+                registry_.params[p].param.sizes(), ") has non-finite values (NaN or inf) at step ",
+                group_steps_[registry_.params[p].group] + 1, "; the step was not applied");
   }
   for (size_t i = 0; i < grads.size(); ++i) {
     const auto p = grad_owner[i];
-    grad_blocks[p] = block_views(grads[i], params_[p].plan);
+    grad_blocks[p] = block_views(grads[i], registry_.params[p].plan);
     grad_abs_max[p] = max_abs[i];
   }
 }
 
 void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups,
                                bool incremental) {
-  TORCH_CHECK(!step_open_, "DistributedShampoo: a step is already open (begin without finish)");
-  step_open_ = true;
-  exchange_attempted_ = false;
-  journal_active_ = false;
-  journal_ = StepJournal{};
-  journal_.groups.resize(virtual_groups_.size());
-  computed_.assign(blocks_.size(), false);
   // A later phase can throw after blocks changed: the AllGather (or another rank's failure), or
   // a later compute call in backward. Then every compute call saves what it changes first.
-  protect_all_ = distributor_->distributed() || incremental || static_cast<bool>(fault_);
+  transaction_.open(virtual_groups_.size(), registry_.blocks.size(),
+                    distributor_->distributed() || incremental || static_cast<bool>(fault_));
   distributor_->begin_step();
   try {
     check_groups(groups);
@@ -415,12 +311,12 @@ void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& g
 
 bool ShampooEngine::any_averaging() const {
   return std::any_of(virtual_groups_.begin(), virtual_groups_.end(),
-                     [](const auto& vg) { return averaging_enabled(vg->structure()); });
+                     [](const auto& vg) { return averaging_enabled(vg->structural_options()); });
 }
 
 void ShampooEngine::set_eval_mode(bool eval,
                                   std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  TORCH_CHECK(!step_open_, "DistributedShampoo: ", eval ? "eval()" : "train()",
+  TORCH_CHECK(!transaction_.is_open(), "DistributedShampoo: ", eval ? "eval()" : "train()",
               " while a step is open (in backward); switch between steps");
   if (eval == eval_mode_) return;
   check_groups(groups);
@@ -431,8 +327,8 @@ void ShampooEngine::set_eval_mode(bool eval,
   distributor_->begin_step();
   try {
     for (const auto& vg : virtual_groups_) {
-      if (averaging_enabled(vg->structure())) {
-        vg->switch_sequence(eval, params_, blocks_, *distributor_);
+      if (averaging_enabled(vg->structural_options())) {
+        vg->switch_sequence(eval, registry_.params, registry_.blocks, *distributor_);
       }
     }
   } catch (...) {
@@ -445,57 +341,53 @@ void ShampooEngine::set_eval_mode(bool eval,
                 "DistributedShampoo: ", eval ? "eval()" : "train()", " failed on rank(s) ",
                 fmt::format("{}", fmt::join(distributor_->failed_ranks(), ", ")),
                 "; no parameter was changed");
-    apply_received(*distributor_, params_, blocks_);
+    apply_received(*distributor_, registry_.params, registry_.blocks);
   }
   eval_mode_ = eval;
 }
 
 void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& groups,
                             const std::vector<int64_t>& params) {
-  TORCH_INTERNAL_ASSERT(step_open_);
-  std::vector<std::vector<at::Tensor>> grad_blocks(params_.size());
-  std::vector<double> grad_abs_max(params_.size(), 0.0);
+  TORCH_INTERNAL_ASSERT(transaction_.is_open());
+  std::vector<std::vector<at::Tensor>> grad_blocks(registry_.params.size());
+  std::vector<double> grad_abs_max(registry_.params.size(), 0.0);
   collect_gradients(params, grad_blocks, grad_abs_max);
-  std::vector<std::vector<at::Tensor>> param_blocks(params_.size());
+  std::vector<std::vector<at::Tensor>> param_blocks(registry_.params.size());
   // The parameter, or (bf16, fp16, non-contiguous, with a gradient) a copy written back below.
-  std::vector<at::Tensor> work(params_.size());
+  std::vector<at::Tensor> work(registry_.params.size());
   for (const int64_t p : params) {
-    work[p] = grad_blocks[p].empty() ? params_[p].param : work_tensor(params_[p].param);
-    param_blocks[p] = block_views(work[p], params_[p].plan);
+    work[p] =
+        grad_blocks[p].empty() ? registry_.params[p].param : work_tensor(registry_.params[p].param);
+    param_blocks[p] = block_views(work[p], registry_.params[p].plan);
   }
   std::vector<const ShampooOptions*> group_options(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) group_options[g] = &options_of(groups[g], g);
   // The step being computed: one past each group's count (advanced when the step completes).
   std::vector<int64_t> next_steps(group_steps_);
   for (auto& t : next_steps) ++t;
-  const StepInputs inputs{params_,       blocks_,     group_options, next_steps,
-                          step_lr_sums_, grad_blocks, param_blocks,  grad_abs_max,
-                          *distributor_, fault_,      computed_};
+  const StepInputs inputs{registry_.params, registry_.blocks, group_options,          next_steps,
+                          step_lr_sums_,    grad_blocks,      param_blocks,           grad_abs_max,
+                          *distributor_,    fault_,           transaction_.computed()};
 
-  bool protect = protect_all_;
+  bool protect = transaction_.protect_all();
   for (const auto& vg : virtual_groups_) protect = vg->may_raise(inputs) || protect;
   if (protect) {
-    for (size_t k = 0; k < virtual_groups_.size(); ++k) {
-      virtual_groups_[k]->save(inputs, journal_.groups[k], !journal_active_, journal_);
-    }
     // A single process updates its parameters in place while computing: keep them too.
-    if (!distributor_->distributed()) {
-      for (const int64_t p : params) {
-        if (grad_blocks[p].empty()) continue;
-        journal_.params.emplace_back(params_[p].param, params_[p].param.clone());
-        journal_.bytes += params_[p].param.nbytes();
-      }
+    std::vector<int64_t> stepped;
+    for (const int64_t p : params) {
+      if (!grad_blocks[p].empty()) stepped.push_back(p);
     }
-    journal_active_ = true;
+    transaction_.save(virtual_groups_, inputs, registry_.params, stepped,
+                      /*keep_params=*/!distributor_->distributed());
   }
   for (auto& vg : virtual_groups_) vg->step(inputs);
   // A single process updated the work copies in place: round them into their parameters.
   if (!distributor_->distributed()) {
     for (const int64_t p : params) {
-      if (!grad_blocks[p].empty()) write_back(params_[p].param, work[p]);
+      if (!grad_blocks[p].empty()) write_back(registry_.params[p].param, work[p]);
     }
   }
-  if (fault_) fault_(StepPhase::kComputed);
+  if (fault_) fault_(FaultPoint::kComputed);
 }
 
 void ShampooEngine::compute_params(std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -508,55 +400,45 @@ void ShampooEngine::compute_params(std::vector<torch::optim::OptimizerParamGroup
   }
 }
 
-void ShampooEngine::restore_journal() {
-  if (!journal_active_) return;
-  for (size_t k = 0; k < virtual_groups_.size(); ++k) {
-    virtual_groups_[k]->restore(journal_.groups[k], journal_);
-  }
-  restore_params(journal_.params);
-}
-
 void ShampooEngine::close_step(bool completed) {
   if (completed) {
     // A group advances when one of its blocks was updated (torch::optim: a parameter without a
     // gradient is not stepped). Distributed: the blocks the owners flagged, the same on every
     // rank, so the ranks' step counts stay equal.
     std::vector<bool> advance(group_steps_.size(), false);
-    for (size_t b = 0; b < blocks_.size(); ++b) {
-      const bool updated = distributor_->distributed() ? distributor_->received_updated(b)
-                                                       : static_cast<bool>(computed_[b]);
-      if (updated) advance[params_[blocks_[b].param].group] = true;
+    for (size_t b = 0; b < registry_.blocks.size(); ++b) {
+      const bool updated = distributor_->distributed()
+                               ? distributor_->received_updated(b)
+                               : static_cast<bool>(transaction_.computed()[b]);
+      if (updated) advance[registry_.params[registry_.blocks[b].param].group] = true;
     }
     for (size_t g = 0; g < group_steps_.size(); ++g) {
       group_steps_[g] += advance[g] ? 1 : 0;
       if (advance[g]) group_lr_sums_[g] = step_lr_sums_[g];
     }
   }
-  rollback_bytes_last_step_ = journal_active_ ? journal_.bytes : 0;
-  journal_ = StepJournal{};
-  journal_active_ = false;
-  step_open_ = false;
+  transaction_.close();
 }
 
 void ShampooEngine::abort_step() {
-  if (!step_open_) return;
-  if (distributor_->distributed() && !exchange_attempted_) {
-    exchange_attempted_ = true;
+  if (!transaction_.is_open()) return;
+  if (distributor_->distributed() && !transaction_.exchange_attempted()) {
+    transaction_.set_exchange_attempted();
     try {
       collectives_last_step_ = distributor_->exchange(/*failed=*/true);
     } catch (const std::exception&) {
       // The AllGather failed as well; this rank's own error is the one rethrown.
     }
   }
-  restore_journal();
+  transaction_.restore(virtual_groups_);
   close_step(/*completed=*/false);
 }
 
 void ShampooEngine::finish_step() {
-  TORCH_INTERNAL_ASSERT(step_open_);
+  TORCH_INTERNAL_ASSERT(transaction_.is_open());
   try {
-    if (fault_) fault_(StepPhase::kExchange);
-    exchange_attempted_ = true;
+    if (fault_) fault_(FaultPoint::kExchange);
+    transaction_.set_exchange_attempted();
     collectives_last_step_ = distributor_->exchange();
   } catch (...) {
     abort_step();
@@ -564,19 +446,20 @@ void ShampooEngine::finish_step() {
   }
   const auto& failed = distributor_->failed_ranks();
   if (!failed.empty()) {
-    restore_journal();
+    transaction_.restore(virtual_groups_);
     close_step(/*completed=*/false);
     TORCH_CHECK(false, "DistributedShampoo: the step failed on rank(s) ",
                 fmt::format("{}", fmt::join(failed, ", ")),
                 " of the trainer group (the error is reported there); every rank undid this "
                 "step, so parameters, state and step counts are as before it");
   }
-  if (distributor_->distributed()) apply_received(*distributor_, params_, blocks_);
+  if (distributor_->distributed())
+    apply_received(*distributor_, registry_.params, registry_.blocks);
   close_step(/*completed=*/true);
 }
 
 void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  std::vector<int64_t> all(params_.size());
+  std::vector<int64_t> all(registry_.params.size());
   std::iota(all.begin(), all.end(), 0);
   begin_step(groups);
   compute_params(groups, all);
@@ -584,8 +467,7 @@ void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups)
 }
 
 int64_t ShampooEngine::param_index(const at::Tensor& param) const {
-  const auto it = param_lookup_.find(param.unsafeGetTensorImpl());
-  return it == param_lookup_.end() ? -1 : it->second;
+  return registry_.index_of(param);
 }
 
 std::optional<int> ShampooEngine::param_owner(const at::Tensor& param) const {
@@ -599,7 +481,7 @@ std::optional<int> ShampooEngine::param_owner(const at::Tensor& param) const {
               "whole process group, but DistributedOptions.num_trainers_per_group (",
               distributed_.num_trainers_per_group(),
               ") splits the blocks over subgroups; use num_trainers_per_group -1");
-  const auto& entry = params_[p];
+  const auto& entry = registry_.params[p];
   const auto first = entry.first_block;
   const auto count = static_cast<int64_t>(entry.plan.blocks.size());
   if (count == 0) return ParameterOwners::kEveryRank;
@@ -618,7 +500,7 @@ ShampooStats ShampooEngine::stats() const {
   ShampooStats s;
   s.virtual_groups = static_cast<int64_t>(virtual_groups_.size());
   s.collectives_last_step = collectives_last_step_;
-  s.total_blocks = static_cast<int64_t>(blocks_.size());
+  s.total_blocks = static_cast<int64_t>(registry_.blocks.size());
   s.amortized_computations = retired_counters_.computations;
   s.failed_amortized_computations = retired_counters_.failures;
   s.double_precision_retries = retired_counters_.retried_in_double;
@@ -632,7 +514,7 @@ ShampooStats ShampooEngine::stats() const {
     s.owned_blocks += vg->owned_blocks();
     s.state_bytes += vg->state_bytes();
   }
-  s.rollback_bytes_last_step = rollback_bytes_last_step_;
+  s.rollback_bytes_last_step = transaction_.saved_bytes_last_step();
   s.bytes_sent_per_step = distributor_->bytes_sent_per_step();
   s.bytes_received_per_step = distributor_->bytes_received_per_step();
   return s;

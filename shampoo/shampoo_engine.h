@@ -1,15 +1,19 @@
 #pragma once
-/// The engine behind DistributedShampoo: the parameter and block registry, the group-merging
-/// front end (param groups -> virtual groups), the Distributor, and checkpoints. It holds no
-/// pointer to the optimizer object (which may be moved); the optimizer passes its param groups.
+/// The engine behind DistributedShampoo: the outline of a step (begin, compute, finish, abort),
+/// the group-merging front end (param groups -> virtual groups), the Distributor, and checkpoints
+/// (checkpoint.cpp). The registry of parameters and blocks (param_registry.h), the step
+/// transaction (step_transaction.h) and the ranks' agreement check (rank_agreement.h) are their
+/// own units. It holds no pointer to the optimizer object (which may be moved); the optimizer
+/// passes its param groups.
 
 #include <memory>
-#include <unordered_map>
 #include <vector>
 
 #include "distributor/distributor.h"
 #include "parallel/distributed_checkpoint.h"
 #include "shampoo/distributed_shampoo.h"
+#include "shampoo/param_registry.h"
+#include "shampoo/step_transaction.h"
 #include "shampoo/virtual_group.h"
 
 namespace shampoo::detail {
@@ -43,7 +47,7 @@ class ShampooEngine {
   /// distributed mode it first joins the step's AllGather flagged as failed (unless that was
   /// already attempted), so the other ranks undo their step too instead of waiting.
   void abort_step();
-  bool step_open() const { return step_open_; }
+  bool step_open() const { return transaction_.is_open(); }
   /// Index of `param` among the registered parameters, or -1.
   int64_t param_index(const at::Tensor& param) const;
   /// The rank (of the whole process group) owning every block of `param`; nullopt when it is
@@ -75,7 +79,7 @@ class ShampooEngine {
   const DistributedOptions& distributed_options() const { return distributed_; }
   void set_failure_injector(FailureInjector fn,
                             std::vector<torch::optim::OptimizerParamGroup>& groups);
-  /// Test seam: called at each StepPhase of every step; a throw there fails the step.
+  /// Test seam: called at each FaultPoint of every step; a throw there fails the step.
   void set_fault_injector(StepFaultInjector fn) { fault_ = std::move(fn); }
 
  private:
@@ -106,8 +110,6 @@ class ShampooEngine {
                          std::vector<double>& grad_abs_max) const;
   void compute(std::vector<torch::optim::OptimizerParamGroup>& groups,
                const std::vector<int64_t>& params);
-  /// Puts back what the journal saved (state, counters, parameters).
-  void restore_journal();
   /// Closes the open step; the groups with an updated block advance their step count.
   void close_step(bool completed);
   /// Replaces the virtual groups by freshly built ones holding the current states (after a
@@ -115,13 +117,6 @@ class ShampooEngine {
   void rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups, bool require_all);
   /// Adds the counters of the current virtual groups to the retired ones (before replacing them).
   void retire_counters();
-  /// Distributed: every rank must register the same parameters and structure. One small
-  /// AllGather of a fingerprint; a mismatch is an error on every rank (never a hang later).
-  void check_ranks_agree(const std::vector<torch::optim::OptimizerParamGroup>& groups);
-  /// Checks the parameters of new param group `index` before anything is registered: dense,
-  /// contiguous, Float or Double leaves of one dtype, on the device of the others, in no other
-  /// group.
-  void check_new_params(const std::vector<at::Tensor>& params, size_t index) const;
   /// Whether any virtual group uses iterate averaging.
   bool any_averaging() const;
   /// Checks that the param groups were not changed behind the optimizer's back.
@@ -130,30 +125,19 @@ class ShampooEngine {
   ShampooOptions defaults_;
   DistributedOptions distributed_;
   std::unique_ptr<Distributor> distributor_;
-  std::vector<ParamEntry> params_;
-  std::unordered_map<const void*, int64_t> param_lookup_;  // TensorImpl -> index in params_
-  std::vector<BlockEntry> blocks_;
+  ParamRegistry registry_;
   std::vector<int64_t> group_steps_;
   // Schedule-Free: per param group Σ lr^p over its completed steps (0 without it), and the open
   // step's sums including its terms (committed for the groups that advance).
   std::vector<double> group_lr_sums_;
   std::vector<double> step_lr_sums_;
   bool eval_mode_ = false;  // iterate averaging: parameters hold the evaluation sequence x
-  std::vector<int64_t> group_sizes_;
   std::vector<int64_t> group_virtual_;  // virtual group of each param group
   std::vector<std::unique_ptr<VirtualGroup>> virtual_groups_;
   FailureInjector inject_failure_;
   StepFaultInjector fault_;
   int64_t collectives_last_step_ = 0;
-  bool step_open_ = false;
-  // The open step: whether every compute call saves its state first, whether it has saved any,
-  // whether its AllGather was attempted, and which blocks it computed (this rank) or received.
-  bool protect_all_ = false;
-  bool journal_active_ = false;
-  bool exchange_attempted_ = false;
-  StepJournal journal_;
-  std::vector<bool> computed_;
-  int64_t rollback_bytes_last_step_ = 0;
+  StepTransaction transaction_;
   AmortizedCounters retired_counters_;  // of virtual groups replaced by rebuilds
 };
 

@@ -7,6 +7,7 @@
 
 #include "preconditioners/iterative_roots.h"
 #include "shampoo/option_fields.h"
+#include "update/grafting.h"
 
 namespace shampoo {
 namespace {
@@ -17,20 +18,14 @@ void check_unit_interval(double value, const char* field, bool allow_one) {
               allow_one ? "1]" : "1)");
 }
 
-/// The iterative root solvers: a budget, a tolerance, and integer roots (every exponent 1/p).
-void check_root_solver(const PreconditionerConfig& preconditioner,
-                       const InverseExponentOverride& overrides) {
+/// The family's own ranges (check_config, preconditioners/preconditioner_configs.cpp), and what
+/// depends on other options: the iterative root solvers need integer roots (every exponent 1/p).
+void check_preconditioner(const PreconditionerConfig& preconditioner,
+                          const InverseExponentOverride& overrides) {
+  std::visit([](const auto& c) { detail::check_config(c, "ShampooOptions.preconditioner"); },
+             preconditioner);
   const auto* c = root_inverse_config(preconditioner);
-  if (c == nullptr) return;
-  TORCH_CHECK(c->solver == RootSolver::kEigh || c->solver == RootSolver::kCoupledNewton ||
-                  c->solver == RootSolver::kNewtonDB,
-              "ShampooOptions.preconditioner.solver: got ", static_cast<int>(c->solver),
-              ", expected kEigh, kCoupledNewton or kNewtonDB");
-  if (c->solver == RootSolver::kEigh) return;
-  TORCH_CHECK(c->max_iterations >= 1, "ShampooOptions.preconditioner.max_iterations: got ",
-              c->max_iterations, ", expected >= 1");
-  TORCH_CHECK(std::isfinite(c->tolerance) && c->tolerance > 0.0,
-              "ShampooOptions.preconditioner.tolerance: got ", c->tolerance, ", expected > 0");
+  if (c == nullptr || c->solver == RootSolver::kEigh) return;
   for (const auto& [order, dims] : overrides) {
     for (const auto& [dim, exponent] : dims) {
       TORCH_CHECK(exponent == 0.0 || detail::integer_root(exponent) != 0,
@@ -39,54 +34,6 @@ void check_root_solver(const PreconditionerConfig& preconditioner,
                   " is not 1/p for an integer p; the iterative root solvers "
                   "(kCoupledNewton, kNewtonDB) need integer roots (use RootSolver::kEigh)");
     }
-  }
-}
-
-void check_epsilon_beta2(const char* family, double epsilon, const double* beta2) {
-  TORCH_CHECK(std::isfinite(epsilon) && epsilon > 0.0,
-              "ShampooOptions.preconditioner.epsilon: got ", epsilon, ", expected > 0 (", family,
-              ")");
-  if (beta2 == nullptr) return;
-  TORCH_CHECK(std::isfinite(*beta2) && *beta2 > 0.0 && *beta2 <= 1.0,
-              "ShampooOptions.preconditioner.beta2: got ", *beta2, ", expected a value in (0, 1] (",
-              family, ")");
-}
-
-void check_spectral_descent(const SpectralDescentConfig& c) {
-  const bool newton_schulz = c.method == OrthogonalizationMethod::kNewtonSchulz;
-  TORCH_CHECK(newton_schulz || c.method == OrthogonalizationMethod::kSVD,
-              "ShampooOptions.preconditioner.method: got ", static_cast<int>(c.method),
-              ", expected kNewtonSchulz or kSVD (SpectralDescentConfig)");
-  TORCH_CHECK(c.num_iterations >= 1, "ShampooOptions.preconditioner.num_iterations: got ",
-              c.num_iterations, ", expected >= 1 (SpectralDescentConfig)");
-  for (size_t i = 0; i < c.coefficients.size(); ++i) {
-    TORCH_CHECK(std::isfinite(c.coefficients[i]), "ShampooOptions.preconditioner.coefficients[", i,
-                "]: got ", c.coefficients[i], ", expected a finite value (SpectralDescentConfig)");
-  }
-  TORCH_CHECK(!c.scale_by_nuclear_norm || !newton_schulz,
-              "ShampooOptions.preconditioner.scale_by_nuclear_norm: got true with method "
-              "kNewtonSchulz, expected false (the nuclear norm comes from the SVD: use method "
-              "kSVD) (SpectralDescentConfig)");
-  TORCH_CHECK(c.scale == OrthogonalizationScale::kOne ||
-                  c.scale == OrthogonalizationScale::kSqrtAspectRatio,
-              "ShampooOptions.preconditioner.scale: got ", static_cast<int>(c.scale),
-              ", expected kOne or kSqrtAspectRatio (SpectralDescentConfig)");
-}
-
-/// The fields of the descent and diagonal families (the reference's ranges).
-void check_descent_and_diagonal(const PreconditionerConfig& preconditioner) {
-  if (const auto* c = std::get_if<SpectralDescentConfig>(&preconditioner)) {
-    check_spectral_descent(*c);
-  } else if (const auto* c = std::get_if<SignDescentConfig>(&preconditioner)) {
-    TORCH_CHECK(c->scale == SignDescentScale::kOne || c->scale == SignDescentScale::kL1Norm,
-                "ShampooOptions.preconditioner.scale: got ", static_cast<int>(c->scale),
-                ", expected kOne or kL1Norm (SignDescentConfig)");
-  } else if (const auto* c = std::get_if<AdaGradPreconditionerConfig>(&preconditioner)) {
-    check_epsilon_beta2("AdaGradPreconditionerConfig", c->epsilon, nullptr);
-  } else if (const auto* c = std::get_if<RMSpropPreconditionerConfig>(&preconditioner)) {
-    check_epsilon_beta2("RMSpropPreconditionerConfig", c->epsilon, &c->beta2);
-  } else if (const auto* c = std::get_if<AdamPreconditionerConfig>(&preconditioner)) {
-    check_epsilon_beta2("AdamPreconditionerConfig", c->epsilon, &c->beta2);
   }
 }
 
@@ -121,31 +68,6 @@ void check_iterate_averaging(const IterateAveragingConfig& averaging, double mom
               "): averaging takes the place of momentum");
 }
 
-/// The pseudo-inverse thresholds, and the root solver it needs (eigh).
-void check_rank_deficient_stability(const PreconditionerConfig& preconditioner) {
-  const auto* stability = rank_deficient_stability(preconditioner);
-  if (stability == nullptr) return;
-  TORCH_CHECK(!stability->valueless_by_exception(),
-              "ShampooOptions.preconditioner.rank_deficient_stability: no value");
-  const auto* c = std::get_if<PseudoInverseConfig>(stability);
-  if (c == nullptr) return;
-  TORCH_CHECK(std::isfinite(c->rank_atol) && c->rank_atol >= 0.0,
-              "ShampooOptions.preconditioner.rank_deficient_stability.rank_atol: got ",
-              c->rank_atol, ", expected rank_atol >= 0");
-  TORCH_CHECK(
-      c->rank_rtol == kDtypeRankRtol || (std::isfinite(c->rank_rtol) && c->rank_rtol >= 0.0),
-      "ShampooOptions.preconditioner.rank_deficient_stability.rank_rtol: got ", c->rank_rtol,
-      ", expected rank_rtol >= 0 or kDtypeRankRtol (-1)");
-  const auto* root_inverse = root_inverse_config(preconditioner);
-  TORCH_CHECK(root_inverse == nullptr || root_inverse->solver == RootSolver::kEigh,
-              "ShampooOptions.preconditioner.rank_deficient_stability: PseudoInverseConfig needs "
-              "solver kEigh, got ",
-              root_inverse != nullptr && root_inverse->solver == RootSolver::kNewtonDB
-                  ? "kNewtonDB"
-                  : "kCoupledNewton",
-              " (an iterative solver cannot drop eigenvalues)");
-}
-
 /// ε > 0 with the perturbation, ε = 0 with the pseudo-inverse (the reference's rule).
 void check_epsilon(double epsilon, const PreconditionerConfig& preconditioner) {
   if (uses_pseudo_inverse(preconditioner)) {
@@ -159,33 +81,6 @@ void check_epsilon(double epsilon, const PreconditionerConfig& preconditioner) {
 }
 
 }  // namespace
-
-const RootInvShampooConfig* root_inverse_config(const PreconditionerConfig& config) {
-  if (const auto* c = std::get_if<RootInvShampooConfig>(&config)) return c;
-  return std::get_if<RootInvKLShampooConfig>(&config);
-}
-
-const EigendecomposedShampooConfig* eigendecomposed_config(const PreconditionerConfig& config) {
-  if (const auto* c = std::get_if<EigendecomposedShampooConfig>(&config)) return c;
-  return std::get_if<EigendecomposedKLShampooConfig>(&config);
-}
-
-const RankDeficientStabilityConfig* rank_deficient_stability(const PreconditionerConfig& config) {
-  return std::visit(
-      [](const auto& c) -> const RankDeficientStabilityConfig* {
-        if constexpr (requires { c.rank_deficient_stability; }) {
-          return &c.rank_deficient_stability;
-        } else {
-          return nullptr;
-        }
-      },
-      config);
-}
-
-bool uses_pseudo_inverse(const PreconditionerConfig& config) {
-  const auto* stability = rank_deficient_stability(config);
-  return stability != nullptr && std::holds_alternative<PseudoInverseConfig>(*stability);
-}
 
 double ShampooOptions::resolved_beta3() const {
   return beta3() == -1.0 ? std::get<0>(betas()) : beta3();
@@ -227,16 +122,8 @@ void ShampooOptions::validate() const {
               "ShampooOptions.factor_matrix_dtype: got ", factor_matrix_dtype(),
               ", expected Float or Double");
   detail::check_grafting(grafting());
-  check_root_solver(preconditioner(), inverse_exponent_override());
-  check_descent_and_diagonal(preconditioner());
+  check_preconditioner(preconditioner(), inverse_exponent_override());
   check_iterate_averaging(iterate_averaging(), momentum());
-  check_rank_deficient_stability(preconditioner());
-  if (const auto* c = eigendecomposed_config(preconditioner())) {
-    TORCH_CHECK(c->eigenbasis_method == EigenbasisMethod::kEigh ||
-                    c->eigenbasis_method == EigenbasisMethod::kQR,
-                "ShampooOptions.preconditioner.eigenbasis_method: got ",
-                static_cast<int>(c->eigenbasis_method), ", expected kEigh or kQR");
-  }
   for (const auto& [order, dims] : inverse_exponent_override()) {
     TORCH_CHECK(order >= 1, "ShampooOptions.inverse_exponent_override: order ", order,
                 " is not a block order (expected >= 1)");

@@ -6,41 +6,25 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <variant>
 
 #include "distributor/block_plan.h"
+#include "preconditioners/preconditioner_factory.h"
 #include "shampoo/virtual_group.h"
 
 namespace shampoo::detail {
 namespace {
 
-/// Bytes the preconditioner lists and the elementwise state allocate for one block from the start
-/// (see the constructors of KroneckerFactors, ShampooPreconditionerList,
-/// EigendecomposedPreconditionerList, EigenvalueCorrectedPreconditionerList,
-/// DiagonalPreconditionerList and ElementwiseState).
+/// Bytes the preconditioner list (its family's estimate, preconditioners/preconditioner_factory.h)
+/// and the grafting state allocate for one block from the start.
 int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64_t>& shape,
                           int64_t numel, int64_t state_element_size) {
-  const auto factor_size = static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
-  const auto& preconditioner = options.preconditioner();
-  const bool eigendecomposed = eigendecomposed_config(preconditioner) != nullptr;
-  int64_t bytes = 0;
-  if (uses_kronecker_factors(options)) {
-    const auto exponents = dim_exponents(options, static_cast<int64_t>(shape.size()));
-    for (const auto k : c10::irange(shape.size())) {
-      // A factor and its root (or eigenbasis); none for a dim with exponent 0.
-      if (exponents[k] == 0.0) continue;
-      bytes += 2 * shape[k] * shape[k] * factor_size;
-      if (eigendecomposed) bytes += shape[k] * factor_size;  // its eigenvalues
-    }
-  }
-  // A second moment of the block's shape: SOAP's corrected one, or the diagonal families' V
-  // (SGD, spectral and sign descent keep none).
-  if (std::holds_alternative<EigenvalueCorrectedShampooConfig>(preconditioner) ||
-      std::holds_alternative<AdaGradPreconditionerConfig>(preconditioner) ||
-      std::holds_alternative<RMSpropPreconditionerConfig>(preconditioner) ||
-      std::holds_alternative<AdamPreconditionerConfig>(preconditioner)) {
-    bytes += numel * state_element_size;
-  }
+  BlockLayout layout;
+  layout.shape = shape;
+  layout.dim_exponents = dim_exponents(options, static_cast<int64_t>(shape.size()));
+  layout.factor_element_size =
+      static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
+  layout.state_element_size = state_element_size;
+  int64_t bytes = estimated_state_bytes(options.preconditioner(), layout);
   // Grafting statistics V.
   if (grafting_method(grafting_kind(options.grafting())).has_state) {
     bytes += numel * state_element_size;

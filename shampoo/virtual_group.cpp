@@ -5,149 +5,23 @@
 #include <atomic>
 #include <cmath>
 
-#include "preconditioners/descent_preconditioner_lists.h"
-#include "preconditioners/diagonal_preconditioner_list.h"
-#include "preconditioners/eigendecomposed_preconditioner_list.h"
-#include "preconditioners/eigenvalue_corrected_preconditioner_list.h"
-#include "preconditioners/shampoo_preconditioner_list.h"
+#include "preconditioners/preconditioner_factory.h"
 #include "shampoo/param_updates.h"
-#include "shampoo/step_plan.h"
+#include "shampoo/step_scalars.h"
 
 namespace shampoo::detail {
 namespace {
 
-/// The matmul-only solver settings of a root-inverse config; none for eigh.
-std::optional<IterativeRootSettings> iterative_root_settings(const RootInvShampooConfig& config) {
-  if (config.solver == RootSolver::kEigh) return std::nullopt;
-  IterativeRootSettings s;
-  s.method = config.solver == RootSolver::kNewtonDB ? IterativeRootMethod::kNewtonDB
-                                                    : IterativeRootMethod::kCoupledNewton;
-  s.max_iterations = config.max_iterations;
-  s.tolerance = config.tolerance;
-  s.tf32 = config.tf32;
-  return s;
-}
-
-/// The pseudo-inverse thresholds of a rank-deficient stability config; none for perturbation.
-std::optional<PseudoInverseSettings> pseudo_inverse_settings(
-    const RankDeficientStabilityConfig& config) {
-  const auto* c = std::get_if<PseudoInverseConfig>(&config);
-  if (c == nullptr) return std::nullopt;
-  return PseudoInverseSettings{c->rank_atol, c->rank_rtol};
-}
-
-// One factory per family, chosen by overload resolution on the config.
-using Specs = std::vector<StackSpec>;
-using ListPtr = std::unique_ptr<PreconditionerList>;
-
-ListPtr make_list(const RootInvShampooConfig& config, Specs specs,
-                  MatrixPreconditionerSettings settings) {
-  settings.retry_double_precision = config.retry_double_precision;
-  settings.root_solver = iterative_root_settings(config);
-  settings.pseudo_inverse = pseudo_inverse_settings(config.rank_deficient_stability);
-  return std::make_unique<ShampooPreconditionerList>(std::move(specs), settings);
-}
-
-// KL-Shampoo: the same list, its factors accumulating the gradient multiplied along the other
-// dims by their current inverse roots.
-ListPtr make_list(const RootInvKLShampooConfig& config, Specs specs,
-                  MatrixPreconditionerSettings settings) {
-  settings.statistics = FactorStatistics::kKL;
-  return make_list(static_cast<const RootInvShampooConfig&>(config), std::move(specs), settings);
-}
-
-ListPtr make_list(const EigendecomposedShampooConfig& config, Specs specs,
-                  MatrixPreconditionerSettings settings) {
-  settings.retry_double_precision = config.retry_double_precision;
-  settings.pseudo_inverse = pseudo_inverse_settings(config.rank_deficient_stability);
-  const auto method = config.eigenbasis_method == EigenbasisMethod::kQR
-                          ? EigendecompositionUpdate::kQR
-                          : EigendecompositionUpdate::kEigh;
-  return std::make_unique<EigendecomposedPreconditionerList>(std::move(specs), settings, method);
-}
-
-ListPtr make_list(const EigendecomposedKLShampooConfig& config, Specs specs,
-                  MatrixPreconditionerSettings settings) {
-  settings.statistics = FactorStatistics::kKL;
-  return make_list(static_cast<const EigendecomposedShampooConfig&>(config), std::move(specs),
-                   settings);
-}
-
-ListPtr make_list(const EigenvalueCorrectedShampooConfig& config, Specs specs,
-                  MatrixPreconditionerSettings settings) {
-  settings.retry_double_precision = config.retry_double_precision;
-  const auto method = config.eigenbasis_method == EigenbasisMethod::kQR ? EigenbasisUpdate::kQR
-                                                                        : EigenbasisUpdate::kEigh;
-  return std::make_unique<EigenvalueCorrectedPreconditionerList>(std::move(specs), settings,
-                                                                 method);
-}
-
-ListPtr make_list(const SpectralDescentConfig& config, Specs specs,
-                  const MatrixPreconditionerSettings& /*settings*/) {
-  OrthogonalizationSettings s;
-  s.algorithm = config.method == OrthogonalizationMethod::kSVD
-                    ? OrthogonalizationAlgorithm::kSVD
-                    : OrthogonalizationAlgorithm::kNewtonSchulz;
-  s.num_iterations = config.num_iterations;
-  s.coefficients = config.coefficients;
-  s.scale_by_nuclear_norm = config.scale_by_nuclear_norm;
-  s.sqrt_aspect_ratio = config.scale == OrthogonalizationScale::kSqrtAspectRatio;
-  return std::make_unique<SpectralDescentPreconditionerList>(std::move(specs), s);
-}
-
-ListPtr make_list(const SignDescentConfig& config, Specs specs,
-                  const MatrixPreconditionerSettings& /*settings*/) {
-  const auto scale =
-      config.scale == SignDescentScale::kL1Norm ? SignScale::kL1Norm : SignScale::kOne;
-  return std::make_unique<SignDescentPreconditionerList>(std::move(specs), scale);
-}
-
-// The diagonal families (docs/math.md, "Diagonal main preconditioners"): which weight and which
-// bias correction, as the reference's choice of AdaGrad/RMSprop/Adam list coefficients.
-DiagonalSettings diagonal_settings(const SGDPreconditionerConfig& /*config*/) {
-  DiagonalSettings s;
-  s.has_state = false;
-  return s;
-}
-DiagonalSettings diagonal_settings(const AdaGradPreconditionerConfig& config) {
-  DiagonalSettings s;
-  s.epsilon = config.epsilon;
-  return s;
-}
-template <typename C>
-DiagonalSettings moving_average_settings(const C& config, bool bias_correction) {
-  DiagonalSettings s;
-  s.beta2 = config.beta2;
-  s.epsilon = config.epsilon;
-  // Dropping the weighting factor also drops the bias correction.
-  s.weight = config.drop_weighting_factor_on_gsquare ? 1.0 : 1.0 - config.beta2;
-  s.bias_correction = bias_correction && !config.drop_weighting_factor_on_gsquare;
-  return s;
-}
-DiagonalSettings diagonal_settings(const RMSpropPreconditionerConfig& config) {
-  return moving_average_settings(config, /*bias_correction=*/false);
-}
-DiagonalSettings diagonal_settings(const AdamPreconditionerConfig& config) {
-  return moving_average_settings(config, /*bias_correction=*/true);
-}
-
-template <typename C>
-requires requires(const C& c) { diagonal_settings(c); }
-ListPtr make_list(const C& config, Specs specs, const MatrixPreconditionerSettings& /*settings*/) {
-  return std::make_unique<DiagonalPreconditionerList>(std::move(specs), diagonal_settings(config));
-}
-
-ListPtr make_preconditioner(const ShampooOptions& structure, Specs specs,
-                            FailureInjector inject_failure) {
+std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& structure,
+                                                        std::vector<StackSpec> specs,
+                                                        FailureInjector inject_failure) {
   MatrixPreconditionerSettings settings;
   settings.factor_dtype = structure.factor_matrix_dtype();
   settings.tolerated_failures = structure.num_tolerated_failed_amortized_computations();
   settings.inject_failure = std::move(inject_failure);
-  return std::visit(
-      [&](const auto& config) { return make_list(config, std::move(specs), settings); },
-      structure.preconditioner());
+  return make_preconditioner_list(structure.preconditioner(), std::move(specs),
+                                  std::move(settings));
 }
-
 int64_t tensor_bytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
@@ -176,7 +50,7 @@ struct VirtualGroup::StackStep {
 };
 
 /// One step of the group: a StackStep per stack and the chain entries of every stepped block.
-struct VirtualGroup::Plan {
+struct VirtualGroup::ChunkStep {
   std::vector<StackStep> stacks;
   std::vector<ChainBlockTensors> chain;
 };
@@ -226,14 +100,7 @@ std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order) 
 }
 
 int64_t block_target_order(const ShampooOptions& options) {
-  return std::holds_alternative<SpectralDescentConfig>(options.preconditioner()) ? 2 : 1;
-}
-
-bool uses_kronecker_factors(const ShampooOptions& options) {
-  const auto& p = options.preconditioner();
-  return root_inverse_config(p) != nullptr ||
-         std::holds_alternative<EigenvalueCorrectedShampooConfig>(p) ||
-         eigendecomposed_config(p) != nullptr;
+  return block_order(options.preconditioner());
 }
 
 VirtualGroup::VirtualGroup(const ShampooOptions& structure, std::vector<int64_t> user_groups,
@@ -335,19 +202,19 @@ void VirtualGroup::restore(const StepJournal::GroupMark& mark, const StepJournal
 }
 
 void VirtualGroup::step(const StepInputs& in) {
-  // In chunks of rows (Plan's buffers bounded by step_chunk_bytes), each through every phase;
+  // In chunks of rows (ChunkStep's buffers bounded by step_chunk_bytes), each through every phase;
   // a block's result does not depend on the chunks.
   for (const auto& chunk : step_chunks(in)) {
     StepUpdates updates(in.distributor);
-    auto plan = plan_step(in, chunk, updates);
-    if (plan.chain.empty()) continue;
-    run_chain_pre(plan.chain);  // L2 weight decay, grafting statistics, β1/β3 filtering
-    update_statistics(plan);    // Kronecker factors, amortized roots
-    if (in.fault) in.fault(StepPhase::kStatisticsUpdated);
-    precondition(plan);           // the matrix preconditioner applied to Ḡ
-    run_chain_norms(plan.chain);  // the grafting norms
-    if (in.fault) in.fault(StepPhase::kBeforeUpdate);
-    run_chain_post(plan.chain);  // graft, decoupled weight decay, momentum, × −lr, apply
+    auto chunk_step = prepare_chunk(in, chunk, updates);
+    if (chunk_step.chain.empty()) continue;
+    run_chain_pre(chunk_step.chain);  // L2 weight decay, grafting statistics, β1/β3 filtering
+    update_statistics(chunk_step);    // Kronecker factors, amortized roots
+    if (in.fault) in.fault(FaultPoint::kStatisticsUpdated);
+    precondition(chunk_step);           // the matrix preconditioner applied to Ḡ
+    run_chain_norms(chunk_step.chain);  // the grafting norms
+    if (in.fault) in.fault(FaultPoint::kBeforeUpdate);
+    run_chain_post(chunk_step.chain);  // graft, decoupled weight decay, momentum, × −lr, apply
     updates.finish();
   }
 }
@@ -378,13 +245,14 @@ std::vector<std::vector<Rows>> VirtualGroup::step_chunks(const StepInputs& in) c
   return chunks;
 }
 
-VirtualGroup::Plan VirtualGroup::plan_step(const StepInputs& in, const std::vector<Rows>& chunk,
-                                           StepUpdates& updates) {
-  Plan plan;
-  plan.stacks.resize(stacks_.size());
+VirtualGroup::ChunkStep VirtualGroup::prepare_chunk(const StepInputs& in,
+                                                    const std::vector<Rows>& chunk,
+                                                    StepUpdates& updates) {
+  ChunkStep chunk_step;
+  chunk_step.stacks.resize(stacks_.size());
   for (size_t s = 0; s < stacks_.size(); ++s) {
     const auto& stack = stacks_[s];
-    auto& st = plan.stacks[s];
+    auto& st = chunk_step.stacks[s];
     st.rows = chunk[s];
     if (st.rows.size() == 0) continue;
     bool any_filter = false;
@@ -397,13 +265,13 @@ VirtualGroup::Plan VirtualGroup::plan_step(const StepInputs& in, const std::vect
     st.filtered = any_filter ? at::empty(shape, stack.spec.options) : st.gradients;
     for (int64_t i = 0; i < st.rows.size(); ++i) {
       const int64_t b = stack.blocks[st.rows.rows[i]];
-      st.chain.push_back(plan.chain.size());
-      plan.chain.push_back(
+      st.chain.push_back(chunk_step.chain.size());
+      chunk_step.chain.push_back(
           chain_entry(in, static_cast<int64_t>(s), st.rows.rows[i], i, st, updates));
       in.computed[b] = true;
     }
   }
-  return plan;
+  return chunk_step;
 }
 
 ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int64_t row, int64_t i,
@@ -437,18 +305,18 @@ ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int
   return c;
 }
 
-void VirtualGroup::update_statistics(Plan& plan) {
+void VirtualGroup::update_statistics(ChunkStep& chunk_step) {
   for (size_t s = 0; s < stacks_.size(); ++s) {
-    auto& st = plan.stacks[s];
+    auto& st = chunk_step.stacks[s];
     if (st.rows.size() == 0) continue;
     preconditioner_->update(static_cast<int64_t>(s), st.rows, st.gradients, st.scalars,
                             st.amortize);
   }
 }
 
-void VirtualGroup::precondition(Plan& plan) {
+void VirtualGroup::precondition(ChunkStep& chunk_step) {
   for (size_t s = 0; s < stacks_.size(); ++s) {
-    auto& st = plan.stacks[s];
+    auto& st = chunk_step.stacks[s];
     if (st.rows.size() == 0) continue;
     auto [rows, scalars] = select_rows(st.rows, st.scalars, st.preconditioned);
     if (rows.size() == 0) continue;
@@ -471,7 +339,7 @@ void VirtualGroup::precondition(Plan& plan) {
     }
     preconditioner_->precondition(static_cast<int64_t>(s), rows, filtered, scalars, preconditioned);
     for (size_t j = 0; j < chain_of.size(); ++j) {
-      plan.chain[chain_of[j]].preconditioned = preconditioned[static_cast<int64_t>(j)];
+      chunk_step.chain[chain_of[j]].preconditioned = preconditioned[static_cast<int64_t>(j)];
     }
   }
 }

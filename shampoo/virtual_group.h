@@ -14,8 +14,8 @@
 #include "distributor/block_plan.h"
 #include "distributor/distributor.h"
 #include "preconditioners/preconditioner_list.h"
+#include "shampoo/fault_point.h"
 #include "shampoo/shampoo_options.h"
-#include "shampoo/step_phase.h"
 #include "update/elementwise_chain.h"
 #include "update/elementwise_state.h"
 
@@ -92,7 +92,7 @@ struct StepInputs {
   /// Per parameter with a gradient this step: max |gradient| (bounds the factor update).
   const std::vector<double>& grad_abs_max;
   Distributor& distributor;
-  /// Test seam, called at each StepPhase (may be empty).
+  /// Test seam, called at each FaultPoint (may be empty).
   const StepFaultInjector& fault;
   /// Per engine block: set to true for the blocks this call computed.
   std::vector<bool>& computed;
@@ -105,13 +105,13 @@ class VirtualGroup {
                std::vector<int64_t> owned, const std::vector<BlockEntry>& blocks,
                const std::vector<ParamEntry>& params, FailureInjector inject_failure);
 
-  const ShampooOptions& structure() const { return structure_; }
+  const ShampooOptions& structural_options() const { return structure_; }
   const std::vector<int64_t>& user_groups() const { return user_groups_; }
   int64_t owned_blocks() const { return static_cast<int64_t>(owned_.size()); }
 
   /// Computes the step of every owned block with a gradient, in the phases of docs/math.md:
-  /// plan (rows, per-block scalars, where updates go) → gradient statistics (L2 weight decay,
-  /// grafting statistics, filtering) → Kronecker factors and amortized roots → matrix
+  /// prepare_chunk (rows, per-block scalars, where updates go) → gradient statistics (L2 weight
+  /// decay, grafting statistics, filtering) → Kronecker factors and amortized roots → matrix
   /// preconditioning → grafting norms → graft, decoupled weight decay, momentum, × −lr → apply
   /// (in place in a single process, into the distributor's slot when distributed).
   void step(const StepInputs& in);
@@ -150,21 +150,22 @@ class VirtualGroup {
     std::vector<BlockId> ids;     // their ids
   };
   struct StackStep;
-  struct Plan;
+  struct ChunkStep;
   /// The rows with a gradient of every stack, in chunks (per chunk, Rows per stack) whose step
   /// buffers (G' and Ḡ rows) stay within step_chunk_bytes(); small stacks share a chunk.
   std::vector<std::vector<Rows>> step_chunks(const StepInputs& in) const;
   /// Phase 1: the rows of `chunk` of every stack, their scalars and masks, the step's buffers and
   /// the chain entries (with where each update goes).
-  Plan plan_step(const StepInputs& in, const std::vector<Rows>& chunk, StepUpdates& updates);
+  ChunkStep prepare_chunk(const StepInputs& in, const std::vector<Rows>& chunk,
+                          StepUpdates& updates);
   /// The chain entry of member `row` (the i-th row with a gradient) of stack `s`.
   ChainBlockTensors chain_entry(const StepInputs& in, int64_t s, int64_t row, int64_t i,
                                 StackStep& st, StepUpdates& updates);
   /// Phase 3: the factor statistics of every stepped row and the amortized computations due.
-  void update_statistics(Plan& plan);
+  void update_statistics(ChunkStep& chunk_step);
   /// Phase 4: the matrix preconditioning of Ḡ of the rows that need it (their chain entries
   /// then point to the result).
-  void precondition(Plan& plan);
+  void precondition(ChunkStep& chunk_step);
   /// Places the groups and stacks of `blocks` into stacks_ (constructor).
   void build_stacks(const std::vector<BlockEntry>& blocks, const std::vector<ParamEntry>& params);
   /// Copies of every state tensor of member r of stack s (checkpoints, rebuilds, journals).
@@ -184,13 +185,8 @@ class VirtualGroup {
 /// (1 / (2·order), or the override; 0 = not preconditioned).
 std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order);
 
-/// The number of dims blocking merges a parameter down to (distributor/block_plan.h): 2 for
-/// spectral descent, whose blocks must be matrices (the reference requires a target parameter
-/// dimensionality of 2 with it), 1 otherwise.
+/// The number of dims blocking merges a parameter down to (distributor/block_plan.h): the
+/// family's block order (2 for spectral descent, whose blocks must be matrices; else 1).
 int64_t block_target_order(const ShampooOptions& options);
-
-/// Whether the preconditioner family keeps Kronecker factors (root-inverse and eigenvalue-
-/// corrected Shampoo); the descent and diagonal families keep none.
-bool uses_kronecker_factors(const ShampooOptions& options);
 
 }  // namespace shampoo::detail

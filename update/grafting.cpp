@@ -4,39 +4,18 @@
 
 #include <array>
 #include <cmath>
+#include <string>
 
 namespace shampoo::detail {
 namespace {
 
-GraftingCoefficients stateless(const GraftingFloats&, int64_t) { return {}; }
-
-GraftingCoefficients adagrad(const GraftingFloats& f, int64_t) {
-  GraftingCoefficients c;  // V += G²
-  c.epsilon = f.epsilon;
-  return c;
-}
-
-GraftingCoefficients rmsprop(const GraftingFloats& f, int64_t) {
-  GraftingCoefficients c;
-  c.beta2 = f.beta2;
-  c.weight = 1.0 - f.beta2;
-  c.epsilon = f.epsilon;
-  return c;
-}
-
-GraftingCoefficients adam(const GraftingFloats& f, int64_t step) {
-  auto c = rmsprop(f, step);
-  c.bias_correction2 = 1.0 - std::pow(f.beta2, static_cast<double>(step));
-  return c;
-}
-
 // One row per GraftingKind, in its order.
 constexpr std::array<GraftingMethod, kGraftingKinds> kMethods{{
-    {GraftingKind::kNone, "none", false, stateless},
-    {GraftingKind::kSGD, "SGD", false, stateless},
-    {GraftingKind::kAdaGrad, "AdaGrad", true, adagrad},
-    {GraftingKind::kRMSprop, "RMSprop", true, rmsprop},
-    {GraftingKind::kAdam, "Adam", true, adam},
+    {GraftingKind::kNone, "none", false},
+    {GraftingKind::kSGD, "SGD", false},
+    {GraftingKind::kAdaGrad, "AdaGrad", true},
+    {GraftingKind::kRMSprop, "RMSprop", true},
+    {GraftingKind::kAdam, "Adam", true},
 }};
 
 template <size_t... I>
@@ -85,23 +64,28 @@ GraftingConfig with_grafting_floats(GraftingConfig config, const GraftingFloats&
 }
 
 void check_grafting(const GraftingConfig& config) {
-  const char* name = grafting_method(grafting_kind(config)).name;
-  std::visit(
-      [name](const auto& g) {
-        if constexpr (requires { g.epsilon; }) {
-          TORCH_CHECK(g.epsilon > 0.0, "ShampooOptions.grafting (", name, ").epsilon: got ",
-                      g.epsilon, ", expected > 0");
-        }
-        if constexpr (requires { g.beta2; }) {
-          TORCH_CHECK(g.beta2 > 0.0 && g.beta2 <= 1.0, "ShampooOptions.grafting (", name,
-                      ").beta2: got ", g.beta2, ", expected a value in (0, 1]");
+  const auto family = grafting_family(config);
+  if (!family) return;
+  const std::string where =
+      std::string("ShampooOptions.grafting (") + grafting_method(grafting_kind(config)).name + ")";
+  std::visit([&](const auto& c) { check_config(c, where); }, *family);
+}
+
+std::optional<DiagonalConfig> grafting_family(const GraftingConfig& config) {
+  return std::visit(
+      [](const auto& c) -> std::optional<DiagonalConfig> {
+        if constexpr (std::is_same_v<Plain<decltype(c)>, std::monostate>) {
+          return std::nullopt;
+        } else {
+          return DiagonalConfig(c);
         }
       },
       config);
 }
 
 void fill_chain_scalars(const GraftingConfig& config, int64_t step, kernels::ChainScalars& s) {
-  const auto c = grafting_method(grafting_kind(config)).coefficients(grafting_floats(config), step);
+  const auto family = grafting_family(config);
+  const auto c = family ? diagonal_coefficients(*family, step) : DiagonalCoefficients{};
   s.diagonal_beta2 = c.beta2;
   s.diagonal_weight = c.weight;
   s.diagonal_bias_correction = c.bias_correction2;

@@ -19,12 +19,47 @@ endfunction()
 
 run_step("install" ${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${prefix}")
 foreach(required include/shampoo/shampoo.h include/shampoo/config.h
-                 include/parallel/process_group.h
+                 include/shampoo/parallel/process_group.h
                  lib/cmake/DistributedShampoo/DistributedShampooConfig.cmake)
   if(NOT EXISTS "${prefix}/${required}")
     message(FATAL_ERROR "install tree lacks ${required}")
   endif()
 endforeach()
+# Only the public headers: everything under include/ is shampoo/shampoo.h or reached from it by
+# its includes, and nothing is outside include/shampoo/.
+file(GLOB_RECURSE installed RELATIVE "${prefix}/include" "${prefix}/include/*")
+set(reached shampoo/shampoo.h)
+set(pending shampoo/shampoo.h)
+while(pending)
+  list(POP_FRONT pending header)
+  get_filename_component(folder "${header}" DIRECTORY)
+  file(STRINGS "${prefix}/include/${header}" lines REGEX "^#include \"")
+  foreach(line ${lines})
+    string(REGEX REPLACE "^#include \"([^\"]+)\".*" "\\1" included "${line}")
+    # As the compiler finds it: beside the includer, then include/, then include/shampoo/.
+    set(found "")
+    foreach(candidate "${folder}/${included}" "${included}" "shampoo/${included}")
+      if(NOT found AND EXISTS "${prefix}/include/${candidate}")
+        set(found "${candidate}")
+      endif()
+    endforeach()
+    if(NOT found)
+      message(FATAL_ERROR "install tree: ${header} includes ${included}, which is not installed")
+    endif()
+    if(NOT found IN_LIST reached)
+      list(APPEND reached "${found}")
+      list(APPEND pending "${found}")
+    endif()
+  endforeach()
+endwhile()
+foreach(file ${installed})
+  if(NOT file IN_LIST reached)
+    message(FATAL_ERROR "install tree: include/${file} is installed but not public (not reached "
+                        "from shampoo/shampoo.h)")
+  endif()
+endforeach()
+list(LENGTH installed installed_count)
+message(STATUS "install tree: ${installed_count} public headers")
 
 set(snippets_source "${WORK_DIR}/readme_snippets.cpp")
 shampoo_write_readme_snippets("${README}" "${snippets_source}" snippets)

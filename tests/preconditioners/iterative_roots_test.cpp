@@ -12,21 +12,21 @@
 
 namespace {
 
+using shampoo::RootInvShampooConfig;
+using shampoo::RootSolver;
 using shampoo::detail::integer_root;
-using shampoo::detail::IterativeRootMethod;
-using shampoo::detail::IterativeRootSettings;
 using shampoo::detail::newton_db_supports;
 using shampoo::detail::stacked_inverse_root;
 using shampoo::testing::all_close;
 using shampoo::testing::bit_equal;
 
-constexpr auto kNewton = IterativeRootMethod::kCoupledNewton;
-constexpr auto kDB = IterativeRootMethod::kNewtonDB;
+constexpr auto kNewton = RootSolver::kCoupledNewton;
+constexpr auto kDB = RootSolver::kNewtonDB;
 
-IterativeRootSettings settings(IterativeRootMethod method, double tolerance = 1e-6,
-                               int64_t max_iterations = 100) {
-  IterativeRootSettings s;
-  s.method = method;
+RootInvShampooConfig settings(RootSolver method, double tolerance = 1e-6,
+                              int64_t max_iterations = 100) {
+  RootInvShampooConfig s;
+  s.solver = method;
   s.tolerance = tolerance;
   s.max_iterations = max_iterations;
   return s;
@@ -54,7 +54,7 @@ double relative_error(const at::Tensor& actual, const at::Tensor& expected) {
 }
 
 struct Case {
-  IterativeRootMethod method;
+  RootSolver method;
   at::ScalarType dtype;
   double condition;
   double exponent;

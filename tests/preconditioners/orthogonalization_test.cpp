@@ -13,9 +13,9 @@
 
 namespace {
 
+using shampoo::OrthogonalizationMethod;
+using shampoo::SpectralDescentConfig;
 using shampoo::detail::newton_schulz;
-using shampoo::detail::OrthogonalizationAlgorithm;
-using shampoo::detail::OrthogonalizationSettings;
 using shampoo::detail::stacked_orthogonalize;
 using shampoo::detail::svd_orthogonalize;
 using shampoo::testing::all_close;
@@ -122,9 +122,9 @@ TEST(NewtonSchulz, ConvergesToTheSvdDirectionTallAndWide) {
 TEST(StackedOrthogonalize, ScalesByTheAspectRatioAndMatchesOneMatrixAtATime) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   const auto tall = at::randn({4, 8, 2}, gen);
-  OrthogonalizationSettings plain;
-  OrthogonalizationSettings scaled;
-  scaled.sqrt_aspect_ratio = true;
+  SpectralDescentConfig plain;
+  SpectralDescentConfig scaled;
+  scaled.scale = shampoo::OrthogonalizationScale::kSqrtAspectRatio;
   // sqrt(max(1, 8/2)) = 2 for tall blocks, 1 for wide ones.
   EXPECT_TRUE(
       at::equal(stacked_orthogonalize(tall, scaled), stacked_orthogonalize(tall, plain) * 2));
@@ -138,13 +138,13 @@ TEST(StackedOrthogonalize, ScalesByTheAspectRatioAndMatchesOneMatrixAtATime) {
   }
 }
 
-class CudaOrthogonalize : public ::testing::TestWithParam<OrthogonalizationAlgorithm> {};
+class CudaOrthogonalize : public ::testing::TestWithParam<OrthogonalizationMethod> {};
 
 TEST_P(CudaOrthogonalize, EqualsCpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
-  OrthogonalizationSettings settings;
-  settings.algorithm = GetParam();
+  SpectralDescentConfig settings;
+  settings.method = GetParam();
   for (const auto& shape : std::vector<std::vector<int64_t>>{{6, 16, 9}, {3, 9, 16}}) {
     const auto blocks = at::randn(shape, gen);
     const auto cpu = stacked_orthogonalize(blocks, settings);
@@ -156,7 +156,7 @@ TEST_P(CudaOrthogonalize, EqualsCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Algorithms, CudaOrthogonalize,
-                         ::testing::Values(OrthogonalizationAlgorithm::kNewtonSchulz,
-                                           OrthogonalizationAlgorithm::kSVD));
+                         ::testing::Values(OrthogonalizationMethod::kNewtonSchulz,
+                                           OrthogonalizationMethod::kSVD));
 
 }  // namespace

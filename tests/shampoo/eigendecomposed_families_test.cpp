@@ -257,7 +257,7 @@ TEST(PseudoInverseClosedForm, InverseRootOnTheRangeZeroOnTheNullSpace) {
   const auto q = std::get<0>(at::linalg_qr(at::randn({5, 5}, gen).to(at::kDouble)));
   const auto lambda = at::tensor({0.0, 0.0, 1.0, 2.0, 4.0}, f64());
   const auto a = (q * lambda).mm(q.t()).unsqueeze(0);
-  const shampoo::detail::PseudoInverseSettings settings{0.0, 1e-10};
+  const shampoo::PseudoInverseConfig settings{0.0, 1e-10};
   const auto expected =
       ((q * at::tensor({0.0, 0.0, 1.0, std::pow(2.0, -0.5), 0.5}, f64())).mm(q.t()));
   const auto root =
@@ -273,8 +273,8 @@ TEST(PseudoInverseClosedForm, InverseRootOnTheRangeZeroOnTheNullSpace) {
       lambda.unsqueeze(0), q.unsqueeze(0), {0.0}, {0.5}, &settings);
   EXPECT_TRUE(all_close(from_decomposition[0], expected, {1e-10, 1e-10}));
   // The thresholds: rank_atol 1.5 drops λ = 1 too; rank_rtol 0.6 (cut-off 0.6·4) drops 1 and 2.
-  const shampoo::detail::PseudoInverseSettings atol{1.5, 0.0};
-  const shampoo::detail::PseudoInverseSettings rtol{0.0, 0.6};
+  const shampoo::PseudoInverseConfig atol{1.5, 0.0};
+  const shampoo::PseudoInverseConfig rtol{0.0, 0.6};
   const auto keep_top = [&](const std::vector<double>& powers) {
     return (q * at::tensor(powers, f64())).mm(q.t());
   };

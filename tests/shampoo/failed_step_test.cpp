@@ -17,8 +17,8 @@ namespace {
 
 using shampoo::DistributedOptions;
 using shampoo::DistributedShampoo;
+using shampoo::FaultPoint;
 using shampoo::ShampooOptions;
-using shampoo::StepPhase;
 using shampoo::testing::bit_equal;
 using shampoo::testing::run_ranks;
 using shampoo::testing::snapshot;
@@ -113,10 +113,10 @@ void expect_failed_step_changes_nothing(DistributedShampoo& opt,
 /// occurrences of the phase pass.
 struct Fault {
   std::atomic<bool> armed{false};
-  StepPhase phase = StepPhase::kExchange;
+  FaultPoint phase = FaultPoint::kExchange;
   int skip = 0;
   shampoo::StepFaultInjector injector() {
-    return [this](StepPhase p) {
+    return [this](FaultPoint p) {
       if (p != phase || !armed) return;
       if (skip > 0) {
         --skip;
@@ -132,20 +132,20 @@ struct Case {
   std::string name;
   bool merge;
   bool eigenvalue_corrected;
-  StepPhase phase;
+  FaultPoint phase;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
-std::string phase_name(StepPhase phase) {
+std::string phase_name(FaultPoint phase) {
   switch (phase) {
-    case StepPhase::kStatisticsUpdated:
+    case FaultPoint::kStatisticsUpdated:
       return "statistics_updated";
-    case StepPhase::kBeforeUpdate:
+    case FaultPoint::kBeforeUpdate:
       return "before_update";
-    case StepPhase::kComputed:
+    case FaultPoint::kComputed:
       return "computed";
-    case StepPhase::kExchange:
+    case FaultPoint::kExchange:
       return "exchange";
   }
   return "unknown";
@@ -155,8 +155,8 @@ std::vector<Case> cases() {
   std::vector<Case> out;
   for (const bool merge : {true, false}) {
     for (const bool soap : {false, true}) {
-      for (const auto phase : {StepPhase::kStatisticsUpdated, StepPhase::kBeforeUpdate,
-                               StepPhase::kComputed, StepPhase::kExchange}) {
+      for (const auto phase : {FaultPoint::kStatisticsUpdated, FaultPoint::kBeforeUpdate,
+                               FaultPoint::kComputed, FaultPoint::kExchange}) {
         out.push_back({std::string(merge ? "merged" : "unmerged") + (soap ? "_soap_" : "_") +
                            phase_name(phase),
                        merge, soap, phase});
@@ -347,7 +347,7 @@ TEST(FailedStepNatural, InBackwardErrorUndoesTheStep) {
   auto twin = shampoo::testing::make_mlp(6, 10, 3, 4);
   DistributedShampoo ordinary(twin->parameters(), options);
   Fault fault;
-  fault.phase = StepPhase::kComputed;
+  fault.phase = FaultPoint::kComputed;
   fault.skip = 3;  // the block work of the fourth parameter fails; three are applied already
   DistributedShampoo* shampoo_in_backward = nullptr;
   auto in_backward =

@@ -343,13 +343,13 @@ std::string checkpoint_of(const DistributedShampoo& opt) {
 TEST_P(AveragingEquivalence, FailedStepChangesNothing) {
   // Failing at step 1 (Z does not exist yet) and at step 3 (it does), at both fault points.
   const auto options = shampoo_options(GetParam());
-  for (const auto phase : {shampoo::StepPhase::kBeforeUpdate, shampoo::StepPhase::kComputed}) {
+  for (const auto phase : {shampoo::FaultPoint::kBeforeUpdate, shampoo::FaultPoint::kComputed}) {
     auto straight_params = make_params(7);
     DistributedShampoo straight(two_groups(straight_params, options), options);
     auto params = make_params(7);
     DistributedShampoo opt(two_groups(params, options), options);
     bool armed = false;
-    opt.set_fault_injector_for_testing([&](shampoo::StepPhase p) {
+    opt.set_fault_injector_for_testing([&](shampoo::FaultPoint p) {
       if (armed && p == phase) TORCH_CHECK(false, "injected fault");
     });
     for (int t = 1; t <= 5; ++t) {

@@ -26,8 +26,13 @@ StackSpec spec(int64_t n) {
   return s;
 }
 
-shampoo::detail::GraftingCoefficients coefficients(GraftingKind kind, GraftingFloats f, int64_t t) {
-  return shampoo::detail::grafting_method(kind).coefficients(f, t);
+/// The coefficients of grafting `kind` with `f` at step t, as the chain gets them.
+shampoo::detail::DiagonalCoefficients coefficients(GraftingKind kind, GraftingFloats f, int64_t t) {
+  const auto config =
+      shampoo::detail::with_grafting_floats(shampoo::detail::default_grafting(kind), f);
+  const auto family = shampoo::detail::grafting_family(config);
+  return family ? shampoo::detail::diagonal_coefficients(*family, t)
+                : shampoo::detail::DiagonalCoefficients{};
 }
 
 TEST(GraftingMethods, CoefficientsPerMethod) {
@@ -45,6 +50,26 @@ TEST(GraftingMethods, CoefficientsPerMethod) {
   EXPECT_EQ(coefficients(GraftingKind::kSGD, f, 5).epsilon, 0.0);
   EXPECT_FALSE(shampoo::detail::grafting_method(GraftingKind::kSGD).has_state);
   EXPECT_TRUE(shampoo::detail::grafting_method(GraftingKind::kAdaGrad).has_state);
+  // The table's has_state is the family's.
+  for (const auto kind :
+       {GraftingKind::kSGD, GraftingKind::kAdaGrad, GraftingKind::kRMSprop, GraftingKind::kAdam}) {
+    EXPECT_EQ(coefficients(kind, f, 1).has_state, shampoo::detail::grafting_method(kind).has_state);
+  }
+}
+
+// Grafting configs are the diagonal preconditioner configs: dropping the weighting factor gives
+// V ← beta2·V + G′² and no bias correction, as the diagonal list does.
+TEST(GraftingMethods, DropWeightingFactorAsTheDiagonalFamily) {
+  shampoo::AdamGraftingConfig adam{0.9, 1e-8};
+  adam.drop_weighting_factor_on_gsquare = true;
+  const auto c = shampoo::detail::diagonal_coefficients(adam, 5);
+  EXPECT_EQ(c.weight, 1.0);
+  EXPECT_EQ(c.bias_correction2, 1.0);
+  shampoo::kernels::ChainScalars s;
+  shampoo::detail::fill_chain_scalars(adam, 5, s);
+  EXPECT_EQ(s.diagonal_weight, 1.0);
+  EXPECT_EQ(s.diagonal_bias_correction, 1.0);
+  static_assert(std::is_same_v<shampoo::AdamGraftingConfig, shampoo::AdamPreconditionerConfig>);
 }
 
 TEST(GraftingMethods, KindsConfigsAndFloatsAgree) {

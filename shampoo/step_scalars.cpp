@@ -1,4 +1,4 @@
-#include "shampoo/step_plan.h"
+#include "shampoo/step_scalars.h"
 
 #include <cmath>
 

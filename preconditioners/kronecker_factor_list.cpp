@@ -1,0 +1,168 @@
+#include "preconditioners/kronecker_factor_list.h"
+
+#include <c10/util/Exception.h>
+
+#include <utility>
+
+namespace shampoo::detail {
+
+int64_t BlockLayout::numel() const {
+  int64_t n = 1;
+  for (const int64_t d : shape) n *= d;
+  return n;
+}
+
+KroneckerFactorList::KroneckerFactorList(std::vector<StackSpec> stacks,
+                                         MatrixPreconditionerSettings settings)
+    : factors_(std::move(stacks), std::move(settings)) {}
+
+int64_t KroneckerFactorList::estimated_factor_bytes(const BlockLayout& layout,
+                                                    int64_t matrices_per_dim,
+                                                    int64_t vectors_per_dim) {
+  int64_t bytes = 0;
+  for (size_t k = 0; k < layout.shape.size(); ++k) {
+    if (layout.dim_exponents[k] == 0.0) continue;  // no factor, no kept state
+    const int64_t d = layout.shape[k];
+    bytes += ((1 + matrices_per_dim) * d * d + vectors_per_dim * d) * layout.factor_element_size;
+  }
+  return bytes;
+}
+
+int KroneckerFactorList::add_dim_state(std::string prefix, bool matrix, Start start) {
+  KeptState state{std::move(prefix), matrix ? Shape::kDimMatrix : Shape::kDimVector, {}};
+  state.tensors.resize(factors_.num_stacks());
+  for (int64_t s = 0; s < factors_.num_stacks(); ++s) {
+    const auto& spec = factors_.spec(s);
+    state.tensors[s].resize(spec.block_shape.size());
+    const auto options = spec.options.dtype(factors_.settings().factor_dtype);
+    for (const int64_t k : factors_.preconditioned_dims(s)) {
+      const int64_t d = spec.block_shape[k];
+      at::Tensor t;
+      if (matrix && start == Start::kIdentity) {
+        t = at::eye(d, options).expand({spec.size(), d, d}).contiguous();
+      } else {
+        const auto shape =
+            matrix ? std::vector<int64_t>{spec.size(), d, d} : std::vector<int64_t>{spec.size(), d};
+        t = start == Start::kZeros ? at::zeros(shape, options) : at::ones(shape, options);
+      }
+      state.tensors[s][k] = std::move(t);
+    }
+  }
+  states_.push_back(std::move(state));
+  return static_cast<int>(states_.size()) - 1;
+}
+
+int KroneckerFactorList::add_block_state(std::string name) {
+  KeptState state{std::move(name), Shape::kBlock, {}};
+  state.tensors.resize(factors_.num_stacks());
+  for (int64_t s = 0; s < factors_.num_stacks(); ++s) {
+    const auto& spec = factors_.spec(s);
+    std::vector<int64_t> shape{spec.size()};
+    shape.insert(shape.end(), spec.block_shape.begin(), spec.block_shape.end());
+    state.tensors[s] = {at::zeros(shape, spec.options)};
+  }
+  states_.push_back(std::move(state));
+  return static_cast<int>(states_.size()) - 1;
+}
+
+std::string KroneckerFactorList::state_key(const KeptState& state, int64_t dim) const {
+  return state.shape == Shape::kBlock ? state.name : state.name + std::to_string(dim);
+}
+
+void KroneckerFactorList::update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
+                                 const RowScalars& scalars, const std::vector<bool>& amortize) {
+  if (rows.size() == 0) return;
+  if (factors_.settings().statistics == FactorStatistics::kKL) {
+    // KL-Shampoo: every factor sees the gradient multiplied along the other dims by the roots
+    // kept before this step (identity, or f(1)·I, before the first amortized computation).
+    std::vector<at::Tensor> operands(factors_.spec(stack).block_shape.size());
+    for (const int64_t k : factors_.preconditioned_dims(stack)) {
+      operands[k] = kl_operand(stack, rows, k, scalars);
+    }
+    factors_.update(stack, rows, gradients, scalars, &operands);
+  } else {
+    factors_.update(stack, rows, gradients, scalars);
+  }
+  const auto [due, due_scalars] = select_rows(rows, scalars, amortize);
+  this->amortize(stack, due, due_scalars);
+  after_update(stack, rows, gradients, scalars);
+}
+
+void KroneckerFactorList::amortize_rows(int64_t stack, const Rows& rows,
+                                        const RowScalars& scalars) {
+  if (rows.size() == 0) return;
+  std::vector<bool> member_failed(rows.size(), false);
+  for (const int64_t k : factors_.preconditioned_dims(stack)) {
+    const auto result = compute_dim(stack, rows, k, scalars);
+    for (int64_t i = 0; i < rows.size(); ++i) {
+      const int64_t row = rows.rows[i];
+      if (result.failed[i] || factors_.injected_failure(stack, row, k)) {
+        member_failed[i] = true;
+        continue;  // keep the previous result
+      }
+      size_t v = 0;
+      for (auto& state : states_) {
+        if (state.shape == Shape::kBlock) continue;
+        state.tensors[stack][k][row].copy_(result.values.at(v++)[i]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows.size(); ++i) {
+    factors_.record_outcome(stack, rows.rows[i], member_failed[i], scalars.step[i]);
+  }
+}
+
+at::Tensor KroneckerFactorList::kl_operand(int64_t /*stack*/, const Rows& /*rows*/, int64_t /*dim*/,
+                                           const RowScalars& /*scalars*/) const {
+  TORCH_INTERNAL_ASSERT(false, "this Kronecker-factor family has no KL-Shampoo statistics");
+}
+
+std::map<std::string, at::Tensor> KroneckerFactorList::export_member(int64_t stack,
+                                                                     int64_t row) const {
+  std::map<std::string, at::Tensor> out;
+  factors_.export_member(stack, row, out);
+  for (const auto& state : states_) {
+    if (state.shape == Shape::kBlock) {
+      out[state.name] = state.tensors[stack][0][row].clone();
+      continue;
+    }
+    for (const int64_t k : factors_.preconditioned_dims(stack)) {
+      out[state_key(state, k)] = state.tensors[stack][k][row].clone();
+    }
+  }
+  return out;
+}
+
+void KroneckerFactorList::import_member(int64_t stack, int64_t row,
+                                        const std::map<std::string, at::Tensor>& in) {
+  factors_.import_member(stack, row, in);
+  const auto& spec = factors_.spec(stack);
+  for (auto& state : states_) {
+    if (state.shape == Shape::kBlock) {
+      auto& t = state.tensors[stack][0];
+      t[row].copy_(checked_state(in, state.name, spec.block_shape, t.options(), spec.names[row]));
+      continue;
+    }
+    for (const int64_t k : factors_.preconditioned_dims(stack)) {
+      const int64_t d = spec.block_shape[k];
+      auto& t = state.tensors[stack][k];
+      const auto shape =
+          state.shape == Shape::kDimMatrix ? std::vector<int64_t>{d, d} : std::vector<int64_t>{d};
+      t[row].copy_(checked_state(in, state_key(state, k), shape, t.options(), spec.names[row]));
+    }
+  }
+}
+
+int64_t KroneckerFactorList::state_bytes() const {
+  int64_t bytes = factors_.state_bytes();
+  for (const auto& state : states_) {
+    for (const auto& stack : state.tensors) {
+      for (const auto& t : stack) {
+        if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+      }
+    }
+  }
+  return bytes;
+}
+
+}  // namespace shampoo::detail

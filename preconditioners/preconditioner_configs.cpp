@@ -1,0 +1,142 @@
+#include "preconditioners/preconditioner_configs.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace shampoo {
+
+const RootInvShampooConfig* root_inverse_config(const PreconditionerConfig& config) {
+  if (const auto* c = std::get_if<RootInvShampooConfig>(&config)) return c;
+  return std::get_if<RootInvKLShampooConfig>(&config);
+}
+
+const EigendecomposedShampooConfig* eigendecomposed_config(const PreconditionerConfig& config) {
+  if (const auto* c = std::get_if<EigendecomposedShampooConfig>(&config)) return c;
+  return std::get_if<EigendecomposedKLShampooConfig>(&config);
+}
+
+const RankDeficientStabilityConfig* rank_deficient_stability(const PreconditionerConfig& config) {
+  return std::visit(
+      [](const auto& c) -> const RankDeficientStabilityConfig* {
+        if constexpr (requires { c.rank_deficient_stability; }) {
+          return &c.rank_deficient_stability;
+        } else {
+          return nullptr;
+        }
+      },
+      config);
+}
+
+bool uses_pseudo_inverse(const PreconditionerConfig& config) {
+  const auto* stability = rank_deficient_stability(config);
+  return stability != nullptr && std::holds_alternative<PseudoInverseConfig>(*stability);
+}
+
+}  // namespace shampoo
+
+namespace shampoo::detail {
+namespace {
+
+/// An enum member must be one of its enumerators (a value cast from an int may not be).
+template <typename E>
+void check_enumerator(E value, const std::string& where, const char* field, const char* config) {
+  const auto names = enumerator_names(value);
+  const auto v = static_cast<int64_t>(value);
+  if (v >= 0 && v < static_cast<int64_t>(names.size())) return;
+  std::string expected;
+  for (size_t i = 0; i < names.size(); ++i) {
+    expected += i == 0 ? "" : (i + 1 == names.size() ? " or " : ", ");
+    expected += names[i];
+  }
+  TORCH_CHECK(false, where, ".", field, ": got ", v, ", expected ", expected, " (", config, ")");
+}
+
+void check_positive(double value, const std::string& where, const char* field, const char* config) {
+  TORCH_CHECK(std::isfinite(value) && value > 0.0, where, ".", field, ": got ", value,
+              ", expected > 0 (", config, ")");
+}
+
+void check_beta2(double beta2, const std::string& where, const char* config) {
+  TORCH_CHECK(std::isfinite(beta2) && beta2 > 0.0 && beta2 <= 1.0, where, ".beta2: got ", beta2,
+              ", expected a value in (0, 1] (", config, ")");
+}
+
+/// The pseudo-inverse thresholds (the perturbation has none).
+void check_stability(const RankDeficientStabilityConfig& stability, const std::string& where) {
+  TORCH_CHECK(!stability.valueless_by_exception(), where, ".rank_deficient_stability: no value");
+  const auto* c = std::get_if<PseudoInverseConfig>(&stability);
+  if (c == nullptr) return;
+  TORCH_CHECK(std::isfinite(c->rank_atol) && c->rank_atol >= 0.0, where,
+              ".rank_deficient_stability.rank_atol: got ", c->rank_atol,
+              ", expected rank_atol >= 0");
+  TORCH_CHECK(
+      c->rank_rtol == kDtypeRankRtol || (std::isfinite(c->rank_rtol) && c->rank_rtol >= 0.0), where,
+      ".rank_deficient_stability.rank_rtol: got ", c->rank_rtol,
+      ", expected rank_rtol >= 0 or kDtypeRankRtol (-1)");
+}
+
+}  // namespace
+
+void check_config(const RootInvShampooConfig& c, const std::string& where) {
+  constexpr const char* kConfig = "RootInvShampooConfig";
+  check_enumerator(c.solver, where, "solver", kConfig);
+  check_stability(c.rank_deficient_stability, where);
+  if (c.solver == RootSolver::kEigh) return;
+  TORCH_CHECK(c.max_iterations >= 1, where, ".max_iterations: got ", c.max_iterations,
+              ", expected >= 1");
+  TORCH_CHECK(std::isfinite(c.tolerance) && c.tolerance > 0.0, where, ".tolerance: got ",
+              c.tolerance, ", expected > 0");
+  TORCH_CHECK(std::holds_alternative<PerturbationConfig>(c.rank_deficient_stability), where,
+              ".rank_deficient_stability: PseudoInverseConfig needs solver kEigh, got ",
+              enumerator_names(c.solver)[static_cast<size_t>(c.solver)],
+              " (an iterative solver cannot drop eigenvalues)");
+}
+
+void check_config(const EigendecomposedShampooConfig& c, const std::string& where) {
+  check_enumerator(c.eigenbasis_method, where, "eigenbasis_method", "EigendecomposedShampooConfig");
+  check_stability(c.rank_deficient_stability, where);
+}
+
+void check_config(const EigenvalueCorrectedShampooConfig& c, const std::string& where) {
+  check_enumerator(c.eigenbasis_method, where, "eigenbasis_method",
+                   "EigenvalueCorrectedShampooConfig");
+}
+
+void check_config(const SpectralDescentConfig& c, const std::string& where) {
+  constexpr const char* kConfig = "SpectralDescentConfig";
+  check_enumerator(c.method, where, "method", kConfig);
+  TORCH_CHECK(c.num_iterations >= 1, where, ".num_iterations: got ", c.num_iterations,
+              ", expected >= 1 (", kConfig, ")");
+  for (size_t i = 0; i < c.coefficients.size(); ++i) {
+    TORCH_CHECK(std::isfinite(c.coefficients[i]), where, ".coefficients[", i, "]: got ",
+                c.coefficients[i], ", expected a finite value (", kConfig, ")");
+  }
+  TORCH_CHECK(!c.scale_by_nuclear_norm || c.method == OrthogonalizationMethod::kSVD, where,
+              ".scale_by_nuclear_norm: got true with method kNewtonSchulz, expected false (the "
+              "nuclear norm comes from the SVD: use method kSVD) (",
+              kConfig, ")");
+  check_enumerator(c.scale, where, "scale", kConfig);
+}
+
+void check_config(const SignDescentConfig& c, const std::string& where) {
+  check_enumerator(c.scale, where, "scale", "SignDescentConfig");
+}
+
+void check_config(const SGDPreconditionerConfig& /*c*/, const std::string& /*where*/) {}
+
+void check_config(const AdaGradPreconditionerConfig& c, const std::string& where) {
+  check_positive(c.epsilon, where, "epsilon", "AdaGradPreconditionerConfig");
+}
+
+void check_config(const RMSpropPreconditionerConfig& c, const std::string& where) {
+  check_positive(c.epsilon, where, "epsilon", "RMSpropPreconditionerConfig");
+  check_beta2(c.beta2, where, "RMSpropPreconditionerConfig");
+}
+
+void check_config(const AdamPreconditionerConfig& c, const std::string& where) {
+  check_positive(c.epsilon, where, "epsilon", "AdamPreconditionerConfig");
+  check_beta2(c.beta2, where, "AdamPreconditionerConfig");
+}
+
+}  // namespace shampoo::detail

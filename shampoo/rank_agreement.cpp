@@ -1,0 +1,62 @@
+#include "shampoo/rank_agreement.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include <string>
+
+#include "shampoo/option_fields.h"
+#include "shampoo/shampoo_engine.h"
+
+namespace shampoo::detail {
+
+void check_ranks_agree(Distributor& distributor,
+                       const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                       const ParamRegistry& registry) {
+  if (!distributor.distributed()) return;
+  // FNV-1a over the structure that every rank must share.
+  uint64_t hash = 1469598103934665603ULL;
+  auto mix = [&](int64_t v) {
+    for (int byte = 0; byte < 8; ++byte) {
+      hash ^= static_cast<uint64_t>(v >> (8 * byte)) & 0xffu;
+      hash *= 1099511628211ULL;
+    }
+  };
+  int64_t numel = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& options = options_of(groups[g], g);
+    for (const auto& field : option_fields()) {
+      if (field.kind != OptionKind::kStructural) continue;
+      for (const int64_t v : field.code(options)) mix(v);
+      mix(-1);  // end of the field: codes of different lengths stay apart
+    }
+    mix(registry.group_sizes[g]);
+  }
+  for (const auto& p : registry.params) {
+    mix(p.group);
+    mix(static_cast<int64_t>(p.param.scalar_type()));
+    for (const int64_t d : p.param.sizes()) mix(d);
+    mix(-1);
+    numel += p.param.numel();
+  }
+  const std::vector<int64_t> mine{static_cast<int64_t>(hash),
+                                  static_cast<int64_t>(registry.params.size()), numel,
+                                  static_cast<int64_t>(groups.size())};
+  const auto all = distributor.gather_from_all_ranks(mine);
+  std::string differing;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    const bool same_counts = all[r][1] == all[0][1] && all[r][2] == all[0][2];
+    differing += fmt::format(
+        " rank {} has {} parameters ({} elements) in {} groups, rank 0 has {} ({} elements) in {} "
+        "groups{};",
+        r, all[r][1], all[r][2], all[r][3], all[0][1], all[0][2], all[0][3],
+        same_counts ? " with other shapes, dtypes or structural options" : "");
+  }
+  TORCH_CHECK(differing.empty(),
+              "DistributedShampoo: the ranks registered different "
+              "parameters or structural options:",
+              differing, " every rank must build the same model and param groups");
+}
+
+}  // namespace shampoo::detail

@@ -40,7 +40,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <shampoo/shampoo.h>
-#include <torch/torch.h>
+#include <torch/nn.h>
+#include <torch/optim.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 #include <torch/version.h>
 
 #include <algorithm>

@@ -34,7 +34,9 @@
 #include <shampoo/shampoo.h>
 #include <shampoo/virtual_group.h>
 #include <torch/cuda.h>
-#include <torch/torch.h>
+#include <torch/optim.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 #include <torch/version.h>
 
 #include <algorithm>

@@ -38,7 +38,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <shampoo/shampoo.h>
-#include <torch/torch.h>
+#include <torch/types.h>
 #include <torch/version.h>
 
 #include <algorithm>

@@ -5,7 +5,7 @@
 # benchmark's JSON go to $OUT (./device-out when unset).
 #   STAGES="build test bench" (default all), JOBS (default nproc), BENCH_ARGS (extra bench_cuda
 #   flags), BUILD (default /tmp/shampoo-build-gpu), BUILD_TARGETS (default: everything; the build
-#   stage needs tests/preconditioners/cuda_test among them). scripts/device_perf.sh runs the build
+#   stage needs tests/preconditioners/preconditioners_tests among them). scripts/device_perf.sh runs the build
 #   stage of this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +52,7 @@ if has_stage build; then
   log "build with $JOBS jobs${BUILD_TARGETS:+ (targets: $BUILD_TARGETS)}"
   set -o pipefail
   cmake --build "$BUILD" -j "$JOBS" "${targets[@]}" 2>&1 | tee "$OUT/build.log" | grep -E "error|warning" || true
-  [ -x "$BUILD/tests/preconditioners/cuda_test" ] || { log "build failed, see build.log"; exit 1; }
+  [ -x "$BUILD/tests/preconditioners/preconditioners_tests" ] || { log "build failed, see build.log"; exit 1; }
 fi
 
 status=0

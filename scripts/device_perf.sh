@@ -78,7 +78,7 @@ if has_stage build; then
   # The build stage of device_check.sh (packages carried in .device, the machine's PyTorch and
   # nvcc), only what this script runs.
   STAGES=build OUT="$LOGS" BUILD="$BUILD" \
-    BUILD_TARGETS="cuda_test iterative_roots_test nccl_test elementwise_chain_test bench_transformer bench_cuda" \
+    BUILD_TARGETS="preconditioners_tests parallel_tests update_tests shampoo_tests amp_tests bench_transformer bench_cuda" \
     bash scripts/device_check.sh > "$LOGS/device_check_build.log" 2>&1
   rc=$?
   log "build: exit $rc in $((SECONDS - begin)) s"

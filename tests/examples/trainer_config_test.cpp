@@ -4,7 +4,9 @@
 #include "examples/trainer_config.h"
 
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/cuda.h>
+#include <torch/nn.h>
+#include <torch/types.h>
 
 #include <stdexcept>
 #include <string>

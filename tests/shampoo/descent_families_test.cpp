@@ -251,7 +251,7 @@ at::Tensor one_plain_step(const shampoo::PreconditionerConfig& config, const at:
   return (w0 - w.detach()) / 0.5;  // the direction P
 }
 
-TEST(ClosedForm, SignDescentOfAKnownBlock) {
+TEST(DescentClosedForm, SignDescentOfAKnownBlock) {
   const auto g = at::tensor({1.0, -2.0, 0.0, 3.0, -0.25, 0.5}).view({2, 3});
   const auto w0 = at::ones({2, 3}, at::kDouble);
   const auto signs = at::tensor({1.0, -1.0, 0.0, 1.0, -1.0, 1.0}).view({2, 3});
@@ -262,7 +262,7 @@ TEST(ClosedForm, SignDescentOfAKnownBlock) {
       signs * 6.75));
 }
 
-TEST(ClosedForm, SpectralDescentOfADiagonalBlockIsItsSign) {
+TEST(DescentClosedForm, SpectralDescentOfADiagonalBlockIsItsSign) {
   const auto g = at::diag(at::tensor({2.0, -0.5, 1.0}));
   const auto w0 = at::zeros({3, 3}, at::kDouble);
   const auto sign = at::diag(at::tensor({1.0, -1.0, 1.0}));

@@ -5,7 +5,10 @@
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/nn.h>
+#include <torch/optim.h>
+#include <torch/serialize.h>
+#include <torch/types.h>
 
 #include <sstream>
 #include <string>

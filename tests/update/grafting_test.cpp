@@ -3,8 +3,12 @@
 // against closed forms, driven through the fused chain as in a step.
 #include "update/grafting.h"
 
-#include <cmath>
+#include <torch/serialize/archive.h>
 
+#include <cmath>
+#include <sstream>
+
+#include "shampoo/shampoo_options.h"
 #include "support/test_support.h"
 #include "update/elementwise_state.h"
 
@@ -169,3 +173,43 @@ TEST(ElementwiseState, ExportImportRoundTripAndLazyStacks) {
 }
 
 }  // namespace
+
+// drop_weighting_factor_on_gsquare of a grafting config is structural (groups that differ in it
+// do not merge), round-trips through the options archive, and an archive without its entry (as
+// written before grafting configs were the diagonal configs) reads as false.
+TEST(GraftingMethods, DropWeightingFactorIsStructuralAndArchived) {
+  shampoo::AdamGraftingConfig adam{0.99, 1e-8};
+  adam.drop_weighting_factor_on_gsquare = true;
+  const auto dropping = shampoo::ShampooOptions().grafting(adam);
+  const auto keeping = shampoo::ShampooOptions().grafting(shampoo::AdamGraftingConfig{0.99, 1e-8});
+  EXPECT_FALSE(shampoo::structurally_equal(dropping, keeping));
+  EXPECT_TRUE(shampoo::structurally_equal(
+      dropping, shampoo::ShampooOptions(dropping).grafting(
+                    shampoo::detail::with_grafting_floats(adam, GraftingFloats{0.9, 1e-6}))));
+  const auto read = shampoo::testing::options_round_trip(dropping);
+  EXPECT_TRUE(read.grafting() == dropping.grafting());
+
+  torch::serialize::OutputArchive out;
+  keeping.serialize(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  // The same archive without the entry: rebuilt from every entry but that one.
+  torch::serialize::InputArchive full;
+  std::istringstream in(bytes.str());
+  full.load_from(in);
+  torch::serialize::OutputArchive old;
+  for (const auto& key : full.keys()) {
+    if (key == "grafting_drop_weighting_factor_on_gsquare") continue;
+    c10::IValue value;
+    full.read(key, value);
+    old.write(key, value);
+  }
+  std::ostringstream old_bytes;
+  old.save_to(old_bytes);
+  torch::serialize::InputArchive old_in;
+  std::istringstream old_stream(old_bytes.str());
+  old_in.load_from(old_stream);
+  shampoo::ShampooOptions loaded;
+  loaded.serialize(old_in);
+  EXPECT_TRUE(loaded.grafting() == keeping.grafting());
+}

@@ -129,14 +129,13 @@ void check_config(const AdaGradPreconditionerConfig& c, const std::string& where
   check_positive(c.epsilon, where, "epsilon", "AdaGradPreconditionerConfig");
 }
 
-void check_config(const RMSpropPreconditionerConfig& c, const std::string& where) {
-  check_positive(c.epsilon, where, "epsilon", "RMSpropPreconditionerConfig");
-  check_beta2(c.beta2, where, "RMSpropPreconditionerConfig");
+template <bool kAdam>
+void check_config(const MovingAveragePreconditionerConfig<kAdam>& c, const std::string& where) {
+  const char* config = kAdam ? "AdamPreconditionerConfig" : "RMSpropPreconditionerConfig";
+  check_positive(c.epsilon, where, "epsilon", config);
+  check_beta2(c.beta2, where, config);
 }
-
-void check_config(const AdamPreconditionerConfig& c, const std::string& where) {
-  check_positive(c.epsilon, where, "epsilon", "AdamPreconditionerConfig");
-  check_beta2(c.beta2, where, "AdamPreconditionerConfig");
-}
+template void check_config(const RMSpropPreconditionerConfig&, const std::string&);
+template void check_config(const AdamPreconditionerConfig&, const std::string&);
 
 }  // namespace shampoo::detail

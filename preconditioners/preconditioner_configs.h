@@ -395,8 +395,8 @@ void check_config(const SpectralDescentConfig& c, const std::string& where);
 void check_config(const SignDescentConfig& c, const std::string& where);
 void check_config(const SGDPreconditionerConfig& c, const std::string& where);
 void check_config(const AdaGradPreconditionerConfig& c, const std::string& where);
-void check_config(const RMSpropPreconditionerConfig& c, const std::string& where);
-void check_config(const AdamPreconditionerConfig& c, const std::string& where);
+template <bool kAdam>
+void check_config(const MovingAveragePreconditionerConfig<kAdam>& c, const std::string& where);
 
 // ---- the diagonal families --------------------------------------------------------------------
 

@@ -9,14 +9,9 @@
 namespace shampoo::detail {
 namespace {
 
-// One row per GraftingKind, in its order.
-constexpr std::array<GraftingMethod, kGraftingKinds> kMethods{{
-    {GraftingKind::kNone, "none", false},
-    {GraftingKind::kSGD, "SGD", false},
-    {GraftingKind::kAdaGrad, "AdaGrad", true},
-    {GraftingKind::kRMSprop, "RMSprop", true},
-    {GraftingKind::kAdam, "Adam", true},
-}};
+// The name of each GraftingKind, in its order.
+constexpr std::array<const char*, kGraftingKinds> kNames{"none", "SGD", "AdaGrad", "RMSprop",
+                                                         "Adam"};
 
 template <size_t... I>
 std::array<GraftingConfig, sizeof...(I)> default_configs(std::index_sequence<I...>) {
@@ -25,10 +20,19 @@ std::array<GraftingConfig, sizeof...(I)> default_configs(std::index_sequence<I..
 
 }  // namespace
 
+// Whether a method keeps statistics is its diagonal family's fact (diagonal_coefficients), read
+// once per kind.
 const GraftingMethod& grafting_method(GraftingKind kind) {
-  const auto& method = kMethods.at(static_cast<size_t>(kind));
-  TORCH_INTERNAL_ASSERT(method.kind == kind, "grafting table out of order");
-  return method;
+  static const auto methods = [] {
+    std::array<GraftingMethod, kGraftingKinds> table{};
+    for (size_t k = 0; k < table.size(); ++k) {
+      const auto family = grafting_family(default_grafting(static_cast<GraftingKind>(k)));
+      table[k] = {static_cast<GraftingKind>(k), kNames[k],
+                  family && diagonal_coefficients(*family, 1).has_state};
+    }
+    return table;
+  }();
+  return methods.at(static_cast<size_t>(kind));
 }
 
 GraftingKind grafting_kind_from_code(int64_t code) {

@@ -25,7 +25,8 @@
 ///   bench_transformer [--device cuda|cpu] [--solvers eigh,coupled-newton,...] [--frequency 20]
 ///                     [--window 40] [--steps 5] [--repetitions 3] [--one-group-per-tensor]
 ///                     [--small] [--threads T] [--epsilon 1e-8] [--step-chunk-mb MB]
-///                     [--json PATH] [--label TEXT]
+///                     [--memory] [--json PATH] [--label TEXT]
+///   --memory (CPU): only the state after two steps, packed and unpacked, by kind (issue 26).
 /// Exits 1 when a setting failed (its row says why; the others are still measured).
 /// How to run it on a GPU machine: benchmarks/RESULTS.md ("GPU transformer workload").
 
@@ -77,6 +78,7 @@ struct Args {
   bool one_group_per_tensor = false;
   bool small = false;
   int64_t step_chunk_mb = 0;  // 0 = the library's default
+  bool memory = false;
   std::string json;
   std::string label;
 };
@@ -106,7 +108,11 @@ Args parse_args(int argc, char** argv) {
       .add("step-chunk-mb", args.step_chunk_mb,
            "bound on a step's gradient buffers per chunk of rows, MB (0 = the library's "
            "64 MiB; a large value = one chunk, as before chunking)",
-           0);
+           0)
+      .add_bool("memory", args.memory,
+                "only the state: per solver, packed and unpacked, the bytes the tracking "
+                "allocator sees the optimizer keep after two steps (CPU) against "
+                "memory_summary() by kind");
   add_output_flags(flags, args.json, args.label);
   parse_flags_or_exit(flags, "bench_transformer", argc, argv);
   return args;
@@ -408,6 +414,46 @@ struct EveryStep {
   shampoo::ShampooStats stats;
 };
 
+/// --memory: per solver setting and layout (use_symmetric_packing on, off), an optimizer at
+/// frequency N takes two steps (no root computation yet: the state is allocated at construction
+/// and the β1 filter at the first step); the bytes live after them minus those live before the
+/// optimizer existed (the tracking allocator: every tensor) against memory_summary() by kind.
+int print_state_memory(Workload& w, const std::vector<SolverSetting>& settings, const Args& args) {
+  if (!w.device.is_cpu()) {
+    fmt::print(stderr, "bench_transformer: --memory counts with the CPU tracking allocator\n");
+    return 2;
+  }
+  fmt::print(
+      "State after two steps (MB = 1e6 bytes): 'tracked' = tensor bytes live after the steps "
+      "minus those live before the optimizer (harness {:.1f} MB); the kinds from "
+      "memory_summary()\n\n| setting | packing | tracked | memory_summary | factors | inverse "
+      "roots | eigenvectors | other | grafting | filtered gradient | momentum |\n"
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+      w.harness_bytes / 1e6);
+  for (const auto& setting : settings) {
+    for (const bool packed : {true, false}) {
+      const int64_t before = current_memory_bytes(w.device);
+      int64_t tracked = 0;
+      shampoo::MemorySummary m;
+      {
+        auto options = transformer_options(args.frequency, setting.config, args);
+        options.use_symmetric_packing(packed);
+        Run run = make_run(w, options, args.one_group_per_tensor, setting.matrix_only);
+        for (int i = 0; i < 2; ++i) timed_step(run);
+        tracked = current_memory_bytes(w.device) - before;
+        m = run.optimizer->memory_summary();
+      }
+      const auto mb = [](int64_t b) { return fmt::format("{:.1f}", static_cast<double>(b) / 1e6); };
+      fmt::print("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", setting.name,
+                 packed ? "on" : "off", mb(tracked), mb(m.state_total()), mb(m.factors),
+                 mb(m.inverse_roots), mb(m.eigenvectors), mb(m.preconditioner_other),
+                 mb(m.grafting), mb(m.filtered_gradient), mb(m.momentum));
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
 /// One more step of `run` with the memory at each phase of the step (shampoo/fault_point.h):
 /// bytes allocated at the phase and the peak since the previous one, in MB above the bytes
 /// allocated before the step. The phase hook makes the step keep its undo journal (copies of
@@ -636,6 +682,7 @@ int main(int argc, char** argv) {
   const double load_before = load_average();
   Workload w = make_workload(device, args.small);
   print_header(w, args);
+  if (args.memory) return print_state_memory(w, settings, args);
   std::vector<SolverResult> results;
   for (const auto& s : settings) results.push_back(run_setting(w, s, args));
   print_table(results, w, args);

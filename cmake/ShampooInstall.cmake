@@ -25,6 +25,7 @@ set(SHAMPOO_PUBLIC_HEADERS
   parallel/phased_backward_step.h
   parallel/process_group.h
   parallel/sharded_optimizer.h
+  preconditioners/memory_summary.h
   preconditioners/preconditioner_configs.h
   shampoo/checkpoint.h
   shampoo/distributed_shampoo.h

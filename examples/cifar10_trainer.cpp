@@ -503,6 +503,7 @@ void print_summary(Trainer& t, const Evaluation& evaluation, Clock::time_point r
                     "collective(s) per step",
                     stats.amortized_computations, stats.failed_amortized_computations,
                     stats.collectives_last_step));
+    t.log.lead("Shampoo state on rank 0: " + shampoo_optimizer->memory_summary().to_line());
   }
   if (t.scaler) {
     t.log.lead(fmt::format("GradScaler: scale {:g}, {} step(s) skipped for inf/NaN gradients",

@@ -28,6 +28,7 @@ class StatelessPreconditionerList : public PreconditionerList {
   const AmortizedCounters& counters() const override { return counters_; }
   void set_counters(const AmortizedCounters& counters) override { counters_ = counters; }
   int64_t state_bytes() const override { return 0; }
+  void add_memory(MemorySummary& /*out*/) const override {}
 
  protected:
   int64_t num_stacks() const { return static_cast<int64_t>(stacks_.size()); }

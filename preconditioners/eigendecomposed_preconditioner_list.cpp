@@ -10,8 +10,10 @@ EigendecomposedPreconditionerList::EigendecomposedPreconditionerList(
     MatrixPreconditionerSettings settings)
     : KroneckerFactorList(std::move(stacks), std::move(settings)), config_(config) {
   // As the reference: eigenvalues 1, eigenvectors I (docs/math.md).
-  eigenvalues_ = add_dim_state("eigenvalues_", /*matrix=*/false, Start::kOnes);
-  eigenvectors_ = add_dim_state("eigenvectors_", /*matrix=*/true, Start::kIdentity);
+  eigenvalues_ = add_dim_state("eigenvalues_", DimState::kVector, Start::kOnes,
+                               &MemorySummary::eigenvectors);
+  eigenvectors_ = add_dim_state("eigenvectors_", DimState::kMatrix, Start::kIdentity,
+                                &MemorySummary::eigenvectors);
 }
 
 KroneckerFactorList::DimResult EigendecomposedPreconditionerList::compute_dim(

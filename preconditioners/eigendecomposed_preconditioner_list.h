@@ -20,7 +20,8 @@ class EigendecomposedPreconditionerList final : public KroneckerFactorList {
   /// A factor, its eigenvectors and its eigenvalues per preconditioned dim.
   static int64_t estimated_state_bytes(const EigendecomposedShampooConfig& /*config*/,
                                        const BlockLayout& layout) {
-    return estimated_factor_bytes(layout, /*matrices_per_dim=*/1, /*vectors_per_dim=*/1);
+    return estimated_factor_bytes(layout, /*symmetric_per_dim=*/0, /*matrices_per_dim=*/1,
+                                  /*vectors_per_dim=*/1);
   }
 
   using PreconditionerList::precondition;

@@ -9,8 +9,8 @@ EigenvalueCorrectedPreconditionerList::EigenvalueCorrectedPreconditionerList(
     std::vector<StackSpec> stacks, const EigenvalueCorrectedShampooConfig& config,
     MatrixPreconditionerSettings settings)
     : KroneckerFactorList(std::move(stacks), std::move(settings)), config_(config) {
-  bases_ = add_dim_state("basis_", /*matrix=*/true, Start::kIdentity);
-  corrections_ = add_block_state("corrections");
+  bases_ = add_dim_state("basis_", DimState::kMatrix, Start::kIdentity, &MemorySummary::eigenvectors);
+  corrections_ = add_block_state("corrections", &MemorySummary::preconditioner_other);
 }
 
 at::Tensor EigenvalueCorrectedPreconditionerList::rotate(int64_t stack, const Rows& rows,

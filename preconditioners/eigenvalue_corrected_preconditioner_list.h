@@ -19,7 +19,8 @@ class EigenvalueCorrectedPreconditionerList final : public KroneckerFactorList {
   /// block's size in the blocks' dtype).
   static int64_t estimated_state_bytes(const EigenvalueCorrectedShampooConfig& /*config*/,
                                        const BlockLayout& layout) {
-    return estimated_factor_bytes(layout, /*matrices_per_dim=*/1, /*vectors_per_dim=*/0) +
+    return estimated_factor_bytes(layout, /*symmetric_per_dim=*/0, /*matrices_per_dim=*/1,
+                                  /*vectors_per_dim=*/0) +
            layout.numel() * layout.state_element_size;
   }
 

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace shampoo::detail {
@@ -17,33 +18,51 @@ KroneckerFactorList::KroneckerFactorList(std::vector<StackSpec> stacks,
     : factors_(std::move(stacks), std::move(settings)) {}
 
 int64_t KroneckerFactorList::estimated_factor_bytes(const BlockLayout& layout,
+                                                    int64_t symmetric_per_dim,
                                                     int64_t matrices_per_dim,
                                                     int64_t vectors_per_dim) {
   int64_t bytes = 0;
   for (size_t k = 0; k < layout.shape.size(); ++k) {
     if (layout.dim_exponents[k] == 0.0) continue;  // no factor, no kept state
     const int64_t d = layout.shape[k];
-    bytes += ((1 + matrices_per_dim) * d * d + vectors_per_dim * d) * layout.factor_element_size;
+    const int64_t symmetric = layout.symmetric_packing ? packed_size(d) : d * d;
+    bytes +=
+        ((1 + symmetric_per_dim) * symmetric + matrices_per_dim * d * d + vectors_per_dim * d) *
+        layout.factor_element_size;
   }
   return bytes;
 }
 
-int KroneckerFactorList::add_dim_state(std::string prefix, bool matrix, Start start) {
-  KeptState state{std::move(prefix), matrix ? Shape::kDimMatrix : Shape::kDimVector, {}};
+int KroneckerFactorList::add_dim_state(std::string prefix, DimState kind, Start start,
+                                       MemoryKind memory) {
+  const Shape shape = kind == DimState::kMatrix      ? Shape::kDimMatrix
+                      : kind == DimState::kSymmetric ? Shape::kDimSymmetric
+                                                     : Shape::kDimVector;
+  KeptState state{std::move(prefix), shape, memory, {}, {}};
   state.tensors.resize(factors_.num_stacks());
+  state.symmetric.resize(factors_.num_stacks());
   for (int64_t s = 0; s < factors_.num_stacks(); ++s) {
     const auto& spec = factors_.spec(s);
     state.tensors[s].resize(spec.block_shape.size());
+    state.symmetric[s].resize(spec.block_shape.size());
     const auto options = spec.options.dtype(factors_.settings().factor_dtype);
     for (const int64_t k : factors_.preconditioned_dims(s)) {
       const int64_t d = spec.block_shape[k];
+      if (shape == Shape::kDimSymmetric) {
+        TORCH_INTERNAL_ASSERT(start != Start::kOnes);
+        state.symmetric[s][k] =
+            SymmetricMatrices(spec.size(), d, options, factors_.settings().symmetric_packing,
+                              /*identity=*/start == Start::kIdentity);
+        continue;
+      }
+      const bool matrix = shape == Shape::kDimMatrix;
       at::Tensor t;
       if (matrix && start == Start::kIdentity) {
         t = at::eye(d, options).expand({spec.size(), d, d}).contiguous();
       } else {
-        const auto shape =
+        const auto sizes =
             matrix ? std::vector<int64_t>{spec.size(), d, d} : std::vector<int64_t>{spec.size(), d};
-        t = start == Start::kZeros ? at::zeros(shape, options) : at::ones(shape, options);
+        t = start == Start::kZeros ? at::zeros(sizes, options) : at::ones(sizes, options);
       }
       state.tensors[s][k] = std::move(t);
     }
@@ -52,8 +71,8 @@ int KroneckerFactorList::add_dim_state(std::string prefix, bool matrix, Start st
   return static_cast<int>(states_.size()) - 1;
 }
 
-int KroneckerFactorList::add_block_state(std::string name) {
-  KeptState state{std::move(name), Shape::kBlock, {}};
+int KroneckerFactorList::add_block_state(std::string name, MemoryKind memory) {
+  KeptState state{std::move(name), Shape::kBlock, memory, {}, {}};
   state.tensors.resize(factors_.num_stacks());
   for (int64_t s = 0; s < factors_.num_stacks(); ++s) {
     const auto& spec = factors_.spec(s);
@@ -75,10 +94,13 @@ void KroneckerFactorList::update(int64_t stack, const Rows& rows, const at::Tens
   if (factors_.settings().statistics == FactorStatistics::kKL) {
     // KL-Shampoo: every factor sees the gradient multiplied along the other dims by the roots
     // kept before this step (identity, or f(1)·I, before the first amortized computation).
-    std::vector<at::Tensor> operands(factors_.spec(stack).block_shape.size());
-    for (const int64_t k : factors_.preconditioned_dims(stack)) {
-      operands[k] = kl_operand(stack, rows, k, scalars);
-    }
+    // Per chunk of the factor update, so unpacked roots never exist for the whole stack.
+    const KroneckerFactors::OtherDims operands = [&](int64_t j, int64_t begin, int64_t count) {
+      Rows part;
+      part.rows.assign(rows.rows.begin() + begin, rows.rows.begin() + begin + count);
+      part.all = rows.all && count == rows.size();
+      return kl_operand(stack, part, j, scalars);
+    };
     factors_.update(stack, rows, gradients, scalars, &operands);
   } else {
     factors_.update(stack, rows, gradients, scalars);
@@ -86,6 +108,23 @@ void KroneckerFactorList::update(int64_t stack, const Rows& rows, const at::Tens
   const auto [due, due_scalars] = select_rows(rows, scalars, amortize);
   this->amortize(stack, due, due_scalars);
   after_update(stack, rows, gradients, scalars);
+}
+
+void KroneckerFactorList::amortize(int64_t stack, const Rows& rows, const RowScalars& scalars) {
+  const auto& spec = factors_.spec(stack);
+  int64_t largest = 1;
+  for (const int64_t k : factors_.preconditioned_dims(stack)) {
+    largest = std::max(largest, spec.block_shape[k] * spec.block_shape[k]);
+  }
+  const int64_t element = static_cast<int64_t>(c10::elementSize(factors_.settings().factor_dtype));
+  const int64_t per_chunk = std::max<int64_t>(1, kAmortizeChunkBytes / (largest * element));
+  for (int64_t start = 0; start < rows.size(); start += per_chunk) {
+    std::vector<bool> selected(rows.size(), false);
+    std::fill(selected.begin() + start, selected.begin() + std::min(rows.size(), start + per_chunk),
+              true);
+    const auto [chunk, chunk_scalars] = select_rows(rows, scalars, selected);
+    amortize_rows(stack, chunk, chunk_scalars);
+  }
 }
 
 void KroneckerFactorList::amortize_rows(int64_t stack, const Rows& rows,
@@ -103,7 +142,12 @@ void KroneckerFactorList::amortize_rows(int64_t stack, const Rows& rows,
       size_t v = 0;
       for (auto& state : states_) {
         if (state.shape == Shape::kBlock) continue;
-        state.tensors[stack][k][row].copy_(result.values.at(v++)[i]);
+        const auto& value = result.values.at(v++)[i];
+        if (state.shape == Shape::kDimSymmetric) {
+          state.symmetric[stack][k].assign_row(row, value);
+        } else {
+          state.tensors[stack][k][row].copy_(value);
+        }
       }
     }
   }
@@ -127,7 +171,9 @@ std::map<std::string, at::Tensor> KroneckerFactorList::export_member(int64_t sta
       continue;
     }
     for (const int64_t k : factors_.preconditioned_dims(stack)) {
-      out[state_key(state, k)] = state.tensors[stack][k][row].clone();
+      out[state_key(state, k)] = state.shape == Shape::kDimSymmetric
+                                     ? state.symmetric[stack][k].export_row(row)
+                                     : state.tensors[stack][k][row].clone();
     }
   }
   return out;
@@ -144,6 +190,12 @@ void KroneckerFactorList::import_member(int64_t stack, int64_t row,
       continue;
     }
     for (const int64_t k : factors_.preconditioned_dims(stack)) {
+      if (state.shape == Shape::kDimSymmetric) {
+        const auto key = state_key(state, k);
+        state.symmetric[stack][k].import_row(row, checked_entry(in, key, spec.names[row]), key,
+                                             spec.names[row]);
+        continue;
+      }
       const int64_t d = spec.block_shape[k];
       auto& t = state.tensors[stack][k];
       const auto shape =
@@ -154,15 +206,25 @@ void KroneckerFactorList::import_member(int64_t stack, int64_t row,
 }
 
 int64_t KroneckerFactorList::state_bytes() const {
-  int64_t bytes = factors_.state_bytes();
+  MemorySummary memory;
+  add_memory(memory);
+  return memory.state_total();
+}
+
+void KroneckerFactorList::add_memory(MemorySummary& out) const {
+  out.factors += factors_.state_bytes();
   for (const auto& state : states_) {
+    int64_t bytes = 0;
+    for (const auto& stack : state.symmetric) {
+      for (const auto& m : stack) bytes += m.bytes();
+    }
     for (const auto& stack : state.tensors) {
       for (const auto& t : stack) {
         if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
       }
     }
+    out.*state.memory += bytes;
   }
-  return bytes;
 }
 
 }  // namespace shampoo::detail

@@ -35,25 +35,36 @@ class KroneckerFactorList : public PreconditionerList {
     return factors_.may_raise(stack, rows, scalars, gradient_bound);
   }
   int64_t state_bytes() const final;
+  void add_memory(MemorySummary& out) const final;
 
  protected:
   KroneckerFactorList(std::vector<StackSpec> stacks, MatrixPreconditionerSettings settings);
 
-  /// Bytes of a block's factors plus, per preconditioned dim of size d, `matrices_per_dim` more
-  /// d×d and `vectors_per_dim` d-vectors, all in the factor dtype: the estimate of the kept
-  /// per-dim state.
-  static int64_t estimated_factor_bytes(const BlockLayout& layout, int64_t matrices_per_dim,
-                                        int64_t vectors_per_dim);
+  /// Bytes of a block's factors plus, per preconditioned dim of size d, `symmetric_per_dim` more
+  /// symmetric d×d (packed with layout.symmetric_packing), `matrices_per_dim` d×d and
+  /// `vectors_per_dim` d-vectors, all in the factor dtype: the estimate of the kept per-dim state.
+  static int64_t estimated_factor_bytes(const BlockLayout& layout, int64_t symmetric_per_dim,
+                                        int64_t matrices_per_dim, int64_t vectors_per_dim);
 
   /// How a registered state starts.
   enum class Start { kIdentity, kOnes, kZeros };
-  /// Registers a state kept per preconditioned dim k under "<prefix><k>": [n, d, d] when
-  /// `matrix`, else [n, d], in the factor dtype. Returns its id (registration order).
-  int add_dim_state(std::string prefix, bool matrix, Start start);
+  /// What a per-dim state holds: a d×d matrix, a symmetric d×d matrix (stored packed with
+  /// MatrixPreconditionerSettings::symmetric_packing), or a d-vector.
+  enum class DimState { kMatrix, kSymmetric, kVector };
+  /// What a kept state counts as in memory_summary().
+  using MemoryKind = int64_t MemorySummary::*;
+  /// Registers a state kept per preconditioned dim k under "<prefix><k>": [n, d, d] or [n, d]
+  /// in the factor dtype. Returns its id (registration order).
+  int add_dim_state(std::string prefix, DimState kind, Start start, MemoryKind memory);
   /// Registers a state kept per block under `name`: [n, block_shape] in the blocks' dtype, zeros.
-  int add_block_state(std::string name);
+  int add_block_state(std::string name, MemoryKind memory);
+  /// A kMatrix or kVector state.
   const at::Tensor& dim_state(int id, int64_t stack, int64_t dim) const {
     return states_[id].tensors[stack][dim];
+  }
+  /// A kSymmetric state.
+  const SymmetricMatrices& symmetric_state(int id, int64_t stack, int64_t dim) const {
+    return states_[id].symmetric[stack][dim];
   }
   const at::Tensor& block_state(int id, int64_t stack) const {
     return states_[id].tensors[stack][0];
@@ -68,11 +79,13 @@ class KroneckerFactorList : public PreconditionerList {
   };
   virtual DimResult compute_dim(int64_t stack, const Rows& rows, int64_t dim,
                                 const RowScalars& scalars) = 0;
-  /// The amortized computation of the due rows; by default amortize_rows at once (root-inverse
-  /// Shampoo bounds its working set in chunks).
-  virtual void amortize(int64_t stack, const Rows& rows, const RowScalars& scalars) {
-    amortize_rows(stack, rows, scalars);
-  }
+  /// Bound of the factor bytes one amortized computation works on at once.
+  static constexpr int64_t kAmortizeChunkBytes = int64_t{32} << 20;
+  /// The amortized computation of the due rows, in chunks of at most kAmortizeChunkBytes of the
+  /// largest factor: the unpacked, bias-corrected copies and the solvers' working sets are then
+  /// bounded by the chunk, not by the stack. Every matrix is computed on its own, so the chunks
+  /// do not change a result.
+  void amortize(int64_t stack, const Rows& rows, const RowScalars& scalars);
   /// compute_dim for every preconditioned dim, committing what succeeded and recording each
   /// member's outcome (the failure policy of KroneckerFactors::record_outcome).
   void amortize_rows(int64_t stack, const Rows& rows, const RowScalars& scalars);
@@ -87,11 +100,13 @@ class KroneckerFactorList : public PreconditionerList {
   KroneckerFactors factors_;
 
  private:
-  enum class Shape { kDimMatrix, kDimVector, kBlock };
+  enum class Shape { kDimMatrix, kDimSymmetric, kDimVector, kBlock };
   struct KeptState {
     std::string name;
     Shape shape;
-    std::vector<std::vector<at::Tensor>> tensors;  // [stack][dim], or [stack][0] per block
+    MemoryKind memory;
+    std::vector<std::vector<at::Tensor>> tensors;           // [stack][dim], or [stack][0] per block
+    std::vector<std::vector<SymmetricMatrices>> symmetric;  // [stack][dim] (kDimSymmetric)
   };
   std::string state_key(const KeptState& state, int64_t dim) const;
   std::vector<KeptState> states_;

@@ -24,8 +24,8 @@ KroneckerFactors::KroneckerFactors(std::vector<StackSpec> stacks,
     for (int64_t k = 0; k < order; ++k) {
       if (spec.dim_exponents[k] == 0.0) continue;
       s.dims.push_back(k);
-      const int64_t d = spec.block_shape[k];
-      s.factors[k] = at::zeros({spec.size(), d, d}, factor_options);
+      s.factors[k] = SymmetricMatrices(spec.size(), spec.block_shape[k], factor_options,
+                                       settings_.symmetric_packing, /*identity=*/false);
     }
     s.consecutive_failures.assign(spec.size(), 0);
     s.warned.assign(spec.size(), false);
@@ -36,17 +36,17 @@ KroneckerFactors::KroneckerFactors(std::vector<StackSpec> stacks,
 
 namespace {
 
-/// KL-Shampoo's gradient for the factor of dim k: `g` ([count, block_shape]) multiplied along
-/// every preconditioned dim j ≠ k by its matrices (rows begin..begin + count of other_dims[j]),
-/// in ascending j; `g` itself for Shampoo.
+/// KL-Shampoo's gradient for the factor of dim k: `g` ([count, block_shape], the members
+/// begin..begin + count) multiplied along every preconditioned dim j ≠ k by its matrices, in
+/// ascending j; `g` itself for Shampoo.
 at::Tensor contribution_operand(const at::Tensor& g, const std::vector<int64_t>& dims, int64_t k,
-                                const std::vector<at::Tensor>* other_dims, int64_t begin,
+                                const KroneckerFactors::OtherDims* other_dims, int64_t begin,
                                 int64_t count) {
   if (other_dims == nullptr) return g;
   auto out = g;
   for (const int64_t j : dims) {
     if (j == k) continue;
-    out = stacked_multiply_along_dim(out, (*other_dims)[j].narrow(0, begin, count), j);
+    out = stacked_multiply_along_dim(out, (*other_dims)(j, begin, count), j);
   }
   return out;
 }
@@ -54,18 +54,19 @@ at::Tensor contribution_operand(const at::Tensor& g, const std::vector<int64_t>&
 }  // namespace
 
 void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
-                              const RowScalars& scalars,
-                              const std::vector<at::Tensor>* other_dims) {
+                              const RowScalars& scalars, const OtherDims* other_dims) {
   auto& s = stacks_[stack];
   if (s.dims.empty() || rows.size() == 0) return;
   const auto options = s.spec.options.dtype(settings_.factor_dtype);
   const auto g = gradients.to(settings_.factor_dtype);
-  const auto beta2 = row_scalars(scalars.beta2, options, 3);
   const auto weight = row_scalars(scalars.factor_weight, options, 3);
   // In chunks of rows, so the outer products of a large stack never all exist at once (the
-  // result per block is the same whatever the chunks).
+  // result per block is the same whatever the chunks). The update acts on the stored entries:
+  // packed, the lower triangles of the outer products (dense, the products mirrored).
   constexpr int64_t kChunkBytes = int64_t{8} << 20;
   for (const int64_t k : s.dims) {
+    auto& factor = s.factors[k];
+    const auto beta2 = row_scalars(scalars.beta2, options, factor.stored_dims());
     const int64_t d = s.spec.block_shape[k];
     const int64_t bytes_per_row =
         d * d * static_cast<int64_t>(c10::elementSize(settings_.factor_dtype));
@@ -76,15 +77,16 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
           contribution_operand(g.narrow(0, begin, count), s.dims, k, other_dims, begin, count);
       auto outer = stacked_outer_product(operand, k);
       outer.mul_(weight.narrow(0, begin, count));
+      const auto contribution = factor.to_stored(outer);
       const auto beta2_chunk = beta2.narrow(0, begin, count);
       if (rows.all) {
-        s.factors[k].narrow(0, begin, count).mul_(beta2_chunk).add_(outer);
+        factor.stored().narrow(0, begin, count).mul_(beta2_chunk).add_(contribution);
       } else {
         Rows part;
         part.rows.assign(rows.rows.begin() + begin, rows.rows.begin() + begin + count);
-        auto sub = gather_rows(s.factors[k], part);
-        sub.mul_(beta2_chunk).add_(outer);
-        scatter_rows(s.factors[k], part, sub);
+        auto sub = gather_rows(factor.stored(), part);
+        sub.mul_(beta2_chunk).add_(contribution);
+        scatter_rows(factor.stored(), part, sub);
       }
     }
   }
@@ -95,8 +97,11 @@ at::Tensor KroneckerFactors::corrected_factors(int64_t stack, const Rows& rows, 
   const auto& s = stacks_[stack];
   const auto& factor = s.factors[dim];
   TORCH_INTERNAL_ASSERT(factor.defined());
-  const auto bias = row_scalars(scalars.bias_correction2, factor.options(), 3);
-  auto corrected = gather_rows(factor, rows) / bias;
+  // Divided as stored (packed: half the entries), then unpacked.
+  const auto bias =
+      row_scalars(scalars.bias_correction2, factor.stored().options(), factor.stored_dims());
+  const auto divided = gather_rows(factor.stored(), rows) / bias;
+  auto corrected = factor.packed() ? unpack_symmetric(divided, factor.dim()) : divided;
   const auto finite = stacked_all_finite(corrected);
   for (int64_t i = 0; i < rows.size(); ++i) {
     TORCH_CHECK(finite[i], "Shampoo: the Kronecker factor of ", s.spec.names[rows.rows[i]],
@@ -123,8 +128,7 @@ bool KroneckerFactors::may_raise(int64_t stack, const Rows& rows, const RowScala
                                         int64_t{1}, std::multiplies<>());
   for (const int64_t k : s.dims) {
     // max |L| of every member: one reduction over the stack, no copy of the rows.
-    const auto norms =
-        at::linalg_vector_norm(s.factors[k], INFINITY, {1, 2}, false, at::kDouble).to(at::kCPU);
+    const auto norms = s.factors[k].max_abs().to(at::kCPU);
     const auto* max_abs = norms.data_ptr<double>();
     const double contracted = static_cast<double>(numel / s.spec.block_shape[k]);
     for (int64_t i = 0; i < rows.size(); ++i) {
@@ -170,7 +174,7 @@ void KroneckerFactors::export_member(int64_t stack, int64_t row,
                                      std::map<std::string, at::Tensor>& out) const {
   const auto& s = stacks_[stack];
   for (const int64_t k : s.dims) {
-    out["factor_" + std::to_string(k)] = s.factors[k][row].clone();
+    out["factor_" + std::to_string(k)] = s.factors[k].export_row(row);
   }
   out["consecutive_failures"] = at::tensor(s.consecutive_failures[row]);
 }
@@ -179,9 +183,8 @@ void KroneckerFactors::import_member(int64_t stack, int64_t row,
                                      const std::map<std::string, at::Tensor>& in) {
   auto& s = stacks_[stack];
   for (const int64_t k : s.dims) {
-    const int64_t d = s.spec.block_shape[k];
-    s.factors[k][row].copy_(checked_state(in, "factor_" + std::to_string(k), {d, d},
-                                          s.factors[k].options(), s.spec.names[row]));
+    const auto key = "factor_" + std::to_string(k);
+    s.factors[k].import_row(row, checked_entry(in, key, s.spec.names[row]), key, s.spec.names[row]);
   }
   const auto it = in.find("consecutive_failures");
   s.consecutive_failures[row] = it == in.end() ? 0 : it->second.item<int64_t>();
@@ -190,9 +193,7 @@ void KroneckerFactors::import_member(int64_t stack, int64_t row,
 int64_t KroneckerFactors::state_bytes() const {
   int64_t bytes = 0;
   for (const auto& s : stacks_) {
-    for (const auto& f : s.factors) {
-      if (f.defined()) bytes += f.numel() * static_cast<int64_t>(f.element_size());
-    }
+    for (const auto& f : s.factors) bytes += f.bytes();
   }
   return bytes;
 }

@@ -7,9 +7,11 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <vector>
 
 #include "preconditioners/preconditioner_list.h"
+#include "preconditioners/symmetric_matrices.h"
 
 namespace shampoo::detail {
 
@@ -25,12 +27,15 @@ class KroneckerFactors {
     return stacks_[stack].dims;
   }
 
-  /// L ← β2·L + w·outer(G) for `rows`, every preconditioned dim. With `other_dims` (KL-Shampoo's
-  /// hook; per block dim j a stack [rows, d_j, d_j] in the factor dtype, undefined for an
-  /// unpreconditioned dim) the contribution to dim k is outer(G ×_j M_j over every preconditioned
-  /// j ≠ k), the products in ascending j.
+  /// KL-Shampoo's hook: the matrices M_j ([count, d_j, d_j], factor dtype) of the members
+  /// rows.rows[begin .. begin + count) along block dim j.
+  using OtherDims = std::function<at::Tensor(int64_t j, int64_t begin, int64_t count)>;
+
+  /// L ← β2·L + w·outer(G) for `rows`, every preconditioned dim, in chunks of rows. With
+  /// `other_dims` the contribution to dim k is outer(G ×_j M_j over every preconditioned j ≠ k),
+  /// the products in ascending j.
   void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
-              const RowScalars& scalars, const std::vector<at::Tensor>* other_dims = nullptr);
+              const RowScalars& scalars, const OtherDims* other_dims = nullptr);
 
   /// The factors of `rows` along `dim` divided by their bias corrections, in the factor dtype
   /// ([rows, d, d], a new tensor). Checks that they are finite: a non-finite factor is an error
@@ -38,9 +43,10 @@ class KroneckerFactors {
   at::Tensor corrected_factors(int64_t stack, const Rows& rows, int64_t dim,
                                const RowScalars& scalars) const;
 
-  /// The raw factor stack of `dim` ([n, d, d]); undefined for an unpreconditioned dim.
-  const at::Tensor& factor(int64_t stack, int64_t dim) const { return stacks_[stack].factors[dim]; }
-  at::Tensor& factor(int64_t stack, int64_t dim) { return stacks_[stack].factors[dim]; }
+  /// The raw factors of `dim`; undefined for an unpreconditioned dim.
+  const SymmetricMatrices& factor(int64_t stack, int64_t dim) const {
+    return stacks_[stack].factors[dim];
+  }
 
   /// Whether the failure injector asks (block, dim) to fail.
   bool injected_failure(int64_t stack, int64_t row, int64_t dim) const;
@@ -71,7 +77,7 @@ class KroneckerFactors {
   struct Stack {
     StackSpec spec;
     std::vector<int64_t> dims;
-    std::vector<at::Tensor> factors;  // per block dim; undefined when not preconditioned
+    std::vector<SymmetricMatrices> factors;  // per block dim; undefined when not preconditioned
     std::vector<int64_t> consecutive_failures;
     std::vector<bool> warned;
   };

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "preconditioners/memory_summary.h"
 #include "preconditioners/preconditioner_configs.h"
 #include "preconditioners/rows.h"
 
@@ -38,6 +39,8 @@ struct MatrixPreconditionerSettings {
   /// Set by the factory from the config (factor_statistics): KL-Shampoo's configs say kKL.
   FactorStatistics statistics = FactorStatistics::kShampoo;
   int64_t tolerated_failures = 3;
+  /// Symmetric matrices (factors, inverse roots) as packed lower triangles (symmetric_matrices.h).
+  bool symmetric_packing = true;
   FailureInjector inject_failure;
 };
 
@@ -49,6 +52,7 @@ struct BlockLayout {
   std::vector<double> dim_exponents;
   int64_t factor_element_size = 4;  ///< bytes of an element of factor_matrix_dtype
   int64_t state_element_size = 4;   ///< bytes of an element of the blocks' compute dtype
+  bool symmetric_packing = true;    ///< MatrixPreconditionerSettings::symmetric_packing
   int64_t numel() const;
 };
 
@@ -103,6 +107,8 @@ class PreconditionerList {
   virtual void set_counters(const AmortizedCounters& counters) = 0;
   /// Bytes of state held (factors, roots, ...), for the state-size benchmarks.
   virtual int64_t state_bytes() const = 0;
+  /// Adds the bytes of state held to `out` by kind (their sum is state_bytes()).
+  virtual void add_memory(MemorySummary& out) const = 0;
 };
 
 }  // namespace shampoo::detail

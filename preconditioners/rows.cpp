@@ -72,15 +72,21 @@ at::Tensor row_scalars(const std::vector<double>& values, const at::TensorOption
   return at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(options).view(shape);
 }
 
-at::Tensor checked_state(const std::map<std::string, at::Tensor>& in, const std::string& key,
-                         at::IntArrayRef shape, const at::TensorOptions& options,
-                         const std::string& owner) {
+const at::Tensor& checked_entry(const std::map<std::string, at::Tensor>& in, const std::string& key,
+                                const std::string& owner) {
   const auto it = in.find(key);
   TORCH_CHECK(it != in.end(), "checkpoint: ", owner, " has no entry '", key,
               "' (the checkpoint was written with other options or for another model)");
-  TORCH_CHECK(it->second.sizes() == shape, "checkpoint: ", owner, " entry '", key, "' has shape ",
-              it->second.sizes(), ", expected ", shape);
-  return it->second.to(options);
+  return it->second;
+}
+
+at::Tensor checked_state(const std::map<std::string, at::Tensor>& in, const std::string& key,
+                         at::IntArrayRef shape, const at::TensorOptions& options,
+                         const std::string& owner) {
+  const auto& entry = checked_entry(in, key, owner);
+  TORCH_CHECK(entry.sizes() == shape, "checkpoint: ", owner, " entry '", key, "' has shape ",
+              entry.sizes(), ", expected ", shape);
+  return entry.to(options);
 }
 
 }  // namespace shampoo::detail

@@ -61,6 +61,9 @@ void scatter_rows(at::Tensor& stacked, const Rows& rows, const at::Tensor& value
 /// Per-row scalars as a [rows, 1, ..., 1] tensor broadcasting against [rows, ...] of `dims` dims.
 at::Tensor row_scalars(const std::vector<double>& values, const at::TensorOptions& options,
                        int64_t dims);
+/// The imported tensor under `key`; its absence is an error naming `owner` and `key`.
+const at::Tensor& checked_entry(const std::map<std::string, at::Tensor>& in, const std::string& key,
+                                const std::string& owner);
 /// Checks that an imported tensor exists and has the expected shape; returns it converted.
 at::Tensor checked_state(const std::map<std::string, at::Tensor>& in, const std::string& key,
                          at::IntArrayRef shape, const at::TensorOptions& options,

@@ -16,7 +16,8 @@ class ShampooPreconditionerList final : public KroneckerFactorList {
   /// A factor and its root per preconditioned dim.
   static int64_t estimated_state_bytes(const RootInvShampooConfig& /*config*/,
                                        const BlockLayout& layout) {
-    return estimated_factor_bytes(layout, /*matrices_per_dim=*/1, /*vectors_per_dim=*/0);
+    return estimated_factor_bytes(layout, /*symmetric_per_dim=*/1, /*matrices_per_dim=*/0,
+                                  /*vectors_per_dim=*/0);
   }
 
   using PreconditionerList::precondition;
@@ -24,23 +25,19 @@ class ShampooPreconditionerList final : public KroneckerFactorList {
                     const RowScalars& scalars, at::Tensor& out) const override;
   bool identity_before_amortization() const override { return true; }
 
-  /// The current inverse roots of stack `stack` along `dim` ([n, d, d]); for tests.
-  const at::Tensor& roots(int64_t stack, int64_t dim) const {
-    return dim_state(roots_, stack, dim);
+  /// The current inverse roots of stack `stack` along `dim`; for tests.
+  const SymmetricMatrices& roots(int64_t stack, int64_t dim) const {
+    return symmetric_state(roots_, stack, dim);
   }
 
  private:
-  /// Bound of the factor bytes one root computation works on at once.
-  static constexpr int64_t kRootChunkBytes = int64_t{32} << 20;
-
   DimResult compute_dim(int64_t stack, const Rows& rows, int64_t dim,
                         const RowScalars& scalars) override;
-  void amortize(int64_t stack, const Rows& rows, const RowScalars& scalars) override;
   at::Tensor kl_operand(int64_t stack, const Rows& rows, int64_t dim,
                         const RowScalars& scalars) const override;
 
   RootInvShampooConfig config_;
-  int roots_;  // dim state "root_<k>": [n, d, d]
+  int roots_;  // symmetric dim state "root_<k>"
 };
 
 }  // namespace shampoo::detail

@@ -247,7 +247,8 @@ void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t nu
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "checkpoint: param group ", g, ": ", e.msg());
   }
-  const auto* differing = structural_difference(saved, current);
+  // The state of a checkpoint loads into either storage layout (use_symmetric_packing).
+  const auto* differing = structural_difference(saved, current, /*for_checkpoint=*/true);
   TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name, ": got ",
               differing->describe(saved), " in the checkpoint, expected ",
               differing->describe(current),

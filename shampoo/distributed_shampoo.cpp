@@ -125,6 +125,8 @@ bool DistributedShampoo::is_training() const { return !engine_->eval_mode(); }
 
 ShampooStats DistributedShampoo::stats() const { return engine_->stats(); }
 
+MemorySummary DistributedShampoo::memory_summary() const { return engine_->memory_summary(); }
+
 c10::intrusive_ptr<c10d::ProcessGroup> DistributedShampoo::owners_group() const {
   return engine_->distributed_options().process_group();
 }

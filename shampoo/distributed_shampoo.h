@@ -21,6 +21,7 @@
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/parameter_owners.h"
 #include "parallel/phased_backward_step.h"
+#include "preconditioners/memory_summary.h"
 #include "shampoo/fault_point.h"
 #include "shampoo/shampoo_options.h"
 
@@ -116,6 +117,10 @@ class DistributedShampoo : public torch::optim::Optimizer,
   bool is_training() const;
 
   ShampooStats stats() const;
+  /// The bytes of optimizer state this rank holds, by kind (factors, inverse roots,
+  /// eigenvectors, grafting, filtered gradient, momentum, ...), and the scratch the last step
+  /// kept to be able to undo itself. state_total() equals stats().state_bytes.
+  MemorySummary memory_summary() const;
 
   /// ParameterOwners (gradient sharding, GradientSynchronizer::shard_gradients): the rank that
   /// owns every block of `param` (nullopt when it is not one of this optimizer's). An error when

@@ -144,6 +144,19 @@ OptionField simple_field(const std::string& name, OptionKind kind, Get get, Set 
       #field, OptionKind::kind, [](const ShampooOptions& o) -> type { return o.field(); }, \
       [](ShampooOptions& o, type v) { o.field(v); })
 
+/// Archives written before packed storage have no entry: the layout is not part of the saved
+/// state (a checkpoint loads into either layout), so the option keeps its value.
+OptionField symmetric_packing_field() {
+  auto f = SHAMPOO_SIMPLE_OPTION(bool, use_symmetric_packing, kStructural);
+  f.storage_layout = true;
+  f.read = [](InputArchive& a, ShampooOptions& o) {
+    if (has_entry(a, "use_symmetric_packing")) {
+      o.use_symmetric_packing(read_index(a, "use_symmetric_packing", 2) != 0);
+    }
+  };
+  return f;
+}
+
 OptionField betas_field() {
   OptionField f;
   f.name = "betas";
@@ -682,6 +695,7 @@ std::vector<OptionField> make_option_fields() {
       grafting_kind_field(),
       grafting_floats_field(),
       SHAMPOO_SIMPLE_OPTION(c10::ScalarType, factor_matrix_dtype, kStructural),
+      symmetric_packing_field(),
       preconditioner_field(),
       inverse_exponent_override_field(),
       SHAMPOO_SIMPLE_OPTION(int64_t, num_tolerated_failed_amortized_computations, kStructural),
@@ -708,8 +722,10 @@ std::string option_names(OptionKind kind) {
   return names;
 }
 
-const OptionField* structural_difference(const ShampooOptions& a, const ShampooOptions& b) {
+const OptionField* structural_difference(const ShampooOptions& a, const ShampooOptions& b,
+                                         bool for_checkpoint) {
   for (const auto& field : option_fields()) {
+    if (for_checkpoint && field.storage_layout) continue;
     if (field.kind == OptionKind::kStructural && field.code(a) != field.code(b)) return &field;
   }
   return nullptr;

@@ -44,6 +44,9 @@ struct OptionField {
   std::function<void(torch::serialize::InputArchive&, ShampooOptions&)> read;
   /// Sets this field of `to` to its value in `from`, nothing else.
   std::function<void(const ShampooOptions& from, ShampooOptions& to)> copy;
+  /// A structural field that only chooses how the state is stored (use_symmetric_packing): a
+  /// checkpoint saved with any value loads, the state converting on import.
+  bool storage_layout = false;
 };
 
 /// Every field, in archive order (a row may read what an earlier row set: the grafting floats
@@ -53,8 +56,10 @@ const std::vector<OptionField>& option_fields();
 /// The names of the fields of one kind, comma-separated, for messages.
 std::string option_names(OptionKind kind);
 
-/// The first structural field in which `a` and `b` differ; nullptr when there is none.
-const OptionField* structural_difference(const ShampooOptions& a, const ShampooOptions& b);
+/// The first structural field in which `a` and `b` differ; nullptr when there is none. With
+/// `for_checkpoint`, storage-layout fields (OptionField::storage_layout) do not count.
+const OptionField* structural_difference(const ShampooOptions& a, const ShampooOptions& b,
+                                         bool for_checkpoint = false);
 
 /// "<name>: got <value in got>, expected <value in expected>".
 std::string describe_difference(const OptionField& field, const ShampooOptions& got,

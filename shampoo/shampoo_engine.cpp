@@ -520,6 +520,13 @@ ShampooStats ShampooEngine::stats() const {
   return s;
 }
 
+MemorySummary ShampooEngine::memory_summary() const {
+  MemorySummary out;
+  for (const auto& vg : virtual_groups_) vg->add_memory(out);
+  out.scratch_last_step = transaction_.saved_bytes_last_step();
+  return out;
+}
+
 void ShampooEngine::set_failure_injector(FailureInjector fn,
                                          std::vector<torch::optim::OptimizerParamGroup>& groups) {
   inject_failure_ = std::move(fn);

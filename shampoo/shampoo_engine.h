@@ -75,6 +75,7 @@ class ShampooEngine {
   bool eval_mode() const { return eval_mode_; }
 
   ShampooStats stats() const;
+  MemorySummary memory_summary() const;
   int64_t group_step(size_t group) const { return group_steps_.at(group); }
   const DistributedOptions& distributed_options() const { return distributed_; }
   void set_failure_injector(FailureInjector fn,

@@ -103,6 +103,9 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   TORCH_ARG(GraftingConfig, grafting) = std::monostate{};
   /// dtype of the Kronecker factors and roots (Float or Double).
   TORCH_ARG(c10::ScalarType, factor_matrix_dtype) = c10::ScalarType::Float;
+  /// Keep the symmetric matrices of the state (Kronecker factors, inverse roots) as packed lower
+  /// triangles: d(d+1)/2 entries instead of d², the same results bit for bit. Structural.
+  TORCH_ARG(bool, use_symmetric_packing) = true;
   TORCH_ARG(PreconditionerConfig, preconditioner) = RootInvShampooConfig{};
   TORCH_ARG(InverseExponentOverride, inverse_exponent_override) = {};
   /// Consecutive failed root computations of a block tolerated before the step raises (≥ 0).

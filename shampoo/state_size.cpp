@@ -15,19 +15,22 @@ namespace shampoo::detail {
 namespace {
 
 /// Bytes the preconditioner list (its family's estimate, preconditioners/preconditioner_factory.h)
-/// and the grafting state allocate for one block from the start.
+/// and the grafting state allocate for one block from the start; the grafting part added to
+/// `grafting_bytes`.
 int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64_t>& shape,
-                          int64_t numel, int64_t state_element_size) {
+                          int64_t numel, int64_t state_element_size, int64_t& grafting_bytes) {
   BlockLayout layout;
   layout.shape = shape;
   layout.dim_exponents = dim_exponents(options, static_cast<int64_t>(shape.size()));
   layout.factor_element_size =
       static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
   layout.state_element_size = state_element_size;
+  layout.symmetric_packing = options.use_symmetric_packing();
   int64_t bytes = estimated_state_bytes(options.preconditioner(), layout);
   // Grafting statistics V.
   if (grafting_method(grafting_kind(options.grafting())).has_state) {
     bytes += numel * state_element_size;
+    grafting_bytes += numel * state_element_size;
   }
   return bytes;
 }
@@ -62,7 +65,8 @@ std::optional<StateSizeEstimate> estimate_state_size(
                                         options->use_merge_dims(), block_target_order(*options));
       int64_t bytes = 0;
       for (const auto& block : plan.blocks) {
-        bytes += block_state_bytes(*options, block.sizes, block.numel, state_element_size);
+        bytes += block_state_bytes(*options, block.sizes, block.numel, state_element_size,
+                                   estimate.grafting_bytes);
       }
       estimate.param_bytes += param.numel() * element_size;
       estimate.state_bytes += bytes;
@@ -95,14 +99,19 @@ bool warn_if_state_is_large(const std::vector<torch::optim::OptimizerParamGroup>
       fmt::format("{:.0f}", static_cast<double>(e.state_bytes) /
                                 static_cast<double>(std::max<int64_t>(1, e.param_bytes)));
   TORCH_WARN(
-      "DistributedShampoo: Shampoo's state will take ", megabytes(e.state_bytes), ", ", ratio,
+      "DistributedShampoo: Shampoo's state will take ", megabytes(e.state_bytes), " (",
+      megabytes(e.state_bytes - e.grafting_bytes),
+      " preconditioner: factors and what the family keeps, such as inverse roots or "
+      "eigenvectors; ",
+      megabytes(e.grafting_bytes), " grafting; the β1 filter and momentum come on top), ", ratio,
       "x the ", megabytes(e.param_bytes),
       " of the parameters it preconditions (this warning: state above ", kStateSizeWarningRatio,
       "x the parameters and ", kStateSizeWarningMinBytes >> 20, " MiB). Largest: parameter ",
       e.largest_param, " (group ", e.largest_param_group, ", shape ",
       c10::IntArrayRef(e.largest_param_shape), ", ", e.largest_param_blocks, " blocks of at most ",
       options.max_preconditioner_dim(), " per dim) with ", megabytes(e.largest_param_state_bytes),
-      ". Options that shrink it: a smaller max_preconditioner_dim; inverse_exponent_override "
+      ". Options that shrink it: use_symmetric_packing (on by default: factors and inverse roots "
+      "as packed triangles); a smaller max_preconditioner_dim; inverse_exponent_override "
       "with exponent 0 for a dim, which keeps no factor or root for it (e.g. "
       "{{1, {{shampoo::kAllDims, 0.0}}}} for 1-D blocks); or a diagonal method for such "
       "parameters (a param group of their own with "

@@ -28,6 +28,9 @@ inline constexpr int64_t kStateSizeWarningMinBytes = int64_t{64} << 20;
 struct StateSizeEstimate {
   int64_t param_bytes = 0;
   int64_t state_bytes = 0;
+  /// Of state_bytes: the grafting statistics; the rest is the preconditioners' (factors, roots,
+  /// eigenbases, ...).
+  int64_t grafting_bytes = 0;
   /// The parameter holding the most state (indices over all groups, as in BlockId).
   int64_t largest_param = -1;
   int64_t largest_param_group = -1;

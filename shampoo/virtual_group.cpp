@@ -18,6 +18,7 @@ std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& st
   MatrixPreconditionerSettings settings;
   settings.factor_dtype = structure.factor_matrix_dtype();
   settings.tolerated_failures = structure.num_tolerated_failed_amortized_computations();
+  settings.symmetric_packing = structure.use_symmetric_packing();
   settings.inject_failure = std::move(inject_failure);
   return make_preconditioner_list(structure.preconditioner(), std::move(specs),
                                   std::move(settings));
@@ -404,6 +405,11 @@ void VirtualGroup::import_states(const std::map<BlockId, BlockState>& states, bo
 }
 
 AmortizedCounters VirtualGroup::counters() const { return preconditioner_->counters(); }
+
+void VirtualGroup::add_memory(MemorySummary& out) const {
+  preconditioner_->add_memory(out);
+  elementwise_->add_memory(out);
+}
 
 int64_t VirtualGroup::state_bytes() const {
   return preconditioner_->state_bytes() + elementwise_->state_bytes();

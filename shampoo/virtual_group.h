@@ -142,6 +142,8 @@ class VirtualGroup {
 
   AmortizedCounters counters() const;
   int64_t state_bytes() const;
+  /// Adds the bytes of state held to `out` by kind.
+  void add_memory(MemorySummary& out) const;
 
  private:
   struct Stack {

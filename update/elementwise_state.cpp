@@ -102,6 +102,18 @@ void ElementwiseState::import_member(int64_t stack, int64_t row,
   }
 }
 
+void ElementwiseState::add_memory(MemorySummary& out) const {
+  const auto sum = [](const std::vector<at::Tensor>& states) {
+    int64_t bytes = 0;
+    for (const auto& t : states) bytes += tensor_bytes(t);
+    return bytes;
+  };
+  out.grafting += sum(diagonal_);
+  out.filtered_gradient += sum(filter_);
+  out.momentum += sum(momentum_);
+  out.averaging += sum(average_);
+}
+
 int64_t ElementwiseState::state_bytes() const {
   int64_t bytes = 0;
   for (const auto* states : {&filter_, &diagonal_, &momentum_, &average_}) {

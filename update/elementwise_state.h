@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "preconditioners/memory_summary.h"
 #include "preconditioners/rows.h"
 #include "update/elementwise_chain.h"
 #include "update/grafting.h"
@@ -48,6 +49,8 @@ class ElementwiseState {
   void export_member(int64_t stack, int64_t row, std::map<std::string, at::Tensor>& out) const;
   void import_member(int64_t stack, int64_t row, const std::map<std::string, at::Tensor>& in);
   int64_t state_bytes() const;
+  /// Adds the bytes held to `out`: V as grafting, M, B and Z.
+  void add_memory(MemorySummary& out) const;
 
  private:
   at::Tensor& lazy(std::vector<at::Tensor>& states, int64_t stack);

@@ -147,6 +147,32 @@ INSTANTIATE_TEST_SUITE_P(Worlds, WorldEqualsSingle,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+// Packed symmetric storage (the default) distributed over two ranks ≡ dense storage in one
+// process, bit for bit, for every Kronecker family of cases().
+class PackedWorldEqualsDenseSingle : public ::testing::TestWithParam<DistributedCase> {};
+
+TEST_P(PackedWorldEqualsDenseSingle, BitForBitInFloat32) {
+  const auto& c = GetParam();
+  ASSERT_TRUE(c.options.use_symmetric_packing());
+  constexpr int kSteps = 5;
+  const auto expected =
+      single_process(ShampooOptions(c.options).use_symmetric_packing(false), kSteps);
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params(1);
+    DistributedShampoo opt(make_groups(params, c.options), c.options,
+                           DistributedOptions().process_group(group));
+    for (int step = 1; step <= kSteps; ++step) {
+      set_grads(params, step);
+      opt.step();
+      ASSERT_TRUE(bit_equal(snapshot(params), expected[step - 1]))
+          << c.name << " rank " << rank << " step " << step;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, PackedWorldEqualsDenseSingle, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
 INSTANTIATE_TEST_SUITE_P(TrainersPerGroup, WorldEqualsSingle,
                          ::testing::Combine(::testing::Values(cases()[1]), ::testing::Values(4),
                                             ::testing::Values(int64_t{1}, int64_t{2}, int64_t{-1})),

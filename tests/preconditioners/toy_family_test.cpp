@@ -86,6 +86,9 @@ class AdamaxList final : public shampoo::detail::PreconditionerList {
     for (const auto& v : norms_) bytes += v.numel() * static_cast<int64_t>(v.element_size());
     return bytes;
   }
+  void add_memory(shampoo::MemorySummary& out) const override {
+    out.preconditioner_other += state_bytes();
+  }
 
  private:
   std::vector<shampoo::detail::StackSpec> stacks_;

@@ -1,9 +1,25 @@
 // Checkpoints written by an earlier version still load, and the numerics did not move: for every
 // fixture (checkpoint_fixtures/, written by make_fixtures.cpp from fixture_configs.h), this
 // version runs the same two steps from the same parameters and gradients and must reach the
-// saved parameters bit for bit; the saved checkpoint loads into an optimizer of the same options,
-// and one more step from it equals one more step of this version's own run, bit for bit.
+// saved parameters bit for bit; the saved checkpoint loads into an optimizer of the same options
+// (in either storage layout), and one more step from it, from the saved parameters, equals one
+// more step of this version's own run from the same parameters, bit for bit.
+//
+// One change since the fixtures were written is allowed for, in the families that keep inverse
+// roots (root-inverse Shampoo, its KL variant, and the grafting fixtures, which use it): a root is
+// stored symmetric, as its symmetric part (X + Xᵀ)/2 (issue 26, packed storage), where before it
+// kept the rounding of Q·diag·Qᵀ, whose two triangles differ by an ulp. The blocks here are
+// rank-deficient (two gradients of 4×3 and 2×5) with ε = 1e-12, so the root's near-null
+// directions, made of rounding noise, are amplified by large powers of tiny eigenvalues: the
+// two-step parameters move by up to 11% of the distance they travel (root_inverse_eigh: 1.9e-3 of
+// 1.7e-2; with the pseudo-inverse, which drops those directions, 2e-4 of it). Those fixtures are
+// compared within 25% of that distance; their loaded state is still checked bit for bit by the
+// continuation.
 #include <torch/serialize.h>
+
+#include <algorithm>
+#include <tuple>
+#include <variant>
 
 #include "checkpoint_fixtures/fixture_configs.h"
 #include "support/test_support.h"
@@ -36,26 +52,52 @@ void step_with(shampoo::DistributedShampoo& optimizer, std::vector<at::Tensor>& 
   optimizer.step();
 }
 
-class CheckpointFixtures : public ::testing::TestWithParam<shampoo::fixtures::FixtureConfig> {};
+/// Whether the family keeps inverse roots (stored symmetric since the fixtures were written).
+bool keeps_inverse_roots(const shampoo::ShampooOptions& options) {
+  return std::holds_alternative<shampoo::RootInvShampooConfig>(options.preconditioner()) ||
+         std::holds_alternative<shampoo::RootInvKLShampooConfig>(options.preconditioner());
+}
+
+/// max |a − b| over every element of the lists.
+double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double out = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    out = std::max(out, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return out;
+}
+
+class CheckpointFixtures
+    : public ::testing::TestWithParam<std::tuple<shampoo::fixtures::FixtureConfig, bool>> {};
 
 TEST_P(CheckpointFixtures, LoadAndContinueBitForBit) {
-  const auto& fixture = GetParam();
+  const auto& [fixture, packed] = GetParam();
+  const auto options = shampoo::ShampooOptions(fixture.options).use_symmetric_packing(packed);
   const auto init = load_tensors(fixture_path(fixture.name, "init"));
   const auto grads = load_tensors(fixture_path(fixture.name, "grads"));
   const auto saved = load_tensors(fixture_path(fixture.name, "params"));
   ASSERT_EQ(init.size(), shampoo::fixtures::kParams);
 
   auto params = leaves(init);
-  shampoo::DistributedShampoo own(params, fixture.options);
+  shampoo::DistributedShampoo own(params, options);
   for (int s = 0; s < shampoo::fixtures::kStepsBeforeCheckpoint; ++s) {
     step_with(own, params, grads, s);
   }
-  for (size_t i = 0; i < params.size(); ++i) {
-    EXPECT_TRUE(bit_equal(params[i].detach(), saved[i])) << fixture.name << " parameter " << i;
+  if (keeps_inverse_roots(options)) {
+    const double travelled = max_difference(saved, init);
+    const double moved = max_difference(shampoo::testing::snapshot(params), saved);
+    EXPECT_LE(moved, 0.25 * travelled) << fixture.name << ": " << moved << " of " << travelled;
+    // From here on both runs continue from the saved parameters.
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(saved[i]);
+  } else {
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(bit_equal(params[i].detach(), saved[i])) << fixture.name << " parameter " << i;
+    }
   }
 
   auto resumed_params = leaves(saved);
-  shampoo::DistributedShampoo resumed(resumed_params, fixture.options);
+  shampoo::DistributedShampoo resumed(resumed_params, options);
   torch::load(resumed, fixture_path(fixture.name, "optimizer"));
   step_with(own, params, grads, shampoo::fixtures::kStepsBeforeCheckpoint);
   step_with(resumed, resumed_params, grads, shampoo::fixtures::kStepsBeforeCheckpoint);
@@ -64,13 +106,17 @@ TEST_P(CheckpointFixtures, LoadAndContinueBitForBit) {
         << fixture.name << " parameter " << i;
   }
   // The float options came back from the checkpoint as saved.
-  const auto& options =
+  const auto& loaded =
       static_cast<const shampoo::ShampooOptions&>(resumed.param_groups()[0].options());
-  EXPECT_TRUE(shampoo::structurally_equal(options, fixture.options)) << fixture.name;
+  EXPECT_TRUE(shampoo::structurally_equal(loaded, options)) << fixture.name;
 }
 
-INSTANTIATE_TEST_SUITE_P(EveryFamily, CheckpointFixtures,
-                         ::testing::ValuesIn(shampoo::fixtures::fixture_configs()),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    EveryFamily, CheckpointFixtures,
+    ::testing::Combine(::testing::ValuesIn(shampoo::fixtures::fixture_configs()),
+                       ::testing::Bool()),
+    [](const auto& info) {
+      return std::get<0>(info.param).name + (std::get<1>(info.param) ? "_packed" : "_dense");
+    });
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "preconditioners/symmetric_matrices.h"
 #include "shampoo/shampoo.h"
 
 namespace {
@@ -90,8 +91,8 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return info.param.name; });
 
 TEST(StateSizeWarning, FiresOnceForAThinParameterWithDefaultOptions) {
-  // 1×100000: 98 blocks of 1024 elements, each with a 1024×1024 factor and root: ~817 MB for
-  // 0.4 MB of parameters.
+  // 1×100000: 98 blocks of 1024 elements, each with a 1024×1024 factor and root, packed: ~409 MB
+  // for 0.4 MB of parameters.
   const auto params = leaves({{1, 100000}});
   WarningCollector warnings;
   c10::WarningUtils::WarningHandlerGuard guard(&warnings);
@@ -99,13 +100,14 @@ TEST(StateSizeWarning, FiresOnceForAThinParameterWithDefaultOptions) {
   ASSERT_EQ(warnings.messages.size(), 1u);
   const auto& message = warnings.messages[0];
   for (const char* expected :
-       {"817.", "MB", "0.4 MB", "parameter 0", "[1, 100000]", "98 blocks", "max_preconditioner_dim",
+       {"409.", "MB", "0.4 MB", "parameter 0", "[1, 100000]", "98 blocks", "max_preconditioner_dim",
         "inverse_exponent_override", "exponent 0", "diagonal method"}) {
     EXPECT_NE(message.find(expected), std::string::npos) << "missing '" << expected << "' in\n"
                                                          << message;
   }
-  // 97 blocks of 1024 and one of 672, a float factor and root each.
-  EXPECT_EQ(optimizer.stats().state_bytes, 2 * 4 * (int64_t{97} * 1024 * 1024 + 672 * 672));
+  // 97 blocks of 1024 and one of 672, a float factor and root each, packed upper triangles.
+  using shampoo::detail::packed_size;
+  EXPECT_EQ(optimizer.stats().state_bytes, 2 * 4 * (97 * packed_size(1024) + packed_size(672)));
 
   // Once per optimizer: groups added later are not estimated again.
   optimizer.add_param_group(torch::optim::OptimizerParamGroup(leaves({{1, 20000}})));
@@ -165,9 +167,14 @@ TEST_P(UnpreconditionedDimTest, HoldsNoFactorOrRoot) {
     overridden.step();
     preconditioned.step();
   }
+  // Per dim of size d: the factor (packed) and the root (packed) or the eigenbasis (dense).
+  const auto dim_bytes = [&](int64_t d) {
+    using shampoo::detail::packed_size;
+    return (packed_size(d) + (eigenvalue_corrected ? d * d : packed_size(d))) * 4;
+  };
   const int64_t corrections = eigenvalue_corrected ? rows * cols * 4 : 0;
-  EXPECT_EQ(overridden.stats().state_bytes, 2 * rows * rows * 4 + corrections);
-  EXPECT_EQ(preconditioned.stats().state_bytes, 2 * (rows * rows + cols * cols) * 4 + corrections);
+  EXPECT_EQ(overridden.stats().state_bytes, dim_bytes(rows) + corrections);
+  EXPECT_EQ(preconditioned.stats().state_bytes, dim_bytes(rows) + dim_bytes(cols) + corrections);
 
   std::stringstream buffer;
   torch::serialize::OutputArchive out;

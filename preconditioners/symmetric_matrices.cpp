@@ -1,0 +1,225 @@
+#include "preconditioners/symmetric_matrices.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace shampoo::detail {
+namespace {
+
+/// Offset of row i's first stored entry (i, 0) in a packed matrix (row i holds i + 1 entries).
+constexpr int64_t row_offset(int64_t i) { return i * (i + 1) / 2; }
+
+/// Copies of `count` matrices on the CPU: one element is `Element` (pack and unpack move bytes,
+/// so only the element size matters). `packed` → `dense` when `unpack`, else the reverse.
+template <typename Element>
+void copy_triangles(Element* dense, Element* packed, int64_t count, int64_t d, bool unpack) {
+  const int64_t p = packed_size(d);
+  at::parallel_for(0, count * d, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t m = task / d;
+      const int64_t i = task % d;
+      Element* dense_row = dense + m * d * d + i * d;
+      Element* packed_matrix = packed + m * p;
+      Element* packed_row = packed_matrix + row_offset(i);
+      if (!unpack) {
+        std::memcpy(packed_row, dense_row, sizeof(Element) * (i + 1));
+        continue;
+      }
+      std::memcpy(dense_row, packed_row, sizeof(Element) * (i + 1));
+      // Above the diagonal: (i, j) = (j, i), stored in row j at column i.
+      for (int64_t j = i + 1; j < d; ++j) dense_row[j] = packed_matrix[row_offset(j) + i];
+    }
+  });
+}
+
+template <typename Element>
+void mirror_cpu(Element* dense, int64_t count, int64_t d) {
+  at::parallel_for(0, count * d, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      Element* matrix = dense + (task / d) * d * d;
+      const int64_t i = task % d;
+      for (int64_t j = i + 1; j < d; ++j) matrix[i * d + j] = matrix[j * d + i];
+    }
+  });
+}
+
+/// Dispatches on the element size (2, 4 or 8 bytes) as an unsigned integer type.
+template <typename F>
+void by_element_size(const at::Tensor& t, F&& f) {
+  switch (t.element_size()) {
+    case 2:
+      f(uint16_t{});
+      return;
+    case 4:
+      f(uint32_t{});
+      return;
+    case 8:
+      f(uint64_t{});
+      return;
+    default:
+      TORCH_CHECK(false, "symmetric matrices: unsupported dtype ", t.scalar_type());
+  }
+}
+
+/// Accelerators: index tensors, cached per (d, device). `pack`: the linear indices i·d + j of the
+/// lower triangle, row by row; else per dense position the packed index of (max, min).
+const at::Tensor& index_map(int64_t d, const at::Device& device, bool pack) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int64_t, std::string, bool>, at::Tensor> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& entry = cache[{d, device.str(), pack}];
+  if (!entry.defined()) {
+    std::vector<int64_t> index;
+    if (pack) {
+      for (int64_t i = 0; i < d; ++i) {
+        for (int64_t j = 0; j <= i; ++j) index.push_back(i * d + j);
+      }
+    } else {
+      for (int64_t i = 0; i < d; ++i) {
+        for (int64_t j = 0; j < d; ++j) {
+          const auto [a, b] = i >= j ? std::pair{i, j} : std::pair{j, i};
+          index.push_back(row_offset(a) + b);
+        }
+      }
+    }
+    entry = at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(device);
+  }
+  return entry;
+}
+
+}  // namespace
+
+at::Tensor pack_lower(const at::Tensor& dense) {
+  TORCH_INTERNAL_ASSERT(dense.dim() >= 2 && dense.size(-1) == dense.size(-2));
+  const int64_t d = dense.size(-1);
+  auto batch = dense.sizes().vec();
+  batch.pop_back();
+  batch.back() = packed_size(d);
+  if (!dense.device().is_cpu()) {
+    return dense.reshape({-1, d * d})
+        .index_select(1, index_map(d, dense.device(), true))
+        .view(batch);
+  }
+  const auto src = dense.contiguous();
+  auto out = at::empty(batch, dense.options());
+  const int64_t count = d == 0 ? 0 : src.numel() / (d * d);
+  by_element_size(src, [&](auto element) {
+    using E = decltype(element);
+    copy_triangles<E>(static_cast<E*>(src.data_ptr()), static_cast<E*>(out.data_ptr()), count, d,
+                      /*unpack=*/false);
+  });
+  return out;
+}
+
+at::Tensor unpack_symmetric(const at::Tensor& packed, int64_t d) {
+  TORCH_INTERNAL_ASSERT(packed.dim() >= 1 && packed.size(-1) == packed_size(d));
+  auto shape = packed.sizes().vec();
+  shape.back() = d;
+  shape.push_back(d);
+  if (!packed.device().is_cpu()) {
+    return packed.reshape({-1, packed_size(d)})
+        .index_select(1, index_map(d, packed.device(), false))
+        .view(shape);
+  }
+  const auto src = packed.contiguous();
+  auto out = at::empty(shape, packed.options());
+  const int64_t count = d == 0 ? 0 : src.numel() / packed_size(d);
+  by_element_size(src, [&](auto element) {
+    using E = decltype(element);
+    copy_triangles<E>(static_cast<E*>(out.data_ptr()), static_cast<E*>(src.data_ptr()), count, d,
+                      /*unpack=*/true);
+  });
+  return out;
+}
+
+void mirror_lower_(at::Tensor& dense) {
+  TORCH_INTERNAL_ASSERT(dense.dim() >= 2 && dense.size(-1) == dense.size(-2));
+  const int64_t d = dense.size(-1);
+  if (!dense.device().is_cpu() || !dense.is_contiguous()) {
+    dense.copy_(unpack_symmetric(pack_lower(dense), d));
+    return;
+  }
+  const int64_t count = d == 0 ? 0 : dense.numel() / (d * d);
+  by_element_size(dense, [&](auto element) {
+    using E = decltype(element);
+    mirror_cpu<E>(static_cast<E*>(dense.data_ptr()), count, d);
+  });
+}
+
+SymmetricMatrices::SymmetricMatrices(int64_t n, int64_t d, const at::TensorOptions& options,
+                                     bool packed, bool identity)
+    : d_(d), packed_(packed) {
+  if (!identity) {
+    storage_ = packed ? at::zeros({n, packed_size(d)}, options) : at::zeros({n, d, d}, options);
+    return;
+  }
+  const auto eye = at::eye(d, options);
+  storage_ =
+      (packed ? pack_lower(eye) : eye)
+          .expand(packed ? std::vector<int64_t>{n, packed_size(d)} : std::vector<int64_t>{n, d, d})
+          .contiguous();
+}
+
+at::Tensor SymmetricMatrices::to_stored(at::Tensor dense) const {
+  if (packed_) return pack_lower(dense);
+  mirror_lower_(dense);
+  return dense;
+}
+
+at::Tensor SymmetricMatrices::dense(const Rows& rows) const {
+  const auto stored_rows = gather_rows(storage_, rows);
+  return packed_ ? unpack_symmetric(stored_rows, d_) : stored_rows;
+}
+
+at::Tensor SymmetricMatrices::dense_row(int64_t row) const {
+  return packed_ ? unpack_symmetric(storage_[row], d_) : storage_[row];
+}
+
+void SymmetricMatrices::assign_row(int64_t row, const at::Tensor& value) {
+  TORCH_INTERNAL_ASSERT(value.dim() == 2 && value.size(0) == d_ && value.size(1) == d_);
+  if (packed_) {
+    storage_[row].copy_(pack_lower(value));
+    return;
+  }
+  auto target = storage_[row];
+  target.copy_(value);
+  mirror_lower_(target);
+}
+
+at::Tensor SymmetricMatrices::max_abs() const {
+  if (storage_.size(0) == 0) return at::zeros({0}, storage_.options().dtype(at::kDouble));
+  const std::vector<int64_t> dims = packed_ ? std::vector<int64_t>{1} : std::vector<int64_t>{1, 2};
+  return at::linalg_vector_norm(storage_, INFINITY, dims, false, at::kDouble);
+}
+
+at::Tensor SymmetricMatrices::export_row(int64_t row) const { return storage_[row].clone(); }
+
+void SymmetricMatrices::import_row(int64_t row, const at::Tensor& value, const std::string& key,
+                                   const std::string& owner) {
+  const bool as_packed = value.dim() == 1 && value.size(0) == packed_size(d_);
+  const bool as_dense = value.dim() == 2 && value.size(0) == d_ && value.size(1) == d_;
+  TORCH_CHECK(as_packed || as_dense, "checkpoint: ", owner, " entry '", key, "' has shape ",
+              value.sizes(), ", expected [", d_, ", ", d_, "] (a dense symmetric matrix) or [",
+              packed_size(d_), "] (its packed lower triangle)");
+  const auto converted = value.to(storage_.options());
+  if (as_dense) {
+    assign_row(row, converted);
+  } else if (packed_) {
+    storage_[row].copy_(converted);
+  } else {
+    storage_[row].copy_(unpack_symmetric(converted, d_));
+  }
+}
+
+int64_t SymmetricMatrices::bytes() const {
+  return storage_.defined() ? storage_.numel() * static_cast<int64_t>(storage_.element_size()) : 0;
+}
+
+}  // namespace shampoo::detail

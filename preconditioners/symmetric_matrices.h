@@ -1,0 +1,76 @@
+#pragma once
+/// Stacks of symmetric matrices (the Kronecker factors and the inverse roots), stored dense or as
+/// packed lower triangles. Packed, a d×d matrix keeps its d(d+1)/2 entries (i ≥ j) row by row:
+/// (0,0), (1,0), (1,1), (2,0), …, (d−1,d−1), about half the bytes. Both layouts hold the same
+/// numbers: a matrix written into the stack is its lower triangle, mirrored in the dense layout,
+/// so a computation reads the same values whichever layout keeps them (packed ≡ dense bit for
+/// bit). The lower triangle is the one LAPACK's eigh reads (torch.linalg.eigh, UPLO 'L'): a
+/// product G·Gᵀ whose two triangles round differently decomposes as before packing. Pack and
+/// unpack are copies, no arithmetic.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+#include "preconditioners/rows.h"
+
+namespace shampoo::detail {
+
+/// d(d+1)/2: the entries of a packed d×d symmetric matrix.
+constexpr int64_t packed_size(int64_t d) { return d * (d + 1) / 2; }
+
+/// The lower triangles of `dense` [..., d, d] packed: [..., d(d+1)/2] (a new tensor).
+at::Tensor pack_lower(const at::Tensor& dense);
+/// The symmetric matrices [..., d, d] whose lower triangles `packed` [..., d(d+1)/2] holds.
+at::Tensor unpack_symmetric(const at::Tensor& packed, int64_t d);
+/// Copies the lower triangle of each matrix of `dense` [..., d, d] onto its upper triangle.
+void mirror_lower_(at::Tensor& dense);
+
+class SymmetricMatrices {
+ public:
+  SymmetricMatrices() = default;
+  /// n matrices of size d×d, zeros or (identity) the identity.
+  SymmetricMatrices(int64_t n, int64_t d, const at::TensorOptions& options, bool packed,
+                    bool identity);
+
+  bool defined() const { return storage_.defined(); }
+  bool packed() const { return packed_; }
+  int64_t dim() const { return d_; }
+  /// The stored entries: [n, d(d+1)/2] packed, [n, d, d] dense. Elementwise updates may act on
+  /// them directly (they touch the same numbers in either layout).
+  const at::Tensor& stored() const { return storage_; }
+  at::Tensor& stored() { return storage_; }
+  /// Dims of a row-scalar tensor broadcasting against stored rows: 2 packed, 3 dense.
+  int64_t stored_dims() const { return packed_ ? 2 : 3; }
+  /// The entries `dense` [rows, d, d] would be stored as: packed lower triangles (a new tensor),
+  /// or `dense` itself with its lower triangle mirrored (in place).
+  at::Tensor to_stored(at::Tensor dense) const;
+
+  /// The matrices of `rows` as [rows, d, d]: unpacked into a new tensor, or in the dense layout
+  /// gather_rows of the storage (the storage itself, a view or a copy). Read-only.
+  at::Tensor dense(const Rows& rows) const;
+  /// Matrix `row` as [d, d] (read-only, as dense()).
+  at::Tensor dense_row(int64_t row) const;
+  /// Writes the lower triangle of `value` [d, d] into matrix `row` (mirrored when dense).
+  void assign_row(int64_t row, const at::Tensor& value);
+
+  /// Per matrix, max |entry| as [n] float64 on the storage's device.
+  at::Tensor max_abs() const;
+
+  /// A copy of matrix `row` as stored ([d(d+1)/2] or [d, d]), for checkpoints.
+  at::Tensor export_row(int64_t row) const;
+  /// Reads matrix `row` from a checkpoint entry in either layout ([d, d]: its lower triangle;
+  /// [d(d+1)/2]: packed); another shape is an error naming `key`, `owner` and both shapes.
+  void import_row(int64_t row, const at::Tensor& value, const std::string& key,
+                  const std::string& owner);
+
+  int64_t bytes() const;
+
+ private:
+  at::Tensor storage_;
+  int64_t d_ = 0;
+  bool packed_ = false;
+};
+
+}  // namespace shampoo::detail

@@ -1,0 +1,123 @@
+// Packed symmetric storage (preconditioners/symmetric_matrices.h): the layout, pack and unpack as
+// exact copies in every dtype, the mirrored dense layout, and checkpoint entries in either layout.
+#include "preconditioners/symmetric_matrices.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+
+#include "support/test_support.h"
+
+namespace {
+
+using shampoo::detail::mirror_lower_;
+using shampoo::detail::pack_lower;
+using shampoo::detail::packed_size;
+using shampoo::detail::Rows;
+using shampoo::detail::SymmetricMatrices;
+using shampoo::detail::unpack_symmetric;
+using shampoo::testing::bit_equal;
+
+/// The lower triangle of `a` [..., d, d] mirrored onto the upper one, from ATen's tril.
+at::Tensor mirrored(const at::Tensor& a) {
+  const auto lower = a.tril();
+  return lower + lower.tril(-1).transpose(-2, -1);
+}
+
+TEST(SymmetricLayout, PacksTheLowerTriangleRowByRow) {
+  const auto a = at::arange(16, at::kFloat).view({4, 4});
+  const auto packed = pack_lower(a);
+  // (0,0), (1,0..1), (2,0..2), (3,0..3).
+  const auto expected = at::tensor({0.f, 4.f, 5.f, 8.f, 9.f, 10.f, 12.f, 13.f, 14.f, 15.f});
+  EXPECT_TRUE(bit_equal(packed, expected));
+  EXPECT_TRUE(bit_equal(unpack_symmetric(packed, 4), mirrored(a)));
+}
+
+class SymmetricRoundTrip
+    : public ::testing::TestWithParam<std::tuple<at::ScalarType, int64_t /*d*/>> {};
+
+TEST_P(SymmetricRoundTrip, UnpackOfPackIsTheMirroredUpperTriangle) {
+  const auto [dtype, d] = GetParam();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  // Not symmetric on purpose: the upper triangle must not leak into either layout.
+  const auto a = at::randn({3, 2, d, d}, gen).to(dtype);
+  const auto packed = pack_lower(a);
+  ASSERT_EQ(packed.sizes(), (at::IntArrayRef{3, 2, packed_size(d)}));
+  const auto unpacked = unpack_symmetric(packed, d);
+  EXPECT_TRUE(bit_equal(unpacked, mirrored(a)));
+  auto in_place = a.clone();
+  mirror_lower_(in_place);
+  EXPECT_TRUE(bit_equal(in_place, mirrored(a)));
+  // A symmetric matrix survives pack and unpack unchanged.
+  EXPECT_TRUE(bit_equal(unpack_symmetric(pack_lower(unpacked), d), unpacked));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DtypesAndSizes, SymmetricRoundTrip,
+    ::testing::Combine(::testing::Values(at::kFloat, at::kDouble, at::kBFloat16, at::kHalf),
+                       ::testing::Values(1, 2, 5, 64, 129)),
+    [](const auto& info) {
+      return shampoo::testing::test_name(std::string(c10::toString(std::get<0>(info.param))) + "_" +
+                                         std::to_string(std::get<1>(info.param)));
+    });
+
+class SymmetricStack : public ::testing::TestWithParam<bool /*packed*/> {};
+
+TEST_P(SymmetricStack, BothLayoutsHoldTheSameMatrices) {
+  const bool packed = GetParam();
+  const int64_t n = 4, d = 6;
+  SymmetricMatrices stack(n, d, at::TensorOptions().dtype(at::kFloat), packed,
+                          /*identity=*/true);
+  EXPECT_EQ(stack.bytes(), n * (packed ? packed_size(d) : d * d) * 4);
+  EXPECT_TRUE(bit_equal(stack.dense_row(2), at::eye(d)));
+  const auto value = at::randn({d, d});
+  stack.assign_row(1, value);
+  EXPECT_TRUE(bit_equal(stack.dense_row(1), mirrored(value)));
+  Rows rows;
+  rows.rows = {1, 3};
+  const auto dense = stack.dense(rows);
+  EXPECT_TRUE(bit_equal(dense[0], mirrored(value)));
+  EXPECT_TRUE(bit_equal(dense[1], at::eye(d)));
+  const auto max_abs = stack.max_abs();
+  EXPECT_EQ(max_abs[1].item<double>(), mirrored(value).abs().max().item<double>());
+  EXPECT_EQ(max_abs[0].item<double>(), 1.0);
+}
+
+TEST_P(SymmetricStack, ImportsEitherLayoutAndNamesBadShapes) {
+  const bool packed = GetParam();
+  const int64_t d = 5;
+  SymmetricMatrices stack(2, d, at::TensorOptions().dtype(at::kFloat), packed, false);
+  const auto value = at::randn({d, d});
+  // A dense entry (checkpoints written before packing, or by an unpacked optimizer).
+  stack.import_row(0, value, "root_0", "block 0");
+  EXPECT_TRUE(bit_equal(stack.dense_row(0), mirrored(value)));
+  // A packed entry.
+  stack.import_row(1, pack_lower(value * 2), "root_0", "block 1");
+  EXPECT_TRUE(bit_equal(stack.dense_row(1), mirrored(value * 2)));
+  // What export gives is the stored layout, and it imports into the other layout unchanged.
+  SymmetricMatrices other(1, d, at::TensorOptions().dtype(at::kFloat), !packed, false);
+  other.import_row(0, stack.export_row(1), "root_0", "block 1");
+  EXPECT_TRUE(bit_equal(other.dense_row(0), stack.dense_row(1)));
+  shampoo::testing::expect_error(
+      [&] {
+        stack.import_row(0, at::zeros({d, d + 1}), "factor_1", "parameter 3 block 0");
+      },
+      {"parameter 3 block 0", "factor_1", "[5, 6]", "[5, 5]", "[15]"});
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, SymmetricStack, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "packed" : "dense"; });
+
+TEST(SymmetricLayoutCuda, MatchesTheCpuBitForBit) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const auto a = at::randn({3, 33, 33});
+  const auto packed = pack_lower(a.cuda());
+  EXPECT_TRUE(bit_equal(packed.cpu(), pack_lower(a)));
+  EXPECT_TRUE(bit_equal(unpack_symmetric(packed, 33).cpu(), unpack_symmetric(pack_lower(a), 33)));
+  auto mirrored_cuda = a.cuda();
+  mirror_lower_(mirrored_cuda);
+  EXPECT_TRUE(bit_equal(mirrored_cuda.cpu(), mirrored(a)));
+}
+
+}  // namespace

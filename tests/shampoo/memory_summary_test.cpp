@@ -1,0 +1,103 @@
+// memory_summary(): the optimizer's state by kind equals what the CPU tracking allocator
+// (benchmarks/tracking_allocator.h) sees the optimizer keep after its steps, within 1%, packed and
+// unpacked, for the Kronecker families with grafting and a β1 filter; and the kinds add up.
+#include <shampoo/shampoo.h>
+
+#include <string>
+#include <vector>
+
+#include "benchmarks/tracking_allocator.h"
+#include "preconditioners/symmetric_matrices.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shampoo::DistributedShampoo;
+using shampoo::ShampooOptions;
+
+struct Case {
+  std::string name;
+  ShampooOptions options;
+};
+
+std::vector<Case> cases() {
+  const auto base = ShampooOptions(0.01)
+                        .betas({0.9, 0.999})
+                        .epsilon(1e-8)
+                        .momentum(0.5)
+                        .precondition_frequency(2)
+                        .max_preconditioner_dim(64)
+                        .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
+  return {
+      {"root_inverse_packed", base},
+      {"root_inverse_dense", ShampooOptions(base).use_symmetric_packing(false)},
+      {"eigendecomposed",
+       ShampooOptions(base).preconditioner(shampoo::EigendecomposedShampooConfig{})},
+      {"eigenvalue_corrected",
+       ShampooOptions(base).preconditioner(shampoo::EigenvalueCorrectedShampooConfig{})},
+  };
+}
+
+class MemorySummaryTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MemorySummaryTest, EqualsWhatTheTrackingAllocatorSeesWithinOnePercent) {
+  const auto& c = GetParam();
+  auto& tracker = shampoo::bench::TrackingAllocator::install();
+  // Parameters and gradients exist before the baseline: what is live after the steps beyond it
+  // is what the optimizer keeps.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  std::vector<at::Tensor> params;
+  for (const auto& shape :
+       std::vector<std::vector<int64_t>>{{64, 48}, {200, 64}, {96}, {3, 32, 5}}) {
+    params.push_back(at::randn(shape, gen).requires_grad_());
+  }
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) grads.push_back(at::randn(p.sizes(), gen));
+  for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i].clone();
+  int64_t baseline = 0;
+  shampoo::MemorySummary memory;
+  int64_t kept = 0;
+  {
+    baseline = tracker.live();
+    DistributedShampoo optimizer(params, c.options);
+    for (int step = 0; step < 4; ++step) optimizer.step();  // two root computations
+    kept = tracker.live() - baseline;
+    memory = optimizer.memory_summary();
+    EXPECT_EQ(memory.state_total(), optimizer.stats().state_bytes);
+  }
+  EXPECT_GE(static_cast<double>(memory.state_total()), 0.99 * static_cast<double>(kept)) << c.name;
+  EXPECT_LE(static_cast<double>(memory.state_total()), 1.01 * static_cast<double>(kept)) << c.name;
+
+  int64_t numel = 0;
+  for (const auto& p : params) numel += p.numel();
+  // Adam grafting, the β1 filter and momentum: one float per element each.
+  EXPECT_EQ(memory.grafting, numel * 4);
+  EXPECT_EQ(memory.filtered_gradient, numel * 4);
+  EXPECT_EQ(memory.momentum, numel * 4);
+  EXPECT_GT(memory.factors, 0);
+  const bool root_inverse = c.name.rfind("root_inverse", 0) == 0;
+  // Root-inverse keeps a root per factor, of the same layout; the others keep eigenvectors.
+  EXPECT_EQ(memory.inverse_roots, root_inverse ? memory.factors : 0);
+  EXPECT_EQ(memory.eigenvectors > 0, !root_inverse);
+  EXPECT_NE(memory.to_string().find("state total"), std::string::npos);
+  EXPECT_NE(memory.to_line().find("MB factors"), std::string::npos);
+  // After the optimizer is gone, nothing of it is left.
+  EXPECT_EQ(tracker.live(), baseline);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, MemorySummaryTest, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// The packed factors of a d×d dim take d(d+1)/2 floats: 64×48 blocks (dims 64 and 48).
+TEST(MemorySummaryPacking, FactorsArePackedTriangles) {
+  auto param = at::randn({64, 48}).requires_grad_();
+  DistributedShampoo packed({param}, ShampooOptions().max_preconditioner_dim(64));
+  DistributedShampoo dense(
+      {param}, ShampooOptions().max_preconditioner_dim(64).use_symmetric_packing(false));
+  using shampoo::detail::packed_size;
+  EXPECT_EQ(packed.memory_summary().factors, (packed_size(64) + packed_size(48)) * 4);
+  EXPECT_EQ(dense.memory_summary().factors, (64 * 64 + 48 * 48) * 4);
+  EXPECT_EQ(packed.memory_summary().inverse_roots, packed.memory_summary().factors);
+}
+
+}  // namespace

@@ -17,10 +17,20 @@ Protocol, per root-inverse setting, one optimizer alive at a time:
     separately.
 Every step is synchronized before and after (torch.cuda.synchronize on CUDA).
 
+--memory measures no time: per root-inverse setting, two steps (gradient set i mod 3 copied into
+.grad, as above; they compute no roots, which start at step N, but the state is allocated by
+then), then the bytes of the optimizer's state: every tensor reachable from optimizer.state
+(through dicts, lists, tuples and the reference's state dataclasses), each untyped storage counted
+once, split by kind (state_kind) into a table of MB. Device: cpu unless --device says otherwise.
+
+--no-symmetric-packing sets the preconditioner config's use_symmetric_packing=False (the
+reference's default, True, stores the factor matrices and their inverse roots as packed upper
+triangles, d(d+1)/2 elements instead of d*d), in every mode.
+
   python3 benchmarks/reference_transformer.py --reference-path DIR \\
       [--root-inv eigh,coupled-newton] [--one-group-per-tensor] [--device cuda|cpu] [--small] \\
       [--frequency 20] [--window 40] [--steps 5] [--repetitions 3] [--epsilon 1e-8] \\
-      [--threads T] [--json PATH]
+      [--no-symmetric-packing] [--memory] [--threads T] [--json PATH]
 
 Exits 1 when a setting failed (its row says why; the others are still measured).
 DIR holds the reference's `distributed_shampoo` package (scripts/device_bundle.sh exports it into
@@ -29,9 +39,11 @@ DIR holds the reference's `distributed_shampoo` package (scripts/device_bundle.s
 
 import argparse
 import collections
+import dataclasses
 import gc
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -40,6 +52,10 @@ GRADIENT_SETS = 3
 SEED = 0
 SMALL_DIVISOR = 8  # --small divides every dimension and max_preconditioner_dim by this
 ROOT_INV_SETTINGS = ("eigh", "coupled-newton")
+MEMORY_STEPS = 2  # --memory: steps taken before the state is counted
+# --memory: the kinds of state, in table order; state_kind maps a state path to one of them.
+STATE_KINDS = ("factor matrices", "inverse roots", "other Shampoo", "grafting (Adam) second moment",
+               "filtered gradient", "momentum", "other")
 
 
 def parse_args(argv):
@@ -69,6 +85,13 @@ def parse_args(argv):
                              "runs)")
     parser.add_argument("--epsilon", type=float, default=1e-8,
                         help="Shampoo's epsilon (issue 13: 1e-8)")
+    parser.add_argument("--no-symmetric-packing", action="store_true",
+                        help="use_symmetric_packing=False in the preconditioner config (full d x d "
+                             "factor matrices and inverse roots; the reference's default packs "
+                             "them)")
+    parser.add_argument("--memory", action="store_true",
+                        help=f"measure the optimizer state's bytes after {MEMORY_STEPS} steps "
+                             "instead of timing (device cpu unless --device)")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads (0 = torch's default)")
     parser.add_argument("--json", default="", help="write the results as JSON to this file")
@@ -168,9 +191,18 @@ def synchronize(torch, device):
 
 def make_optimizer(ds, workload, root_inv, frequency, args):
     """The reference's DistributedShampoo with the workload's settings."""
+    # Passed only when asked for: a reference without the option still runs the default.
+    packing = {"use_symmetric_packing": False} if args.no_symmetric_packing else {}
+    if packing and "use_symmetric_packing" not in {
+            f.name for f in dataclasses.fields(ds.RootInvShampooPreconditionerConfig)}:
+        sys.exit("reference_transformer: --no-symmetric-packing, but this reference's "
+                 "RootInvShampooPreconditionerConfig has no use_symmetric_packing")
     if root_inv == "coupled-newton":
         preconditioner = ds.RootInvShampooPreconditionerConfig(
-            amortized_computation_config=ds.CoupledNewtonConfig())
+            amortized_computation_config=ds.CoupledNewtonConfig(), **packing)
+    elif packing:
+        # DefaultShampooConfig with the option: its default amortized config, DefaultEigenConfig.
+        preconditioner = ds.RootInvShampooPreconditionerConfig(**packing)
     else:
         preconditioner = ds.DefaultShampooConfig  # eigendecomposition (DefaultEigenConfig)
     params = workload.params
@@ -310,6 +342,101 @@ def summarize(root_inv, amortized, every_step):
     }
 
 
+def state_tensors(value, path=()):
+    """(path, tensor) for every tensor reachable from `value`: through dicts, lists, tuples and
+    dataclass instances (the reference keeps each block's Kronecker factors in a dataclass,
+    e.g. RootInvShampooKroneckerFactorsState). A path is the keys, indices and attribute names on
+    the way."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from state_tensors(item, path + (key,))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from state_tensors(item, path + (index,))
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for name, item in vars(value).items():
+            yield from state_tensors(item, path + (name,))
+
+
+def state_kind(path):
+    """The kind of a state tensor by the names on its path (the reference's state keys: per block
+    'shampoo' with factor_matrices / inv_factor_matrices, 'adagrad' for the grafting's second
+    moment, 'filtered_grad', 'momentum_buffer'; per parameter 'step' and the like)."""
+    names = [p for p in path if isinstance(p, str)]
+    if "inv_factor_matrices" in names:
+        return "inverse roots"
+    if "factor_matrices" in names:
+        return "factor matrices"
+    if "shampoo" in names:
+        return "other Shampoo"
+    if "adagrad" in names:
+        return "grafting (Adam) second moment"
+    if "filtered_grad" in names:
+        return "filtered gradient"
+    if "momentum_buffer" in names:
+        return "momentum"
+    return "other"
+
+
+def factor_dim(shape):
+    """The dimension d of a factor matrix of this shape: (d, d), or packed, (d(d+1)/2,)."""
+    if len(shape) == 2:
+        return shape[0]
+    return (math.isqrt(1 + 8 * shape[0]) - 1) // 2
+
+
+def measure_memory(ds, workload, root_inv, args):
+    """The bytes of the optimizer's state after MEMORY_STEPS steps, by kind, each untyped storage
+    counted once (attributed to the first path that reaches it)."""
+    run = Run(ds, workload, root_inv, args.frequency, args)
+    for _ in range(MEMORY_STEPS):
+        run.timed_step()
+    index = {id(p): i for i, p in enumerate(workload.params)}
+    by_kind = dict.fromkeys(STATE_KINDS, 0)
+    tensors = dict.fromkeys(STATE_KINDS, 0)
+    seen = set()
+    factors = collections.defaultdict(list)  # parameter index -> factor matrix shapes
+    for param, param_state in run.optimizer.state.items():
+        for path, tensor in state_tensors(param_state):
+            kind = state_kind(path)
+            if kind == "factor matrices":
+                factors[index[id(param)]].append(tuple(tensor.shape))
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr(), storage.nbytes())
+            if key in seen:
+                continue
+            seen.add(key)
+            by_kind[kind] += storage.nbytes()
+            tensors[kind] += 1
+    packing = "off" if args.no_symmetric_packing else "on (reference default)"
+    total = sum(by_kind.values())
+    print(f"\nreference {root_inv}, symmetric packing {packing}: optimizer state after "
+          f"{MEMORY_STEPS} steps\n\n| kind | storages | MB |\n|---|---|---|")
+    for kind in STATE_KINDS:
+        print(f"| {kind} | {tensors[kind]} | {megabytes(by_kind[kind])} |")
+    print(f"| total | {sum(tensors.values())} | {megabytes(total)} |")
+    dims = collections.Counter(factor_dim(s) for shapes in factors.values() for s in shapes)
+    print("\nfactor matrices by dimension: "
+          + ", ".join(f"{n} x d={d}" for d, n in sorted(dims.items()))
+          + " (as many inverse roots)\nper parameter tensor (index, shape: factor matrix shapes):")
+    for i, shape in enumerate(workload.shapes):
+        shapes = factors.get(i, [])
+        summary = ", ".join(f"{n} x {s}" for s, n in collections.Counter(shapes).items())
+        print(f"  {i:2d} {shape}: {summary or 'none'}")
+    print(f"MB = 1e6 bytes; each untyped storage counted once. Parameters: "
+          f"{megabytes(sum(p.numel() * p.element_size() for p in workload.params))} MB.",
+          flush=True)
+    return {"name": root_inv, "symmetric_packing": not args.no_symmetric_packing,
+            "steps": MEMORY_STEPS, "state_bytes": total, "state_bytes_by_kind": by_kind,
+            "storages_by_kind": tensors,
+            "factor_matrix_shapes": {str(i): [list(s) for s in factors.get(i, [])]
+                                     for i in range(len(workload.shapes))}}
+
+
 def megabytes(value):
     return "n/a" if value is None else f"{value / 1e6:.1f}"
 
@@ -354,6 +481,7 @@ def results_json(results, workload, args, torch):
             "repetitions": args.repetitions, "every_step_steps": args.steps,
             "one_group_per_tensor": args.one_group_per_tensor, "small": args.small,
             "epsilon": args.epsilon,
+            "symmetric_packing": not args.no_symmetric_packing, "memory": args.memory,
             "shapes": [list(s) for s in workload.shapes],
         },
         "solvers": results,
@@ -372,7 +500,8 @@ def main(argv):
 
     counter = install_warning_counter()
 
-    device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_name = args.device or ("cuda" if torch.cuda.is_available() and not args.memory
+                                  else "cpu")
     if device_name == "cuda" and not torch.cuda.is_available():
         sys.exit("reference_transformer: --device cuda, but no CUDA device is available")
     device = torch.device("cuda", 0) if device_name == "cuda" else torch.device("cpu")
@@ -383,8 +512,14 @@ def main(argv):
           f"{ds.__file__}\n"
           f"  harness tensors (parameters, gradients, {GRADIENT_SETS} gradient sets): "
           f"{megabytes(workload.harness_bytes)} MB", flush=True)
-    results = [measure(ds, workload, root_inv, args, counter) for root_inv in args.root_inv]
-    print_table(results, workload, args)
+    if args.memory:
+        results = []
+        for root_inv in args.root_inv:
+            results.append(measure_memory(ds, workload, root_inv, args))
+            results[-1].update(error=None, reference_warnings=counter.take())
+    else:
+        results = [measure(ds, workload, root_inv, args, counter) for root_inv in args.root_inv]
+        print_table(results, workload, args)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results_json(results, workload, args, torch), out, indent=2)

@@ -426,15 +426,19 @@ int print_state_memory(Workload& w, const std::vector<SolverSetting>& settings, 
   fmt::print(
       "State after two steps (MB = 1e6 bytes): 'tracked' = tensor bytes live after the steps "
       "minus those live before the optimizer (harness {:.1f} MB); the kinds from "
-      "memory_summary()\n\n| setting | packing | tracked | memory_summary | factors | inverse "
-      "roots | eigenvectors | other | grafting | filtered gradient | momentum |\n"
-      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+      "memory_summary(); 'journal' = what a third step (not recomputing roots) saved to undo "
+      "itself, with a no-op phase hook that makes a single process keep its journal as a "
+      "distributed step does (its parameters included, which a distributed step does not "
+      "copy)\n\n| setting | packing | tracked | memory_summary | factors | inverse "
+      "roots | eigenvectors | other | grafting | filtered gradient | momentum | journal |\n"
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
       w.harness_bytes / 1e6);
   for (const auto& setting : settings) {
     for (const bool packed : {true, false}) {
       const int64_t before = current_memory_bytes(w.device);
       int64_t tracked = 0;
       shampoo::MemorySummary m;
+      int64_t journal = 0;
       {
         auto options = transformer_options(args.frequency, setting.config, args);
         options.use_symmetric_packing(packed);
@@ -442,12 +446,15 @@ int print_state_memory(Workload& w, const std::vector<SolverSetting>& settings, 
         for (int i = 0; i < 2; ++i) timed_step(run);
         tracked = current_memory_bytes(w.device) - before;
         m = run.optimizer->memory_summary();
+        run.optimizer->set_fault_injector_for_testing([](shampoo::FaultPoint) {});
+        timed_step(run);
+        journal = run.optimizer->memory_summary().scratch_last_step;
       }
       const auto mb = [](int64_t b) { return fmt::format("{:.1f}", static_cast<double>(b) / 1e6); };
-      fmt::print("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", setting.name,
+      fmt::print("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", setting.name,
                  packed ? "on" : "off", mb(tracked), mb(m.state_total()), mb(m.factors),
                  mb(m.inverse_roots), mb(m.eigenvectors), mb(m.preconditioner_other),
-                 mb(m.grafting), mb(m.filtered_gradient), mb(m.momentum));
+                 mb(m.grafting), mb(m.filtered_gradient), mb(m.momentum), mb(journal));
       std::fflush(stdout);
     }
   }

@@ -163,6 +163,11 @@ at::Tensor KroneckerFactorList::kl_operand(int64_t /*stack*/, const Rows& /*rows
 
 std::map<std::string, at::Tensor> KroneckerFactorList::export_member(int64_t stack,
                                                                      int64_t row) const {
+  return export_changing(stack, row, /*amortized=*/true);
+}
+
+std::map<std::string, at::Tensor> KroneckerFactorList::export_changing(int64_t stack, int64_t row,
+                                                                       bool amortized) const {
   std::map<std::string, at::Tensor> out;
   factors_.export_member(stack, row, out);
   for (const auto& state : states_) {
@@ -170,6 +175,7 @@ std::map<std::string, at::Tensor> KroneckerFactorList::export_member(int64_t sta
       out[state.name] = state.tensors[stack][0][row].clone();
       continue;
     }
+    if (!amortized) continue;  // per-dim states change only in an amortized computation
     for (const int64_t k : factors_.preconditioned_dims(stack)) {
       out[state_key(state, k)] = state.shape == Shape::kDimSymmetric
                                      ? state.symmetric[stack][k].export_row(row)
@@ -181,6 +187,17 @@ std::map<std::string, at::Tensor> KroneckerFactorList::export_member(int64_t sta
 
 void KroneckerFactorList::import_member(int64_t stack, int64_t row,
                                         const std::map<std::string, at::Tensor>& in) {
+  import_state(stack, row, in, /*require_all=*/true);
+}
+
+void KroneckerFactorList::import_changing(int64_t stack, int64_t row,
+                                          const std::map<std::string, at::Tensor>& in) {
+  import_state(stack, row, in, /*require_all=*/false);
+}
+
+void KroneckerFactorList::import_state(int64_t stack, int64_t row,
+                                       const std::map<std::string, at::Tensor>& in,
+                                       bool require_all) {
   factors_.import_member(stack, row, in);
   const auto& spec = factors_.spec(stack);
   for (auto& state : states_) {
@@ -190,6 +207,9 @@ void KroneckerFactorList::import_member(int64_t stack, int64_t row,
       continue;
     }
     for (const int64_t k : factors_.preconditioned_dims(stack)) {
+      // Without `require_all` (an undo journal of a step that did not amortize the member) the
+      // per-dim states may be absent: they did not change.
+      if (!require_all && in.count(state_key(state, k)) == 0) continue;
       if (state.shape == Shape::kDimSymmetric) {
         const auto key = state_key(state, k);
         state.symmetric[stack][k].import_row(row, checked_entry(in, key, spec.names[row]), key,

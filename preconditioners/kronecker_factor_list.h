@@ -28,6 +28,10 @@ class KroneckerFactorList : public PreconditionerList {
   std::map<std::string, at::Tensor> export_member(int64_t stack, int64_t row) const final;
   void import_member(int64_t stack, int64_t row,
                      const std::map<std::string, at::Tensor>& state) final;
+  std::map<std::string, at::Tensor> export_changing(int64_t stack, int64_t row,
+                                                    bool amortized) const final;
+  void import_changing(int64_t stack, int64_t row,
+                       const std::map<std::string, at::Tensor>& state) final;
   const AmortizedCounters& counters() const final { return factors_.counters(); }
   void set_counters(const AmortizedCounters& counters) final { factors_.set_counters(counters); }
   bool amortization_may_raise(int64_t stack, const Rows& rows, const RowScalars& scalars,
@@ -109,6 +113,8 @@ class KroneckerFactorList : public PreconditionerList {
     std::vector<std::vector<SymmetricMatrices>> symmetric;  // [stack][dim] (kDimSymmetric)
   };
   std::string state_key(const KeptState& state, int64_t dim) const;
+  void import_state(int64_t stack, int64_t row, const std::map<std::string, at::Tensor>& in,
+                    bool require_all);
   std::vector<KeptState> states_;
 };
 

@@ -89,6 +89,17 @@ class PreconditionerList {
   /// Restores what export_member produced; throws naming the missing or mismatched entry.
   virtual void import_member(int64_t stack, int64_t row,
                              const std::map<std::string, at::Tensor>& state) = 0;
+  /// For an undo journal: what a step can change of the member. With `amortized` false (the
+  /// step does not run the member's amortized computation) without the state only that
+  /// computation changes (inverse roots, eigenbases); import_changing restores it.
+  virtual std::map<std::string, at::Tensor> export_changing(int64_t stack, int64_t row,
+                                                            bool /*amortized*/) const {
+    return export_member(stack, row);
+  }
+  virtual void import_changing(int64_t stack, int64_t row,
+                               const std::map<std::string, at::Tensor>& state) {
+    import_member(stack, row, state);
+  }
 
   /// Whether the amortized computation of `rows` (those due at this step, with their scalars)
   /// could raise: a member at the limit of its tolerated consecutive failures, or a factor that

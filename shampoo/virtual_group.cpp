@@ -189,7 +189,11 @@ void VirtualGroup::save(const StepInputs& in, StepJournal::GroupMark& mark, bool
     for (const int64_t row : rows_with_gradients(static_cast<int64_t>(s), in).rows) {
       const auto& id = stacks_[s].ids[row];
       if (journal.states.count(id) != 0) continue;
-      auto state = export_member(static_cast<int64_t>(s), row);
+      // What the step can change: the roots or eigenbases only when it amortizes the block.
+      const auto t = options_of_block(in, stacks_[s].blocks[row]).step;
+      auto state = preconditioner_->export_changing(static_cast<int64_t>(s), row,
+                                                    amortized_at(structure_, t));
+      elementwise_->export_member(static_cast<int64_t>(s), row, state);
       for (const auto& [name, tensor] : state) journal.bytes += tensor_bytes(tensor);
       journal.states.emplace(id, std::move(state));
     }
@@ -197,7 +201,15 @@ void VirtualGroup::save(const StepInputs& in, StepJournal::GroupMark& mark, bool
 }
 
 void VirtualGroup::restore(const StepJournal::GroupMark& mark, const StepJournal& journal) {
-  import_states(journal.states, /*require_all=*/false);
+  for (size_t s = 0; s < stacks_.size(); ++s) {
+    const auto& stack = stacks_[s];
+    for (int64_t r = 0; r < stack.spec.size(); ++r) {
+      const auto it = journal.states.find(stack.ids[r]);
+      if (it == journal.states.end()) continue;
+      preconditioner_->import_changing(static_cast<int64_t>(s), r, it->second);
+      elementwise_->import_member(static_cast<int64_t>(s), r, it->second);
+    }
+  }
   elementwise_->release_since(mark.allocated);
   preconditioner_->set_counters(mark.counters);
 }

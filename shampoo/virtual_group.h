@@ -72,7 +72,7 @@ struct StepJournal {
     ElementwiseState::Allocated allocated;  // which lazily allocated stacks existed
   };
   std::vector<GroupMark> groups;
-  std::map<BlockId, BlockState> states;  ///< blocks about to change, as export_states gives them
+  std::map<BlockId, BlockState> states;  ///< blocks about to change: what the step can change
   std::vector<std::pair<at::Tensor, at::Tensor>> params;  ///< (parameter, copy) updated in place
   int64_t bytes = 0;                                      ///< bytes copied
 };

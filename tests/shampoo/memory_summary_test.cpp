@@ -101,3 +101,39 @@ TEST(MemorySummaryPacking, FactorsArePackedTriangles) {
 }
 
 }  // namespace
+
+namespace {
+
+// The undo journal of a distributed step holds what the step can change: the factors and the
+// elementwise state of the blocks it steps, and the inverse roots only at a step that recomputes
+// them (root-inverse Shampoo, world 2, roots every 3 steps).
+TEST(MemorySummaryJournal, HoldsTheRootsOnlyWhenTheStepRecomputesThem) {
+  const auto options = ShampooOptions(0.01)
+                           .betas({0.9, 0.999})
+                           .precondition_frequency(3)
+                           .max_preconditioner_dim(16)
+                           .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8});
+  shampoo::testing::run_ranks(2, [&](int /*rank*/, const auto& group) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
+    std::vector<at::Tensor> params{at::randn({16, 12}, gen).requires_grad_(),
+                                   at::randn({20}, gen).requires_grad_(),
+                                   at::randn({9, 16}, gen).requires_grad_()};
+    DistributedShampoo opt(params, options, shampoo::DistributedOptions().process_group(group));
+    for (int step = 1; step <= 6; ++step) {
+      shampoo::testing::set_random_grads(params, 40 + step);
+      opt.step();
+      const auto m = opt.memory_summary();
+      // Every block of this rank is stepped each time: all of its state but the roots, plus
+      // the roots at the steps that recompute them (3 and 6); consecutive-failure counters
+      // (8 bytes per block) come on top. The β1 filter exists from the first step on, so the
+      // journal of step 1 has none.
+      int64_t expected = step % 3 == 0 ? m.state_total() : m.state_total() - m.inverse_roots;
+      if (step == 1) expected -= m.filtered_gradient;
+      EXPECT_GE(m.scratch_last_step, expected) << "step " << step;
+      EXPECT_LE(m.scratch_last_step, expected + 8 * opt.stats().owned_blocks) << "step " << step;
+      EXPECT_EQ(m.scratch_last_step, opt.stats().rollback_bytes_last_step);
+    }
+  });
+}
+
+}  // namespace

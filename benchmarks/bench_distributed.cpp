@@ -35,7 +35,10 @@
 ///
 ///   bench_distributed [--repetitions 5] [--window 20] [--frequency 100] [--start-step 10]
 ///                     [--threads 1] [--grad-pool 4] [--batch 64] [--comm-repetitions 10]
-///                     [--cases a,b,...] [--torchrun] [--json PATH] [--label TEXT]
+///                     [--cases a,b,...] [--torchrun] [--peaks] [--json PATH] [--label TEXT]
+/// --peaks: the tracking allocator counts tensor memory; per rank the largest peak of a timed
+/// root-free step above what was live before it, with the state, the undo journal and the
+/// AllGather buffers (issue 26: the distributed step's peak against the single process's).
 /// Results and how to read them: benchmarks/RESULTS.md.
 
 #include <ATen/Parallel.h>
@@ -55,6 +58,7 @@
 #include <vector>
 
 #include "benchmarks/bench_support.h"
+#include "benchmarks/tracking_allocator.h"
 
 namespace {
 
@@ -74,6 +78,7 @@ struct Args {
   int64_t comm_repetitions = 10;
   std::string cases;  // comma-separated subset; empty = all (torchrun: those of its world size)
   bool torchrun = false;
+  bool peaks = false;
   std::string json;
   std::string label;
 };
@@ -104,6 +109,8 @@ struct RankStats {
   int64_t bytes_received = 0;
   int64_t collectives = 0;
   int64_t virtual_groups = 0;
+  int64_t step_peak = 0;  // --peaks: largest peak of a timed root-free step above its start
+  int64_t journal = 0;    // the last step's undo journal
 };
 
 /// One run of a case.
@@ -150,13 +157,21 @@ CaseRun run_rank(const CaseSpec& spec, const c10::intrusive_ptr<c10d::ProcessGro
                                         distributed);
 
   int64_t steps = 0;
+  int64_t peak_above = 0;  // of the last step
   auto step = [&]() {
     set_gradients(params, pool[static_cast<size_t>(steps) % pool.size()]);
     if (group) barrier(group);
+    int64_t live_before = 0;
+    if (args.peaks) {
+      auto& tracker = TrackingAllocator::install();
+      tracker.reset_peak();
+      live_before = tracker.live();
+    }
     const double cpu_begin = thread_cpu_ms();
     const auto begin = Clock::now();
     optimizer.step();
     const double ms = elapsed_ms(begin, Clock::now());
+    if (args.peaks) peak_above = TrackingAllocator::install().peak() - live_before;
     const double cpu = thread_cpu_ms() - cpu_begin;
     ++steps;
     if (!group) return std::make_pair(ms, cpu);
@@ -165,6 +180,7 @@ CaseRun run_rank(const CaseSpec& spec, const c10::intrusive_ptr<c10d::ProcessGro
 
   CaseRun run;
   for (int64_t t = 1; t <= args.start; ++t) step();
+  int64_t step_peak = 0;
   for (int64_t w = 0; w < args.window; ++w) {
     const int64_t t = steps + 1;
     const auto [ms, cpu] = step();
@@ -173,6 +189,7 @@ CaseRun run_rank(const CaseSpec& spec, const c10::intrusive_ptr<c10d::ProcessGro
     } else {
       run.step_ms.push_back(ms);
       run.cpu_ms.push_back(cpu);
+      step_peak = std::max(step_peak, peak_above);
     }
   }
   const auto s = optimizer.stats();
@@ -183,9 +200,13 @@ CaseRun run_rank(const CaseSpec& spec, const c10::intrusive_ptr<c10d::ProcessGro
                                   s.bytes_sent_per_step,
                                   s.bytes_received_per_step,
                                   s.collectives_last_step,
-                                  s.virtual_groups};
+                                  s.virtual_groups,
+                                  step_peak,
+                                  s.rollback_bytes_last_step};
   const auto all = group ? gather_from_ranks(group, mine) : std::vector<std::vector<int64_t>>{mine};
-  for (const auto& v : all) run.ranks.push_back({v[0], v[1], v[2], v[3], v[4], v[5], v[6]});
+  for (const auto& v : all) {
+    run.ranks.push_back({v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]});
+  }
   return run;
 }
 
@@ -249,7 +270,11 @@ Args parse_args(int argc, char** argv) {
            "comma-separated cases among single, w1, w2, w4, w2_g64_merged, w2_g64_unmerged "
            "(none: all; with --torchrun those of its world size)")
       .add_bool("torchrun", args.torchrun,
-                "run as one rank of a torchrun launch (init_process_group_from_env)");
+                "run as one rank of a torchrun launch (init_process_group_from_env)")
+      .add_bool("peaks", args.peaks,
+                "count tensor memory (tracking allocator): per rank, the largest peak of a timed "
+                "root-free step above what was live before it, the step's undo journal and "
+                "AllGather buffers (per rank only for the single case and under --torchrun)");
   add_output_flags(flags, args.json, args.label);
   parse_flags_or_exit(flags, "bench_distributed", argc, argv);
   return args;
@@ -367,6 +392,29 @@ void print_table(const std::vector<CaseSpec>& cases, const std::vector<std::vect
   fmt::print(")\nroot-computation steps timed: {}\n", roots);
 }
 
+/// --peaks: per case and rank, the step's peak above what was live before it, against the
+/// state, the undo journal and the AllGather buffers (MB).
+void print_peaks(const std::vector<CaseSpec>& cases, const std::vector<std::vector<CaseRun>>& runs,
+                 bool per_rank) {
+  fmt::print("\nstep peaks (MB; tracking allocator; largest over the timed root-free steps):\n");
+  for (size_t c = 0; c < cases.size(); ++c) {
+    if (cases[c].world > 1 && !per_rank) {
+      fmt::print("  {}: ranks are threads sharing one allocator; run it under --torchrun\n",
+                 cases[c].name);
+      continue;
+    }
+    const auto& ranks = runs[c].back().ranks;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      const auto& s = ranks[r];
+      fmt::print(
+          "  {} rank {}: step peak above its start {:.2f}; state {:.2f}; undo journal {:.2f}; "
+          "AllGather buffers {:.2f}\n",
+          cases[c].name, r, s.step_peak / 1e6, s.state_bytes / 1e6, s.journal / 1e6,
+          (s.bytes_sent + s.bytes_received) / 1e6);
+    }
+  }
+}
+
 Json case_json(const CaseSpec& spec, const std::vector<CaseRun>& runs, const Row& row) {
   const auto& ranks = runs.back().ranks;
   auto per_rank = [&](int64_t RankStats::*field) {
@@ -443,6 +491,7 @@ int run(const Args& args) {
 
   const auto rows = summarize(s.cases, runs);
   print_table(s.cases, runs, rows);
+  if (args.peaks) print_peaks(s.cases, runs, static_cast<bool>(s.torchrun_group));
   print_timed_section(run_s, load_before, load_after);
   if (args.json.empty()) return 0;
   Json json = results_json(s, runs, rows, args);

@@ -25,7 +25,7 @@
 ///   bench_transformer [--device cuda|cpu] [--solvers eigh,coupled-newton,...] [--frequency 20]
 ///                     [--window 40] [--steps 5] [--repetitions 3] [--one-group-per-tensor]
 ///                     [--small] [--threads T] [--epsilon 1e-8] [--step-chunk-mb MB]
-///                     [--memory] [--json PATH] [--label TEXT]
+///                     [--memory] [--dense-storage] [--json PATH] [--label TEXT]
 ///   --memory (CPU): only the state after two steps, packed and unpacked, by kind (issue 26).
 /// Exits 1 when a setting failed (its row says why; the others are still measured).
 /// How to run it on a GPU machine: benchmarks/RESULTS.md ("GPU transformer workload").
@@ -79,6 +79,7 @@ struct Args {
   bool small = false;
   int64_t step_chunk_mb = 0;  // 0 = the library's default
   bool memory = false;
+  bool dense_storage = false;
   std::string json;
   std::string label;
 };
@@ -109,6 +110,9 @@ Args parse_args(int argc, char** argv) {
            "bound on a step's gradient buffers per chunk of rows, MB (0 = the library's "
            "64 MiB; a large value = one chunk, as before chunking)",
            0)
+      .add_bool("dense-storage", args.dense_storage,
+                "use_symmetric_packing(false): factors and roots as full matrices (the timing "
+                "modes)")
       .add_bool("memory", args.memory,
                 "only the state: per solver, packed and unpacked, the bytes the tracking "
                 "allocator sees the optimizer keep after two steps (CPU) against "
@@ -311,6 +315,7 @@ shampoo::ShampooOptions transformer_options(int64_t frequency,
       .precondition_frequency(frequency)
       .use_bias_correction(true)
       .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8})
+      .use_symmetric_packing(!args.dense_storage)
       .preconditioner(solver);
 }
 

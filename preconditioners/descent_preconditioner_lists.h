@@ -27,7 +27,6 @@ class StatelessPreconditionerList : public PreconditionerList {
   bool identity_before_amortization() const override { return false; }
   const AmortizedCounters& counters() const override { return counters_; }
   void set_counters(const AmortizedCounters& counters) override { counters_ = counters; }
-  int64_t state_bytes() const override { return 0; }
   void add_memory(MemorySummary& /*out*/) const override {}
 
  protected:

@@ -62,12 +62,10 @@ void DiagonalPreconditionerList::import_member(int64_t stack, int64_t row,
       state, "second_moment", spec.block_shape, second_moments_[stack].options(), spec.names[row]));
 }
 
-int64_t DiagonalPreconditionerList::state_bytes() const {
-  int64_t bytes = 0;
+void DiagonalPreconditionerList::add_memory(MemorySummary& out) const {
   for (const auto& v : second_moments_) {
-    if (v.defined()) bytes += v.numel() * static_cast<int64_t>(v.element_size());
+    if (v.defined()) out.preconditioner_other += v.numel() * static_cast<int64_t>(v.element_size());
   }
-  return bytes;
 }
 
 }  // namespace shampoo::detail

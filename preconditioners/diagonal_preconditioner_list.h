@@ -34,8 +34,7 @@ class DiagonalPreconditionerList final : public PreconditionerList {
   bool identity_before_amortization() const override { return false; }
   const AmortizedCounters& counters() const override { return counters_; }
   void set_counters(const AmortizedCounters& counters) override { counters_ = counters; }
-  int64_t state_bytes() const override;
-  void add_memory(MemorySummary& out) const override { out.preconditioner_other += state_bytes(); }
+  void add_memory(MemorySummary& out) const override;
 
   /// The second moment of stack `stack` ([n, block_shape]; undefined for SGD); for tests.
   const at::Tensor& second_moment(int64_t stack) const { return second_moments_[stack]; }

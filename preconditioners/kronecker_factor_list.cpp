@@ -225,12 +225,6 @@ void KroneckerFactorList::import_state(int64_t stack, int64_t row,
   }
 }
 
-int64_t KroneckerFactorList::state_bytes() const {
-  MemorySummary memory;
-  add_memory(memory);
-  return memory.state_total();
-}
-
 void KroneckerFactorList::add_memory(MemorySummary& out) const {
   out.factors += factors_.state_bytes();
   for (const auto& state : states_) {

@@ -38,7 +38,6 @@ class KroneckerFactorList : public PreconditionerList {
                               const std::vector<double>& gradient_bound) const final {
     return factors_.may_raise(stack, rows, scalars, gradient_bound);
   }
-  int64_t state_bytes() const final;
   void add_memory(MemorySummary& out) const final;
 
  protected:

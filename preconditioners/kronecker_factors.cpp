@@ -60,13 +60,14 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
   const auto options = s.spec.options.dtype(settings_.factor_dtype);
   const auto g = gradients.to(settings_.factor_dtype);
   const auto weight = row_scalars(scalars.factor_weight, options, 3);
+  // Against the stored entries: [rows, 1] packed, [rows, 1, 1] dense (every factor alike).
+  const auto beta2 = row_scalars(scalars.beta2, options, s.factors[s.dims.front()].stored_dims());
   // In chunks of rows, so the outer products of a large stack never all exist at once (the
   // result per block is the same whatever the chunks). The update acts on the stored entries:
   // packed, the lower triangles of the outer products (dense, the products mirrored).
   constexpr int64_t kChunkBytes = int64_t{8} << 20;
   for (const int64_t k : s.dims) {
     auto& factor = s.factors[k];
-    const auto beta2 = row_scalars(scalars.beta2, options, factor.stored_dims());
     const int64_t d = s.spec.block_shape[k];
     const int64_t bytes_per_row =
         d * d * static_cast<int64_t>(c10::elementSize(settings_.factor_dtype));

@@ -116,10 +116,14 @@ class PreconditionerList {
   virtual const AmortizedCounters& counters() const = 0;
   /// Puts back counters saved before a step that was rolled back.
   virtual void set_counters(const AmortizedCounters& counters) = 0;
-  /// Bytes of state held (factors, roots, ...), for the state-size benchmarks.
-  virtual int64_t state_bytes() const = 0;
-  /// Adds the bytes of state held to `out` by kind (their sum is state_bytes()).
+  /// Adds the bytes of state held (factors, roots, ...) to `out` by kind.
   virtual void add_memory(MemorySummary& out) const = 0;
+  /// Bytes of state held: the sum of add_memory's kinds.
+  int64_t state_bytes() const {
+    MemorySummary memory;
+    add_memory(memory);
+    return memory.state_total();
+  }
 };
 
 }  // namespace shampoo::detail

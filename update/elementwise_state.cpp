@@ -115,11 +115,9 @@ void ElementwiseState::add_memory(MemorySummary& out) const {
 }
 
 int64_t ElementwiseState::state_bytes() const {
-  int64_t bytes = 0;
-  for (const auto* states : {&filter_, &diagonal_, &momentum_, &average_}) {
-    for (const auto& t : *states) bytes += tensor_bytes(t);
-  }
-  return bytes;
+  MemorySummary memory;
+  add_memory(memory);
+  return memory.state_total();
 }
 
 }  // namespace shampoo::detail

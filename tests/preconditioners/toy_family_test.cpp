@@ -81,13 +81,10 @@ class AdamaxList final : public shampoo::detail::PreconditionerList {
   }
   const shampoo::detail::AmortizedCounters& counters() const override { return counters_; }
   void set_counters(const shampoo::detail::AmortizedCounters& c) override { counters_ = c; }
-  int64_t state_bytes() const override {
-    int64_t bytes = 0;
-    for (const auto& v : norms_) bytes += v.numel() * static_cast<int64_t>(v.element_size());
-    return bytes;
-  }
   void add_memory(shampoo::MemorySummary& out) const override {
-    out.preconditioner_other += state_bytes();
+    for (const auto& v : norms_) {
+      out.preconditioner_other += v.numel() * static_cast<int64_t>(v.element_size());
+    }
   }
 
  private:

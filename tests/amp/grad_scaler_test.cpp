@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <limits>
 #include <mutex>
 #include <set>
@@ -26,6 +27,7 @@ namespace {
 
 using shampoo::GradScaler;
 using shampoo::GradScalerOptions;
+using shampoo::testing::all_close;
 using shampoo::testing::bit_equal;
 using shampoo::testing::expect_error;
 using shampoo::testing::run_ranks;
@@ -41,9 +43,23 @@ struct GoldenStep {
 };
 
 struct Golden {
+  std::vector<float> kernels;              // step 1: the loss, then every scaled gradient
   std::vector<GoldenStep> steps;           // index t - 1
   std::vector<std::vector<float>> params;  // final values
 };
+
+std::vector<float> read_words(std::istringstream& in) {
+  std::vector<float> values;
+  std::string word;
+  while (in >> word) {
+    uint8_t bytes[4];
+    for (int b = 0; b < 4; ++b) bytes[b] = std::stoi(word.substr(2 * b, 2), nullptr, 16);
+    float v = 0;
+    std::memcpy(&v, bytes, 4);  // little endian, as written
+    values.push_back(v);
+  }
+  return values;
+}
 
 Golden read_golden() {
   std::ifstream file(SHAMPOO_GRAD_SCALER_GOLDEN);
@@ -52,19 +68,16 @@ Golden read_golden() {
   std::string line;
   while (std::getline(file, line)) {
     std::istringstream in(line);
+    std::string word;
+    if (line.rfind("kernels", 0) == 0) {
+      in >> word;
+      golden.kernels = read_words(in);
+      continue;
+    }
     if (line.rfind("param", 0) == 0) {
-      std::string word;
       int index = 0;
       in >> word >> index;
-      std::vector<float> values;
-      while (in >> word) {
-        uint8_t bytes[4];
-        for (int b = 0; b < 4; ++b) bytes[b] = std::stoi(word.substr(2 * b, 2), nullptr, 16);
-        float v = 0;
-        std::memcpy(&v, bytes, 4);  // little endian, as written
-        values.push_back(v);
-      }
-      golden.params.push_back(values);
+      golden.params.push_back(read_words(in));
       continue;
     }
     int64_t t = 0;
@@ -85,6 +98,7 @@ at::Tensor filled(at::IntArrayRef shape, int64_t& start) {
 TEST(GradScalerGolden, EqualsPyTorchsGradScalerFor3000Steps) {
   const auto golden = read_golden();
   ASSERT_EQ(golden.steps.size(), 3000u);
+  ASSERT_FALSE(golden.kernels.empty()) << "no kernels line in " << SHAMPOO_GRAD_SCALER_GOLDEN;
   at::set_num_threads(1);
   torch::nn::Sequential model(torch::nn::Linear(4, 8), torch::nn::Tanh(), torch::nn::Linear(8, 2));
   int64_t start = 0;
@@ -97,12 +111,18 @@ TEST(GradScalerGolden, EqualsPyTorchsGradScalerFor3000Steps) {
   const std::set<int> overflows{5, 6, 100, 101, 102, 2500, 2999};
   const auto rows = at::arange(16, at::kFloat).reshape({16, 1});
   int64_t skipped = 0;
+  std::vector<at::Tensor> kernels;
   for (int t = 1; t <= 3000; ++t) {
     const auto x = ((rows * 8 + at::arange(4, at::kFloat)) * 0.1 + 0.01 * t).sin();
     const auto y = ((rows * 2 + at::arange(2, at::kFloat)) * 0.05 + 0.02 * t).cos();
     optimizer.zero_grad();
     const auto loss = (model->forward(x) - y).pow(2).mean();
     scaler.scale(loss).backward();
+    if (t == 1) {
+      kernels.push_back(loss.detach().reshape({1}));
+      // Copies: the scaler unscales the gradients in place.
+      for (const auto& p : model->parameters()) kernels.push_back(p.grad().flatten().clone());
+    }
     auto first = model->parameters()[0];
     if (overflows.count(t) != 0) first.mutable_grad().view(-1)[0] = INFINITY;
     if (t == 2600) first.mutable_grad().view(-1)[0] = NAN;
@@ -115,12 +135,26 @@ TEST(GradScalerGolden, EqualsPyTorchsGradScalerFor3000Steps) {
     skipped += expected.skipped;
     ASSERT_EQ(scaler.skipped_steps(), skipped) << "step " << t;
   }
+  // The scale sequence above is exact anywhere. The parameters are bit for bit PyTorch's only
+  // where the forward and backward kernels round as on the machine that made the golden data
+  // (its step-1 loss and gradients, bit for bit); elsewhere (another processor, another BLAS
+  // path: seen on the GPU machine's host, 2026-11-26, 2e-7 apart after 3000 steps) they are
+  // compared within the float32 tolerance.
+  const bool same_kernels = bit_equal(at::cat(kernels), at::tensor(golden.kernels, at::kFloat));
+  if (!same_kernels) {
+    std::cout << "[ NOTE     ] the forward/backward kernels round differently from the golden "
+                 "data's machine: final parameters compared within the float32 tolerance\n";
+  }
   const auto params = model->parameters();
   ASSERT_EQ(golden.params.size(), params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const auto expected =
         at::tensor(golden.params[i], at::kFloat).view(params[i].sizes()).contiguous();
-    EXPECT_TRUE(bit_equal(params[i].detach(), expected)) << "parameter " << i;
+    if (same_kernels) {
+      EXPECT_TRUE(bit_equal(params[i].detach(), expected)) << "parameter " << i;
+    } else {
+      EXPECT_TRUE(all_close(params[i].detach(), expected)) << "parameter " << i;
+    }
   }
 }
 

@@ -17,8 +17,11 @@ The run, which the C++ test repeats with shampoo::GradScaler and torch::optim::S
   - scaler.scale(loss).backward(); at the steps in OVERFLOWS, element 0 of the first weight's
     gradient becomes inf (or NaN at the steps in NANS); at steps divisible by 7, scaler.unscale_()
     first; scaler.step(optimizer); scaler.update().
-Output: a line per step "t scale growth_tracker skipped" (scale after update), then
-"param <i> <hex of each float32, little endian>" for the final parameters.
+Output: first "kernels <hex of the step-1 loss> <hex of every scaled gradient of step 1>", a
+fingerprint of the machine's forward and backward kernels (BLAS and vectorized paths differ between
+processors, and with them the last bits of a trajectory); then a line per step "t scale
+growth_tracker skipped" (scale after update); then "param <i> <hex of each float32, little endian>"
+for the final parameters.
 """
 import math
 import struct
@@ -35,6 +38,10 @@ def filled(shape, start):
     n = math.prod(shape)
     values = (torch.arange(start, start + n, dtype=torch.float32) * 0.37).sin() * 0.5
     return values.reshape(shape), start + n
+
+
+def hex_words(values):
+    return " ".join(struct.pack("<f", v).hex() for v in values)
 
 
 def main():
@@ -55,6 +62,10 @@ def main():
         optimizer.zero_grad()
         loss = ((model(x) - y) ** 2).mean()
         scaler.scale(loss).backward()
+        if t == 1:
+            words = [hex_words([loss.item()])]
+            words += [hex_words(p.grad.reshape(-1).tolist()) for p in model.parameters()]
+            out.write("kernels " + " ".join(words) + "\n")
         first = next(model.parameters())
         if t in OVERFLOWS:
             first.grad.view(-1)[0] = float("inf")
@@ -68,9 +79,7 @@ def main():
         skipped = 1 if scaler.get_scale() < scale_before else 0
         out.write(f"{t} {scaler.get_scale():.17g} {scaler._get_growth_tracker()} {skipped}\n")
     for i, p in enumerate(model.parameters()):
-        data = p.detach().reshape(-1).tolist()
-        words = " ".join(struct.pack("<f", v).hex() for v in data)
-        out.write(f"param {i} {words}\n")
+        out.write(f"param {i} {hex_words(p.detach().reshape(-1).tolist())}\n")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,16 @@ int64_t KroneckerFactorList::estimated_factor_bytes(const BlockLayout& layout,
     if (layout.dim_exponents[k] == 0.0) continue;  // no factor, no kept state
     const int64_t d = layout.shape[k];
     const int64_t symmetric = layout.symmetric_packing ? packed_size(d) : d * d;
+    // The kept symmetric states (inverse roots) as SymmetricMatrices stores them.
+    int64_t kept_symmetric = symmetric * layout.factor_element_size;
+    if (layout.compact == CompactState::kBfloat16) kept_symmetric = symmetric * 2;
+    if (layout.compact == CompactState::kInt8) {
+      const int64_t groups = (symmetric + kCompactGroup - 1) / kCompactGroup;
+      kept_symmetric = groups * (kCompactGroup + 4) + d * layout.factor_element_size;
+    }
     bytes +=
-        ((1 + symmetric_per_dim) * symmetric + matrices_per_dim * d * d + vectors_per_dim * d) *
-        layout.factor_element_size;
+        symmetric_per_dim * kept_symmetric +
+        (symmetric + matrices_per_dim * d * d + vectors_per_dim * d) * layout.factor_element_size;
   }
   return bytes;
 }
@@ -52,7 +59,7 @@ int KroneckerFactorList::add_dim_state(std::string prefix, DimState kind, Start 
         TORCH_INTERNAL_ASSERT(start != Start::kOnes);
         state.symmetric[s][k] =
             SymmetricMatrices(spec.size(), d, options, factors_.settings().symmetric_packing,
-                              /*identity=*/start == Start::kIdentity);
+                              /*identity=*/start == Start::kIdentity, factors_.settings().compact);
         continue;
       }
       const bool matrix = shape == Shape::kDimMatrix;

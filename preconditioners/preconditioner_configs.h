@@ -37,6 +37,21 @@ enum class FactorStatistics {
 
 namespace shampoo {
 
+/// How the optimizer state may be kept in fewer bytes (ShampooOptions::compact_state). Every
+/// computation stays in float32 (or the factor dtype): a compact state is decoded before use and
+/// encoded after. docs/math.md#compact-state has the error of each and when to use it.
+enum class CompactState {
+  /// Everything in its compute dtype (the default).
+  kNone,
+  /// The inverse roots (root-inverse and KL-Shampoo) in bfloat16, rounded to nearest; the
+  /// grafting second moment, the filtered gradient and momentum in bfloat16 with stochastic
+  /// rounding (deterministic: the same bits at any world size).
+  kBfloat16,
+  /// As kBfloat16, but the inverse roots in 8 bits: each group of 64 stored entries shares a
+  /// power-of-two scale, the diagonal stays in the factor dtype.
+  kInt8,
+};
+
 /// How root-inverse Shampoo computes its inverse roots (docs/math.md, "Inverse-root solvers").
 enum class RootSolver {
   /// Symmetric eigendecomposition, retried in float64 when it fails: exact, the default (as the

@@ -41,6 +41,8 @@ struct MatrixPreconditionerSettings {
   int64_t tolerated_failures = 3;
   /// Symmetric matrices (factors, inverse roots) as packed lower triangles (symmetric_matrices.h).
   bool symmetric_packing = true;
+  /// How the inverse roots are kept (the factors stay in factor_dtype).
+  CompactState compact = CompactState::kNone;
   FailureInjector inject_failure;
 };
 
@@ -50,9 +52,10 @@ struct BlockLayout {
   std::vector<int64_t> shape;
   /// Per dim: the root-inverse exponent, 0 = the dim is not preconditioned (StackSpec).
   std::vector<double> dim_exponents;
-  int64_t factor_element_size = 4;  ///< bytes of an element of factor_matrix_dtype
-  int64_t state_element_size = 4;   ///< bytes of an element of the blocks' compute dtype
-  bool symmetric_packing = true;    ///< MatrixPreconditionerSettings::symmetric_packing
+  int64_t factor_element_size = 4;             ///< bytes of an element of factor_matrix_dtype
+  int64_t state_element_size = 4;              ///< bytes of an element of the blocks' compute dtype
+  bool symmetric_packing = true;               ///< MatrixPreconditionerSettings::symmetric_packing
+  CompactState compact = CompactState::kNone;  ///< MatrixPreconditionerSettings::compact
   int64_t numel() const;
 };
 

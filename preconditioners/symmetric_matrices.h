@@ -7,12 +7,18 @@
 /// bit). The lower triangle is the one LAPACK's eigh reads (torch.linalg.eigh, UPLO 'L'): a
 /// product G·Gᵀ whose two triangles round differently decomposes as before packing. Pack and
 /// unpack are copies, no arithmetic.
+///
+/// A stack may also be kept compact (CompactState, for the inverse roots): the stored entries in
+/// bfloat16, or in int8 with one power-of-two scale per group of kCompactGroup entries and the
+/// diagonal apart in the compute dtype. Power-of-two scales make encoding a decoded matrix
+/// give back the same bytes, so a checkpoint (which holds decoded values) resumes bit for bit.
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
 #include <string>
 
+#include "preconditioners/preconditioner_configs.h"
 #include "preconditioners/rows.h"
 
 namespace shampoo::detail {
@@ -27,20 +33,25 @@ at::Tensor unpack_symmetric(const at::Tensor& packed, int64_t d);
 /// Copies the lower triangle of each matrix of `dense` [..., d, d] onto its upper triangle.
 void mirror_lower_(at::Tensor& dense);
 
+/// Stored entries per int8 scale of a CompactState::kInt8 stack.
+inline constexpr int64_t kCompactGroup = 64;
+
 class SymmetricMatrices {
  public:
   SymmetricMatrices() = default;
-  /// n matrices of size d×d, zeros or (identity) the identity.
+  /// n matrices of size d×d, zeros or (identity) the identity; `options` is the compute dtype
+  /// (what dense() returns), `compact` how they are kept.
   SymmetricMatrices(int64_t n, int64_t d, const at::TensorOptions& options, bool packed,
-                    bool identity);
+                    bool identity, CompactState compact = CompactState::kNone);
 
   bool defined() const { return storage_.defined(); }
   bool packed() const { return packed_; }
+  CompactState compact() const { return compact_; }
   int64_t dim() const { return d_; }
   /// The stored entries: [n, d(d+1)/2] packed, [n, d, d] dense. Elementwise updates may act on
-  /// them directly (they touch the same numbers in either layout).
-  const at::Tensor& stored() const { return storage_; }
-  at::Tensor& stored() { return storage_; }
+  /// them directly (they touch the same numbers in either layout). Not for compact stacks.
+  const at::Tensor& stored() const;
+  at::Tensor& stored();
   /// Dims of a row-scalar tensor broadcasting against stored rows: 2 packed, 3 dense.
   int64_t stored_dims() const { return packed_ ? 2 : 3; }
   /// The entries `dense` [rows, d, d] would be stored as: packed lower triangles (a new tensor),
@@ -68,9 +79,22 @@ class SymmetricMatrices {
   int64_t bytes() const;
 
  private:
-  at::Tensor storage_;
+  /// Entries of one stored matrix: d(d+1)/2 packed, d² dense.
+  int64_t entries() const { return packed_ ? packed_size(d_) : d_ * d_; }
+  /// The stored entries of `index` rows ([r], long) decoded: [r, entries()] in the compute dtype.
+  at::Tensor decode(const at::Tensor& index) const;
+  /// Encodes `values` [r, entries()] (stored layout, compute dtype) into the rows `index`.
+  void encode(const at::Tensor& index, const at::Tensor& values);
+  /// Per stored entry of the diagonal, its position in a stored row ([d], long).
+  at::Tensor diagonal_positions() const;
+
+  at::Tensor storage_;   ///< compute dtype, bfloat16, or int8 [n, groups · kCompactGroup]
+  at::Tensor scales_;    ///< kInt8: [n, groups] float32 powers of two
+  at::Tensor diagonal_;  ///< kInt8: [n, d] in the compute dtype
+  at::ScalarType dtype_ = at::kFloat;
   int64_t d_ = 0;
   bool packed_ = false;
+  CompactState compact_ = CompactState::kNone;
 };
 
 }  // namespace shampoo::detail

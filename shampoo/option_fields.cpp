@@ -110,6 +110,28 @@ struct Codec<WeightDecayType> {
 };
 
 template <>
+struct Codec<CompactState> {
+  static void write(OutputArchive& a, const std::string& key, CompactState v) {
+    a.write(key, c10::IValue(static_cast<int64_t>(v)));
+  }
+  static CompactState read(InputArchive& a, const std::string& key) {
+    return static_cast<CompactState>(read_index(a, key, 3));
+  }
+  static int64_t code(CompactState v) { return static_cast<int64_t>(v); }
+  static std::string describe(CompactState v) {
+    switch (v) {
+      case CompactState::kNone:
+        return "kNone";
+      case CompactState::kBfloat16:
+        return "kBfloat16";
+      case CompactState::kInt8:
+        return "kInt8";
+    }
+    return "?";
+  }
+};
+
+template <>
 struct Codec<c10::ScalarType> {
   static void write(OutputArchive& a, const std::string& key, c10::ScalarType v) {
     a.write(key, c10::IValue(static_cast<int64_t>(v)));
@@ -153,6 +175,18 @@ OptionField symmetric_packing_field() {
     if (has_entry(a, "use_symmetric_packing")) {
       o.use_symmetric_packing(read_index(a, "use_symmetric_packing", 2) != 0);
     }
+  };
+  return f;
+}
+
+/// Like use_symmetric_packing, a storage choice: checkpoints hold decoded values and load into
+/// any value; archives written before it keep the optimizer's value.
+OptionField compact_state_field() {
+  auto f = SHAMPOO_SIMPLE_OPTION(CompactState, compact_state, kStructural);
+  f.storage_layout = true;
+  f.read = [](InputArchive& a, ShampooOptions& o) {
+    if (has_entry(a, "compact_state"))
+      o.compact_state(Codec<CompactState>::read(a, "compact_state"));
   };
   return f;
 }
@@ -696,6 +730,7 @@ std::vector<OptionField> make_option_fields() {
       grafting_floats_field(),
       SHAMPOO_SIMPLE_OPTION(c10::ScalarType, factor_matrix_dtype, kStructural),
       symmetric_packing_field(),
+      compact_state_field(),
       preconditioner_field(),
       inverse_exponent_override_field(),
       SHAMPOO_SIMPLE_OPTION(int64_t, num_tolerated_failed_amortized_computations, kStructural),

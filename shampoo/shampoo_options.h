@@ -106,6 +106,10 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   /// Keep the symmetric matrices of the state (Kronecker factors, inverse roots) as packed lower
   /// triangles: d(d+1)/2 entries instead of d², the same results bit for bit. Structural.
   TORCH_ARG(bool, use_symmetric_packing) = true;
+  /// Keep the inverse roots, the grafting second moment, the filtered gradient and momentum in
+  /// fewer bytes (bfloat16, or 8-bit roots); compute stays float32. Opt-in: it changes the
+  /// results (docs/math.md#compact-state). Structural; checkpoints load across its values.
+  TORCH_ARG(CompactState, compact_state) = CompactState::kNone;
   TORCH_ARG(PreconditionerConfig, preconditioner) = RootInvShampooConfig{};
   TORCH_ARG(InverseExponentOverride, inverse_exponent_override) = {};
   /// Consecutive failed root computations of a block tolerated before the step raises (≥ 0).

@@ -26,11 +26,14 @@ int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64
       static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
   layout.state_element_size = state_element_size;
   layout.symmetric_packing = options.use_symmetric_packing();
+  layout.compact = options.compact_state();
   int64_t bytes = estimated_state_bytes(options.preconditioner(), layout);
-  // Grafting statistics V.
+  // Grafting statistics V (bfloat16 when compact).
   if (grafting_method(grafting_kind(options.grafting())).has_state) {
-    bytes += numel * state_element_size;
-    grafting_bytes += numel * state_element_size;
+    const int64_t v =
+        numel * (options.compact_state() == CompactState::kNone ? state_element_size : int64_t{2});
+    bytes += v;
+    grafting_bytes += v;
   }
   return bytes;
 }
@@ -111,7 +114,9 @@ bool warn_if_state_is_large(const std::vector<torch::optim::OptimizerParamGroup>
       c10::IntArrayRef(e.largest_param_shape), ", ", e.largest_param_blocks, " blocks of at most ",
       options.max_preconditioner_dim(), " per dim) with ", megabytes(e.largest_param_state_bytes),
       ". Options that shrink it: use_symmetric_packing (on by default: factors and inverse roots "
-      "as packed triangles); a smaller max_preconditioner_dim; inverse_exponent_override "
+      "as packed triangles); compact_state (bfloat16 or 8-bit inverse roots, bfloat16 "
+      "first-order state; changes the results); a smaller max_preconditioner_dim; "
+      "inverse_exponent_override "
       "with exponent 0 for a dim, which keeps no factor or root for it (e.g. "
       "{{1, {{shampoo::kAllDims, 0.0}}}} for 1-D blocks); or a diagonal method for such "
       "parameters (a param group of their own with "

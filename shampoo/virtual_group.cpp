@@ -19,6 +19,7 @@ std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& st
   settings.factor_dtype = structure.factor_matrix_dtype();
   settings.tolerated_failures = structure.num_tolerated_failed_amortized_computations();
   settings.symmetric_packing = structure.use_symmetric_packing();
+  settings.compact = structure.compact_state();
   settings.inject_failure = std::move(inject_failure);
   return make_preconditioner_list(structure.preconditioner(), std::move(specs),
                                   std::move(settings));
@@ -112,7 +113,9 @@ VirtualGroup::VirtualGroup(const ShampooOptions& structure, std::vector<int64_t>
   std::vector<StackSpec> specs;
   for (const auto& s : stacks_) specs.push_back(s.spec);
   preconditioner_ = make_preconditioner(structure_, specs, std::move(inject_failure));
-  elementwise_ = std::make_unique<ElementwiseState>(grafting_kind(structure_.grafting()), specs);
+  elementwise_ = std::make_unique<ElementwiseState>(
+      grafting_kind(structure_.grafting()), specs,
+      /*compact=*/structure_.compact_state() != CompactState::kNone);
 }
 
 void VirtualGroup::build_stacks(const std::vector<BlockEntry>& blocks,
@@ -228,6 +231,7 @@ void VirtualGroup::step(const StepInputs& in) {
     run_chain_norms(chunk_step.chain);  // the grafting norms
     if (in.fault) in.fault(FaultPoint::kBeforeUpdate);
     run_chain_post(chunk_step.chain);  // graft, decoupled weight decay, momentum, × −lr, apply
+    elementwise_->commit();            // compact state: the chain's float copies rounded back
     updates.finish();
   }
 }
@@ -261,6 +265,7 @@ std::vector<std::vector<Rows>> VirtualGroup::step_chunks(const StepInputs& in) c
 VirtualGroup::ChunkStep VirtualGroup::prepare_chunk(const StepInputs& in,
                                                     const std::vector<Rows>& chunk,
                                                     StepUpdates& updates) {
+  elementwise_->discard();  // what a failed earlier chunk bound
   ChunkStep chunk_step;
   chunk_step.stacks.resize(stacks_.size());
   for (size_t s = 0; s < stacks_.size(); ++s) {
@@ -312,7 +317,7 @@ ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int
     c.grad = c.gradient_out;
   }
   const auto& param_view = in.param_blocks[block.param][block.id.block];
-  elementwise_->bind(s, row, c.scalars.beta1 != 0.0, c.scalars.momentum != 0.0, c);
+  elementwise_->bind(s, row, c.scalars.beta1 != 0.0, c.scalars.momentum != 0.0, c, b, t);
   if (c.scalars.averaging != 0) elementwise_->bind_average(s, row, param_view, c);
   updates.route(b, param_view, c.filtered_out, c);
   return c;

@@ -5,10 +5,17 @@
 namespace shampoo::detail {
 namespace {
 
-at::Tensor zeros_for(const StackSpec& spec) {
+at::Tensor zeros_for(const StackSpec& spec, bool compact) {
   std::vector<int64_t> shape{spec.size()};
   shape.insert(shape.end(), spec.block_shape.begin(), spec.block_shape.end());
-  return at::zeros(shape, spec.options);
+  return at::zeros(shape, compact ? spec.options.dtype(at::kBFloat16) : spec.options);
+}
+
+/// The random bits' key of one (block, step, state).
+uint32_t rounding_key(int64_t block, int64_t step, int kind) {
+  uint64_t k = static_cast<uint64_t>(block) * 0x9E3779B1u + static_cast<uint64_t>(step);
+  k = k * 4 + static_cast<uint64_t>(kind);
+  return static_cast<uint32_t>(k ^ (k >> 32));
 }
 
 int64_t tensor_bytes(const at::Tensor& t) {
@@ -17,29 +24,63 @@ int64_t tensor_bytes(const at::Tensor& t) {
 
 }  // namespace
 
-ElementwiseState::ElementwiseState(GraftingKind grafting, const std::vector<StackSpec>& stacks)
+at::Tensor round_bfloat16_stochastic(const at::Tensor& x, uint32_t key) {
+  const auto f = x.to(at::kFloat).contiguous().view(-1);
+  // A 32-bit integer hash (multiply-xorshift rounds) of the element index and the key, in int64
+  // arithmetic that never overflows: every product stays below 2^63.
+  const auto mask = int64_t{0xFFFFFFFF};
+  auto h = at::arange(f.numel(), f.options().dtype(at::kLong));
+  h = (h * int64_t{0x9E3779B1} + int64_t{key}).bitwise_and_(mask);
+  for (int round = 0; round < 2; ++round) {
+    h = h.bitwise_xor(h.bitwise_right_shift(16));
+    h = (h * int64_t{0x045D9F3B}).bitwise_and_(mask);
+  }
+  h = h.bitwise_xor(h.bitwise_right_shift(16)).bitwise_and_(0xFFFF);
+  // Adding 16 random bits to the float's bit pattern and truncating to the upper 16 bits rounds
+  // the magnitude up with probability (cut-off bits) / 2^16; the sign bit is untouched for
+  // finite values.
+  const auto bits = f.view(at::kInt).add(h.to(at::kInt)).bitwise_and_(int32_t{-65536});
+  return bits.view(at::kFloat).view(x.sizes()).to(at::kBFloat16);
+}
+
+ElementwiseState::ElementwiseState(GraftingKind grafting, const std::vector<StackSpec>& stacks,
+                                   bool compact)
     : stacks_(stacks),
       filter_(stacks.size()),
       diagonal_(stacks.size()),
       momentum_(stacks.size()),
-      average_(stacks.size()) {
+      average_(stacks.size()),
+      compact_(compact) {
   for (const auto& spec : stacks_) average_set_.emplace_back(spec.size(), false);
   if (!grafting_method(grafting).has_state) return;
-  for (size_t s = 0; s < stacks_.size(); ++s) diagonal_[s] = zeros_for(stacks_[s]);
+  for (size_t s = 0; s < stacks_.size(); ++s) diagonal_[s] = zeros_for(stacks_[s], compact_);
 }
 
 at::Tensor& ElementwiseState::lazy(std::vector<at::Tensor>& states, int64_t stack) {
   auto& state = states[stack];
-  if (!state.defined()) state = zeros_for(stacks_[stack]);
+  if (!state.defined()) state = zeros_for(stacks_[stack], compact_ && &states != &average_);
   return state;
 }
 
 void ElementwiseState::bind(int64_t stack, int64_t row, bool filter, bool momentum,
-                            ChainBlockTensors& c) {
-  if (filter) c.filter_state = lazy(filter_, stack)[row];
-  if (diagonal_[stack].defined()) c.diagonal_state = diagonal_[stack][row];
-  if (momentum) c.momentum_state = lazy(momentum_, stack)[row];
+                            ChainBlockTensors& c, int64_t block, int64_t step) {
+  const auto bound = [&](const at::Tensor& kept, int kind) {
+    if (!compact_) return kept;
+    auto scratch = kept.to(stacks_[stack].options.dtype());
+    pending_.push_back({kept, scratch, rounding_key(block, step, kind)});
+    return scratch;
+  };
+  if (filter) c.filter_state = bound(lazy(filter_, stack)[row], 0);
+  if (diagonal_[stack].defined()) c.diagonal_state = bound(diagonal_[stack][row], 1);
+  if (momentum) c.momentum_state = bound(lazy(momentum_, stack)[row], 2);
 }
+
+void ElementwiseState::commit() {
+  for (auto& p : pending_) p.kept.copy_(round_bfloat16_stochastic(p.scratch, p.key));
+  pending_.clear();
+}
+
+void ElementwiseState::discard() { pending_.clear(); }
 
 void ElementwiseState::bind_average(int64_t stack, int64_t row, const at::Tensor& param_block,
                                     ChainBlockTensors& c) {
@@ -77,9 +118,13 @@ void ElementwiseState::release_since(const Allocated& before) {
 
 void ElementwiseState::export_member(int64_t stack, int64_t row,
                                      std::map<std::string, at::Tensor>& out) const {
-  if (diagonal_[stack].defined()) out["diagonal"] = diagonal_[stack][row].clone();
-  if (filter_[stack].defined()) out["filter"] = filter_[stack][row].clone();
-  if (momentum_[stack].defined()) out["momentum"] = momentum_[stack][row].clone();
+  // Compact rows leave as the blocks' dtype (exactly), so checkpoints do not depend on it.
+  const auto copy = [&](const at::Tensor& t) {
+    return compact_ ? t.to(stacks_[stack].options.dtype()) : t.clone();
+  };
+  if (diagonal_[stack].defined()) out["diagonal"] = copy(diagonal_[stack][row]);
+  if (filter_[stack].defined()) out["filter"] = copy(filter_[stack][row]);
+  if (momentum_[stack].defined()) out["momentum"] = copy(momentum_[stack][row]);
   if (average_set_[stack][row]) out["average"] = average_[stack][row].clone();
 }
 

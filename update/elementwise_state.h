@@ -6,9 +6,17 @@
 /// turn M and B on later through its live options). A row of Z is set to its block of the
 /// parameter at that block's first step (so weights loaded after construction count); until then
 /// the row does not exist (Z = W).
+///
+/// Compact (ShampooOptions::compact_state), M, V and B are kept in bfloat16. A step binds float
+/// copies of a block's rows (scratch the size of the step's chunk), the chain updates those, and
+/// commit() rounds them back stochastically: up with probability equal to the fraction cut off,
+/// so the rounding is unbiased and an exponential average does not drift as it would rounded to
+/// nearest. The random bits are a hash of (block, step, state, element): the same at any world
+/// size, chunking or merging of groups.
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -22,11 +30,21 @@ namespace shampoo::detail {
 
 class ElementwiseState {
  public:
-  ElementwiseState(GraftingKind grafting, const std::vector<StackSpec>& stacks);
+  /// `compact`: M, V and B in bfloat16 (see above).
+  ElementwiseState(GraftingKind grafting, const std::vector<StackSpec>& stacks,
+                   bool compact = false);
 
   /// Sets the state pointers of block `row` of stack `stack` in `c`: M when `filter`, V when the
   /// grafting method keeps statistics, B when `momentum` (allocating M and B on first use).
-  void bind(int64_t stack, int64_t row, bool filter, bool momentum, ChainBlockTensors& c);
+  /// Compact, they point at float copies that commit() writes back; `block` (the registry's
+  /// block index) and `step` (the step being computed) seed its rounding.
+  void bind(int64_t stack, int64_t row, bool filter, bool momentum, ChainBlockTensors& c,
+            int64_t block = 0, int64_t step = 0);
+  /// Compact: rounds the float copies bound since the last commit into the kept state (nothing
+  /// otherwise). Until then the kept state is unchanged.
+  void commit();
+  /// Drops the float copies bound and not committed (a step that failed before commit).
+  void discard();
   /// Sets Z of block `row` of stack `stack` in `c`, first setting it to `param_block` (the
   /// block's current values) at the block's first step.
   void bind_average(int64_t stack, int64_t row, const at::Tensor& param_block,
@@ -61,6 +79,18 @@ class ElementwiseState {
   std::vector<at::Tensor> momentum_;
   std::vector<at::Tensor> average_;
   std::vector<std::vector<bool>> average_set_;  // per stack, per row
+  bool compact_ = false;
+  struct Pending {
+    at::Tensor kept;     // the bfloat16 row
+    at::Tensor scratch;  // its float copy, updated by the chain
+    uint32_t key;
+  };
+  std::vector<Pending> pending_;
 };
+
+/// `x` rounded to bfloat16 stochastically: each element up (in magnitude) with probability equal
+/// to the fraction its truncation cuts off, the random bits a hash of `key` and the element's
+/// index. Deterministic; CPU and CUDA give the same bits.
+at::Tensor round_bfloat16_stochastic(const at::Tensor& x, uint32_t key);
 
 }  // namespace shampoo::detail

@@ -173,6 +173,27 @@ TEST_P(PackedWorldEqualsDenseSingle, BitForBitInFloat32) {
 INSTANTIATE_TEST_SUITE_P(Families, PackedWorldEqualsDenseSingle, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
+// compact_state: the stochastic rounding's bits depend on the block and the step only, so two
+// ranks still equal one process bit for bit.
+TEST(CompactStateWorld, TwoRanksEqualOneProcessBitForBit) {
+  for (const auto compact : {shampoo::CompactState::kBfloat16, shampoo::CompactState::kInt8}) {
+    const auto options = ShampooOptions(cases()[1].options).momentum(0.5).compact_state(compact);
+    constexpr int kSteps = 5;
+    const auto expected = single_process(options, kSteps);
+    run_ranks(2, [&](int rank, const Group& group) {
+      auto params = make_params(1);
+      DistributedShampoo opt(make_groups(params, options), options,
+                             DistributedOptions().process_group(group));
+      for (int step = 1; step <= kSteps; ++step) {
+        set_grads(params, step);
+        opt.step();
+        ASSERT_TRUE(bit_equal(snapshot(params), expected[step - 1]))
+            << "compact " << static_cast<int>(compact) << " rank " << rank << " step " << step;
+      }
+    });
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(TrainersPerGroup, WorldEqualsSingle,
                          ::testing::Combine(::testing::Values(cases()[1]), ::testing::Values(4),
                                             ::testing::Values(int64_t{1}, int64_t{2}, int64_t{-1})),

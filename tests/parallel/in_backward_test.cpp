@@ -59,6 +59,16 @@ std::vector<FactoryCase> factories() {
                     .grafting(shampoo::AdamGraftingConfig{})
                     .momentum(0.5));
        }},
+      {"distributed_shampoo_compact_int8",
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<shampoo::DistributedShampoo>(
+             p, shampoo::ShampooOptions(0.02)
+                    .epsilon(1e-6)
+                    .precondition_frequency(2)
+                    .grafting(shampoo::AdamGraftingConfig{})
+                    .momentum(0.5)
+                    .compact_state(shampoo::CompactState::kInt8));
+       }},
       {"eigendecomposed_shampoo",
        [](std::vector<torch::Tensor> p) {
          return std::make_unique<shampoo::DistributedShampoo>(

@@ -1,5 +1,7 @@
 // Packed symmetric storage (preconditioners/symmetric_matrices.h): the layout, pack and unpack as
 // exact copies in every dtype, the mirrored dense layout, and checkpoint entries in either layout.
+// Compact stacks (CompactState): bfloat16 and 8-bit entries, their error bounds, exact
+// re-encoding of decoded values (checkpoints), and their bytes.
 #include "preconditioners/symmetric_matrices.h"
 
 #include <gtest/gtest.h>
@@ -11,6 +13,8 @@
 
 namespace {
 
+using shampoo::CompactState;
+using shampoo::detail::kCompactGroup;
 using shampoo::detail::mirror_lower_;
 using shampoo::detail::pack_lower;
 using shampoo::detail::packed_size;
@@ -109,6 +113,76 @@ TEST_P(SymmetricStack, ImportsEitherLayoutAndNamesBadShapes) {
 INSTANTIATE_TEST_SUITE_P(Layouts, SymmetricStack, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "packed" : "dense"; });
 
+/// Random symmetric matrices [n, d, d] with entries over several orders of magnitude and a
+/// dominant diagonal (as inverse roots have).
+at::Tensor symmetric_stack(int64_t n, int64_t d, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto a = at::randn({n, d, d}, gen) * at::exp(at::randn({n, d, d}, gen) * 2);
+  return mirrored(a) + at::eye(d) * 10;
+}
+
+class CompactStack : public ::testing::TestWithParam<std::tuple<CompactState, bool /*packed*/>> {};
+
+TEST_P(CompactStack, DecodesWithinItsBoundAndReencodesExactly) {
+  const auto [compact, packed] = GetParam();
+  const int64_t n = 3, d = 37;
+  const auto values = symmetric_stack(n, d, 5);
+  SymmetricMatrices stack(n, d, at::TensorOptions().dtype(at::kFloat), packed, false, compact);
+  for (int64_t r = 0; r < n; ++r) stack.assign_row(r, values[r]);
+  const auto decoded = stack.dense(Rows::every(n));
+  ASSERT_EQ(decoded.scalar_type(), at::kFloat);
+  EXPECT_TRUE(bit_equal(decoded, mirrored(decoded)));  // symmetric
+  const auto error = (decoded - values).abs();
+  if (compact == CompactState::kBfloat16) {
+    EXPECT_TRUE(bit_equal(decoded, values.to(at::kBFloat16).to(at::kFloat)));
+  } else {
+    // The diagonal exact; elsewhere at most half a step of its group's scale, which is below
+    // max|x| / 127 · 2 (the power of two rounds up): |error| ≤ max|offdiag| / 127.
+    EXPECT_TRUE(bit_equal(decoded.diagonal(0, 1, 2), values.diagonal(0, 1, 2)));
+    const auto off = values - at::diag_embed(values.diagonal(0, 1, 2));
+    EXPECT_LE(error.max().item<double>(), off.abs().max().item<double>() / 127.0);
+    EXPECT_GT(error.max().item<double>(), 0.0);
+  }
+  // What a checkpoint holds (decoded entries) encodes back to the same bytes.
+  SymmetricMatrices copy(n, d, at::TensorOptions().dtype(at::kFloat), packed, false, compact);
+  for (int64_t r = 0; r < n; ++r) copy.import_row(r, stack.export_row(r), "root0", "test");
+  EXPECT_TRUE(bit_equal(copy.dense(Rows::every(n)), decoded));
+  for (int64_t r = 0; r < n; ++r) EXPECT_TRUE(bit_equal(copy.export_row(r), stack.export_row(r)));
+  EXPECT_TRUE(bit_equal(stack.max_abs(), decoded.abs().amax({1, 2}).to(at::kDouble)));
+}
+
+TEST_P(CompactStack, IdentityStartAndZeros) {
+  const auto [compact, packed] = GetParam();
+  SymmetricMatrices eye(2, 5, at::TensorOptions().dtype(at::kFloat), packed, true, compact);
+  EXPECT_TRUE(bit_equal(eye.dense(Rows::every(2)), at::eye(5).expand({2, 5, 5}).contiguous()));
+  SymmetricMatrices zero(2, 5, at::TensorOptions().dtype(at::kFloat), packed, false, compact);
+  zero.assign_row(1, at::zeros({5, 5}));
+  EXPECT_TRUE(bit_equal(zero.dense(Rows::every(2)), at::zeros({2, 5, 5})));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Settings, CompactStack,
+    ::testing::Combine(::testing::Values(CompactState::kBfloat16, CompactState::kInt8),
+                       ::testing::Bool()),
+    [](const auto& info) {
+      return std::string(std::get<0>(info.param) == CompactState::kInt8 ? "int8" : "bf16") +
+             (std::get<1>(info.param) ? "_packed" : "_dense");
+    });
+
+TEST(CompactStackBytes, ALargeRootInBfloat16AndEightBits) {
+  const int64_t d = 1024;
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  const SymmetricMatrices full(1, d, options, true, false);
+  const SymmetricMatrices bf16(1, d, options, true, false, CompactState::kBfloat16);
+  const SymmetricMatrices int8(1, d, options, true, false, CompactState::kInt8);
+  const int64_t p = packed_size(d);
+  const int64_t groups = (p + kCompactGroup - 1) / kCompactGroup;
+  EXPECT_EQ(full.bytes(), 4 * p);
+  EXPECT_EQ(bf16.bytes(), 2 * p);
+  EXPECT_EQ(int8.bytes(), groups * kCompactGroup + 4 * groups + 4 * d);
+  EXPECT_LT(static_cast<double>(int8.bytes()) / static_cast<double>(full.bytes()), 0.27);
+}
+
 TEST(SymmetricLayoutCuda, MatchesTheCpuBitForBit) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const auto a = at::randn({3, 33, 33});
@@ -118,6 +192,18 @@ TEST(SymmetricLayoutCuda, MatchesTheCpuBitForBit) {
   auto mirrored_cuda = a.cuda();
   mirror_lower_(mirrored_cuda);
   EXPECT_TRUE(bit_equal(mirrored_cuda.cpu(), mirrored(a)));
+  // Compact stacks decode to the same bits on either device.
+  const auto values = symmetric_stack(2, 33, 9);
+  for (const auto compact : {CompactState::kBfloat16, CompactState::kInt8}) {
+    SymmetricMatrices cpu(2, 33, at::TensorOptions().dtype(at::kFloat), true, false, compact);
+    SymmetricMatrices gpu(2, 33, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA), true,
+                          false, compact);
+    for (int64_t r = 0; r < 2; ++r) {
+      cpu.assign_row(r, values[r]);
+      gpu.assign_row(r, values[r].cuda());
+    }
+    EXPECT_TRUE(bit_equal(gpu.dense(Rows::every(2)).cpu(), cpu.dense(Rows::every(2))));
+  }
 }
 
 }  // namespace

@@ -201,6 +201,7 @@ ShampooOptions every_field_changed() {
       .grafting(shampoo::RMSpropGraftingConfig{0.875, 1e-9})
       .factor_matrix_dtype(at::kDouble)
       .use_symmetric_packing(false)
+      .compact_state(shampoo::CompactState::kInt8)
       .preconditioner(
           shampoo::EigenvalueCorrectedShampooConfig{shampoo::EigenbasisMethod::kQR, false})
       .inverse_exponent_override({{2, {{shampoo::kAllDims, 0.25}, {1, 0.0}}}, {1, {{0, 0.5}}}})
@@ -228,6 +229,7 @@ TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
   EXPECT_TRUE(read.grafting() == written.grafting());
   EXPECT_EQ(read.factor_matrix_dtype(), written.factor_matrix_dtype());
   EXPECT_EQ(read.use_symmetric_packing(), written.use_symmetric_packing());
+  EXPECT_EQ(read.compact_state(), written.compact_state());
   EXPECT_TRUE(read.preconditioner() == written.preconditioner());
   EXPECT_EQ(read.inverse_exponent_override(), written.inverse_exponent_override());
   EXPECT_EQ(read.num_tolerated_failed_amortized_computations(),

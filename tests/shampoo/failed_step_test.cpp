@@ -133,6 +133,7 @@ struct Case {
   bool merge;
   bool eigenvalue_corrected;
   FaultPoint phase;
+  shampoo::CompactState compact = shampoo::CompactState::kNone;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -163,6 +164,12 @@ std::vector<Case> cases() {
       }
     }
   }
+  // compact_state: the undo journal holds decoded values, which encode back to the same bytes.
+  for (const auto phase : {FaultPoint::kStatisticsUpdated, FaultPoint::kBeforeUpdate,
+                           FaultPoint::kComputed, FaultPoint::kExchange}) {
+    out.push_back({"merged_compact_int8_" + phase_name(phase), true, false, phase,
+                   shampoo::CompactState::kInt8});
+  }
   return out;
 }
 
@@ -172,7 +179,7 @@ class FailedStep : public ::testing::TestWithParam<Case> {};
 // retried; every step equals an optimizer that never failed, bit for bit.
 TEST_P(FailedStep, SingleProcessChangesNothingAndRecovers) {
   const auto& c = GetParam();
-  const auto options = base_options(c.eigenvalue_corrected);
+  const auto options = base_options(c.eigenvalue_corrected).compact_state(c.compact);
   const auto distributed = DistributedOptions().merge_param_groups(c.merge);
   auto params = make_params();
   auto twin_params = shampoo::testing::clone_params(params);
@@ -200,7 +207,7 @@ TEST_P(FailedStep, SingleProcessChangesNothingAndRecovers) {
 // anything, and later steps equal the single-process optimizer bit for bit.
 TEST_P(FailedStep, TwoRanksBothUndoAndRecover) {
   const auto& c = GetParam();
-  const auto options = base_options(c.eigenvalue_corrected);
+  const auto options = base_options(c.eigenvalue_corrected).compact_state(c.compact);
   // The single-process trajectory.
   std::vector<std::vector<at::Tensor>> expected;
   {

@@ -34,6 +34,8 @@ const Names<GraftingKind> kGraftings{{"none", GraftingKind::kNone},
                                      {"adagrad", GraftingKind::kAdaGrad},
                                      {"rmsprop", GraftingKind::kRmsProp},
                                      {"adam", GraftingKind::kAdam}};
+const Names<CompactChoice> kCompactChoices{
+    {"none", CompactChoice::kNone}, {"bf16", CompactChoice::kBf16}, {"int8", CompactChoice::kInt8}};
 const Names<c10::ScalarType> kCommunicationDtypes{{"fp32", c10::ScalarType::Float},
                                                   {"bf16", c10::ScalarType::BFloat16},
                                                   {"fp16", c10::ScalarType::Half}};
@@ -190,6 +192,9 @@ void add_shampoo_flags(CommandLine& cli, TrainerConfig& config, FlagValues& valu
       .add_bool("use-merge-dims", config.use_merge_dims,
                 "shampoo: merge small trailing dims while their product stays <= "
                 "--max-preconditioner-dim")
+      .add_choice("compact-state", config.compact_state, kCompactChoices,
+                  "shampoo: keep the inverse roots (bf16 or int8) and the first-order state "
+                  "(bf16, stochastic rounding) compact; changes the results")
       .add_choice("communication-dtype", config.communication_dtype, kCommunicationDtypes,
                   "shampoo: dtype of the one AllGather per step")
       .add("num-trainers-per-group", config.num_trainers_per_group,

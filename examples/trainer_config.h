@@ -28,6 +28,8 @@ enum class AmpMode { kOff, kBf16, kFp16 };
 /// --sharding: none (gradients all-reduced, every rank holds all of them) or gradients (ZeRO-2:
 /// each gradient reduced to the rank that steps its parameter).
 enum class ShardingMode { kNone, kGradients };
+/// shampoo::CompactState (--compact-state).
+enum class CompactChoice { kNone, kBf16, kInt8 };
 
 struct TrainerConfig {
   // Data and model.
@@ -82,6 +84,7 @@ struct TrainerConfig {
   double grafting_epsilon = 1e-8;
   bool use_bias_correction = true;
   bool use_merge_dims = true;
+  CompactChoice compact_state = CompactChoice::kNone;
 
   // Distributed Shampoo.
   c10::ScalarType communication_dtype = c10::ScalarType::Float;

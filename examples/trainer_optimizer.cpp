@@ -48,6 +48,10 @@ ShampooOptions make_shampoo_options(const TrainerConfig& config) {
       .precondition_frequency(config.precondition_frequency)
       .start_preconditioning_step(config.start_preconditioning_step)
       .use_bias_correction(config.use_bias_correction)
+      .compact_state(config.compact_state == CompactChoice::kInt8 ? shampoo::CompactState::kInt8
+                     : config.compact_state == CompactChoice::kBf16
+                         ? shampoo::CompactState::kBfloat16
+                         : shampoo::CompactState::kNone)
       .grafting(make_grafting(config));
 }
 

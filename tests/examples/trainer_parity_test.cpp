@@ -250,6 +250,26 @@ TEST_P(GoldenTest, LossTrajectoryMatchesGolden) {
 INSTANTIATE_TEST_SUITE_P(Optimizers, GoldenTest, ::testing::ValuesIn(golden_cases()),
                          [](const auto& info) { return info.param.name; });
 
+/// compact_state against the default: the Shampoo golden run with --compact-state bf16 and int8
+/// leaves the golden trajectory (it rounds the state) but stays near it. The distance is printed
+/// (README: the loss-parity distance of the compact option).
+TEST_F(TrainerTest, CompactStateStaysNearTheGoldenTrajectory) {
+  const Columns golden = read_csv(golden_file(trainer_paths().golden_dir, "shampoo"));
+  ASSERT_EQ(golden.count("loss"), 1u);
+  const auto flags = golden_cases()[0].flags;
+  for (const std::string compact : {"bf16", "int8"}) {
+    const TrainerRun run = run_ok("compact_" + compact, 1,
+                                  base_flags(data_dir_, 1) + flags +
+                                      std::vector<std::string>{"--compact-state", compact});
+    const double distance = max_relative_difference(run.train.at("loss"), golden.at("loss"));
+    std::cout << "[ DISTANCE ] --compact-state " << compact
+              << ": max relative loss difference from the golden trajectory " << distance << "\n";
+    RecordProperty("distance_" + compact, std::to_string(distance));
+    EXPECT_GT(distance, 1e-5) << compact << ": no effect beyond the golden tolerance";
+    EXPECT_LT(distance, 0.1) << compact;  // measured 2026-11-26: bf16 0.050, int8 0.057
+  }
+}
+
 /// The golden files themselves: Shampoo with Adam grafting is Adam until preconditioning starts
 /// (step 10: the losses of iterations 1-10 come from steps 0-9), then clearly differs. Guards
 /// against golden files recorded with preconditioning that never started.

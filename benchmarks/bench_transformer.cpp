@@ -25,7 +25,8 @@
 ///   bench_transformer [--device cuda|cpu] [--solvers eigh,coupled-newton,...] [--frequency 20]
 ///                     [--window 40] [--steps 5] [--repetitions 3] [--one-group-per-tensor]
 ///                     [--small] [--threads T] [--epsilon 1e-8] [--step-chunk-mb MB]
-///                     [--memory] [--dense-storage] [--json PATH] [--label TEXT]
+///                     [--memory] [--dense-storage] [--compact-state none|bf16|int8]
+///                     [--json PATH] [--label TEXT]
 ///   --memory (CPU): only the state after two steps, packed and unpacked, by kind (issue 26).
 /// Exits 1 when a setting failed (its row says why; the others are still measured).
 /// How to run it on a GPU machine: benchmarks/RESULTS.md ("GPU transformer workload").
@@ -80,6 +81,7 @@ struct Args {
   int64_t step_chunk_mb = 0;  // 0 = the library's default
   bool memory = false;
   bool dense_storage = false;
+  std::string compact_state = "none";
   std::string json;
   std::string label;
 };
@@ -113,6 +115,8 @@ Args parse_args(int argc, char** argv) {
       .add_bool("dense-storage", args.dense_storage,
                 "use_symmetric_packing(false): factors and roots as full matrices (the timing "
                 "modes)")
+      .add_choice("compact-state", args.compact_state, {"none", "bf16", "int8"},
+                  "compact_state of the timing modes (none, bf16 or int8)")
       .add_bool("memory", args.memory,
                 "only the state: per solver, packed and unpacked, the bytes the tracking "
                 "allocator sees the optimizer keep after two steps (CPU) against "
@@ -316,6 +320,9 @@ shampoo::ShampooOptions transformer_options(int64_t frequency,
       .use_bias_correction(true)
       .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8})
       .use_symmetric_packing(!args.dense_storage)
+      .compact_state(args.compact_state == "int8"   ? shampoo::CompactState::kInt8
+                     : args.compact_state == "bf16" ? shampoo::CompactState::kBfloat16
+                                                    : shampoo::CompactState::kNone)
       .preconditioner(solver);
 }
 
@@ -419,7 +426,8 @@ struct EveryStep {
   shampoo::ShampooStats stats;
 };
 
-/// --memory: per solver setting and layout (use_symmetric_packing on, off), an optimizer at
+/// --memory: per solver setting and storage (use_symmetric_packing on, off; compact_state bf16 and
+/// int8, packed), an optimizer at
 /// frequency N takes two steps (no root computation yet: the state is allocated at construction
 /// and the β1 filter at the first step); the bytes live after them minus those live before the
 /// optimizer existed (the tracking allocator: every tensor) against memory_summary() by kind.
@@ -434,19 +442,29 @@ int print_state_memory(Workload& w, const std::vector<SolverSetting>& settings, 
       "memory_summary(); 'journal' = what a third step (not recomputing roots) saved to undo "
       "itself, with a no-op phase hook that makes a single process keep its journal as a "
       "distributed step does (its parameters included, which a distributed step does not "
-      "copy)\n\n| setting | packing | tracked | memory_summary | factors | inverse "
+      "copy)\n\n| setting | storage | tracked | memory_summary | factors | inverse "
       "roots | eigenvectors | other | grafting | filtered gradient | momentum | journal |\n"
       "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
       w.harness_bytes / 1e6);
+  struct Storage {
+    const char* name;
+    bool packed;
+    shampoo::CompactState compact;
+  };
+  const Storage storages[] = {{"packed", true, shampoo::CompactState::kNone},
+                              {"dense", false, shampoo::CompactState::kNone},
+                              {"packed, compact bf16", true, shampoo::CompactState::kBfloat16},
+                              {"packed, compact int8", true, shampoo::CompactState::kInt8}};
   for (const auto& setting : settings) {
-    for (const bool packed : {true, false}) {
+    for (const auto& storage : storages) {
+      const bool packed = storage.packed;
       const int64_t before = current_memory_bytes(w.device);
       int64_t tracked = 0;
       shampoo::MemorySummary m;
       int64_t journal = 0;
       {
         auto options = transformer_options(args.frequency, setting.config, args);
-        options.use_symmetric_packing(packed);
+        options.use_symmetric_packing(packed).compact_state(storage.compact);
         Run run = make_run(w, options, args.one_group_per_tensor, setting.matrix_only);
         for (int i = 0; i < 2; ++i) timed_step(run);
         tracked = current_memory_bytes(w.device) - before;
@@ -457,9 +475,9 @@ int print_state_memory(Workload& w, const std::vector<SolverSetting>& settings, 
       }
       const auto mb = [](int64_t b) { return fmt::format("{:.1f}", static_cast<double>(b) / 1e6); };
       fmt::print("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", setting.name,
-                 packed ? "on" : "off", mb(tracked), mb(m.state_total()), mb(m.factors),
-                 mb(m.inverse_roots), mb(m.eigenvectors), mb(m.preconditioner_other),
-                 mb(m.grafting), mb(m.filtered_gradient), mb(m.momentum), mb(journal));
+                 storage.name, mb(tracked), mb(m.state_total()), mb(m.factors), mb(m.inverse_roots),
+                 mb(m.eigenvectors), mb(m.preconditioner_other), mb(m.grafting),
+                 mb(m.filtered_gradient), mb(m.momentum), mb(journal));
       std::fflush(stdout);
     }
   }

@@ -1,6 +1,9 @@
 #include "update/elementwise_state.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <cstring>
 
 namespace shampoo::detail {
 namespace {
@@ -24,10 +27,23 @@ int64_t tensor_bytes(const at::Tensor& t) {
 
 }  // namespace
 
-at::Tensor round_bfloat16_stochastic(const at::Tensor& x, uint32_t key) {
+namespace {
+
+/// The rounding's 16 random bits for element `index`: a 32-bit multiply-xorshift hash of the
+/// index and the key (arithmetic mod 2^32).
+inline uint32_t rounding_bits(uint32_t index, uint32_t key) {
+  uint32_t h = index * 0x9E3779B1u + key;
+  h = (h ^ (h >> 16)) * 0x045D9F3Bu;
+  h = (h ^ (h >> 16)) * 0x045D9F3Bu;
+  return (h ^ (h >> 16)) & 0xFFFFu;
+}
+
+}  // namespace
+
+at::Tensor round_bfloat16_stochastic_aten(const at::Tensor& x, uint32_t key) {
   const auto f = x.to(at::kFloat).contiguous().view(-1);
-  // A 32-bit integer hash (multiply-xorshift rounds) of the element index and the key, in int64
-  // arithmetic that never overflows: every product stays below 2^63.
+  // rounding_bits in int64 tensor arithmetic that never overflows (every product stays below
+  // 2^63), masked to 32 bits after each product.
   const auto mask = int64_t{0xFFFFFFFF};
   auto h = at::arange(f.numel(), f.options().dtype(at::kLong));
   h = (h * int64_t{0x9E3779B1} + int64_t{key}).bitwise_and_(mask);
@@ -41,6 +57,32 @@ at::Tensor round_bfloat16_stochastic(const at::Tensor& x, uint32_t key) {
   // finite values.
   const auto bits = f.view(at::kInt).add(h.to(at::kInt)).bitwise_and_(int32_t{-65536});
   return bits.view(at::kFloat).view(x.sizes()).to(at::kBFloat16);
+}
+
+void round_bfloat16_stochastic_into(at::Tensor& out, const at::Tensor& x, uint32_t key) {
+  TORCH_INTERNAL_ASSERT(out.scalar_type() == at::kBFloat16 && out.numel() == x.numel());
+  if (!x.device().is_cpu() || !out.is_contiguous()) {
+    out.copy_(round_bfloat16_stochastic_aten(x, key).view(out.sizes()));
+    return;
+  }
+  // One pass on the CPU, the same bits as the ATen formulation.
+  const auto f = x.to(at::kFloat).contiguous();
+  const auto* in = f.data_ptr<float>();
+  auto* target = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, f.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, in + i, sizeof(bits));
+      bits += rounding_bits(static_cast<uint32_t>(i), key);
+      target[i] = at::BFloat16(static_cast<uint16_t>(bits >> 16), at::BFloat16::from_bits());
+    }
+  });
+}
+
+at::Tensor round_bfloat16_stochastic(const at::Tensor& x, uint32_t key) {
+  auto out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  round_bfloat16_stochastic_into(out, x, key);
+  return out;
 }
 
 ElementwiseState::ElementwiseState(GraftingKind grafting, const std::vector<StackSpec>& stacks,
@@ -76,7 +118,7 @@ void ElementwiseState::bind(int64_t stack, int64_t row, bool filter, bool moment
 }
 
 void ElementwiseState::commit() {
-  for (auto& p : pending_) p.kept.copy_(round_bfloat16_stochastic(p.scratch, p.key));
+  for (auto& p : pending_) round_bfloat16_stochastic_into(p.kept, p.scratch, p.key);
   pending_.clear();
 }
 

@@ -92,5 +92,9 @@ class ElementwiseState {
 /// to the fraction its truncation cuts off, the random bits a hash of `key` and the element's
 /// index. Deterministic; CPU and CUDA give the same bits.
 at::Tensor round_bfloat16_stochastic(const at::Tensor& x, uint32_t key);
+/// The same into `out` (bfloat16, x's number of elements): one pass on the CPU.
+void round_bfloat16_stochastic_into(at::Tensor& out, const at::Tensor& x, uint32_t key);
+/// The same in ATen tensor operations (what CUDA tensors use; tests compare the CPU pass to it).
+at::Tensor round_bfloat16_stochastic_aten(const at::Tensor& x, uint32_t key);
 
 }  // namespace shampoo::detail

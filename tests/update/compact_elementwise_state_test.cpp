@@ -36,6 +36,11 @@ TEST(StochasticRounding, UnbiasedOnANeighbourAndDeterministic) {
     EXPECT_TRUE(bit_equal(round_bfloat16_stochastic(values, 17), rounded.to(at::kBFloat16)));
     EXPECT_FALSE(bit_equal(round_bfloat16_stochastic(values, 18), rounded.to(at::kBFloat16)));
   }
+  // The CPU pass gives the bits of the ATen formulation (which CUDA tensors use), here over
+  // more than one 2^16 block of indices and both signs.
+  const auto mixed = at::randn({3, 40000}) * 1e3;
+  EXPECT_TRUE(bit_equal(round_bfloat16_stochastic(mixed, 0xDEADBEEF),
+                        shampoo::detail::round_bfloat16_stochastic_aten(mixed, 0xDEADBEEF)));
   // bfloat16 values stay as they are; shapes are kept.
   const auto exact = at::randn({7, 9}).to(at::kBFloat16);
   EXPECT_TRUE(bit_equal(round_bfloat16_stochastic(exact.to(at::kFloat), 3), exact));

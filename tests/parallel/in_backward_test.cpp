@@ -26,6 +26,20 @@ struct FactoryCase {
   OptimizerFactory factory;
 };
 
+shampoo::ShampooOptions shampoo_options() {
+  return shampoo::ShampooOptions(0.02)
+      .epsilon(1e-6)
+      .precondition_frequency(2)
+      .grafting(shampoo::AdamGraftingConfig{})
+      .momentum(0.5);
+}
+
+OptimizerFactory shampoo_factory(const shampoo::ShampooOptions& options) {
+  return [options](std::vector<torch::Tensor> p) {
+    return std::make_unique<shampoo::DistributedShampoo>(p, options);
+  };
+}
+
 std::vector<FactoryCase> factories() {
   return {
       {"sgd_momentum",
@@ -50,25 +64,9 @@ std::vector<FactoryCase> factories() {
        [](std::vector<torch::Tensor> p) {
          return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(0.01));
        }},
-      {"distributed_shampoo",
-       [](std::vector<torch::Tensor> p) {
-         return std::make_unique<shampoo::DistributedShampoo>(
-             p, shampoo::ShampooOptions(0.02)
-                    .epsilon(1e-6)
-                    .precondition_frequency(2)
-                    .grafting(shampoo::AdamGraftingConfig{})
-                    .momentum(0.5));
-       }},
+      {"distributed_shampoo", shampoo_factory(shampoo_options())},
       {"distributed_shampoo_compact_int8",
-       [](std::vector<torch::Tensor> p) {
-         return std::make_unique<shampoo::DistributedShampoo>(
-             p, shampoo::ShampooOptions(0.02)
-                    .epsilon(1e-6)
-                    .precondition_frequency(2)
-                    .grafting(shampoo::AdamGraftingConfig{})
-                    .momentum(0.5)
-                    .compact_state(shampoo::CompactState::kInt8));
-       }},
+       shampoo_factory(shampoo_options().compact_state(shampoo::CompactState::kInt8))},
       {"eigendecomposed_shampoo",
        [](std::vector<torch::Tensor> p) {
          return std::make_unique<shampoo::DistributedShampoo>(

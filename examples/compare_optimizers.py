@@ -15,7 +15,10 @@ SGD's momentum, Shampoo's settings from the README) differ. Then it writes
     DIR/compare.md    the table printed at the end, with a caption that states the budget
 
 and keeps every run's metrics and log in DIR/runs/<optimizer>-lr<lr>-seed<seed>/. The best lr of
-an optimizer is the one with the highest final test accuracy (mean over the seeds). Seconds are
+an optimizer is the one with the highest final test accuracy (mean over the seeds). While it is
+the largest (smallest) rate of its grid, the grid is widened by the rate times (divided by)
+--widen-factor, at most --widen times; a best lr still at an edge is marked "(edge)" in the
+table. Seconds are
 the trainer's own epoch times (training plus the evaluation after each epoch; process start-up
 and data loading are not counted).
 
@@ -163,6 +166,10 @@ def resolve(args):
     if args.batch_size < 1 or args.batch_size % args.ranks:
         raise UsageError(f"--batch-size: got {args.batch_size}, expected a positive multiple "
                          f"of --ranks ({args.ranks})")
+    if args.widen < 0:
+        raise UsageError(f"--widen: got {args.widen}, expected >= 0")
+    if not (math.isfinite(args.widen_factor) and args.widen_factor > 1):
+        raise UsageError(f"--widen-factor: got {args.widen_factor:g}, expected a number > 1")
     if not 0 < args.target <= 1:
         raise UsageError(f"--target: got {args.target}, expected an accuracy in (0, 1]")
     if not os.access(args.trainer, os.X_OK):
@@ -245,51 +252,103 @@ def reuse_run(prefix, command, log_path):
                  f"  {recorded}\nexpected\n  + {' '.join(command)}")
 
 
+def run_one(args, optimizer, rate, seed, prefix, env):
+    """Trains (or, with --report-only, reads) one run; returns its epochs."""
+    run_dir = os.path.join(args.out, "runs", run_name(optimizer, rate, seed))
+    log_path = os.path.join(run_dir, "trainer.log")
+    command = trainer_command(args, optimizer, rate, seed, run_dir)
+    start = time.monotonic()
+    if args.report_only:
+        reuse_run(prefix, command, log_path)
+        code = 0
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        os.makedirs(run_dir)
+        print(f"{prefix}: started", flush=True)
+        with open(log_path, "w") as log:
+            log.write("+ " + " ".join(command) + "\n")
+            log.flush()
+            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    seconds = time.monotonic() - start
+    if code != 0:
+        with open(log_path, errors="replace") as f:
+            tail = f.readlines()[-15:]
+        sys.exit(f"{prefix}: the trainer failed (exit code {code}) after {seconds:.1f} s; "
+                 f"last lines of {log_path}:\n{''.join(tail)}")
+    try:
+        epochs, train_examples = read_run(run_dir, log_path)
+    except (OSError, KeyError, ValueError) as error:
+        sys.exit(f"{prefix}: cannot read the run's metrics in {run_dir} ({error})")
+    if len(epochs) != args.epochs:
+        sys.exit(f"{prefix}: {run_dir}/eval.csv has {len(epochs)} epochs, expected {args.epochs}")
+    args.train_examples = args.train_examples or train_examples
+    best = max(e["test_accuracy"] for e in epochs)
+    how = "read" if args.report_only else f"finished, {seconds:.1f} s"
+    print(f"{prefix}: {how}, best test accuracy {best:.4f} (final "
+          f"{epochs[-1]['test_accuracy']:.4f})", flush=True)
+    return epochs
+
+
+def final_accuracies(results, optimizer, rates, seeds):
+    """lr -> final test accuracy, the mean over the seeds."""
+    return {rate: statistics.fmean(results[(optimizer, rate, seed)][-1]["test_accuracy"]
+                                   for seed in seeds) for rate in rates}
+
+
+def grid_edge(rates, best):
+    """'largest' or 'smallest' when `best` is at that edge of `rates`, else None (one rate: the
+    largest)."""
+    if best == max(rates):
+        return "largest"
+    if best == min(rates):
+        return "smallest"
+    return None
+
+
+def widened_rate(args, optimizer, results):
+    """The rate that widens the grid of `optimizer` past the edge its best lr is at, or None
+    (best inside, one rate, or --widen times widened already)."""
+    rates = args.grid[optimizer]
+    if len(rates) < 2 or args.widened[optimizer] >= args.widen:
+        return None
+    finals = final_accuracies(results, optimizer, rates, args.seeds)
+    best = max(rates, key=lambda rate: finals[rate])
+    edge = grid_edge(rates, best)
+    if edge is None:
+        return None
+    rate = float(f"{best * args.widen_factor if edge == 'largest' else best / args.widen_factor:.3g}")
+    return None if rate in rates else rate
+
+
 def train_all(args):
-    """Runs every (optimizer, lr, seed); returns {(optimizer, lr, seed): epochs}. With
-    --report-only, reads the runs that an identical earlier invocation left in DIR/runs."""
-    runs = [(o, r, s) for o in args.optimizers for r in args.grid[o] for s in args.seeds]
+    """Runs every (optimizer, lr, seed), then widens each grid whose best lr (highest final test
+    accuracy, mean over the seeds) is at an edge, by one rate × or ÷ --widen-factor, at most
+    --widen times; returns {(optimizer, lr, seed): epochs}. With --report-only, reads the runs
+    that an identical earlier invocation left in DIR/runs (the same widening follows from them)."""
+    args.initial_grid = {o: list(rates) for o, rates in args.grid.items()}
+    args.widened = {o: 0 for o in args.optimizers}
     results = {}
     args.train_examples = None
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for index, (optimizer, rate, seed) in enumerate(runs, start=1):
-        name = run_name(optimizer, rate, seed)
-        run_dir = os.path.join(args.out, "runs", name)
-        log_path = os.path.join(run_dir, "trainer.log")
-        width = len(str(len(runs)))
-        prefix = f"[{index:>{width}}/{len(runs)}] {optimizer} lr {format_lr(rate)} seed {seed}"
-        command = trainer_command(args, optimizer, rate, seed, run_dir)
-        start = time.monotonic()
-        if args.report_only:
-            reuse_run(prefix, command, log_path)
-            code = 0
-        else:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            os.makedirs(run_dir)
-            print(f"{prefix}: started", flush=True)
-            with open(log_path, "w") as log:
-                log.write("+ " + " ".join(command) + "\n")
-                log.flush()
-                code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        seconds = time.monotonic() - start
-        if code != 0:
-            with open(log_path, errors="replace") as f:
-                tail = f.readlines()[-15:]
-            sys.exit(f"{prefix}: the trainer failed (exit code {code}) after {seconds:.1f} s; "
-                     f"last lines of {log_path}:\n{''.join(tail)}")
-        try:
-            epochs, train_examples = read_run(run_dir, log_path)
-        except (OSError, KeyError, ValueError) as error:
-            sys.exit(f"{prefix}: cannot read the run's metrics in {run_dir} ({error})")
-        if len(epochs) != args.epochs:
-            sys.exit(f"{prefix}: {run_dir}/eval.csv has {len(epochs)} epochs, expected "
-                     f"{args.epochs}")
-        args.train_examples = args.train_examples or train_examples
-        results[(optimizer, rate, seed)] = epochs
-        best = max(e["test_accuracy"] for e in epochs)
-        how = "read" if args.report_only else f"finished, {seconds:.1f} s"
-        print(f"{prefix}: {how}, best test accuracy {best:.4f} (final "
-              f"{epochs[-1]['test_accuracy']:.4f})", flush=True)
+    runs = [(o, r, s) for o in args.optimizers for r in args.grid[o] for s in args.seeds]
+    done = 0
+    while runs:
+        planned = done + len(runs)
+        for optimizer, rate, seed in runs:
+            done += 1
+            prefix = (f"[{done:>{len(str(planned))}}/{planned}] {optimizer} lr {format_lr(rate)} "
+                      f"seed {seed}")
+            results[(optimizer, rate, seed)] = run_one(args, optimizer, rate, seed, prefix, env)
+        runs = []
+        for optimizer in args.optimizers:
+            rate = widened_rate(args, optimizer, results)
+            if rate is None:
+                continue
+            print(f"{optimizer}: the best lr is at an edge of its grid; widening it with "
+                  f"{format_lr(rate)}", flush=True)
+            args.grid[optimizer].append(rate)
+            args.widened[optimizer] += 1
+            runs += [(optimizer, rate, seed) for seed in args.seeds]
     return results
 
 
@@ -306,8 +365,7 @@ def summarize(args, results):
     """One row per optimizer for its best lr (highest final test accuracy, mean over seeds)."""
     summary = []
     for optimizer in args.optimizers:
-        finals = {rate: mean_curve(results, optimizer, rate, args.seeds)[-1]["test_accuracy"]
-                  for rate in args.grid[optimizer]}
+        finals = final_accuracies(results, optimizer, args.grid[optimizer], args.seeds)
         best_rate = max(args.grid[optimizer], key=lambda rate: finals[rate])
         curve = mean_curve(results, optimizer, best_rate, args.seeds)
         reached = next((point for point in curve if point["test_accuracy"] >= args.target), None)
@@ -317,7 +375,7 @@ def summarize(args, results):
         summary.append({"optimizer": optimizer, "lr": best_rate, "curve": curve,
                         "final": curve[-1]["test_accuracy"], "best": best_point,
                         "reached": reached, "epoch_seconds": statistics.median(epoch_seconds),
-                        "finals": finals})
+                        "finals": finals, "edge": grid_edge(args.grid[optimizer], best_rate)})
     return summary
 
 
@@ -345,18 +403,26 @@ def caption(args, results):
     else:
         data = (f"the first {args.limit_train} training examples" if args.limit_train
                 else "all training examples")
-    grid_size = len(next(iter(args.grid.values())))
+    grid_size = len(next(iter(args.initial_grid.values())))
+    widened = [f"{o} {', '.join(map(format_lr, args.grid[o][len(args.initial_grid[o]):]))}"
+               for o in args.optimizers if len(args.grid[o]) > len(args.initial_grid[o])]
+    factor = f"{args.widen_factor:g}"
+    widening = (f", widened while the best lr was at an edge (×{factor} or ÷{factor}, at most "
+                f"{args.widen} time(s): {'; '.join(widened) if widened else 'none needed'})"
+                if args.widen else "")
     seeds = ",".join(str(seed) for seed in args.seeds)
     rank_text = (f"{args.ranks} ranks (torchrun, 1 thread each)" if args.ranks > 1
                  else "1 process (1 thread)" if args.device == "cpu" else "1 process")
     return (f"ConvNet on Fashion-MNIST, {args.budget_name} budget, the same for every optimizer: "
             f"{args.epochs} epoch(s) on {data}, global batch {args.batch_size}, {LR_SCHEDULE} lr "
             f"schedule, weight decay {WEIGHT_DECAY} (none on the bias), seed(s) {seeds}; a grid "
-            f"of {grid_size} learning rate(s) per optimizer; device {', '.join(devices)}, "
+            f"of {grid_size} learning rate(s) per optimizer{widening}; device "
+            f"{', '.join(devices)}, "
             f"{rank_text}. Best lr = the highest final test accuracy (10000 test images"
             f"{', mean over the seeds' if len(args.seeds) > 1 else ''}); seconds are the "
             f"trainer's epoch times, training plus the evaluation after each epoch, "
-            f"start-up excluded.")
+            f"start-up excluded. A best lr marked (edge) is the largest or smallest of its grid: "
+            f"the grid does not bracket the best, and a wider one could do better.")
 
 
 def markdown_table(args, results, summary):
@@ -369,17 +435,19 @@ def markdown_table(args, results, summary):
         reached = row["reached"]
         epochs_to = str(reached["epoch"]) if reached else "not reached"
         seconds_to = f"{reached['cumulative_seconds']:.1f}" if reached else "not reached"
+        best_lr = format_lr(row["lr"]) + (" (edge)" if row["edge"] else "")
         lines.append(
-            f"| {row['optimizer']} | {format_lr(row['lr'])} | {row['final']:.4f} | "
+            f"| {row['optimizer']} | {best_lr} | {row['final']:.4f} | "
             f"{row['best']['test_accuracy']:.4f} ({row['best']['epoch']}) | {epochs_to} | "
             f"{seconds_to} | {row['epoch_seconds']:.1f} |")
-    grid_size = len(next(iter(args.grid.values())))
-    lines += ["", "Final test accuracy of every run of the grid (lr: accuracy):", "",
-              "| optimizer | " + " | ".join(f"lr {i + 1}" for i in range(grid_size)) + " |",
+    grid_size = max(len(rates) for rates in args.grid.values())
+    lines += ["", "Final test accuracy of every run of the grid, largest lr first (lr: accuracy):",
+              "", "| optimizer | " + " | ".join(f"lr {i + 1}" for i in range(grid_size)) + " |",
               "|---|" + "---:|" * grid_size]
     for row in summary:
-        cells = [f"{format_lr(rate)}: {row['finals'][rate]:.4f}"
-                 for rate in args.grid[row["optimizer"]]]
+        rates = sorted(args.grid[row["optimizer"]], reverse=True)
+        cells = [f"{format_lr(rate)}: {row['finals'][rate]:.4f}" for rate in rates]
+        cells += [""] * (grid_size - len(cells))
         lines.append(f"| {row['optimizer']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -432,6 +500,11 @@ def main():
     parser.add_argument("--lrs", action="append", default=[], metavar="OPTIMIZER=LR,LR,...",
                         help="the lr grid of one optimizer (repeatable); every optimizer's grid "
                              "must have the same size")
+    parser.add_argument("--widen", type=int, default=3,
+                        help="times a grid may be widened past the edge its best lr is at, one "
+                             "rate each (default 3; 0 = the grid as given)")
+    parser.add_argument("--widen-factor", type=float, default=3.0,
+                        help="the new rate is the edge rate times or divided by this (default 3)")
     parser.add_argument("--epochs", type=int, help="epochs of every run (default: by device)")
     parser.add_argument("--limit-train", type=int,
                         help="train on the first this many examples, 0 = all (default: by device)")

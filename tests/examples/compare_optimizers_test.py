@@ -13,7 +13,11 @@ and checks what it writes against the runs' own metrics:
     row, one row per optimizer with its lr, its accuracy and "not reached" exactly when the
     accuracy is below the target;
   - bad input (an unknown optimizer, an empty grid, grids of different sizes, a batch that the
-    ranks do not divide) ends with exit code 2 and a message naming the flag, before any training;
+    ranks do not divide, a negative --widen, a --widen-factor of 1) ends with exit code 2 and a
+    message naming the flag, before any training;
+  - a grid whose best lr is at an edge is widened past it by one rate (×3 or ÷3) with --widen 1,
+    and a best lr left at an edge is marked "(edge)" (one-rate grids, and a two-rate grid with
+    --widen 0, which always leaves it at an edge);
   - --report-only rebuilds the same CSV and table from the runs without training, and refuses
     runs made with other settings.
 Fails (exit code 1, every failed check printed) on any difference. Needs no third-party module;
@@ -63,6 +67,9 @@ def check_input_errors(script, work_dir):
          "every optimizer needs the same grid size"),
         ("batch not a multiple of the ranks", ["--ranks", "3"], {},
          "--batch-size: got 256, expected a positive multiple of --ranks (3)"),
+        ("negative widen", ["--widen", "-1"], {}, "--widen: got -1, expected >= 0"),
+        ("widen factor 1", ["--widen-factor", "1"], {},
+         "--widen-factor: got 1, expected a number > 1"),
     ]
     for name, args, env, message in cases:
         out = os.path.join(work_dir, "bad-input")
@@ -167,7 +174,8 @@ def check_table(name, text, accuracy):
         if optimizer not in accuracy:
             check(False, f"{name}: {optimizer}: no compare.csv row to check the table against")
             continue
-        check(row[1] == RUNS[optimizer], f"{name}: {optimizer} best lr {row[1]}")
+        # One rate: the best is at the grid's edge, and marked so.
+        check(row[1] == f"{RUNS[optimizer]} (edge)", f"{name}: {optimizer} best lr {row[1]}")
         check(row[2] == f"{accuracy[optimizer]:.4f}",
               f"{name}: {optimizer} final accuracy {row[2]}, CSV {accuracy[optimizer]:.4f}")
         check(row[3] == f"{accuracy[optimizer]:.4f} (1)", f"{name}: {optimizer} best {row[3]}")
@@ -210,7 +218,64 @@ def main():
     check_table("compare.md", table, accuracy)
     check(table.strip() in result.stdout, "the printed table differs from compare.md")
     check_report_only(args.script, out, tiny_args)
+    check_widening(args.script, args.work_dir)
     return finish()
+
+
+def read_finals(out):
+    """compare.csv -> {lr: final test accuracy} of its one optimizer (one epoch, one seed)."""
+    with open(os.path.join(out, "compare.csv"), newline="") as f:
+        return {row["lr"]: float(row["test_accuracy"]) for row in csv.DictReader(f)}
+
+
+def table_best(text, optimizer):
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] == optimizer and len(cells) == 7:
+            return cells[1]
+    return None
+
+
+def check_widening(script, work_dir):
+    """Adam on two rates (one epoch on 2048 examples): with --widen 1 the grid gains the rate
+    past the edge its best lr is at; with --widen 0 the best is marked (edge)."""
+    base = ["--optimizers", "adam", "--lrs", "adam=0.001,0.0003", "--epochs", "1",
+            "--limit-train", str(LIMIT_TRAIN), "--ranks", "1", "--no-plot"]
+    narrow = os.path.join(work_dir, "narrow")
+    result = run_script(script, narrow, [*base, "--widen", "0"])
+    if not check(result.returncode == 0, f"--widen 0: exit code {result.returncode}; "
+                                         f"stderr:\n{result.stderr}"):
+        return
+    finals = read_finals(narrow)
+    check(sorted(finals) == ["0.0003", "0.001"], f"--widen 0 ran rates {sorted(finals)}")
+    best = max(finals, key=finals.get)
+    check(table_best(result.stdout, "adam") == f"{best} (edge)",
+          f"--widen 0: best lr cell {table_best(result.stdout, 'adam')!r}, expected "
+          f"'{best} (edge)'")
+    check("widening" not in result.stdout, "--widen 0 widened the grid")
+
+    wide = os.path.join(work_dir, "wide")
+    result = run_script(script, wide, [*base, "--widen", "1"])
+    if not check(result.returncode == 0, f"--widen 1: exit code {result.returncode}; "
+                                         f"stderr:\n{result.stderr}"):
+        return
+    # The same two runs (same seed) choose the edge; the third rate lies past it.
+    added = "0.003" if best == "0.001" else "0.0001"
+    all_finals = read_finals(wide)
+    check(sorted(all_finals) == sorted(["0.001", "0.0003", added]),
+          f"--widen 1 ran rates {sorted(all_finals)}, expected 0.001, 0.0003 and {added}")
+    check(f"widening it with {added}" in result.stdout, "no line announcing the widening")
+    check(f"adam lr {added} seed 2022: finished" in result.stdout, "no progress line for the "
+                                                                   "added rate")
+    if len(all_finals) == 3:
+        rates = sorted(all_finals, key=float)
+        best3 = max(all_finals, key=all_finals.get)
+        at_edge = best3 in (rates[0], rates[-1])
+        expected = f"{best3} (edge)" if at_edge else best3
+        check(table_best(result.stdout, "adam") == expected,
+              f"--widen 1: best lr cell {table_best(result.stdout, 'adam')!r}, expected "
+              f"{expected!r}")
+        check(f"adam {added}" in result.stdout, "the caption does not name the added rate")
 
 
 def check_report_only(script, out, tiny_args):

@@ -235,8 +235,14 @@ def read_run(run_dir, log_path):
                        "epoch_seconds": float(row["epoch_seconds"]),
                        "cumulative_seconds": cumulative, "device": row["device"]})
     with open(log_path, errors="replace") as f:
-        match = re.search(r"Data: .*?: (\d+) training examples \(of (\d+)\)", f.read())
+        log = f.read()
+    match = re.search(r"Data: .*?: (\d+) training examples \(of (\d+)\)", log)
     train_examples = (int(match.group(1)), int(match.group(2))) if match else None
+    match = re.search(r"(\d+) iterations per epoch", log)
+    if match is None:
+        raise ValueError(f"{log_path} does not state the iterations per epoch")
+    for e in epochs:
+        e["step"] = e["epoch"] * int(match.group(1))
     return epochs, train_examples
 
 
@@ -355,7 +361,7 @@ def train_all(args):
 def mean_curve(results, optimizer, rate, seeds):
     """Per epoch: test accuracy and cumulative seconds, the means over the seeds."""
     runs = [results[(optimizer, rate, seed)] for seed in seeds]
-    return [{"epoch": runs[0][i]["epoch"],
+    return [{"epoch": runs[0][i]["epoch"], "step": runs[0][i]["step"],
              "test_accuracy": statistics.fmean(run[i]["test_accuracy"] for run in runs),
              "cumulative_seconds": statistics.fmean(run[i]["cumulative_seconds"] for run in runs)}
             for i in range(len(runs[0]))]
@@ -376,6 +382,12 @@ def summarize(args, results):
                         "final": curve[-1]["test_accuracy"], "best": best_point,
                         "reached": reached, "epoch_seconds": statistics.median(epoch_seconds),
                         "finals": finals, "edge": grid_edge(args.grid[optimizer], best_rate)})
+    # The second target: the final accuracy of Adam's best run, when Adam ran.
+    adam = next((row for row in summary if row["optimizer"] == "adam"), None)
+    args.adam_target = adam["final"] if adam else None
+    for row in summary:
+        row["reached_adam"] = None if adam is None else next(
+            (p for p in row["curve"] if p["test_accuracy"] >= args.adam_target), None)
     return summary
 
 
@@ -421,25 +433,54 @@ def caption(args, results):
             f"{rank_text}. Best lr = the highest final test accuracy (10000 test images"
             f"{', mean over the seeds' if len(args.seeds) > 1 else ''}); seconds are the "
             f"trainer's epoch times, training plus the evaluation after each epoch, "
-            f"start-up excluded. A best lr marked (edge) is the largest or smallest of its grid: "
+            f"start-up excluded. Steps and seconds to a target: at the first epoch whose test "
+            f"accuracy reaches it (evaluated after each epoch; steps = epochs × "
+            f"{iterations_per_epoch(results)} iterations per epoch); the second target is the "
+            f"final accuracy of Adam's best run{adam_target_text(args)}. A best lr marked (edge) is the largest or smallest of its grid: "
             f"the grid does not bracket the best, and a wider one could do better.")
+
+
+def iterations_per_epoch(results):
+    epochs = next(iter(results.values()))
+    return epochs[0]["step"] // epochs[0]["epoch"]
+
+
+def adam_target_text(args):
+    if args.adam_target is None:
+        return " (not measured: Adam did not run)"
+    return f", {args.adam_target:.4f}"
+
+
+def to_target(point):
+    """(steps, seconds) cells of the first point reaching a target, or 'not reached'."""
+    if point is None:
+        return "not reached", "not reached"
+    return str(point["step"]), f"{point['cumulative_seconds']:.1f}"
 
 
 def markdown_table(args, results, summary):
     target = f"{args.target:g}"
+    adam_target = "—" if args.adam_target is None else f"{args.adam_target:.4f}"
     lines = [f"{caption(args, results)}", "",
              f"| optimizer | best lr | final test accuracy | best test accuracy (epoch) | "
-             f"epochs to {target} | seconds to {target} | seconds per epoch (median) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"steps to {target} | seconds to {target} | steps to Adam's {adam_target} | "
+             f"seconds to Adam's {adam_target} | steps / Adam's | seconds per epoch (median) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    adam = next((row for row in summary if row["optimizer"] == "adam"), None)
     for row in summary:
-        reached = row["reached"]
-        epochs_to = str(reached["epoch"]) if reached else "not reached"
-        seconds_to = f"{reached['cumulative_seconds']:.1f}" if reached else "not reached"
+        steps_to, seconds_to = to_target(row["reached"])
+        if args.adam_target is None:
+            steps_adam, seconds_adam, ratio = "—", "—", "—"
+        else:
+            steps_adam, seconds_adam = to_target(row["reached_adam"])
+            ratio = (f"{row['reached_adam']['step'] / adam['reached_adam']['step']:.2f}"
+                     if row["reached_adam"] else "not reached")
         best_lr = format_lr(row["lr"]) + (" (edge)" if row["edge"] else "")
         lines.append(
             f"| {row['optimizer']} | {best_lr} | {row['final']:.4f} | "
-            f"{row['best']['test_accuracy']:.4f} ({row['best']['epoch']}) | {epochs_to} | "
-            f"{seconds_to} | {row['epoch_seconds']:.1f} |")
+            f"{row['best']['test_accuracy']:.4f} ({row['best']['epoch']}) | {steps_to} | "
+            f"{seconds_to} | {steps_adam} | {seconds_adam} | {ratio} | "
+            f"{row['epoch_seconds']:.1f} |")
     grid_size = max(len(rates) for rates in args.grid.values())
     lines += ["", "Final test accuracy of every run of the grid, largest lr first (lr: accuracy):",
               "", "| optimizer | " + " | ".join(f"lr {i + 1}" for i in range(grid_size)) + " |",
@@ -456,7 +497,7 @@ def plot(path, args, summary, plt):
     figure, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(11, 4.2))
     for color, row in enumerate(summary):
         label = f"{row['optimizer']} (lr {format_lr(row['lr'])})"
-        epochs = [p["epoch"] for p in row["curve"]]
+        epochs = [p["step"] for p in row["curve"]]
         accuracy = [p["test_accuracy"] for p in row["curve"]]
         seconds = [p["cumulative_seconds"] for p in row["curve"]]
         # Markers and dashes of their own, so that coinciding curves (Adam and AdamW with little
@@ -465,16 +506,19 @@ def plot(path, args, summary, plt):
                  "markersize": 7 - color, "linestyle": ("-", "--", ":", "-.")[color % 4]}
         by_epoch.plot(epochs, accuracy, **style)
         by_time.plot(seconds, accuracy, **style)
-    for axes, xlabel in ((by_epoch, "epoch"), (by_time, "wall-clock seconds (cumulative)")):
+    for axes, xlabel in ((by_epoch, "steps (evaluated after each epoch)"),
+                         (by_time, "wall-clock seconds (cumulative)")):
         axes.axhline(args.target, color="0.5", linestyle="--", linewidth=0.8,
                      label=f"target {args.target:g}")
+        if args.adam_target is not None:
+            axes.axhline(args.adam_target, color="0.3", linestyle=":", linewidth=0.8,
+                         label=f"Adam's final {args.adam_target:.4f}")
         axes.set_ylim(top=max(axes.get_ylim()[1], args.target + 0.005))  # the target in view
         axes.set_xlabel(xlabel)
         axes.set_ylabel("test accuracy")
         axes.grid(True, alpha=0.3)
-    by_epoch.set_xticks(range(1, args.epochs + 1))
     by_epoch.legend(fontsize=8)
-    by_epoch.set_title("test accuracy per epoch (best lr of each optimizer)", fontsize=10)
+    by_epoch.set_title("test accuracy against steps (best lr of each optimizer)", fontsize=10)
     by_time.set_xlim(left=0)
     by_time.set_title("test accuracy against time", fontsize=10)
     where = args.device if args.ranks == 1 else f"{args.device}, {args.ranks} ranks"

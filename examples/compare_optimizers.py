@@ -23,7 +23,8 @@ the trainer's own epoch times (training plus the evaluation after each epoch; pr
 and data loading are not counted).
 
 Budgets: on cuda the full one (10 epochs on the whole training set, 1 rank); on cpu a reduced one
-of about 10 to 15 minutes on 2 cores (3 epochs, 2 ranks). Flags override either.
+of about 12 minutes on 2 cores (3 epochs, 2 ranks). --budget full|reduced picks one on any
+device; flags override either.
 """
 
 import argparse
@@ -151,8 +152,11 @@ def resolve(args):
         raise UsageError(f"--device: got '{args.device}', expected cpu or cuda")
     args.optimizers = parse_optimizers(args.optimizers)
     args.grid = parse_grid(args.optimizers, args.lrs)
-    budget = FULL_BUDGET if args.device == "cuda" else REDUCED_BUDGET
-    args.budget_name = "full" if args.device == "cuda" else "reduced (CPU)"
+    if args.budget not in (None, "full", "reduced"):
+        raise UsageError(f"--budget: got '{args.budget}', expected full or reduced")
+    full = args.budget == "full" or (args.budget is None and args.device == "cuda")
+    budget = FULL_BUDGET if full else REDUCED_BUDGET
+    args.budget_name = "full" if full else "reduced (CPU)"
     for key in ("epochs", "limit_train", "ranks"):
         if getattr(args, key) is None:
             setattr(args, key, budget[key])
@@ -549,6 +553,8 @@ def main():
                              "rate each (default 3; 0 = the grid as given)")
     parser.add_argument("--widen-factor", type=float, default=3.0,
                         help="the new rate is the edge rate times or divided by this (default 3)")
+    parser.add_argument("--budget", help="full or reduced (default: full on cuda, reduced on "
+                                         "cpu); the flags below override either")
     parser.add_argument("--epochs", type=int, help="epochs of every run (default: by device)")
     parser.add_argument("--limit-train", type=int,
                         help="train on the first this many examples, 0 = all (default: by device)")

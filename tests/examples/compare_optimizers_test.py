@@ -14,8 +14,9 @@ and checks what it writes against the runs' own metrics:
     reached" exactly when the accuracy is below it) and to Adam's final accuracy, with the ratio
     to Adam's steps;
   - bad input (an unknown optimizer, an empty grid, grids of different sizes, a batch that the
-    ranks do not divide, a negative --widen, a --widen-factor of 1) ends with exit code 2 and a
-    message naming the flag, before any training;
+    ranks do not divide, a negative --widen, a --widen-factor of 1, an unknown COMPARE_BUDGET)
+    ends with exit code 2 and a message naming the flag, before any training;
+  - --budget full on the CPU is named in the caption (its flags overridden to stay tiny);
   - a grid whose best lr is at an edge is widened past it by one rate (×3 or ÷3) with --widen 1,
     and a best lr left at an edge is marked "(edge)" (one-rate grids, and a two-rate grid with
     --widen 0, which always leaves it at an edge);
@@ -72,6 +73,8 @@ def check_input_errors(script, work_dir):
         ("negative widen", ["--widen", "-1"], {}, "--widen: got -1, expected >= 0"),
         ("widen factor 1", ["--widen-factor", "1"], {},
          "--widen-factor: got 1, expected a number > 1"),
+        ("unknown budget", [], {"COMPARE_BUDGET": "huge"},
+         "--budget: got 'huge', expected full or reduced"),
     ]
     for name, args, env, message in cases:
         out = os.path.join(work_dir, "bad-input")
@@ -256,7 +259,7 @@ def check_widening(script, work_dir):
     base = ["--optimizers", "adam", "--lrs", "adam=0.001,0.0003", "--epochs", "1",
             "--limit-train", str(LIMIT_TRAIN), "--ranks", "1", "--no-plot"]
     narrow = os.path.join(work_dir, "narrow")
-    result = run_script(script, narrow, [*base, "--widen", "0"])
+    result = run_script(script, narrow, [*base, "--widen", "0", "--budget", "full"])
     if not check(result.returncode == 0, f"--widen 0: exit code {result.returncode}; "
                                          f"stderr:\n{result.stderr}"):
         return
@@ -267,6 +270,8 @@ def check_widening(script, work_dir):
           f"--widen 0: best lr cell {table_best(result.stdout, 'adam')!r}, expected "
           f"'{best} (edge)'")
     check("widening" not in result.stdout, "--widen 0 widened the grid")
+    check("ConvNet on Fashion-MNIST, full budget, the same for every optimizer" in result.stdout,
+          "--budget full on the CPU: the caption does not name the full budget")
 
     wide = os.path.join(work_dir, "wide")
     result = run_script(script, wide, [*base, "--widen", "1"])

@@ -166,27 +166,13 @@ OptionField simple_field(const std::string& name, OptionKind kind, Get get, Set 
       #field, OptionKind::kind, [](const ShampooOptions& o) -> type { return o.field(); }, \
       [](ShampooOptions& o, type v) { o.field(v); })
 
-/// Archives written before packed storage have no entry: the layout is not part of the saved
-/// state (a checkpoint loads into either layout), so the option keeps its value.
-OptionField symmetric_packing_field() {
-  auto f = SHAMPOO_SIMPLE_OPTION(bool, use_symmetric_packing, kStructural);
+/// A storage choice (use_symmetric_packing, compact_state): checkpoints hold the state in a form
+/// that loads into any value, so the field is not compared on load, and archives written before
+/// the option existed have no entry and keep the optimizer's value.
+OptionField storage_layout_field(OptionField f) {
   f.storage_layout = true;
-  f.read = [](InputArchive& a, ShampooOptions& o) {
-    if (has_entry(a, "use_symmetric_packing")) {
-      o.use_symmetric_packing(read_index(a, "use_symmetric_packing", 2) != 0);
-    }
-  };
-  return f;
-}
-
-/// Like use_symmetric_packing, a storage choice: checkpoints hold decoded values and load into
-/// any value; archives written before it keep the optimizer's value.
-OptionField compact_state_field() {
-  auto f = SHAMPOO_SIMPLE_OPTION(CompactState, compact_state, kStructural);
-  f.storage_layout = true;
-  f.read = [](InputArchive& a, ShampooOptions& o) {
-    if (has_entry(a, "compact_state"))
-      o.compact_state(Codec<CompactState>::read(a, "compact_state"));
+  f.read = [read = f.read, key = f.name](InputArchive& a, ShampooOptions& o) {
+    if (has_entry(a, key)) read(a, o);
   };
   return f;
 }
@@ -729,8 +715,8 @@ std::vector<OptionField> make_option_fields() {
       grafting_kind_field(),
       grafting_floats_field(),
       SHAMPOO_SIMPLE_OPTION(c10::ScalarType, factor_matrix_dtype, kStructural),
-      symmetric_packing_field(),
-      compact_state_field(),
+      storage_layout_field(SHAMPOO_SIMPLE_OPTION(bool, use_symmetric_packing, kStructural)),
+      storage_layout_field(SHAMPOO_SIMPLE_OPTION(CompactState, compact_state, kStructural)),
       preconditioner_field(),
       inverse_exponent_override_field(),
       SHAMPOO_SIMPLE_OPTION(int64_t, num_tolerated_failed_amortized_computations, kStructural),

@@ -23,10 +23,7 @@ using shampoo::ShampooOptions;
 using shampoo::testing::bit_equal;
 using shampoo::testing::snapshot;
 
-struct Case {
-  std::string name;
-  ShampooOptions options;
-};
+using Case = shampoo::testing::storage::NamedOptions;
 
 // ε 1e-2: a compact state perturbs the preconditioner's input and roots by ~2^-9 (bfloat16) or
 // ~2^-7 (8 bits) relative, and a preconditioner amplifies perturbations outside its factor's

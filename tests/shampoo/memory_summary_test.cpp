@@ -8,6 +8,7 @@
 
 #include "benchmarks/tracking_allocator.h"
 #include "preconditioners/symmetric_matrices.h"
+#include "shampoo/storage_test_support.h"
 #include "support/test_support.h"
 
 namespace {
@@ -15,10 +16,7 @@ namespace {
 using shampoo::DistributedShampoo;
 using shampoo::ShampooOptions;
 
-struct Case {
-  std::string name;
-  ShampooOptions options;
-};
+using Case = shampoo::testing::storage::NamedOptions;
 
 std::vector<Case> cases() {
   const auto base = ShampooOptions(0.01)

@@ -5,11 +5,18 @@
 #include <shampoo/shampoo.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "support/test_support.h"
 
 namespace shampoo::testing::storage {
+
+/// A named set of options: one case of a parametrized storage test.
+struct NamedOptions {
+  std::string name;
+  ShampooOptions options;
+};
 
 inline std::vector<at::Tensor> make_params() {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);

@@ -19,10 +19,7 @@ using shampoo::ShampooOptions;
 using shampoo::testing::bit_equal;
 using shampoo::testing::snapshot;
 
-struct Family {
-  std::string name;
-  ShampooOptions options;
-};
+using Family = shampoo::testing::storage::NamedOptions;
 
 std::vector<Family> families() {
   const auto base = ShampooOptions(0.02)

@@ -25,6 +25,7 @@
 ///   bench_transformer [--device cuda|cpu] [--solvers eigh,coupled-newton,...] [--frequency 20]
 ///                     [--window 40] [--steps 5] [--repetitions 3] [--one-group-per-tensor]
 ///                     [--small] [--threads T] [--epsilon 1e-8] [--step-chunk-mb MB]
+///                     [--amortize-chunk-mb MB] [--cuda-eigh auto|batched-chunks]
 ///                     [--memory] [--dense-storage] [--compact-state none|bf16|int8]
 ///                     [--json PATH] [--label TEXT]
 ///   --memory (CPU): only the state after two steps, packed and unpacked, by kind (issue 26).
@@ -51,9 +52,12 @@
 
 #include "benchmarks/bench_support.h"
 #include "benchmarks/tracking_allocator.h"
+#include "preconditioners/kronecker_factor_list.h"
 
 #if SHAMPOO_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+
+#include "preconditioners/cuda/cuda_eigh.h"
 #endif
 
 namespace {
@@ -78,7 +82,9 @@ struct Args {
   double epsilon = 1e-8;
   bool one_group_per_tensor = false;
   bool small = false;
-  int64_t step_chunk_mb = 0;  // 0 = the library's default
+  int64_t step_chunk_mb = 0;      // 0 = the library's default
+  int64_t amortize_chunk_mb = 0;  // 0 = the library's default
+  std::string cuda_eigh = "auto";
   bool memory = false;
   bool dense_storage = false;
   std::string compact_state = "none";
@@ -112,6 +118,13 @@ Args parse_args(int argc, char** argv) {
            "bound on a step's gradient buffers per chunk of rows, MB (0 = the library's "
            "64 MiB; a large value = one chunk, as before chunking)",
            0)
+      .add("amortize-chunk-mb", args.amortize_chunk_mb,
+           "bound on the factors one amortized computation works on at once, MB (0 = the "
+           "library's 32 MiB)",
+           0)
+      .add_choice("cuda-eigh", args.cuda_eigh, {"auto", "batched-chunks"},
+                  "the eigh of factors above 32 on CUDA: auto (divide and conquer on concurrent "
+                  "lanes) or batched-chunks (XsyevBatched in fixed batches of 16)")
       .add_bool("dense-storage", args.dense_storage,
                 "use_symmetric_packing(false): factors and roots as full matrices (the timing "
                 "modes)")
@@ -585,12 +598,14 @@ void print_header(const Workload& w, const Args& args) {
   fmt::print(
       "bench_transformer: {} parameters in {} tensors{}, device {}, LibTorch {}\n"
       "  frequency {}: warm-up {} steps, {} window(s) of {} steps; frequency 1: {} timed steps; "
-      "{}, epsilon {:g}, step chunks {} MiB\n  harness tensors (parameters, gradients, {} gradient "
+      "{}, epsilon {:g}, step chunks {} MiB, amortize chunks {} MiB, eigh {}\n  harness tensors "
+      "(parameters, gradients, {} gradient "
       "sets): {} MB\n",
       numel_of(w.params), w.params.size(), args.small ? " (--small: dimensions / 8)" : "",
       w.device.str(), TORCH_VERSION, args.frequency, args.frequency, args.repetitions, args.window,
       args.steps, args.one_group_per_tensor ? "21 param groups" : "one param group", args.epsilon,
-      shampoo::detail::step_chunk_bytes() >> 20, kGradientSets, megabytes(w.harness_bytes));
+      shampoo::detail::step_chunk_bytes() >> 20, shampoo::detail::amortize_chunk_bytes() >> 20,
+      args.cuda_eigh, kGradientSets, megabytes(w.harness_bytes));
   std::fflush(stdout);
 }
 
@@ -667,6 +682,9 @@ Json results_json(const std::vector<SolverResult>& results, const Workload& w, c
                 {"every_step_steps", args.steps},
                 {"one_group_per_tensor", args.one_group_per_tensor},
                 {"small", args.small},
+                {"step_chunk_bytes", shampoo::detail::step_chunk_bytes()},
+                {"amortize_chunk_bytes", shampoo::detail::amortize_chunk_bytes()},
+                {"cuda_eigh", args.cuda_eigh},
                 {"shapes", shapes},
                 {"shampoo",
                  {{"lr", 1e-3},
@@ -696,6 +714,17 @@ int main(int argc, char** argv) {
   const Args args = parse_args(argc, argv);
   if (args.threads > 0) at::set_num_threads(static_cast<int>(args.threads));
   shampoo::detail::set_step_chunk_bytes_for_testing(args.step_chunk_mb << 20);
+  shampoo::detail::set_amortize_chunk_bytes_for_benchmarks(args.amortize_chunk_mb << 20);
+  if (args.cuda_eigh != "auto") {
+#if SHAMPOO_WITH_CUDA
+    shampoo::detail::set_large_eigh_method_for_benchmarks(
+        shampoo::detail::CudaEighMethod::kBatchedChunks);
+#else
+    fmt::print(stderr, "bench_transformer: --cuda-eigh {}: this build has no CUDA (auto only)\n",
+               args.cuda_eigh);
+    return 2;
+#endif
+  }
   std::vector<SolverSetting> settings;
   try {
     settings = solver_settings(args.solvers);

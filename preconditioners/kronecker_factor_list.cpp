@@ -3,9 +3,20 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <utility>
 
 namespace shampoo::detail {
+namespace {
+constexpr int64_t kDefaultAmortizeChunkBytes = int64_t{32} << 20;
+std::atomic<int64_t> amortize_chunk_limit{kDefaultAmortizeChunkBytes};
+}  // namespace
+
+int64_t amortize_chunk_bytes() { return amortize_chunk_limit.load(); }
+
+void set_amortize_chunk_bytes_for_benchmarks(int64_t bytes) {
+  amortize_chunk_limit.store(bytes > 0 ? bytes : kDefaultAmortizeChunkBytes);
+}
 
 int64_t BlockLayout::numel() const {
   int64_t n = 1;
@@ -124,7 +135,7 @@ void KroneckerFactorList::amortize(int64_t stack, const Rows& rows, const RowSca
     largest = std::max(largest, spec.block_shape[k] * spec.block_shape[k]);
   }
   const int64_t element = static_cast<int64_t>(c10::elementSize(factors_.settings().factor_dtype));
-  const int64_t per_chunk = std::max<int64_t>(1, kAmortizeChunkBytes / (largest * element));
+  const int64_t per_chunk = std::max<int64_t>(1, amortize_chunk_bytes() / (largest * element));
   for (int64_t start = 0; start < rows.size(); start += per_chunk) {
     std::vector<bool> selected(rows.size(), false);
     std::fill(selected.begin() + start, selected.begin() + std::min(rows.size(), start + per_chunk),

@@ -21,6 +21,13 @@
 
 namespace shampoo::detail {
 
+/// Bound of the factor bytes one amortized computation works on at once: 32 MiB, eight 1024×1024
+/// float32 factors, enough to fill the eight concurrent eigh lanes on CUDA. The chunks never
+/// change a result (every matrix is computed on its own); benchmarks set the bound (≤ 0 = the
+/// default) to weigh the peak memory against the roots' time.
+int64_t amortize_chunk_bytes();
+void set_amortize_chunk_bytes_for_benchmarks(int64_t bytes);
+
 class KroneckerFactorList : public PreconditionerList {
  public:
   void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
@@ -82,9 +89,7 @@ class KroneckerFactorList : public PreconditionerList {
   };
   virtual DimResult compute_dim(int64_t stack, const Rows& rows, int64_t dim,
                                 const RowScalars& scalars) = 0;
-  /// Bound of the factor bytes one amortized computation works on at once.
-  static constexpr int64_t kAmortizeChunkBytes = int64_t{32} << 20;
-  /// The amortized computation of the due rows, in chunks of at most kAmortizeChunkBytes of the
+  /// The amortized computation of the due rows, in chunks of at most amortize_chunk_bytes() of the
   /// largest factor: the unpacked, bias-corrected copies and the solvers' working sets are then
   /// bounded by the chunk, not by the stack. Every matrix is computed on its own, so the chunks
   /// do not change a result.

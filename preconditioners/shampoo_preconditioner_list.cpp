@@ -12,8 +12,8 @@ ShampooPreconditionerList::ShampooPreconditionerList(std::vector<StackSpec> stac
                                                      MatrixPreconditionerSettings settings)
     : KroneckerFactorList(std::move(stacks), std::move(settings)), config_(config) {
   // Inverse roots start as the identity (docs/math.md).
-  roots_ = add_dim_state("root_", DimState::kSymmetric, Start::kIdentity,
-                         &MemorySummary::inverse_roots);
+  roots_ =
+      add_dim_state("root_", DimState::kSymmetric, Start::kIdentity, &MemorySummary::inverse_roots);
 }
 
 at::Tensor ShampooPreconditionerList::kl_operand(int64_t stack, const Rows& rows, int64_t dim,
@@ -57,11 +57,11 @@ void ShampooPreconditionerList::precondition(int64_t stack, const Rows& rows,
   const auto& dims = factors_.preconditioned_dims(stack);
   if (rows.size() == 0) return;
   if (filtered.is_cuda()) {
-    // Batched, in chunks of at most kAmortizeChunkBytes of blocks: each dim's product is a new
+    // Batched, in chunks of at most amortize_chunk_bytes() of blocks: each dim's product is a new
     // tensor, so a whole stack at once would hold two stack-sized temporaries.
     const int64_t block_bytes = filtered[0].numel() * static_cast<int64_t>(filtered.element_size());
     const int64_t per_chunk =
-        std::max<int64_t>(1, kAmortizeChunkBytes / std::max<int64_t>(1, block_bytes));
+        std::max<int64_t>(1, amortize_chunk_bytes() / std::max<int64_t>(1, block_bytes));
     for (int64_t start = 0; start < rows.size(); start += per_chunk) {
       const int64_t count = std::min(per_chunk, rows.size() - start);
       Rows part;

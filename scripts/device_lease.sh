@@ -1,53 +1,116 @@
 #!/usr/bin/env bash
-# The GPU check and figures in one time-boxed call, for a short device lease (15 minutes of device
+# The GPU checks and figures in time-boxed calls, for a short device lease (15 minutes of device
 # time, machine start included). Prepare here with scripts/device_bundle.sh, then
 #   run(command="bash scripts/device_lease.sh", carry=[".device"], timeout_s=580)
-# In priority order, each stage bounded so the whole ends before LEASE_SECONDS (540):
-#   1. build everything (the build stage of scripts/device_check.sh: tests, examples, benchmarks)
-#   2. every test labelled cuda (verbose: which cases ran, which skipped)
-#   3. scripts/device_perf.sh stages "ours reference bench_cuda" with a short window and the
-#      solvers in LEASE_SOLVERS (eigh and the fastest setting of the last run by default)
-# $OUT receives machine.txt, build.log, ctest_cuda.log, summary.md, results.json, logs.tar.gz
-# (the device tool brings back at most 8 files). The last lines printed are the test summary and
-# the performance table.
+# LEASE_STAGES picks the stages, run in the order given, each bounded so that the whole ends before
+# LEASE_SECONDS (540); a later call on the still-warm machine reuses the build in $BUILD (the
+# build stage then only relinks what changed):
+#   build       everything (the build stage of scripts/device_check.sh: tests, examples, benchmarks)
+#   test        every test labelled cuda (verbose: which cases ran, which skipped)
+#   perf        scripts/device_perf.sh stages "ours reference bench_cuda", a short window, the
+#               solvers in LEASE_SOLVERS (eigh and the fastest setting of the last run by default)
+#   experiment  eigh on the transformer workload at f=20 and f=1 under the settings in
+#               LEASE_EXPERIMENTS ("name:bench_transformer flags;..."): time and peak by setting
+#   demo        the demo (run_demo.sh) on the GPU
+#   compare     make compare on the GPU, the full budget (run_compare.sh)
+# Default stages: "build test perf". $OUT receives at most 8 files: machine.txt, ctest_cuda.log,
+# summary.md, results.json, logs.tar.gz (perf); experiments.txt; demo.txt; compare.md, compare.csv,
+# compare.txt. The last lines printed summarize each stage.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-$PWD/device-out}"
 BUILD="${BUILD:-/tmp/shampoo-build-gpu}"
 LEASE_SECONDS="${LEASE_SECONDS:-540}"
+STAGES="${LEASE_STAGES:-build test perf}"
 SOLVERS="${LEASE_SOLVERS:-eigh,coupled-newton-tf32,newton-db-tf32}"
+EXPERIMENTS="${LEASE_EXPERIMENTS:-default:;batched chunks 64 MiB:--amortize-chunk-mb 64 --cuda-eigh batched-chunks;batched chunks 32 MiB:--cuda-eigh batched-chunks;amortize 16 MiB:--amortize-chunk-mb 16;amortize 16 MiB, step 32 MiB:--amortize-chunk-mb 16 --step-chunk-mb 32}"
+DATA=/tmp/shampoo-devroot/usr/share/datasets/fashion-mnist
 mkdir -p "$OUT"
 log() { printf '[device_lease %(%H:%M:%S)T +%ds] %s\n' -1 "$SECONDS" "$*"; }
 left() { echo $((LEASE_SECONDS - SECONDS)); }
+status=0
 
-log "build"
-STAGES=build OUT="$OUT" BUILD="$BUILD" JOBS="$(nproc)" bash scripts/device_check.sh \
-  > "$OUT/build_stage.txt" 2>&1
-rc=$?
-log "build: exit $rc"
-cat "$OUT/machine.txt" 2>/dev/null
-if [ "$rc" -ne 0 ]; then
-  grep -E "error" "$OUT/build.log" | head -n 40
-  tail -n 20 "$OUT/build_stage.txt"
-  exit 1
-fi
+stage_build() {
+  STAGES=build OUT="$OUT" BUILD="$BUILD" JOBS="$(nproc)" bash scripts/device_check.sh \
+    > "$OUT/build_stage.txt" 2>&1
+  local rc=$?
+  log "build: exit $rc"
+  cat "$OUT/machine.txt" 2>/dev/null
+  if [ "$rc" -ne 0 ]; then
+    grep -E "error" "$OUT/build.log" | head -n 40
+    tail -n 20 "$OUT/build_stage.txt"
+    exit 1
+  fi
+  rm -f "$OUT/build.log" "$OUT/configure.log" "$OUT/build_stage.txt"
+}
 
-log "ctest -L cuda ($(left) s left)"
-budget=$(( $(left) - 200 )); [ "$budget" -gt 240 ] && budget=240; [ "$budget" -lt 60 ] && budget=60
-(cd "$BUILD" && timeout "$budget" ctest -L cuda -j 4 -V --timeout "$budget") \
-  > "$OUT/ctest_cuda.log" 2>&1
-rc=$?
-log "ctest -L cuda: exit $rc"
-echo "gtest cases passed: $(grep -c '\[ *OK *\]' "$OUT/ctest_cuda.log" || true)"
-grep -E "\[ *(FAILED|SKIPPED) *\] [A-Za-z]|tests passed|tests failed|\((Failed|Timeout)\)|Test *#.*(Passed|Failed|Timeout|Skipped)" \
-  "$OUT/ctest_cuda.log" | head -n 60
+stage_test() {
+  local budget=$(( $(left) - 60 )); [ "$budget" -gt 240 ] && budget=240
+  [ "$budget" -lt 60 ] && budget=60
+  (cd "$BUILD" && timeout "$budget" ctest -L cuda -j 4 -V --timeout "$budget") \
+    > "$OUT/ctest_cuda.log" 2>&1
+  local rc=$?
+  log "ctest -L cuda: exit $rc"
+  echo "gtest cases passed: $(grep -c '\[ *OK *\]' "$OUT/ctest_cuda.log" || true)"
+  grep -E "\[ *(FAILED|SKIPPED) *\] [A-Za-z]|tests passed|tests failed|\((Failed|Timeout)\)|Test *#.*(Passed|Failed|Timeout|Skipped)" \
+    "$OUT/ctest_cuda.log" | head -n 60
+  [ "$rc" -eq 0 ] || status=1
+}
 
-if [ "$(left)" -lt 90 ]; then log "no time left for the figures"; exit "$rc"; fi
-per_stage=$(( $(left) / 5 )); [ "$per_stage" -gt 150 ] && per_stage=150
-log "figures, ${per_stage} s per benchmark run"
-PERF_STAGES="ours reference bench_cuda" PERF_SOLVERS="$SOLVERS" PERF_WINDOW=20 PERF_WINDOWS=2 \
-  PERF_F1_STEPS=3 PERF_STAGE_TIMEOUT="$per_stage" OUT="$OUT" BUILD="$BUILD" \
-  bash scripts/device_perf.sh
-perf=$?
-log "done (tests exit $rc, figures exit $perf)"
-exit $(( rc != 0 || perf != 0 ))
+stage_perf() {
+  if [ "$(left)" -lt 90 ]; then log "perf: no time left"; status=1; return; fi
+  local per_stage=$(( $(left) / 5 )); [ "$per_stage" -gt 150 ] && per_stage=150
+  log "perf: ${per_stage} s per benchmark run"
+  PERF_STAGES="ours reference bench_cuda" PERF_SOLVERS="$SOLVERS" PERF_WINDOW=20 PERF_WINDOWS=2 \
+    PERF_F1_STEPS=3 PERF_STAGE_TIMEOUT="$per_stage" OUT="$OUT" BUILD="$BUILD" \
+    bash scripts/device_perf.sh || status=1
+}
+
+# One bench_transformer run per setting: eigh, f=20 (2 windows of 20 steps) and f=1 (3 steps).
+stage_experiment() {
+  local IFS=';' entry
+  read -r -a entries <<< "$EXPERIMENTS"
+  for entry in "${entries[@]}"; do
+    local name="${entry%%:*}" flags="${entry#*:}"
+    local budget=$(( $(left) - 30 ))
+    if [ "$budget" -lt 40 ]; then log "experiment '$name': no time left"; status=1; break; fi
+    [ "$budget" -gt 120 ] && budget=120
+    echo "### $name: $flags" >> "$OUT/experiments.txt"
+    IFS=' ' read -r -a extra <<< "$flags"
+    timeout "$budget" "$BUILD/benchmarks/bench_transformer" --device cuda --solvers eigh \
+      --frequency 20 --window 20 --repetitions 2 --steps 3 --epsilon 1e-8 "${extra[@]}" \
+      >> "$OUT/experiments.txt" 2>&1 || status=1
+    log "experiment '$name': $(grep -E '^\| eigh' "$OUT/experiments.txt" | tail -n 1)"
+  done
+}
+
+stage_demo() {
+  local budget=$(( $(left) - 20 ))
+  if [ "$budget" -lt 40 ]; then log "demo: no time left"; status=1; return; fi
+  DEMO_DIR=/tmp/shampoo-demo timeout "$budget" "$BUILD/examples/run_demo.sh" --data-dir "$DATA" \
+    > "$OUT/demo.txt" 2>&1 || status=1
+  log "demo: $(grep -iE "accuracy|seconds|error" "$OUT/demo.txt" | tail -n 3 | tr '\n' ' ')"
+}
+
+stage_compare() {
+  local budget=$(( $(left) - 15 ))
+  if [ "$budget" -lt 60 ]; then log "compare: no time left"; status=1; return; fi
+  rm -rf /tmp/shampoo-compare
+  COMPARE_DEVICE=cuda COMPARE_DIR=/tmp/shampoo-compare timeout "$budget" \
+    "$BUILD/examples/run_compare.sh" --data-dir "$DATA" > "$OUT/compare.txt" 2>&1 || status=1
+  log "compare: exit status so far $status"
+  tail -n 30 "$OUT/compare.txt"
+  for f in /tmp/shampoo-compare/compare.md /tmp/shampoo-compare/compare.csv; do
+    [ -f "$f" ] && cp "$f" "$OUT/"
+  done
+}
+
+for stage in $STAGES; do
+  log "$stage ($(left) s left)"
+  case "$stage" in
+    build | test | perf | experiment | demo | compare) "stage_$stage" ;;
+    *) log "unknown stage '$stage' (build test perf experiment demo compare)"; exit 2 ;;
+  esac
+done
+log "done, status $status"
+exit "$status"

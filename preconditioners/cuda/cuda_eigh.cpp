@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <unordered_map>
@@ -98,9 +99,13 @@ const char* kernel_name(EighKernel kernel) {
 /// conquer per matrix: XsyevBatched on a whole stack gives a matrix a result that depends on the
 /// batch, and in fixed chunks it costs a call of ~65 ms at 1024 even for one matrix (padded), so
 /// it only pays for stacks of many blocks, at 1.4× the memory: a choice left to the caller.
+std::atomic<CudaEighMethod> large_eigh_method{CudaEighMethod::kAuto};
+
 CudaEighMethod resolve(CudaEighMethod method, int64_t n, int64_t d) {
   if (method != CudaEighMethod::kAuto) return method;
   if (d <= cusolver::kMaxBatchedJacobiSize) return CudaEighMethod::kBatchedJacobi;
+  const auto large = large_eigh_method.load();
+  if (large != CudaEighMethod::kAuto) return large;
   return n > 1 ? CudaEighMethod::kConcurrent : CudaEighMethod::kSequential;
 }
 
@@ -273,6 +278,12 @@ std::vector<bool> accurate_anyway(const at::Tensor& stack, const CudaEighResult&
 }
 
 }  // namespace
+
+void set_large_eigh_method_for_benchmarks(CudaEighMethod method) {
+  TORCH_CHECK(method == CudaEighMethod::kAuto || method == CudaEighMethod::kBatchedChunks,
+              "set_large_eigh_method_for_benchmarks: expected kAuto or kBatchedChunks");
+  large_eigh_method.store(method);
+}
 
 CudaEighResult cuda_eigh(const at::Tensor& stack, CudaEighMethod method) {
   auto result = launch(stack, method);

@@ -43,6 +43,11 @@ enum class CudaEighMethod {
 /// took ~65 ms for 4, 8 or 16 matrices and 153 ms for 78 (cuda_eigh.cpp).
 inline constexpr int64_t kBatchedChunk = 16;
 
+/// What kAuto resolves to above 32, process-wide: kAuto (the default: kConcurrent, kSequential
+/// for one matrix) or, set by benchmarks weighing time against memory, kBatchedChunks. Every
+/// matrix's result stays independent of its stack either way.
+void set_large_eigh_method_for_benchmarks(CudaEighMethod method);
+
 struct CudaEighResult {
   at::Tensor eigenvalues;       ///< [n, d], ascending
   at::Tensor eigenvectors;      ///< [n, d, d], eigenvector j in column j

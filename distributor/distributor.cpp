@@ -185,6 +185,37 @@ int64_t Distributor::exchange(bool failed) {
   return collectives;
 }
 
+std::vector<Distributor::Readiness> Distributor::agree(Readiness mine) {
+  if (!distributed()) return {mine};
+  // The device of the AllGather buffers (NCCL takes CUDA tensors), else the CPU.
+  at::Device device = at::kCPU;
+  for (const auto& unit : units_) {
+    if (unit.send.defined()) {
+      device = unit.send.device();
+      break;
+    }
+  }
+  auto words = at::zeros({world_size_}, at::TensorOptions().dtype(at::kLong).device(device));
+  words[rank_].fill_(static_cast<int64_t>(mine));
+  std::vector<at::Tensor> tensors{words};
+  try {
+    group_->getBackend(device.type())->allreduce(tensors)->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "DistributedShampoo: the agreement before the step failed on rank ",
+                global_rank_,
+                " (another rank died, hung, or called step() a different number of times): ",
+                e.what());
+  }
+  const auto host = words.to(at::kCPU).contiguous();
+  const int64_t* data = host.data_ptr<int64_t>();
+  std::vector<Readiness> all(static_cast<size_t>(world_size_));
+  for (int r = 0; r < world_size_; ++r) {
+    TORCH_INTERNAL_ASSERT(data[r] >= 0 && data[r] <= 2, "agreement word ", data[r]);
+    all[r] = static_cast<Readiness>(data[r]);
+  }
+  return all;
+}
+
 bool Distributor::received_updated(int64_t block) const { return received_updated_[block]; }
 
 at::Tensor Distributor::received(int64_t block) const {

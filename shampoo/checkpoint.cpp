@@ -304,6 +304,7 @@ std::shared_ptr<ShampooEngine::PreparedLoad> ShampooEngine::prepare(
 void ShampooEngine::install(PreparedLoad& prepared,
                             std::vector<torch::optim::OptimizerParamGroup>& groups) {
   retire_counters();
+  broken_.clear();
   virtual_groups_ = std::move(prepared.virtual_groups);
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const auto& field : option_fields()) {

@@ -156,8 +156,8 @@ void DistributedShampoo::set_failure_injector_for_testing(
   engine_->set_failure_injector(std::move(fn), param_groups_);
 }
 
-void DistributedShampoo::set_fault_injector_for_testing(StepFaultInjector fn) {
-  engine_->set_fault_injector(std::move(fn));
+void DistributedShampoo::set_fault_injector_for_testing(StepFaultInjector fn, bool journal) {
+  engine_->set_fault_injector(std::move(fn), journal);
 }
 
 }  // namespace shampoo

@@ -35,7 +35,9 @@ class ShampooEngine;
 struct ShampooStats {
   /// Virtual groups (param groups after merging).
   int64_t virtual_groups = 0;
-  /// Collectives issued by the last step (0 for a single process).
+  /// AllGathers issued by the last step (0 for a single process); the agreement before an
+  /// ordinary distributed step (DistributedOptions::agree_before_update, one all-reduce of one
+  /// int per rank) is not counted.
   int64_t collectives_last_step = 0;
   /// Amortized computations (root inverses or eigenbases, one per block) so far on this rank.
   int64_t amortized_computations = 0;
@@ -50,9 +52,11 @@ struct ShampooStats {
   /// Bytes of optimizer state held by this rank.
   int64_t state_bytes = 0;
   /// Bytes of state and parameters the last step copied so that it could be undone had it
-  /// failed: 0 for a single process unless an amortized computation was at the limit of the
-  /// failure policy; the state of the blocks stepped (this rank's) when distributed or in
-  /// backward, whose AllGather or later parameters can still fail after blocks changed.
+  /// failed: 0 for an ordinary step (one process, or distributed with agree_before_update)
+  /// unless some rank foresaw that it may raise after changing state (an amortized computation
+  /// at the limit of the failure policy, a factor update that could overflow); the state of the
+  /// blocks stepped (this rank's) in backward, whose later parameters can still fail after
+  /// blocks changed, and in a distributed step without the agreement.
   int64_t rollback_bytes_last_step = 0;
   /// Bytes of the AllGather send and receive buffers of one step (0 for a single process).
   int64_t bytes_sent_per_step = 0;
@@ -139,8 +143,10 @@ class DistributedShampoo : public torch::optim::Optimizer,
   /// returns true; block names are "parameter P block B".
   void set_failure_injector_for_testing(std::function<bool(const std::string&, int64_t)> fn);
   /// Test seam: `fn` is called at every FaultPoint of every step; what it throws fails the step
-  /// there (which must then change nothing). Empty = off.
-  void set_fault_injector_for_testing(StepFaultInjector fn);
+  /// there (which must then change nothing). Empty = off. `journal` false: the steps do not keep
+  /// an undo journal because of it (a failure no check foresaw: the optimizer then refuses steps
+  /// until a checkpoint is loaded).
+  void set_fault_injector_for_testing(StepFaultInjector fn, bool journal = true);
 
  private:
   /// Optimizer-in-backward (PhasedBackwardStep, called through that interface): the step split

@@ -288,10 +288,16 @@ void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
 
 void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups,
                                bool incremental) {
-  // A later phase can throw after blocks changed: the AllGather (or another rank's failure), or
-  // a later compute call in backward. Then every compute call saves what it changes first.
+  TORCH_CHECK(broken_.empty(), broken_);
+  // A later phase can throw after blocks changed: a later compute call in backward, or in a
+  // distributed step that does not agree first, the AllGather (another rank's failure). Then
+  // every compute call saves what it changes first. An agreeing step learns every rank's
+  // readiness before it changes anything and saves only where some rank may raise later.
+  const bool distributed = distributor_->distributed();
+  const bool agree = distributed && !incremental && distributed_.agree_before_update();
   transaction_.open(virtual_groups_.size(), registry_.blocks.size(),
-                    distributor_->distributed() || incremental || static_cast<bool>(fault_));
+                    (distributed && !agree) || incremental || (fault_ && fault_journals_),
+                    agree);
   distributor_->begin_step();
   try {
     check_groups(groups);
@@ -371,6 +377,8 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
 
   bool protect = transaction_.protect_all();
   for (const auto& vg : virtual_groups_) protect = vg->may_raise(inputs) || protect;
+  if (transaction_.agreement_pending()) protect = agree_before_update(protect);
+  if (!protect) transaction_.note_unjournaled_change();
   if (protect) {
     // A single process updates its parameters in place while computing: keep them too.
     std::vector<int64_t> stepped;
@@ -420,8 +428,40 @@ void ShampooEngine::close_step(bool completed) {
   transaction_.close();
 }
 
+bool ShampooEngine::agree_before_update(bool needs_journal) {
+  using Readiness = Distributor::Readiness;
+  transaction_.set_agreed();
+  transaction_.set_exchange_attempted();  // from here, a failure before the AllGather is not silent
+  const auto all = distributor_->agree(needs_journal ? Readiness::kNeedsJournal : Readiness::kReady);
+  transaction_.set_exchange_attempted(false);
+  std::vector<int> failed;
+  bool journal = false;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r] == Readiness::kFailed) failed.push_back(static_cast<int>(r));
+    journal = journal || all[r] == Readiness::kNeedsJournal;
+  }
+  if (!failed.empty()) {
+    close_step(/*completed=*/false);
+    TORCH_CHECK(false, "DistributedShampoo: the step failed on rank(s) ",
+                fmt::format("{}", fmt::join(failed, ", ")),
+                " of the trainer group (the error is reported there); the ranks agreed on it "
+                "before any state changed, so parameters, state and step counts are as before it");
+  }
+  return journal;
+}
+
 void ShampooEngine::abort_step() {
   if (!transaction_.is_open()) return;
+  if (transaction_.agreement_pending()) {
+    // This rank failed before the agreement: tell the others, which then change nothing either.
+    transaction_.set_agreed();
+    transaction_.set_exchange_attempted();
+    try {
+      distributor_->agree(Distributor::Readiness::kFailed);
+    } catch (const std::exception&) {
+      // The agreement failed as well; this rank's own error is the one rethrown.
+    }
+  }
   if (distributor_->distributed() && !transaction_.exchange_attempted()) {
     transaction_.set_exchange_attempted();
     try {
@@ -431,12 +471,23 @@ void ShampooEngine::abort_step() {
     }
   }
   transaction_.restore(virtual_groups_);
+  note_broken_if_unjournaled();
   close_step(/*completed=*/false);
+}
+
+void ShampooEngine::note_broken_if_unjournaled() {
+  if (!transaction_.unjournaled_change()) return;
+  broken_ =
+      "DistributedShampoo: an earlier step failed after it had changed optimizer state that it "
+      "kept no copy of (an error no check foresaw, such as running out of memory; see the error "
+      "that step raised), so the state no longer matches the parameters: load a checkpoint "
+      "(load / load_state_dict) before the next step";
 }
 
 void ShampooEngine::finish_step() {
   TORCH_INTERNAL_ASSERT(transaction_.is_open());
   try {
+    if (transaction_.agreement_pending()) agree_before_update(transaction_.protect_all());
     if (fault_) fault_(FaultPoint::kExchange);
     transaction_.set_exchange_attempted();
     collectives_last_step_ = distributor_->exchange();
@@ -447,6 +498,7 @@ void ShampooEngine::finish_step() {
   const auto& failed = distributor_->failed_ranks();
   if (!failed.empty()) {
     transaction_.restore(virtual_groups_);
+    note_broken_if_unjournaled();
     close_step(/*completed=*/false);
     TORCH_CHECK(false, "DistributedShampoo: the step failed on rank(s) ",
                 fmt::format("{}", fmt::join(failed, ", ")),

@@ -7,6 +7,7 @@
 /// passes its param groups.
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "distributor/distributor.h"
@@ -81,7 +82,10 @@ class ShampooEngine {
   void set_failure_injector(FailureInjector fn,
                             std::vector<torch::optim::OptimizerParamGroup>& groups);
   /// Test seam: called at each FaultPoint of every step; a throw there fails the step.
-  void set_fault_injector(StepFaultInjector fn) { fault_ = std::move(fn); }
+  void set_fault_injector(StepFaultInjector fn, bool journal) {
+    fault_ = std::move(fn);
+    fault_journals_ = journal;
+  }
 
  private:
   /// Builds the virtual groups for the current registry (owners of new blocks are assigned
@@ -113,6 +117,13 @@ class ShampooEngine {
                const std::vector<int64_t>& params);
   /// Closes the open step; the groups with an updated block advance their step count.
   void close_step(bool completed);
+  /// The agreement of an agreeing distributed step (DistributedOptions::agree_before_update):
+  /// tells the other ranks whether this one `needs_journal`; throws, with the step closed and
+  /// nothing changed, when a rank failed; returns whether any rank needs the journal.
+  bool agree_before_update(bool needs_journal);
+  /// After a failed step: when it had changed state without a copy, refuse further steps until a
+  /// checkpoint is loaded.
+  void note_broken_if_unjournaled();
   /// Replaces the virtual groups by freshly built ones holding the current states (after a
   /// registry change); counters of the old ones are kept.
   void rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups, bool require_all);
@@ -137,8 +148,10 @@ class ShampooEngine {
   std::vector<std::unique_ptr<VirtualGroup>> virtual_groups_;
   FailureInjector inject_failure_;
   StepFaultInjector fault_;
+  bool fault_journals_ = true;  // the fault injector makes every step keep its journal
   int64_t collectives_last_step_ = 0;
   StepTransaction transaction_;
+  std::string broken_;  // not empty: why steps are refused until a checkpoint is loaded
   AmortizedCounters retired_counters_;  // of virtual groups replaced by rebuilds
 };
 

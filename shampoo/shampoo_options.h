@@ -157,6 +157,14 @@ struct DistributedOptions {
   /// own parameters only. The results do not depend on it (ownership never changes the math);
   /// the balance is coarser. Not with num_trainers_per_group.
   TORCH_ARG(bool, shard_by_parameter) = false;
+  /// Before an ordinary distributed step changes any state, the ranks of the trainer group agree
+  /// that every one of them can take it (one all-reduce of one int per rank, besides the
+  /// AllGather): a step that fails on one rank then changes nothing on any rank without a copy of
+  /// the state. A step keeps its undo journal (the state it changes) only where some rank
+  /// foresees that it may raise after changing state (an amortized computation past its tolerated
+  /// failures, DistributedShampoo::stats().rollback_bytes_last_step). false: no agreement; every
+  /// distributed step journals what it changes, as a step in backward always does.
+  TORCH_ARG(bool, agree_before_update) = true;
 
  public:
   void validate() const;

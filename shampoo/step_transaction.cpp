@@ -6,12 +6,14 @@
 
 namespace shampoo::detail {
 
-void StepTransaction::open(size_t virtual_groups, size_t blocks, bool protect_all) {
+void StepTransaction::open(size_t virtual_groups, size_t blocks, bool protect_all, bool agree) {
   TORCH_CHECK(!open_, "DistributedShampoo: a step is already open (begin without finish)");
   open_ = true;
   protect_all_ = protect_all;
   saved_ = false;
   exchange_attempted_ = false;
+  agreement_pending_ = agree;
+  unjournaled_change_ = false;
   journal_ = StepJournal{};
   journal_.groups.resize(virtual_groups);
   computed_.assign(blocks, false);

@@ -17,9 +17,16 @@ class StepTransaction {
  public:
   /// Opens a step over `virtual_groups` virtual groups and `blocks` blocks. `protect_all`: every
   /// compute call saves what it changes (a later phase can throw after blocks changed).
-  void open(size_t virtual_groups, size_t blocks, bool protect_all);
+  /// `agree`: the ranks agree (Distributor::agree) before the step changes any state.
+  void open(size_t virtual_groups, size_t blocks, bool protect_all, bool agree);
   bool is_open() const { return open_; }
   bool protect_all() const { return protect_all_; }
+  /// Whether the step still has to agree before it changes state.
+  bool agreement_pending() const { return agreement_pending_; }
+  void set_agreed() { agreement_pending_ = false; }
+  /// A compute call changes state without saving it: an abort can no longer undo the step.
+  void note_unjournaled_change() { unjournaled_change_ = true; }
+  bool unjournaled_change() const { return unjournaled_change_; }
 
   /// Saves what a compute call with `inputs` is about to change: the state of the blocks each
   /// virtual group will step and, with `keep_params` (a single process updates in place), the
@@ -37,7 +44,7 @@ class StepTransaction {
   const std::vector<bool>& computed() const { return computed_; }
   /// Whether the open step's AllGather was attempted (an abort then does not join it again).
   bool exchange_attempted() const { return exchange_attempted_; }
-  void set_exchange_attempted() { exchange_attempted_ = true; }
+  void set_exchange_attempted(bool attempted = true) { exchange_attempted_ = attempted; }
   /// Bytes the last closed step saved (0 when it saved nothing).
   int64_t saved_bytes_last_step() const { return saved_bytes_last_step_; }
 
@@ -46,6 +53,8 @@ class StepTransaction {
   bool protect_all_ = false;
   bool saved_ = false;
   bool exchange_attempted_ = false;
+  bool agreement_pending_ = false;
+  bool unjournaled_change_ = false;
   StepJournal journal_;
   std::vector<bool> computed_;
   int64_t saved_bytes_last_step_ = 0;

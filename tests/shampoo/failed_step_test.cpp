@@ -432,4 +432,131 @@ TEST(GroupStep, RanksAgreeWhenGradientsDiffer) {
   });
 }
 
+// DistributedOptions::agree_before_update (the default): the ranks agree before any state
+// changes, so an ordinary distributed step keeps no copy of the state, and the results are those
+// of the journaling protocol (and of one process) bit for bit.
+TEST(AgreeBeforeUpdate, NoJournalAtWorldTwoAndTheSameResults) {
+  const auto options = base_options(false);
+  std::vector<std::vector<at::Tensor>> expected;
+  {
+    auto params = make_params();
+    DistributedShampoo opt(make_groups(params, options), options);
+    for (int step = 1; step <= 5; ++step) {
+      set_grads(params, step);
+      opt.step();
+      expected.push_back(snapshot(params));
+    }
+  }
+  for (const bool agree : {true, false}) {
+    run_ranks(2, [&](int rank, const Group& group) {
+      auto params = make_params();
+      DistributedShampoo opt(
+          make_groups(params, options), options,
+          DistributedOptions().process_group(group).agree_before_update(agree));
+      for (int step = 1; step <= 5; ++step) {
+        set_grads(params, step);
+        opt.step();
+        ASSERT_TRUE(bit_equal(params, expected[step - 1]))
+            << "agree " << agree << " rank " << rank << " step " << step;
+        ASSERT_EQ(opt.stats().collectives_last_step, 1);  // AllGathers; the agreement apart
+        if (agree) {
+          EXPECT_EQ(opt.stats().rollback_bytes_last_step, 0) << "rank " << rank;
+        } else {
+          EXPECT_GT(opt.stats().rollback_bytes_last_step, 0) << "rank " << rank;
+        }
+      }
+    });
+  }
+}
+
+// A step that one rank foresees may raise after changing state (a finite gradient whose factor
+// update overflows): that rank asks for the journal in the agreement, every rank keeps it, and
+// when the owner then fails, both ranks undo the step.
+TEST(AgreeBeforeUpdate, AStepThatMayRaiseJournalsOnEveryRank) {
+  const auto options = base_options(false);
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params();
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().process_group(group));
+    set_grads(params, 1);
+    opt.step();
+    set_grads(params, 2);
+    params[2].mutable_grad() = at::full({3, 4, 2}, 1e30);
+    expect_failed_step_changes_nothing(opt, params, "rank " + std::to_string(rank));
+    EXPECT_GT(opt.stats().rollback_bytes_last_step, 0) << "rank " << rank;
+    set_grads(params, 2);
+    opt.step();
+    EXPECT_EQ(opt.stats().rollback_bytes_last_step, 0) << "rank " << rank;
+    EXPECT_EQ(opt.group_step(1), 2);
+  });
+}
+
+// A failure no check foresaw, after a step changed state without a copy: the step raises, and
+// the optimizer refuses further steps (its state no longer matches the parameters) until a
+// checkpoint is loaded; then it goes on as if the failed step had not been tried.
+TEST(AgreeBeforeUpdate, AnUnforeseenFailureRefusesStepsUntilALoad) {
+  const auto options = base_options(false);
+  auto params = make_params();
+  auto twin_params = make_params();
+  DistributedShampoo opt(make_groups(params, options), options);
+  DistributedShampoo twin(make_groups(twin_params, options), options);
+  Fault fault;
+  fault.phase = FaultPoint::kComputed;
+  opt.set_fault_injector_for_testing(fault.injector(), /*journal=*/false);
+  for (int step = 1; step <= 5; ++step) {
+    set_grads(params, step);
+    set_grads(twin_params, step);
+    if (step == 3) {
+      std::ostringstream saved;
+      torch::save(opt, saved);
+      const auto params_before = snapshot(params);
+      fault.armed = true;
+      EXPECT_THROW(opt.step(), c10::Error);
+      try {
+        opt.step();
+        ADD_FAILURE() << "a step after the unforeseen failure should be refused";
+      } catch (const c10::Error& e) {
+        const std::string message = e.what_without_backtrace();
+        EXPECT_NE(message.find("load a checkpoint"), std::string::npos) << message;
+      }
+      std::istringstream in(saved.str());
+      torch::load(opt, in);
+      for (size_t i = 0; i < params.size(); ++i) {
+        at::NoGradGuard no_grad;
+        params[i].copy_(params_before[i]);
+      }
+    }
+    opt.step();
+    twin.step();
+    ASSERT_TRUE(bit_equal(params, twin_params)) << "step " << step;
+  }
+}
+
+// The same at world 2: the fault on rank 1 after the agreement; both ranks raise, and both refuse
+// the next step.
+TEST(AgreeBeforeUpdate, AnUnforeseenFailureOnOneRankRefusesStepsOnBoth) {
+  const auto options = base_options(false);
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params();
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().process_group(group));
+    Fault fault;
+    fault.phase = FaultPoint::kExchange;
+    opt.set_fault_injector_for_testing(fault.injector(), /*journal=*/false);
+    set_grads(params, 1);
+    opt.step();
+    EXPECT_EQ(opt.stats().rollback_bytes_last_step, 0);
+    fault.armed = rank == 1;
+    set_grads(params, 2);
+    EXPECT_THROW(opt.step(), c10::Error) << "rank " << rank;
+    try {
+      opt.step();
+      ADD_FAILURE() << "rank " << rank << ": the next step should be refused";
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      EXPECT_NE(message.find("load a checkpoint"), std::string::npos) << message;
+    }
+  });
+}
+
 }  // namespace

@@ -35,7 +35,8 @@
 ///
 ///   bench_distributed [--repetitions 5] [--window 20] [--frequency 100] [--start-step 10]
 ///                     [--threads 1] [--grad-pool 4] [--batch 64] [--comm-repetitions 10]
-///                     [--cases a,b,...] [--torchrun] [--peaks] [--json PATH] [--label TEXT]
+///                     [--cases a,b,...] [--torchrun] [--peaks] [--no-agreement]
+///                     [--json PATH] [--label TEXT]
 /// --peaks: the tracking allocator counts tensor memory; per rank the largest peak of a timed
 /// root-free step above what was live before it, with the state, the undo journal and the
 /// AllGather buffers (issue 26: the distributed step's peak against the single process's).
@@ -79,6 +80,7 @@ struct Args {
   std::string cases;  // comma-separated subset; empty = all (torchrun: those of its world size)
   bool torchrun = false;
   bool peaks = false;
+  bool no_agreement = false;
   std::string json;
   std::string label;
 };
@@ -151,7 +153,9 @@ CaseRun run_rank(const CaseSpec& spec, const c10::intrusive_ptr<c10d::ProcessGro
                  const std::vector<std::vector<at::Tensor>>& pool, const Args& args) {
   const auto params = clone_params(init);
   const auto options = shampoo_options(args.frequency, args.start);
-  auto distributed = shampoo::DistributedOptions().merge_param_groups(spec.merged);
+  auto distributed = shampoo::DistributedOptions()
+                         .merge_param_groups(spec.merged)
+                         .agree_before_update(!args.no_agreement);
   if (group) distributed.process_group(group);
   shampoo::DistributedShampoo optimizer(lr_param_groups(params, spec.groups, options), options,
                                         distributed);
@@ -274,7 +278,10 @@ Args parse_args(int argc, char** argv) {
       .add_bool("peaks", args.peaks,
                 "count tensor memory (tracking allocator): per rank, the largest peak of a timed "
                 "root-free step above what was live before it, the step's undo journal and "
-                "AllGather buffers (per rank only for the single case and under --torchrun)");
+                "AllGather buffers (per rank only for the single case and under --torchrun)")
+      .add_bool("no-agreement", args.no_agreement,
+                "DistributedOptions::agree_before_update(false): no agreement before a step "
+                "changes state, and an undo journal in every distributed step instead");
   add_output_flags(flags, args.json, args.label);
   parse_flags_or_exit(flags, "bench_distributed", argc, argv);
   return args;

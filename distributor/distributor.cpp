@@ -201,10 +201,9 @@ std::vector<Distributor::Readiness> Distributor::agree(Readiness mine) {
   try {
     group_->getBackend(device.type())->allreduce(tensors)->wait();
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "DistributedShampoo: the agreement before the step failed on rank ",
-                global_rank_,
-                " (another rank died, hung, or called step() a different number of times): ",
-                e.what());
+    TORCH_CHECK(
+        false, "DistributedShampoo: the agreement before the step failed on rank ", global_rank_,
+        " (another rank died, hung, or called step() a different number of times): ", e.what());
   }
   const auto host = words.to(at::kCPU).contiguous();
   const int64_t* data = host.data_ptr<int64_t>();

@@ -296,8 +296,7 @@ void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& g
   const bool distributed = distributor_->distributed();
   const bool agree = distributed && !incremental && distributed_.agree_before_update();
   transaction_.open(virtual_groups_.size(), registry_.blocks.size(),
-                    (distributed && !agree) || incremental || (fault_ && fault_journals_),
-                    agree);
+                    (distributed && !agree) || incremental || (fault_ && fault_journals_), agree);
   distributor_->begin_step();
   try {
     check_groups(groups);
@@ -432,7 +431,8 @@ bool ShampooEngine::agree_before_update(bool needs_journal) {
   using Readiness = Distributor::Readiness;
   transaction_.set_agreed();
   transaction_.set_exchange_attempted();  // from here, a failure before the AllGather is not silent
-  const auto all = distributor_->agree(needs_journal ? Readiness::kNeedsJournal : Readiness::kReady);
+  const auto all =
+      distributor_->agree(needs_journal ? Readiness::kNeedsJournal : Readiness::kReady);
   transaction_.set_exchange_attempted(false);
   std::vector<int> failed;
   bool journal = false;

@@ -450,9 +450,8 @@ TEST(AgreeBeforeUpdate, NoJournalAtWorldTwoAndTheSameResults) {
   for (const bool agree : {true, false}) {
     run_ranks(2, [&](int rank, const Group& group) {
       auto params = make_params();
-      DistributedShampoo opt(
-          make_groups(params, options), options,
-          DistributedOptions().process_group(group).agree_before_update(agree));
+      DistributedShampoo opt(make_groups(params, options), options,
+                             DistributedOptions().process_group(group).agree_before_update(agree));
       for (int step = 1; step <= 5; ++step) {
         set_grads(params, step);
         opt.step();

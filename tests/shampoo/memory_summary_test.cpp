@@ -102,9 +102,10 @@ TEST(MemorySummaryPacking, FactorsArePackedTriangles) {
 
 namespace {
 
-// The undo journal of a distributed step holds what the step can change: the factors and the
-// elementwise state of the blocks it steps, and the inverse roots only at a step that recomputes
-// them (root-inverse Shampoo, world 2, roots every 3 steps).
+// The undo journal of a distributed step that keeps one (without the agreement before the
+// update, DistributedOptions::agree_before_update(false)) holds what the step can change: the
+// factors and the elementwise state of the blocks it steps, and the inverse roots only at a step
+// that recomputes them (root-inverse Shampoo, world 2, roots every 3 steps).
 TEST(MemorySummaryJournal, HoldsTheRootsOnlyWhenTheStepRecomputesThem) {
   const auto options = ShampooOptions(0.01)
                            .betas({0.9, 0.999})
@@ -116,7 +117,9 @@ TEST(MemorySummaryJournal, HoldsTheRootsOnlyWhenTheStepRecomputesThem) {
     std::vector<at::Tensor> params{at::randn({16, 12}, gen).requires_grad_(),
                                    at::randn({20}, gen).requires_grad_(),
                                    at::randn({9, 16}, gen).requires_grad_()};
-    DistributedShampoo opt(params, options, shampoo::DistributedOptions().process_group(group));
+    DistributedShampoo opt(
+        params, options,
+        shampoo::DistributedOptions().process_group(group).agree_before_update(false));
     for (int step = 1; step <= 6; ++step) {
       shampoo::testing::set_random_grads(params, 40 + step);
       opt.step();

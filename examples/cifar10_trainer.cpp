@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -87,8 +88,37 @@ void average_buffers(torch::nn::Module& model, const Distributed& d) {
 
 struct Evaluation {
   double loss = 0;
-  double accuracy = 0;
+  double accuracy = 0;  // NaN for a model that reconstructs (no classes)
 };
+
+/// The model's input for a batch of uint8 images: normalized per channel for the classifiers,
+/// the pixel intensities in [0, 1] for the autoencoder (also its target).
+at::Tensor model_input(const ImageClassifier& model, const ImageDataset& data,
+                       const at::Tensor& images) {
+  return model.reconstructs() ? images.to(at::kFloat).div_(255.0) : data.normalize(images);
+}
+
+/// The loss of a batch, summed over it (`sum`) or its mean: the cross-entropy of the labels, or,
+/// for a model that reconstructs, the binary cross-entropy of the pixels (targets: `input`)
+/// summed over each image.
+at::Tensor batch_loss(const ImageClassifier& model, const at::Tensor& output,
+                      const at::Tensor& input, const at::Tensor& labels, bool sum) {
+  namespace F = torch::nn::functional;
+  if (model.reconstructs()) {
+    const auto per_image = F::binary_cross_entropy_with_logits(
+                               output.to(at::kFloat), input.flatten(1),
+                               F::BinaryCrossEntropyWithLogitsFuncOptions().reduction(torch::kNone))
+                               .sum(1);
+    return sum ? per_image.sum() : per_image.mean();
+  }
+  auto options = F::CrossEntropyFuncOptions();
+  if (sum) {
+    options.reduction(torch::kSum);
+  } else {
+    options.reduction(torch::kMean);
+  }
+  return F::cross_entropy(output, labels, options);
+}
 
 /// The autocast dtype of --amp (Float when off).
 at::ScalarType amp_dtype(AmpMode mode) {
@@ -110,8 +140,9 @@ shampoo::AutocastGuard autocast_for(const TrainerConfig& config, c10::Device dev
                                 config.amp != AmpMode::kOff);
 }
 
-/// Test loss and accuracy: every rank evaluates its contiguous share of the test set and the
-/// sums are all-reduced. With --amp the forward passes run under autocast, as in training.
+/// Test loss and accuracy (none for the autoencoder): every rank evaluates its contiguous share
+/// of the test set and the sums are all-reduced. With --amp the forward passes run under
+/// autocast, as in training.
 Evaluation evaluate(ImageClassifier& model, const ImageDataset& data, int64_t batch_size,
                     const Distributed& d, const TrainerConfig& config, c10::Device device) {
   torch::NoGradGuard no_grad;
@@ -124,13 +155,13 @@ Evaluation evaluate(ImageClassifier& model, const ImageDataset& data, int64_t ba
   double correct = 0;
   for (int64_t b = begin; b < end; b += batch_size) {
     const int64_t e = std::min(b + batch_size, end);
-    const auto logits = model.forward(data.normalize(data.test.images.slice(0, b, e)));
+    const auto input = model_input(model, data, data.test.images.slice(0, b, e));
+    const auto logits = model.forward(input);
     const auto labels = data.test.labels.slice(0, b, e);
-    loss_sum +=
-        torch::nn::functional::cross_entropy(
-            logits, labels, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-            .item<double>();
-    correct += static_cast<double>(logits.argmax(1).eq(labels).sum().item<int64_t>());
+    loss_sum += batch_loss(model, logits, input, labels, /*sum=*/true).item<double>();
+    if (!model.reconstructs()) {
+      correct += static_cast<double>(logits.argmax(1).eq(labels).sum().item<int64_t>());
+    }
   }
   if (d.group && d.world_size > 1) {
     std::vector<at::Tensor> sums{at::tensor({loss_sum, correct}, at::kDouble)};
@@ -140,7 +171,9 @@ Evaluation evaluate(ImageClassifier& model, const ImageDataset& data, int64_t ba
   }
   model.train();
   const double count = static_cast<double>(std::max<int64_t>(n, 1));
-  return Evaluation{loss_sum / count, correct / count};
+  return Evaluation{loss_sum / count, model.reconstructs()
+                                          ? std::numeric_limits<double>::quiet_NaN()
+                                          : correct / count};
 }
 
 /// What a checkpoint must agree on to be resumed: not the number of ranks, which may change.
@@ -370,14 +403,14 @@ void print_setup(Trainer& t) {
 /// One optimizer step on batch `batch` of the epoch's order; returns the local loss.
 double train_step(Trainer& t, const at::Tensor& order, int64_t batch) {
   const auto index = t.sampler.local_batch(order, batch);
-  const auto images = t.data.normalize(t.data.train.images.index_select(0, index));
+  const auto images = model_input(*t.model, t.data, t.data.train.images.index_select(0, index));
   const auto labels = t.data.train.labels.index_select(0, index);
   t.optimizer->zero_grad();
   at::Tensor loss;
   {
     // The forward pass under --amp's autocast (the loss itself comes out in float32).
     const auto autocast = autocast_for(t.config, t.device);
-    loss = torch::nn::functional::cross_entropy(t.model->forward(images), labels);
+    loss = batch_loss(*t.model, t.model->forward(images), images, labels, /*sum=*/false);
   }
   if (t.scaler) {
     t.scaler->scale(loss).backward();
@@ -480,12 +513,14 @@ std::optional<Evaluation> train(Trainer& t, int64_t last_epoch) {
     evaluation = evaluate(*t.model, t.data, t.config.eval_batch_size, t.d, t.config, t.device);
     t.progress.epoch = epoch;
     const double epoch_seconds = seconds_since(epoch_start);
-    t.log.lead(
-        fmt::format("Epoch: {} | Test Loss: {:.4f} | Test Accuracy: {:.4f} | Global "
-                    "Lifetime Loss: {:.4f} | Time: {:.1f} s (train {:.1f} s, {:.1f} it/s)",
-                    epoch, evaluation->loss, evaluation->accuracy, global->lifetime_loss,
-                    epoch_seconds, train_seconds,
-                    static_cast<double>(t.progress.iteration - first_iteration) / train_seconds));
+    const auto accuracy = t.model->reconstructs()
+                              ? std::string()
+                              : fmt::format(" | Test Accuracy: {:.4f}", evaluation->accuracy);
+    t.log.lead(fmt::format(
+        "Epoch: {} | Test Loss: {:.4f}{} | Global "
+        "Lifetime Loss: {:.4f} | Time: {:.1f} s (train {:.1f} s, {:.1f} it/s)",
+        epoch, evaluation->loss, accuracy, global->lifetime_loss, epoch_seconds, train_seconds,
+        static_cast<double>(t.progress.iteration - first_iteration) / train_seconds));
     if (t.csv) {
       t.csv->add_epoch(epoch, t.progress.iteration, evaluation->loss, evaluation->accuracy,
                        global->lifetime_loss, epoch_seconds);
@@ -514,7 +549,12 @@ void print_summary(Trainer& t, const Evaluation& evaluation, Clock::time_point r
         fmt::format("Metrics: {}, {}", t.csv->train_path().string(), t.csv->eval_path().string()));
   }
   t.log.lead(fmt::format("Total time: {:.1f} s", seconds_since(run_start)));
-  t.log.lead(fmt::format("Final test accuracy: {:.4f}", evaluation.accuracy));
+  if (t.model->reconstructs()) {
+    t.log.lead(
+        fmt::format("Final test loss: {:.4f} (reconstruction, nats per image)", evaluation.loss));
+  } else {
+    t.log.lead(fmt::format("Final test accuracy: {:.4f}", evaluation.accuracy));
+  }
 }
 
 /// Says why the run ended before --epochs, if it did.

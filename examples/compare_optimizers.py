@@ -1,30 +1,36 @@
 #!/usr/bin/env python3
-"""Compares Distributed Shampoo with Adam, AdamW and SGD on one model, one data set, one budget.
+"""Compares Distributed Shampoo with Adam, AdamW and SGD on one workload, one budget.
 
-    compare_optimizers.py --trainer BIN --out DIR --device cpu|cuda [options]
+    compare_optimizers.py --trainer BIN --out DIR --device cpu|cuda [--workload W] [options]
 
 `make compare` runs this through <build>/examples/run_compare.sh, which knows the trainer, the
-torchrun launcher and the folder holding matplotlib. For every optimizer and every learning rate
-of its grid (the same grid size for every optimizer) and every seed, it trains the reference's
-ConvNet on Fashion-MNIST with examples/cifar10_trainer, the same epochs, global batch, lr schedule,
+torchrun launcher and the folder holding matplotlib, once per workload. The workloads, both on
+Fashion-MNIST with examples/cifar10_trainer:
+  convnet      the reference's ConvNet, classification; metric: test accuracy (higher is better)
+  autoencoder  the deep autoencoder (784-1000-500-250-30, mirrored, sigmoid units), on which
+               second-order methods are known to win; metric: the test reconstruction loss
+               (binary cross-entropy in nats per image, lower is better)
+For every optimizer and every learning rate of its grid (the same grid size for every optimizer)
+and every seed, it trains the workload's model with the same epochs, global batch, lr schedule,
 weight decay and seeds for all; only the optimizer, its lr and its own constants (Adam's epsilon,
-SGD's momentum, Shampoo's settings from the README) differ. Then it writes
+SGD's momentum, Shampoo's settings from the README) differ. Then it writes (STEM: compare for
+convnet, compare_autoencoder for autoencoder)
 
-    DIR/compare.csv   one row per run and epoch: test accuracy, cumulative and per-epoch seconds
-    DIR/compare.png   test accuracy against epoch and against seconds, best lr of each optimizer
-    DIR/compare.md    the table printed at the end, with a caption that states the budget
+    DIR/STEM.csv   one row per run and epoch: test accuracy and loss, cumulative and per-epoch
+                   seconds
+    DIR/STEM.png   the metric against steps and against seconds, best lr of each optimizer
+    DIR/STEM.md    the table printed at the end, with a caption that states the budget
 
-and keeps every run's metrics and log in DIR/runs/<optimizer>-lr<lr>-seed<seed>/. The best lr of
-an optimizer is the one with the highest final test accuracy (mean over the seeds). While it is
-the largest (smallest) rate of its grid, the grid is widened by the rate times (divided by)
+and keeps every run's metrics and log in DIR/runs/[autoencoder/]<optimizer>-lr<lr>-seed<seed>/.
+The best lr of an optimizer is the one with the best final metric (mean over the seeds). While it
+is the largest (smallest) rate of its grid, the grid is widened by the rate times (divided by)
 --widen-factor, at most --widen times; a best lr still at an edge is marked "(edge)" in the
-table. Seconds are
-the trainer's own epoch times (training plus the evaluation after each epoch; process start-up
-and data loading are not counted).
+table. Seconds are the trainer's own epoch times (training plus the evaluation after each epoch;
+process start-up and data loading are not counted).
 
-Budgets: on cuda the full one (10 epochs on the whole training set, 1 rank); on cpu a reduced one
-of about 12 minutes on 2 cores (3 epochs, 2 ranks). --budget full|reduced picks one on any
-device; flags override either.
+Budgets: on cuda the full one; on cpu a reduced one (convnet: 3 epochs, 2 ranks, about 12
+minutes on 2 cores; autoencoder: 10 epochs on 20000 examples, 2 ranks, about 14 minutes). --budget full|reduced
+picks one on any device; flags override either.
 """
 
 import argparse
@@ -66,11 +72,38 @@ DEFAULT_GRID = {
     "sgd": [0.03, 0.01, 0.003],
 }
 # Settings shared by every run.
-WEIGHT_DECAY = "1e-4"  # none on the bias
 LR_SCHEDULE = "cosine"
 # Budgets: (epochs, training examples, 0 = all), seeds, ranks.
 FULL_BUDGET = {"epochs": 10, "limit_train": 0, "seeds": [2022], "ranks": 1}
 REDUCED_BUDGET = {"epochs": 3, "limit_train": 0, "seeds": [2022], "ranks": 2}
+# The deep autoencoder's rates: SGD with momentum needs larger ones on its sigmoid layers.
+AUTOENCODER_GRID = {
+    "shampoo": [0.003, 0.001, 0.0003],
+    "adam": [0.003, 0.001, 0.0003],
+    "adamw": [0.003, 0.001, 0.0003],
+    "sgd": [0.1, 0.03, 0.01],
+}
+
+# The workloads (--workload). metric: the eval.csv column that decides the best lr and the
+# targets; higher: whether a larger value is better; target: the fixed target of the table;
+# files: the stem of the CSV, PNG and table; runs: the folder of the runs under DIR/runs.
+WORKLOADS = {
+    "convnet": {
+        "title": "ConvNet on Fashion-MNIST", "model": "convnet",
+        "metric": "test_accuracy", "metric_name": "test accuracy", "higher": True,
+        "target": 0.90, "grid": DEFAULT_GRID, "weight_decay": "1e-4",
+        "full": FULL_BUDGET, "reduced": REDUCED_BUDGET, "files": "compare", "runs": "",
+    },
+    "autoencoder": {
+        "title": "Deep autoencoder (784-1000-500-250-30, mirrored, sigmoid) on Fashion-MNIST",
+        "model": "autoencoder",
+        "metric": "test_loss", "metric_name": "test reconstruction loss (nats per image)",
+        "higher": False, "target": 240.0, "grid": AUTOENCODER_GRID, "weight_decay": "1e-5",
+        "full": {"epochs": 20, "limit_train": 0, "seeds": [2022], "ranks": 1},
+        "reduced": {"epochs": 10, "limit_train": 20000, "seeds": [2022], "ranks": 2},
+        "files": "compare_autoencoder", "runs": "autoencoder",
+    },
+}
 
 CSV_COLUMNS = ["optimizer", "lr", "seed", "epoch", "test_accuracy", "test_loss",
                "cumulative_seconds", "epoch_seconds", "device", "ranks", "train_examples",
@@ -79,6 +112,20 @@ CSV_COLUMNS = ["optimizer", "lr", "seed", "epoch", "test_accuracy", "test_loss",
 
 class UsageError(Exception):
     """Bad input: reported as one line naming the flag, exit code 2."""
+
+
+def metric(args, point):
+    """The workload's metric of an epoch (or a curve point)."""
+    return point[args.workload["metric"]]
+
+
+def best_of(args, values, key=lambda value: value):
+    """The best of `values` by the workload's metric (the largest, or the smallest for a loss)."""
+    return (max if args.workload["higher"] else min)(values, key=key)
+
+
+def reaches(args, value, target):
+    return value >= target if args.workload["higher"] else value <= target
 
 
 def parse_rates(text, what):
@@ -102,9 +149,9 @@ def parse_rates(text, what):
     return rates
 
 
-def parse_grid(optimizers, overrides):
-    """The lr grid of every optimizer: DEFAULT_GRID, replaced by --lrs OPTIMIZER=a,b,c."""
-    grid = {name: list(DEFAULT_GRID[name]) for name in optimizers}
+def parse_grid(optimizers, overrides, defaults):
+    """The lr grid of every optimizer: the workload's, replaced by --lrs OPTIMIZER=a,b,c."""
+    grid = {name: list(defaults[name]) for name in optimizers}
     for override in overrides:
         name, sep, rates = override.partition("=")
         name = name.strip()
@@ -150,12 +197,17 @@ def resolve(args):
     """Checks the flags and fills in the budget of the device; raises UsageError."""
     if args.device not in ("cpu", "cuda"):
         raise UsageError(f"--device: got '{args.device}', expected cpu or cuda")
+    if args.workload not in WORKLOADS:
+        raise UsageError(f"--workload: got '{args.workload}', expected one of "
+                         f"{', '.join(WORKLOADS)}")
+    args.workload_name = args.workload
+    args.workload = WORKLOADS[args.workload]
     args.optimizers = parse_optimizers(args.optimizers)
-    args.grid = parse_grid(args.optimizers, args.lrs)
+    args.grid = parse_grid(args.optimizers, args.lrs, args.workload["grid"])
     if args.budget not in (None, "full", "reduced"):
         raise UsageError(f"--budget: got '{args.budget}', expected full or reduced")
     full = args.budget == "full" or (args.budget is None and args.device == "cuda")
-    budget = FULL_BUDGET if full else REDUCED_BUDGET
+    budget = args.workload["full" if full else "reduced"]
     args.budget_name = "full" if full else "reduced (CPU)"
     for key in ("epochs", "limit_train", "ranks"):
         if getattr(args, key) is None:
@@ -174,8 +226,12 @@ def resolve(args):
         raise UsageError(f"--widen: got {args.widen}, expected >= 0")
     if not (math.isfinite(args.widen_factor) and args.widen_factor > 1):
         raise UsageError(f"--widen-factor: got {args.widen_factor:g}, expected a number > 1")
-    if not 0 < args.target <= 1:
+    if args.target is None:
+        args.target = args.workload["target"]
+    if args.workload["higher"] and not 0 < args.target <= 1:
         raise UsageError(f"--target: got {args.target}, expected an accuracy in (0, 1]")
+    if not args.workload["higher"] and not (math.isfinite(args.target) and args.target > 0):
+        raise UsageError(f"--target: got {args.target}, expected a loss > 0")
     if not os.access(args.trainer, os.X_OK):
         raise UsageError(f"--trainer: {args.trainer} is not an executable (run make build)")
     if args.ranks > 1 and not args.torchrun:
@@ -211,12 +267,18 @@ def run_name(optimizer, rate, seed):
     return f"{optimizer}-lr{format_lr(rate)}-seed{seed}"
 
 
+def output_path(args, suffix):
+    """DIR/<the workload's file stem>.<suffix>."""
+    return os.path.join(args.out, f"{args.workload['files']}.{suffix}")
+
+
 def trainer_command(args, optimizer, rate, seed, run_dir):
-    flags = ["--device", args.device, "--dataset", "fashion-mnist", "--model", "convnet",
+    flags = ["--device", args.device, "--dataset", "fashion-mnist",
+             "--model", args.workload["model"],
              "--optimizer", optimizer, "--lr", format_lr(rate), *OPTIMIZER_FLAGS[optimizer],
              "--epochs", str(args.epochs), "--local-batch-size", str(args.batch_size // args.ranks),
              "--limit-train", str(args.limit_train), "--seed", str(seed),
-             "--lr-schedule", LR_SCHEDULE, "--weight-decay", WEIGHT_DECAY,
+             "--lr-schedule", LR_SCHEDULE, "--weight-decay", args.workload["weight_decay"],
              "--bias-weight-decay", "0", "--window-size", "50", "--log-every", "100",
              "--progress", "off", "--metrics-dir", run_dir]
     if args.data_dir:
@@ -264,7 +326,7 @@ def reuse_run(prefix, command, log_path):
 
 def run_one(args, optimizer, rate, seed, prefix, env):
     """Trains (or, with --report-only, reads) one run; returns its epochs."""
-    run_dir = os.path.join(args.out, "runs", run_name(optimizer, rate, seed))
+    run_dir = os.path.join(args.out, "runs", args.workload["runs"], run_name(optimizer, rate, seed))
     log_path = os.path.join(run_dir, "trainer.log")
     command = trainer_command(args, optimizer, rate, seed, run_dir)
     start = time.monotonic()
@@ -292,17 +354,17 @@ def run_one(args, optimizer, rate, seed, prefix, env):
     if len(epochs) != args.epochs:
         sys.exit(f"{prefix}: {run_dir}/eval.csv has {len(epochs)} epochs, expected {args.epochs}")
     args.train_examples = args.train_examples or train_examples
-    best = max(e["test_accuracy"] for e in epochs)
+    best = best_of(args, [metric(args, e) for e in epochs])
     how = "read" if args.report_only else f"finished, {seconds:.1f} s"
-    print(f"{prefix}: {how}, best test accuracy {best:.4f} (final "
-          f"{epochs[-1]['test_accuracy']:.4f})", flush=True)
+    print(f"{prefix}: {how}, best {args.workload['metric_name']} {best:.4f} (final "
+          f"{metric(args, epochs[-1]):.4f})", flush=True)
     return epochs
 
 
-def final_accuracies(results, optimizer, rates, seeds):
-    """lr -> final test accuracy, the mean over the seeds."""
-    return {rate: statistics.fmean(results[(optimizer, rate, seed)][-1]["test_accuracy"]
-                                   for seed in seeds) for rate in rates}
+def final_values(args, results, optimizer, rates):
+    """lr -> the final value of the workload's metric, the mean over the seeds."""
+    return {rate: statistics.fmean(metric(args, results[(optimizer, rate, seed)][-1])
+                                   for seed in args.seeds) for rate in rates}
 
 
 def grid_edge(rates, best):
@@ -321,8 +383,8 @@ def widened_rate(args, optimizer, results):
     rates = args.grid[optimizer]
     if len(rates) < 2 or args.widened[optimizer] >= args.widen:
         return None
-    finals = final_accuracies(results, optimizer, rates, args.seeds)
-    best = max(rates, key=lambda rate: finals[rate])
+    finals = final_values(args, results, optimizer, rates)
+    best = best_of(args, rates, key=lambda rate: finals[rate])
     edge = grid_edge(rates, best)
     if edge is None:
         return None
@@ -331,8 +393,8 @@ def widened_rate(args, optimizer, results):
 
 
 def train_all(args):
-    """Runs every (optimizer, lr, seed), then widens each grid whose best lr (highest final test
-    accuracy, mean over the seeds) is at an edge, by one rate × or ÷ --widen-factor, at most
+    """Runs every (optimizer, lr, seed), then widens each grid whose best lr (best final value of
+    the workload's metric, mean over the seeds) is at an edge, by one rate × or ÷ --widen-factor, at most
     --widen times; returns {(optimizer, lr, seed): epochs}. With --report-only, reads the runs
     that an identical earlier invocation left in DIR/runs (the same widening follows from them)."""
     args.initial_grid = {o: list(rates) for o, rates in args.grid.items()}
@@ -362,36 +424,37 @@ def train_all(args):
     return results
 
 
-def mean_curve(results, optimizer, rate, seeds):
-    """Per epoch: test accuracy and cumulative seconds, the means over the seeds."""
-    runs = [results[(optimizer, rate, seed)] for seed in seeds]
+def mean_curve(args, results, optimizer, rate):
+    """Per epoch: the workload's metric and cumulative seconds, the means over the seeds."""
+    runs = [results[(optimizer, rate, seed)] for seed in args.seeds]
+    key = args.workload["metric"]
     return [{"epoch": runs[0][i]["epoch"], "step": runs[0][i]["step"],
-             "test_accuracy": statistics.fmean(run[i]["test_accuracy"] for run in runs),
+             key: statistics.fmean(run[i][key] for run in runs),
              "cumulative_seconds": statistics.fmean(run[i]["cumulative_seconds"] for run in runs)}
             for i in range(len(runs[0]))]
 
 
 def summarize(args, results):
-    """One row per optimizer for its best lr (highest final test accuracy, mean over seeds)."""
+    """One row per optimizer for its best lr (best final value of the metric, mean over seeds)."""
     summary = []
     for optimizer in args.optimizers:
-        finals = final_accuracies(results, optimizer, args.grid[optimizer], args.seeds)
-        best_rate = max(args.grid[optimizer], key=lambda rate: finals[rate])
-        curve = mean_curve(results, optimizer, best_rate, args.seeds)
-        reached = next((point for point in curve if point["test_accuracy"] >= args.target), None)
-        best_point = max(curve, key=lambda point: point["test_accuracy"])
+        finals = final_values(args, results, optimizer, args.grid[optimizer])
+        best_rate = best_of(args, args.grid[optimizer], key=lambda rate: finals[rate])
+        curve = mean_curve(args, results, optimizer, best_rate)
+        reached = next((p for p in curve if reaches(args, metric(args, p), args.target)), None)
+        best_point = best_of(args, curve, key=lambda point: metric(args, point))
         epoch_seconds = [e["epoch_seconds"] for seed in args.seeds
                          for e in results[(optimizer, best_rate, seed)]]
         summary.append({"optimizer": optimizer, "lr": best_rate, "curve": curve,
-                        "final": curve[-1]["test_accuracy"], "best": best_point,
+                        "final": metric(args, curve[-1]), "best": best_point,
                         "reached": reached, "epoch_seconds": statistics.median(epoch_seconds),
                         "finals": finals, "edge": grid_edge(args.grid[optimizer], best_rate)})
-    # The second target: the final accuracy of Adam's best run, when Adam ran.
+    # The second target: the final value of Adam's best run, when Adam ran.
     adam = next((row for row in summary if row["optimizer"] == "adam"), None)
     args.adam_target = adam["final"] if adam else None
     for row in summary:
         row["reached_adam"] = None if adam is None else next(
-            (p for p in row["curve"] if p["test_accuracy"] >= args.adam_target), None)
+            (p for p in row["curve"] if reaches(args, metric(args, p), args.adam_target)), None)
     return summary
 
 
@@ -429,19 +492,23 @@ def caption(args, results):
     seeds = ",".join(str(seed) for seed in args.seeds)
     rank_text = (f"{args.ranks} ranks (torchrun, 1 thread each)" if args.ranks > 1
                  else "1 process (1 thread)" if args.device == "cpu" else "1 process")
-    return (f"ConvNet on Fashion-MNIST, {args.budget_name} budget, the same for every optimizer: "
+    w = args.workload
+    best = "highest" if w["higher"] else "lowest"
+    reach = "reaches" if w["higher"] else "is at or below"
+    return (f"{w['title']}, {args.budget_name} budget, the same for every optimizer: "
             f"{args.epochs} epoch(s) on {data}, global batch {args.batch_size}, {LR_SCHEDULE} lr "
-            f"schedule, weight decay {WEIGHT_DECAY} (none on the bias), seed(s) {seeds}; a grid "
-            f"of {grid_size} learning rate(s) per optimizer{widening}; device "
+            f"schedule, weight decay {w['weight_decay']} (none on the bias), seed(s) {seeds}; a "
+            f"grid of {grid_size} learning rate(s) per optimizer{widening}; device "
             f"{', '.join(devices)}, "
-            f"{rank_text}. Best lr = the highest final test accuracy (10000 test images"
+            f"{rank_text}. Best lr = the {best} final {w['metric_name']} (10000 test images"
             f"{', mean over the seeds' if len(args.seeds) > 1 else ''}); seconds are the "
             f"trainer's epoch times, training plus the evaluation after each epoch, "
-            f"start-up excluded. Steps and seconds to a target: at the first epoch whose test "
-            f"accuracy reaches it (evaluated after each epoch; steps = epochs × "
+            f"start-up excluded. Steps and seconds to a target: at the first epoch whose "
+            f"{w['metric_name']} {reach} it (evaluated after each epoch; steps = epochs × "
             f"{iterations_per_epoch(results)} iterations per epoch); the second target is the "
-            f"final accuracy of Adam's best run{adam_target_text(args)}. A best lr marked (edge) is the largest or smallest of its grid: "
-            f"the grid does not bracket the best, and a wider one could do better.")
+            f"final value of Adam's best run{adam_target_text(args)}. A best lr marked (edge) is "
+            f"the largest or smallest of its grid: the grid does not bracket the best, and a "
+            f"wider one could do better.")
 
 
 def iterations_per_epoch(results):
@@ -465,8 +532,10 @@ def to_target(point):
 def markdown_table(args, results, summary):
     target = f"{args.target:g}"
     adam_target = "—" if args.adam_target is None else f"{args.adam_target:.4f}"
+    name = args.workload["metric_name"]
+    short = name.split(" (")[0]  # without the unit
     lines = [f"{caption(args, results)}", "",
-             f"| optimizer | best lr | final test accuracy | best test accuracy (epoch) | "
+             f"| optimizer | best lr | final {name} | best {short} (epoch) | "
              f"steps to {target} | seconds to {target} | steps to Adam's {adam_target} | "
              f"seconds to Adam's {adam_target} | steps / Adam's | seconds per epoch (median) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -482,11 +551,11 @@ def markdown_table(args, results, summary):
         best_lr = format_lr(row["lr"]) + (" (edge)" if row["edge"] else "")
         lines.append(
             f"| {row['optimizer']} | {best_lr} | {row['final']:.4f} | "
-            f"{row['best']['test_accuracy']:.4f} ({row['best']['epoch']}) | {steps_to} | "
+            f"{metric(args, row['best']):.4f} ({row['best']['epoch']}) | {steps_to} | "
             f"{seconds_to} | {steps_adam} | {seconds_adam} | {ratio} | "
             f"{row['epoch_seconds']:.1f} |")
     grid_size = max(len(rates) for rates in args.grid.values())
-    lines += ["", "Final test accuracy of every run of the grid, largest lr first (lr: accuracy):",
+    lines += ["", f"Final {short} of every run of the grid, largest lr first (lr: {short}):",
               "", "| optimizer | " + " | ".join(f"lr {i + 1}" for i in range(grid_size)) + " |",
               "|---|" + "---:|" * grid_size]
     for row in summary:
@@ -502,14 +571,14 @@ def plot(path, args, summary, plt):
     for color, row in enumerate(summary):
         label = f"{row['optimizer']} (lr {format_lr(row['lr'])})"
         epochs = [p["step"] for p in row["curve"]]
-        accuracy = [p["test_accuracy"] for p in row["curve"]]
+        values = [metric(args, p) for p in row["curve"]]
         seconds = [p["cumulative_seconds"] for p in row["curve"]]
         # Markers and dashes of their own, so that coinciding curves (Adam and AdamW with little
         # weight decay) both stay visible.
         style = {"color": f"C{color}", "marker": "os^D"[color % 4], "label": label,
                  "markersize": 7 - color, "linestyle": ("-", "--", ":", "-.")[color % 4]}
-        by_epoch.plot(epochs, accuracy, **style)
-        by_time.plot(seconds, accuracy, **style)
+        by_epoch.plot(epochs, values, **style)
+        by_time.plot(seconds, values, **style)
     for axes, xlabel in ((by_epoch, "steps (evaluated after each epoch)"),
                          (by_time, "wall-clock seconds (cumulative)")):
         axes.axhline(args.target, color="0.5", linestyle="--", linewidth=0.8,
@@ -517,17 +586,22 @@ def plot(path, args, summary, plt):
         if args.adam_target is not None:
             axes.axhline(args.adam_target, color="0.3", linestyle=":", linewidth=0.8,
                          label=f"Adam's final {args.adam_target:.4f}")
-        axes.set_ylim(top=max(axes.get_ylim()[1], args.target + 0.005))  # the target in view
+        low, high = axes.get_ylim()
+        if args.workload["higher"]:
+            axes.set_ylim(top=max(high, args.target + 0.005))  # the target in view
+        else:
+            axes.set_ylim(bottom=min(low, args.target * 0.99))
         axes.set_xlabel(xlabel)
-        axes.set_ylabel("test accuracy")
+        axes.set_ylabel(args.workload["metric_name"])
         axes.grid(True, alpha=0.3)
     by_epoch.legend(fontsize=8)
-    by_epoch.set_title("test accuracy against steps (best lr of each optimizer)", fontsize=10)
+    short = args.workload["metric_name"].split(" (")[0]
+    by_epoch.set_title(f"{short} against steps (best lr of each optimizer)", fontsize=10)
     by_time.set_xlim(left=0)
-    by_time.set_title("test accuracy against time", fontsize=10)
+    by_time.set_title(f"{short} against time", fontsize=10)
     where = args.device if args.ranks == 1 else f"{args.device}, {args.ranks} ranks"
     examples = f", {args.train_examples[0]} training examples" if args.train_examples else ""
-    figure.suptitle(f"ConvNet on Fashion-MNIST, {args.epochs} epoch(s){examples}, {where}",
+    figure.suptitle(f"{args.workload['title']}, {args.epochs} epoch(s){examples}, {where}",
                     fontsize=11)
     figure.tight_layout()
     figure.savefig(path, dpi=80)
@@ -536,9 +610,14 @@ def plot(path, args, summary, plt):
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog=f"Defaults: cpu -> the reduced budget, {describe_budget(REDUCED_BUDGET)}; "
-               f"cuda -> the full budget, {describe_budget(FULL_BUDGET)}. lr grids: "
-               + "; ".join(f"{o} {','.join(map(format_lr, r))}" for o, r in DEFAULT_GRID.items()))
+        epilog="; ".join(
+            f"{name}: cpu -> the reduced budget, {describe_budget(w['reduced'])}; cuda -> the "
+            f"full budget, {describe_budget(w['full'])}; lr grids "
+            + ", ".join(f"{o} {','.join(map(format_lr, r))}" for o, r in w["grid"].items())
+            for name, w in WORKLOADS.items()))
+    parser.add_argument("--workload", default="convnet",
+                        help="convnet (classification, test accuracy) or autoencoder (the deep "
+                             "autoencoder, test reconstruction loss); default convnet")
     parser.add_argument("--trainer", required=True, help="the cifar10_trainer binary")
     parser.add_argument("--torchrun", default="", help="torchrun launcher (needed for --ranks > 1)")
     parser.add_argument("--out", required=True, help="output folder")
@@ -562,8 +641,10 @@ def main():
                                         "(default: 2022)")
     parser.add_argument("--ranks", type=int, help="data-parallel ranks (default: by device)")
     parser.add_argument("--batch-size", type=int, default=256, help="global batch (default 256)")
-    parser.add_argument("--target", type=float, default=0.90,
-                        help="test accuracy whose epochs and seconds the table reports (0.90)")
+    parser.add_argument("--target", type=float,
+                        help="value of the workload's metric whose epochs and seconds the table "
+                             "reports (convnet: test accuracy 0.90; autoencoder: test loss "
+                             f"{WORKLOADS['autoencoder']['target']:g})")
     parser.add_argument("--data-dir", default="", help="Fashion-MNIST folder (trainer's default)")
     parser.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
     parser.add_argument("--report-only", action="store_true",
@@ -576,7 +657,7 @@ def main():
         parser.exit(2, f"compare_optimizers.py: {error}\n")
     plt = None if args.no_plot else import_pyplot()  # before hours of training, not after
 
-    print(f"Optimizer comparison: ConvNet on Fashion-MNIST, {args.budget_name} budget: "
+    print(f"Optimizer comparison: {args.workload['title']}, {args.budget_name} budget: "
           f"{args.epochs} epoch(s), training examples: "
           f"{args.limit_train if args.limit_train else 'all'}, global batch {args.batch_size}, "
           f"seeds {','.join(map(str, args.seeds))}, device {args.device}, {args.ranks} rank(s)")
@@ -588,16 +669,16 @@ def main():
     start = time.monotonic()
     results = train_all(args)
     summary = summarize(args, results)
-    csv_path = os.path.join(args.out, "compare.csv")
+    csv_path = output_path(args, "csv")
     write_csv(csv_path, args, results, summary)
     table = markdown_table(args, results, summary)
-    with open(os.path.join(args.out, "compare.md"), "w") as f:
+    with open(output_path(args, "md"), "w") as f:
         f.write(table)
     print()
     print(table)
     print(f"CSV: {csv_path}")
     if plt:
-        png_path = os.path.join(args.out, "compare.png")
+        png_path = output_path(args, "png")
         plot(png_path, args, summary, plt)
         print(f"Plot: {png_path}")
     if not args.report_only:

@@ -4,6 +4,7 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/pooling.h>
 
+#include <iterator>
 #include <stdexcept>
 
 namespace shampoo::examples {
@@ -16,6 +17,7 @@ constexpr int64_t kConvNetChannels = 64;
 constexpr int64_t kSmallCnnConv1Channels = 16;
 constexpr int64_t kSmallCnnConv2Channels = 32;
 constexpr int64_t kResNetStageChannels[] = {16, 32, 64};
+constexpr int64_t kAutoencoderWidths[] = {1000, 500, 250, 30};  // the encoder after the input
 }  // namespace
 
 ConvNetImpl::ConvNetImpl(int64_t in_channels, int64_t num_classes, int64_t height, int64_t width) {
@@ -113,6 +115,39 @@ torch::Tensor ResNetImpl::forward(const torch::Tensor& images) {
   return classifier_->forward(x);
 }
 
+DeepAutoencoderImpl::DeepAutoencoderImpl(int64_t pixels) {
+  TORCH_CHECK(pixels >= 1, "DeepAutoencoder: pixels: got ", pixels, ", expected >= 1");
+  encoder_ = register_module("encoder", nn::ModuleList());
+  decoder_ = register_module("decoder", nn::ModuleList());
+  int64_t in = pixels;
+  for (const int64_t width : kAutoencoderWidths) {
+    encoder_->push_back(nn::Linear(in, width));
+    in = width;
+  }
+  // Mirrored: 30 → 250 → 500 → 1000 → pixels.
+  const int64_t depth = static_cast<int64_t>(std::size(kAutoencoderWidths));
+  for (int64_t i = depth - 2; i >= -1; --i) {
+    const int64_t out = i >= 0 ? kAutoencoderWidths[i] : pixels;
+    decoder_->push_back(nn::Linear(in, out));
+    in = out;
+  }
+}
+
+torch::Tensor DeepAutoencoderImpl::forward(const torch::Tensor& images) {
+  auto x = images.flatten(1);
+  const auto encoders = encoder_->size();
+  for (size_t i = 0; i < encoders; ++i) {
+    x = encoder_->ptr(i)->as<nn::Linear>()->forward(x);
+    if (i + 1 < encoders) x = torch::sigmoid(x);  // the 30-unit code is linear
+  }
+  const auto decoders = decoder_->size();
+  for (size_t i = 0; i < decoders; ++i) {
+    x = decoder_->ptr(i)->as<nn::Linear>()->forward(x);
+    if (i + 1 < decoders) x = torch::sigmoid(x);  // the last layer's logits go to the loss
+  }
+  return x;
+}
+
 std::shared_ptr<ImageClassifier> make_image_classifier(const std::string& name, int64_t in_channels,
                                                        int64_t num_classes, int64_t height,
                                                        int64_t width) {
@@ -122,7 +157,9 @@ std::shared_ptr<ImageClassifier> make_image_classifier(const std::string& name, 
     TORCH_CHECK(height == width, "SmallCnn: needs square images, got ", height, "x", width);
     return SmallCnn(in_channels, num_classes, height).ptr();
   }
-  throw std::invalid_argument("--model: got '" + name + "', expected convnet, resnet or smallcnn");
+  if (name == "autoencoder") return DeepAutoencoder(in_channels * height * width).ptr();
+  throw std::invalid_argument("--model: got '" + name +
+                              "', expected convnet, resnet, smallcnn or autoencoder");
 }
 
 }  // namespace shampoo::examples

@@ -1,6 +1,7 @@
 #pragma once
 /// Models of the example programs. Each is an ImageClassifier: images [N, C, H, W] float in,
-/// logits [N, num_classes] out.
+/// logits out: [N, num_classes] for the classifiers, [N, C·H·W] pixel logits for the autoencoder
+/// (reconstructs() true), whose targets are the images themselves.
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -19,7 +20,26 @@ namespace shampoo::examples {
 class ImageClassifier : public torch::nn::Module {
  public:
   virtual torch::Tensor forward(const torch::Tensor& images) = 0;
+  /// True for a model that reconstructs its input (logits of every pixel) instead of classifying.
+  virtual bool reconstructs() const { return false; }
 };
+
+/// The deep autoencoder of Hinton & Salakhutdinov (Science, 2006), the classic benchmark of
+/// second-order optimizers (Martens 2010; K-FAC, Martens & Grosse 2015): fully connected,
+/// C·H·W-1000-500-250-30 and mirrored back to C·H·W, logistic (sigmoid) hidden units, a linear
+/// 30-unit code layer, and logits of every pixel out (the loss applies the sigmoid). Inputs and
+/// targets are the pixel intensities in [0, 1].
+class DeepAutoencoderImpl : public ImageClassifier {
+ public:
+  explicit DeepAutoencoderImpl(int64_t pixels);
+  torch::Tensor forward(const torch::Tensor& images) override;
+  bool reconstructs() const override { return true; }
+
+ private:
+  torch::nn::ModuleList encoder_{nullptr};
+  torch::nn::ModuleList decoder_{nullptr};
+};
+TORCH_MODULE(DeepAutoencoder);
 
 /// The reference's ConvNet (facebookresearch/optimizers, distributed_shampoo/examples/convnet.py):
 ///   conv 3x3 (in_channels → 64, stride 1, padding 1, no bias), ReLU,
@@ -88,7 +108,8 @@ class ResNetImpl : public ImageClassifier {
 };
 TORCH_MODULE(ResNet);
 
-/// The --model choices: "convnet", "resnet" (ResNet-8), "smallcnn".
+/// The --model choices: "convnet", "resnet" (ResNet-8), "smallcnn", "autoencoder" (num_classes
+/// unused).
 std::shared_ptr<ImageClassifier> make_image_classifier(const std::string& name, int64_t in_channels,
                                                        int64_t num_classes, int64_t height,
                                                        int64_t width);

@@ -72,10 +72,13 @@ void add_data_and_model_flags(CommandLine& cli, TrainerConfig& config) {
            "/usr/share/datasets/fashion-mnist for fashion-mnist)")
       .add("limit-train", config.limit_train,
            "train on the first this many training examples (0 = all)", 0)
-      .add_choice("model", config.model, {"convnet", "resnet", "smallcnn"},
+      .add_choice("model", config.model, {"convnet", "resnet", "smallcnn", "autoencoder"},
                   "convnet: the reference's ConvNet (conv 3x3 to 64 channels, no bias, ReLU, "
                   "linear to 10 classes); resnet: ResNet-8 (CIFAR ResNet, one basic block per "
-                  "stage, batch norm); smallcnn: two conv + max-pool layers and a linear layer");
+                  "stage, batch norm); smallcnn: two conv + max-pool layers and a linear layer; "
+                  "autoencoder: the deep autoencoder (pixels-1000-500-250-30, mirrored, sigmoid "
+                  "units) trained to reconstruct its input (loss: binary cross-entropy of the "
+                  "pixels in [0, 1], summed over an image; no test accuracy)");
 }
 
 void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues& values) {

@@ -21,7 +21,12 @@ and checks what it writes against the runs' own metrics:
     and a best lr left at an edge is marked "(edge)" (one-rate grids, and a two-rate grid with
     --widen 0, which always leaves it at an edge);
   - --report-only rebuilds the same CSV and table from the runs without training, and refuses
-    runs made with other settings.
+    runs made with other settings;
+  - the autoencoder workload (COMPARE_WORKLOADS=autoencoder) on the same tiny budget:
+    compare_autoencoder.csv (the test losses of the runs' eval.csv, no accuracy),
+    compare_autoencoder.png, and its table (the reconstruction loss, lower is better: "not
+    reached" exactly when a loss is above the target, the one-rate grids marked "(edge)");
+  - an unknown or empty COMPARE_WORKLOADS is an input error.
 Fails (exit code 1, every failed check printed) on any difference. Needs no third-party module;
 the script under test needs matplotlib and fails without it (scripts/install_deps.sh installs it).
 """
@@ -54,7 +59,7 @@ def check(condition, message):
 def run_script(script, out, extra_args, extra_env=None):
     # The caller's COMPARE_* variables must not change the budget under test.
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPARE_")}
-    env.update({"COMPARE_DIR": out, "COMPARE_DEVICE": "cpu"})
+    env.update({"COMPARE_DIR": out, "COMPARE_DEVICE": "cpu", "COMPARE_WORKLOADS": "convnet"})
     env.update(extra_env or {})
     return subprocess.run([script, *extra_args], env=env, capture_output=True, text=True,
                           timeout=300)
@@ -75,6 +80,9 @@ def check_input_errors(script, work_dir):
          "--widen-factor: got 1, expected a number > 1"),
         ("unknown budget", [], {"COMPARE_BUDGET": "huge"},
          "--budget: got 'huge', expected full or reduced"),
+        ("unknown workload", [], {"COMPARE_WORKLOADS": "mlp"},
+         "--workload: got 'mlp', expected one of convnet, autoencoder"),
+        ("no workload", [], {"COMPARE_WORKLOADS": " "}, "COMPARE_WORKLOADS is empty"),
     ]
     for name, args, env, message in cases:
         out = os.path.join(work_dir, "bad-input")
@@ -137,8 +145,8 @@ def check_csv(out):
     return accuracy
 
 
-def check_png(out):
-    path = os.path.join(out, "compare.png")
+def check_png(out, name="compare.png"):
+    path = os.path.join(out, name)
     if not check(os.path.isfile(path), f"{path} is missing"):
         return
     with open(path, "rb") as f:
@@ -236,7 +244,75 @@ def main():
     check(table.strip() in result.stdout, "the printed table differs from compare.md")
     check_report_only(args.script, out, tiny_args)
     check_widening(args.script, args.work_dir)
+    check_autoencoder(args.script, args.work_dir, tiny_args)
     return finish()
+
+
+def check_autoencoder(script, work_dir, tiny_args):
+    """The deep autoencoder on the tiny budget: its CSV, plot and table, the loss as the metric."""
+    out = os.path.join(work_dir, "autoencoder")
+    result = run_script(script, out, tiny_args, {"COMPARE_WORKLOADS": "autoencoder"})
+    print(result.stdout)
+    if not check(result.returncode == 0, f"autoencoder: exit code {result.returncode}; "
+                                         f"stderr:\n{result.stderr}"):
+        return
+    path = os.path.join(out, "compare_autoencoder.csv")
+    if not check(os.path.isfile(path), f"{path} is missing"):
+        return
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    check(len(rows) == len(RUNS), f"autoencoder: {len(rows)} CSV rows, expected {len(RUNS)}")
+    loss = {}
+    for row in rows:
+        optimizer = row["optimizer"]
+        run_dir = os.path.join(out, "runs", "autoencoder",
+                               f"{optimizer}-lr{RUNS[optimizer]}-seed{row['seed']}")
+        evals = read_eval(run_dir)
+        if not check(len(evals) == 1, f"{run_dir}/eval.csv has {len(evals)} epochs, expected 1"):
+            continue
+        value = float(row["test_loss"])
+        check(abs(value - float(evals[0]["test_loss"])) <= 1e-3 * value,
+              f"autoencoder {optimizer}: test_loss {value} != eval.csv's "
+              f"{evals[0]['test_loss']}")
+        check(row["test_accuracy"] == "nan",
+              f"autoencoder {optimizer}: test_accuracy {row['test_accuracy']!r}, expected nan")
+        # Binary cross-entropy of 784 pixels: 784·ln 2 ≈ 543 for outputs of 0.5; a few steps
+        # stay far above the target.
+        check(0 < value < 600, f"autoencoder {optimizer}: test loss {value}, expected in (0, 600)")
+        loss[optimizer] = value
+    check_png(out, "compare_autoencoder.png")
+    with open(os.path.join(out, "compare_autoencoder.md")) as f:
+        table = f.read()
+    check(table.strip() in result.stdout, "autoencoder: the printed table differs from the file")
+    lines = table.splitlines()
+    header = [i for i, line in enumerate(lines) if line.startswith("| optimizer | best lr |")]
+    if not check(len(header) == 1, f"autoencoder: {len(header)} table header rows"):
+        return
+    caption = "\n".join(lines[:header[0]])
+    for phrase in ("Deep autoencoder", "1 epoch(s)", "lowest final test reconstruction loss",
+                   "is at or below it"):
+        check(phrase in caption, f"autoencoder: the caption does not state {phrase!r}")
+    columns = [c.strip() for c in lines[header[0]].strip("|").split("|")]
+    check(columns[2] == "final test reconstruction loss (nats per image)",
+          f"autoencoder: table columns {columns}")
+    target = float(columns[4].removeprefix("steps to "))
+    for line in lines[header[0] + 2:]:
+        if not line.startswith("|"):
+            break
+        row = [c.strip() for c in line.strip("|").split("|")]
+        optimizer = row[0]
+        if optimizer not in loss or len(row) != 10:
+            check(False, f"autoencoder: malformed row {row}")
+            continue
+        check(row[1] == f"{RUNS[optimizer]} (edge)", f"autoencoder: {optimizer} best lr {row[1]}")
+        # The CSV keeps 6 significant digits, the table 4 decimals.
+        check(abs(float(row[2]) - loss[optimizer]) <= 1e-5 * loss[optimizer],
+              f"autoencoder: {optimizer} final loss {row[2]}, CSV {loss[optimizer]}")
+        expected = "not reached" if loss[optimizer] > target else str(ITERATIONS)
+        check(row[4] == expected, f"autoencoder: {optimizer} steps to {target:g}: {row[4]}")
+        reaches = loss[optimizer] <= loss["adam"]
+        check(row[6] == (str(ITERATIONS) if reaches else "not reached"),
+              f"autoencoder: {optimizer} steps to Adam's final {row[6]}")
 
 
 def read_finals(out):

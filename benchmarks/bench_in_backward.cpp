@@ -110,10 +110,12 @@ Factory adam_factory() {
   };
 }
 
-Factory shampoo_factory() {
-  return [](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+/// `undo_in_backward`: DistributedOptions::undo_in_backward (in backward, the undo journal).
+Factory shampoo_factory(bool undo_in_backward = true) {
+  return [undo_in_backward](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
     return std::make_unique<shampoo::DistributedShampoo>(
-        std::move(p), shampoo_options(/*frequency=*/1000, /*start=*/2));
+        std::move(p), shampoo_options(/*frequency=*/1000, /*start=*/2),
+        shampoo::DistributedOptions().undo_in_backward(undo_in_backward));
   };
 }
 
@@ -329,6 +331,9 @@ std::vector<MemoryRow> measure_memory_rows(const std::vector<at::Tensor>& init, 
     memory.push_back(measure_memory("shampoo", init, shampoo_factory(), false, batch, 2, tracker,
                                     args.peak_breakdown));
     memory.push_back(measure_memory("shampoo in backward", init, shampoo_factory(), true, batch, 2,
+                                    tracker, args.peak_breakdown));
+    memory.push_back(measure_memory("shampoo in bwd, no undo", init,
+                                    shampoo_factory(/*undo_in_backward=*/false), true, batch, 2,
                                     tracker, args.peak_breakdown));
   }
   return memory;

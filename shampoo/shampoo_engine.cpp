@@ -295,8 +295,10 @@ void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& g
   // readiness before it changes anything and saves only where some rank may raise later.
   const bool distributed = distributor_->distributed();
   const bool agree = distributed && !incremental && distributed_.agree_before_update();
+  // In backward, the journal unless DistributedOptions::undo_in_backward(false).
+  const bool journal = incremental ? distributed_.undo_in_backward() : distributed && !agree;
   transaction_.open(virtual_groups_.size(), registry_.blocks.size(),
-                    (distributed && !agree) || incremental || (fault_ && fault_journals_), agree);
+                    journal || (fault_ && fault_journals_), agree);
   distributor_->begin_step();
   try {
     check_groups(groups);

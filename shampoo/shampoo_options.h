@@ -165,6 +165,14 @@ struct DistributedOptions {
   /// failures, DistributedShampoo::stats().rollback_bytes_last_step). false: no agreement; every
   /// distributed step journals what it changes, as a step in backward always does.
   TORCH_ARG(bool, agree_before_update) = true;
+  /// A step in backward (apply_optimizer_in_backward) saves the state of the blocks it steps
+  /// before changing it, so that an error later in the same backward pass (another parameter's
+  /// bad gradient, another rank's failure) can undo the whole step: the undo journal, a copy of
+  /// the state changed. false: no copy (the memory of a step equals an ordinary step's); such an
+  /// error then leaves the optimizer refusing steps, with a message saying why, until a
+  /// checkpoint is loaded. Keep true where a failed backward step is expected and skipped (a
+  /// GradScaler with fp16 in backward).
+  TORCH_ARG(bool, undo_in_backward) = true;
 
  public:
   void validate() const;

@@ -558,4 +558,60 @@ TEST(AgreeBeforeUpdate, AnUnforeseenFailureOnOneRankRefusesStepsOnBoth) {
   });
 }
 
+// DistributedOptions::undo_in_backward(false): a step in backward keeps no copy of the state (it
+// equals ordinary steps bit for bit); an error in a later parameter's block work then cannot be
+// undone, so the next step is refused until a checkpoint is loaded.
+TEST(UndoInBackward, OffKeepsNoCopyAndRefusesStepsAfterAFailure) {
+  const auto options = base_options(false);
+  auto model = shampoo::testing::make_mlp(6, 10, 3, 4);
+  auto twin = shampoo::testing::make_mlp(6, 10, 3, 4);
+  DistributedShampoo ordinary(twin->parameters(), options);
+  Fault fault;
+  fault.phase = FaultPoint::kComputed;
+  fault.skip = 3;  // the block work of the fourth parameter fails; three are applied already
+  DistributedShampoo* shampoo_in_backward = nullptr;
+  auto in_backward =
+      shampoo::apply_optimizer_in_backward(model->parameters(), [&](std::vector<torch::Tensor> p) {
+        auto opt = std::make_unique<DistributedShampoo>(
+            p, options, DistributedOptions().undo_in_backward(false));
+        opt->set_fault_injector_for_testing(fault.injector(), /*journal=*/false);
+        shampoo_in_backward = opt.get();
+        return opt;
+      });
+  for (int step = 1; step <= 5; ++step) {
+    const auto data = shampoo::testing::make_blobs(16, 6, 3, 90 + step);
+    if (step == 3) {
+      std::ostringstream saved;
+      torch::save(*shampoo_in_backward, saved);
+      const auto params_before = snapshot(model->parameters());
+      fault.armed = true;
+      EXPECT_THROW(shampoo::testing::classification_loss(model, data, /*backward=*/true),
+                   c10::Error);
+      for (auto& p : model->parameters()) p.mutable_grad().reset();
+      try {
+        shampoo::testing::classification_loss(model, data, /*backward=*/true);
+        ADD_FAILURE() << "the backward after the failure should be refused";
+      } catch (const c10::Error& e) {
+        const std::string message = e.what_without_backtrace();
+        EXPECT_NE(message.find("load a checkpoint"), std::string::npos) << message;
+      }
+      for (auto& p : model->parameters()) p.mutable_grad().reset();
+      std::istringstream in(saved.str());
+      torch::load(*shampoo_in_backward, in);
+      const auto params = model->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        at::NoGradGuard no_grad;
+        params[i].copy_(params_before[i]);
+      }
+    }
+    shampoo::testing::classification_loss(model, data, /*backward=*/true);
+    EXPECT_EQ(shampoo_in_backward->stats().rollback_bytes_last_step, 0) << "step " << step;
+    ordinary.zero_grad();
+    shampoo::testing::classification_loss(twin, data, /*backward=*/true);
+    ordinary.step();
+    ASSERT_TRUE(bit_equal(snapshot(model->parameters()), snapshot(twin->parameters())))
+        << "step " << step;
+  }
+}
+
 }  // namespace

@@ -327,9 +327,11 @@ TEST(FailedStepNatural, BadGradientsChangeNothing) {
   EXPECT_EQ(opt.group_step(1), 2);
 }
 
-// A bad gradient on one rank only (the ranks' gradients disagree): both ranks raise instead of
-// one waiting forever in the AllGather, and both keep their state.
-TEST(FailedStepNatural, BadGradientOnOneRankFailsBothRanks) {
+/// World 2: after a first step, the second with `spoil(rank, params)` applied to the gradients
+/// fails on both ranks and changes nothing there; `after_failure(opt, rank)` checks more; the
+/// second step then works with good gradients.
+template <typename Spoil, typename AfterFailure>
+void expect_spoiled_second_step_fails_on_both_ranks(Spoil spoil, AfterFailure after_failure) {
   const auto options = base_options(false);
   run_ranks(2, [&](int rank, const Group& group) {
     auto params = make_params();
@@ -338,50 +340,87 @@ TEST(FailedStepNatural, BadGradientOnOneRankFailsBothRanks) {
     set_grads(params, 1);
     opt.step();
     set_grads(params, 2);
-    if (rank == 0) params[1].mutable_grad() = at::full({7}, INFINITY);
+    spoil(rank, params);
     expect_failed_step_changes_nothing(opt, params, "rank " + std::to_string(rank));
+    after_failure(opt, rank);
     set_grads(params, 2);
     opt.step();
     EXPECT_EQ(opt.group_step(0), 2);
+    EXPECT_EQ(opt.group_step(1), 2);
   });
 }
+
+// A bad gradient on one rank only (the ranks' gradients disagree): both ranks raise instead of
+// one waiting forever in the AllGather, and both keep their state.
+TEST(FailedStepNatural, BadGradientOnOneRankFailsBothRanks) {
+  expect_spoiled_second_step_fails_on_both_ranks(
+      [](int rank, std::vector<at::Tensor>& params) {
+        if (rank == 0) params[1].mutable_grad() = at::full({7}, INFINITY);
+      },
+      [](const DistributedShampoo& /*opt*/, int /*rank*/) {});
+}
+
+/// An MLP whose DistributedShampoo steps in backward, with a fault injector the test arms (the
+/// block work of the fourth parameter fails: three are applied already), beside a twin stepped
+/// by ordinary steps on the same data.
+struct InBackwardTwins {
+  InBackwardTwins(const DistributedOptions& distributed, bool fault_journals)
+      : model(shampoo::testing::make_mlp(6, 10, 3, 4)),
+        twin(shampoo::testing::make_mlp(6, 10, 3, 4)),
+        ordinary(twin->parameters(), options) {
+    fault.phase = FaultPoint::kComputed;
+    fault.skip = 3;
+    in_backward = shampoo::apply_optimizer_in_backward(
+        model->parameters(), [this, distributed, fault_journals](std::vector<torch::Tensor> p) {
+          auto opt = std::make_unique<DistributedShampoo>(p, options, distributed);
+          opt->set_fault_injector_for_testing(fault.injector(), fault_journals);
+          stepping = opt.get();
+          return opt;
+        });
+  }
+  static shampoo::testing::Dataset data(int step) {
+    return shampoo::testing::make_blobs(16, 6, 3, 90 + step);
+  }
+  /// A backward pass of the model; the gradients of a failed one are dropped.
+  void backward(int step) {
+    shampoo::testing::classification_loss(model, data(step), /*backward=*/true);
+  }
+  void drop_gradients() {
+    for (auto& p : model->parameters()) p.mutable_grad().reset();
+  }
+  /// The model's backward (its steps) and the twin's ordinary step; equal parameters after.
+  ::testing::AssertionResult step_both(int step) {
+    backward(step);
+    ordinary.zero_grad();
+    shampoo::testing::classification_loss(twin, data(step), /*backward=*/true);
+    ordinary.step();
+    return bit_equal(snapshot(model->parameters()), snapshot(twin->parameters()));
+  }
+
+  ShampooOptions options = base_options(false);
+  torch::nn::Sequential model;
+  torch::nn::Sequential twin;
+  DistributedShampoo ordinary;
+  Fault fault;
+  DistributedShampoo* stepping = nullptr;  // the in-backward set's optimizer
+  shampoo::InBackwardOptimizer in_backward;
+};
 
 // Optimizer-in-backward: an error inside backward (a fault during the block work of a later
 // parameter) undoes the open step; the next backward works and equals ordinary steps.
 TEST(FailedStepNatural, InBackwardErrorUndoesTheStep) {
-  const auto options = base_options(false);
-  auto model = shampoo::testing::make_mlp(6, 10, 3, 4);
-  auto twin = shampoo::testing::make_mlp(6, 10, 3, 4);
-  DistributedShampoo ordinary(twin->parameters(), options);
-  Fault fault;
-  fault.phase = FaultPoint::kComputed;
-  fault.skip = 3;  // the block work of the fourth parameter fails; three are applied already
-  DistributedShampoo* shampoo_in_backward = nullptr;
-  auto in_backward =
-      shampoo::apply_optimizer_in_backward(model->parameters(), [&](std::vector<torch::Tensor> p) {
-        auto opt = std::make_unique<DistributedShampoo>(p, options);
-        opt->set_fault_injector_for_testing(fault.injector());
-        shampoo_in_backward = opt.get();
-        return opt;
-      });
+  InBackwardTwins t(DistributedOptions(), /*fault_journals=*/true);
   for (int step = 1; step <= 5; ++step) {
-    const auto data = shampoo::testing::make_blobs(16, 6, 3, 90 + step);
     if (step == 3) {
-      const auto before = observe(*shampoo_in_backward, model->parameters());
-      fault.armed = true;
-      EXPECT_THROW(shampoo::testing::classification_loss(model, data, /*backward=*/true),
-                   c10::Error);
-      EXPECT_TRUE(unchanged(before, observe(*shampoo_in_backward, model->parameters())));
-      for (auto& p : model->parameters()) p.mutable_grad().reset();
+      const auto before = observe(*t.stepping, t.model->parameters());
+      t.fault.armed = true;
+      EXPECT_THROW(t.backward(step), c10::Error);
+      EXPECT_TRUE(unchanged(before, observe(*t.stepping, t.model->parameters())));
+      t.drop_gradients();
     }
-    shampoo::testing::classification_loss(model, data, /*backward=*/true);
-    ordinary.zero_grad();
-    shampoo::testing::classification_loss(twin, data, /*backward=*/true);
-    ordinary.step();
-    ASSERT_TRUE(bit_equal(snapshot(model->parameters()), snapshot(twin->parameters())))
-        << "step " << step;
+    ASSERT_TRUE(t.step_both(step)) << "step " << step;
   }
-  EXPECT_EQ(in_backward.steps_taken(), 5);
+  EXPECT_EQ(t.in_backward.steps_taken(), 5);
 }
 
 // torch::optim's rule: a parameter without a gradient is not stepped, and a group none of whose
@@ -432,6 +471,23 @@ TEST(GroupStep, RanksAgreeWhenGradientsDiffer) {
   });
 }
 
+/// `call` throws the error that refuses steps until a checkpoint is loaded.
+template <typename Call>
+void expect_refused_until_a_load(Call call, const std::string& what) {
+  try {
+    call();
+    ADD_FAILURE() << what << " should be refused";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("load a checkpoint"), std::string::npos) << what << ": " << message;
+  }
+}
+
+void copy_into(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& values) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) params[i].copy_(values[i]);
+}
+
 // DistributedOptions::agree_before_update (the default): the ranks agree before any state
 // changes, so an ordinary distributed step keeps no copy of the state, and the results are those
 // of the journaling protocol (and of one process) bit for bit.
@@ -472,22 +528,13 @@ TEST(AgreeBeforeUpdate, NoJournalAtWorldTwoAndTheSameResults) {
 // update overflows): that rank asks for the journal in the agreement, every rank keeps it, and
 // when the owner then fails, both ranks undo the step.
 TEST(AgreeBeforeUpdate, AStepThatMayRaiseJournalsOnEveryRank) {
-  const auto options = base_options(false);
-  run_ranks(2, [&](int rank, const Group& group) {
-    auto params = make_params();
-    DistributedShampoo opt(make_groups(params, options), options,
-                           DistributedOptions().process_group(group));
-    set_grads(params, 1);
-    opt.step();
-    set_grads(params, 2);
-    params[2].mutable_grad() = at::full({3, 4, 2}, 1e30);
-    expect_failed_step_changes_nothing(opt, params, "rank " + std::to_string(rank));
-    EXPECT_GT(opt.stats().rollback_bytes_last_step, 0) << "rank " << rank;
-    set_grads(params, 2);
-    opt.step();
-    EXPECT_EQ(opt.stats().rollback_bytes_last_step, 0) << "rank " << rank;
-    EXPECT_EQ(opt.group_step(1), 2);
-  });
+  expect_spoiled_second_step_fails_on_both_ranks(
+      [](int /*rank*/, std::vector<at::Tensor>& params) {
+        params[2].mutable_grad() = at::full({3, 4, 2}, 1e30);
+      },
+      [](const DistributedShampoo& opt, int rank) {
+        EXPECT_GT(opt.stats().rollback_bytes_last_step, 0) << "rank " << rank;
+      });
 }
 
 // A failure no check foresaw, after a step changed state without a copy: the step raises, and
@@ -511,19 +558,10 @@ TEST(AgreeBeforeUpdate, AnUnforeseenFailureRefusesStepsUntilALoad) {
       const auto params_before = snapshot(params);
       fault.armed = true;
       EXPECT_THROW(opt.step(), c10::Error);
-      try {
-        opt.step();
-        ADD_FAILURE() << "a step after the unforeseen failure should be refused";
-      } catch (const c10::Error& e) {
-        const std::string message = e.what_without_backtrace();
-        EXPECT_NE(message.find("load a checkpoint"), std::string::npos) << message;
-      }
+      expect_refused_until_a_load([&] { opt.step(); }, "a step after the unforeseen failure");
       std::istringstream in(saved.str());
       torch::load(opt, in);
-      for (size_t i = 0; i < params.size(); ++i) {
-        at::NoGradGuard no_grad;
-        params[i].copy_(params_before[i]);
-      }
+      copy_into(params, params_before);
     }
     opt.step();
     twin.step();
@@ -548,13 +586,8 @@ TEST(AgreeBeforeUpdate, AnUnforeseenFailureOnOneRankRefusesStepsOnBoth) {
     fault.armed = rank == 1;
     set_grads(params, 2);
     EXPECT_THROW(opt.step(), c10::Error) << "rank " << rank;
-    try {
-      opt.step();
-      ADD_FAILURE() << "rank " << rank << ": the next step should be refused";
-    } catch (const c10::Error& e) {
-      const std::string message = e.what_without_backtrace();
-      EXPECT_NE(message.find("load a checkpoint"), std::string::npos) << message;
-    }
+    expect_refused_until_a_load([&] { opt.step(); },
+                                "rank " + std::to_string(rank) + ": the next step");
   });
 }
 
@@ -562,55 +595,23 @@ TEST(AgreeBeforeUpdate, AnUnforeseenFailureOnOneRankRefusesStepsOnBoth) {
 // equals ordinary steps bit for bit); an error in a later parameter's block work then cannot be
 // undone, so the next step is refused until a checkpoint is loaded.
 TEST(UndoInBackward, OffKeepsNoCopyAndRefusesStepsAfterAFailure) {
-  const auto options = base_options(false);
-  auto model = shampoo::testing::make_mlp(6, 10, 3, 4);
-  auto twin = shampoo::testing::make_mlp(6, 10, 3, 4);
-  DistributedShampoo ordinary(twin->parameters(), options);
-  Fault fault;
-  fault.phase = FaultPoint::kComputed;
-  fault.skip = 3;  // the block work of the fourth parameter fails; three are applied already
-  DistributedShampoo* shampoo_in_backward = nullptr;
-  auto in_backward =
-      shampoo::apply_optimizer_in_backward(model->parameters(), [&](std::vector<torch::Tensor> p) {
-        auto opt = std::make_unique<DistributedShampoo>(
-            p, options, DistributedOptions().undo_in_backward(false));
-        opt->set_fault_injector_for_testing(fault.injector(), /*journal=*/false);
-        shampoo_in_backward = opt.get();
-        return opt;
-      });
+  InBackwardTwins t(DistributedOptions().undo_in_backward(false), /*fault_journals=*/false);
   for (int step = 1; step <= 5; ++step) {
-    const auto data = shampoo::testing::make_blobs(16, 6, 3, 90 + step);
     if (step == 3) {
       std::ostringstream saved;
-      torch::save(*shampoo_in_backward, saved);
-      const auto params_before = snapshot(model->parameters());
-      fault.armed = true;
-      EXPECT_THROW(shampoo::testing::classification_loss(model, data, /*backward=*/true),
-                   c10::Error);
-      for (auto& p : model->parameters()) p.mutable_grad().reset();
-      try {
-        shampoo::testing::classification_loss(model, data, /*backward=*/true);
-        ADD_FAILURE() << "the backward after the failure should be refused";
-      } catch (const c10::Error& e) {
-        const std::string message = e.what_without_backtrace();
-        EXPECT_NE(message.find("load a checkpoint"), std::string::npos) << message;
-      }
-      for (auto& p : model->parameters()) p.mutable_grad().reset();
+      torch::save(*t.stepping, saved);
+      const auto params_before = snapshot(t.model->parameters());
+      t.fault.armed = true;
+      EXPECT_THROW(t.backward(step), c10::Error);
+      t.drop_gradients();
+      expect_refused_until_a_load([&] { t.backward(step); }, "the backward after the failure");
+      t.drop_gradients();
       std::istringstream in(saved.str());
-      torch::load(*shampoo_in_backward, in);
-      const auto params = model->parameters();
-      for (size_t i = 0; i < params.size(); ++i) {
-        at::NoGradGuard no_grad;
-        params[i].copy_(params_before[i]);
-      }
+      torch::load(*t.stepping, in);
+      copy_into(t.model->parameters(), params_before);
     }
-    shampoo::testing::classification_loss(model, data, /*backward=*/true);
-    EXPECT_EQ(shampoo_in_backward->stats().rollback_bytes_last_step, 0) << "step " << step;
-    ordinary.zero_grad();
-    shampoo::testing::classification_loss(twin, data, /*backward=*/true);
-    ordinary.step();
-    ASSERT_TRUE(bit_equal(snapshot(model->parameters()), snapshot(twin->parameters())))
-        << "step " << step;
+    ASSERT_TRUE(t.step_both(step)) << "step " << step;
+    EXPECT_EQ(t.stepping->stats().rollback_bytes_last_step, 0) << "step " << step;
   }
 }
 

@@ -379,7 +379,9 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
   bool protect = transaction_.protect_all();
   for (const auto& vg : virtual_groups_) protect = vg->may_raise(inputs) || protect;
   if (transaction_.agreement_pending()) protect = agree_before_update(protect);
-  if (!protect) transaction_.note_unjournaled_change();
+  const bool any_gradient =
+      std::any_of(params.begin(), params.end(), [&](int64_t p) { return !grad_blocks[p].empty(); });
+  if (!protect && any_gradient) transaction_.note_unjournaled_change();
   if (protect) {
     // A single process updates its parameters in place while computing: keep them too.
     std::vector<int64_t> stepped;
@@ -432,10 +434,13 @@ void ShampooEngine::close_step(bool completed) {
 bool ShampooEngine::agree_before_update(bool needs_journal) {
   using Readiness = Distributor::Readiness;
   transaction_.set_agreed();
-  transaction_.set_exchange_attempted();  // from here, a failure before the AllGather is not silent
-  const auto all =
-      distributor_->agree(needs_journal ? Readiness::kNeedsJournal : Readiness::kReady);
-  transaction_.set_exchange_attempted(false);
+  std::vector<Readiness> all;
+  try {
+    all = distributor_->agree(needs_journal ? Readiness::kNeedsJournal : Readiness::kReady);
+  } catch (...) {
+    transaction_.set_exchange_attempted();  // the peers are unreachable: no AllGather after it
+    throw;
+  }
   std::vector<int> failed;
   bool journal = false;
   for (size_t r = 0; r < all.size(); ++r) {

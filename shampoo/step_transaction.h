@@ -44,7 +44,7 @@ class StepTransaction {
   const std::vector<bool>& computed() const { return computed_; }
   /// Whether the open step's AllGather was attempted (an abort then does not join it again).
   bool exchange_attempted() const { return exchange_attempted_; }
-  void set_exchange_attempted(bool attempted = true) { exchange_attempted_ = attempted; }
+  void set_exchange_attempted() { exchange_attempted_ = true; }
   /// Bytes the last closed step saved (0 when it saved nothing).
   int64_t saved_bytes_last_step() const { return saved_bytes_last_step_; }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <unordered_map>
@@ -247,6 +248,34 @@ void ShampooEngine::check_groups(
   }
 }
 
+namespace {
+
+/// max |entry| of each tensor, in double; NaN when a tensor holds a NaN. On CUDA one
+/// _foreach_norm(inf); on the CPU one aminmax pass per tensor (max(−min, max), exact like the
+/// norm): the CPU inf-norm reduction took ~20× as long for 4.2M entries on one thread (11.5 ms
+/// against 0.55, issue 28's profile), as long as a whole torch::optim::Adam step.
+std::vector<double> max_abs_entries(const std::vector<at::Tensor>& tensors) {
+  const bool on_cpu = std::all_of(tensors.begin(), tensors.end(),
+                                  [](const at::Tensor& t) { return t.device().is_cpu(); });
+  if (!on_cpu) {
+    const auto norms = at::stack(at::_foreach_norm(tensors, INFINITY)).to(at::kCPU, at::kDouble);
+    const auto* data = norms.data_ptr<double>();
+    return {data, data + norms.numel()};
+  }
+  std::vector<double> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    const auto [lowest, highest] = at::aminmax(t);
+    const double lo = lowest.item<double>();
+    const double hi = highest.item<double>();
+    out.push_back(std::isnan(lo) || std::isnan(hi) ? std::numeric_limits<double>::quiet_NaN()
+                                                   : std::max(-lo, hi));
+  }
+  return out;
+}
+
+}  // namespace
+
 void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
                                       std::vector<std::vector<at::Tensor>>& grad_blocks,
                                       std::vector<double>& grad_abs_max) const {
@@ -269,9 +298,8 @@ void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
   }
   if (grads.empty()) return;
   // A non-finite gradient is an error before anything changes (never NaN parameters). The
-  // max-abs norm is NaN or inf exactly when some entry is; it also bounds the factor update.
-  const auto norms = at::stack(at::_foreach_norm(grads, INFINITY)).to(at::kCPU, at::kDouble);
-  const auto* max_abs = norms.data_ptr<double>();
+  // max |entry| is NaN or inf exactly when some entry is; it also bounds the factor update.
+  const auto max_abs = max_abs_entries(grads);
   for (size_t i = 0; i < grads.size(); ++i) {
     const auto p = grad_owner[i];
     TORCH_CHECK(std::isfinite(max_abs[i]), "DistributedShampoo: the gradient of parameter ", p,

@@ -303,6 +303,12 @@ TEST(FailedStepNatural, RootFailurePastTheToleranceChangesNothing) {
   EXPECT_EQ(opt.stats().failed_amortized_computations, 1);
 }
 
+at::Tensor one_entry(const std::vector<int64_t>& shape, int64_t index, double value) {
+  auto t = at::randn(shape);
+  t.view({-1})[index].fill_(value);
+  return t;
+}
+
 // A gradient of the wrong shape, a non-finite gradient and an overflowing factor update: errors
 // before or after state changed; nothing changes, the next step works.
 TEST(FailedStepNatural, BadGradientsChangeNothing) {
@@ -313,10 +319,13 @@ TEST(FailedStepNatural, BadGradientsChangeNothing) {
   opt.step();
   const auto good = params[2].grad().clone();
   const auto bad_grads = std::vector<at::Tensor>{
-      at::zeros({3, 8}),                   // wrong shape
-      at::full({3, 4, 2}, NAN),            // non-finite
-      at::full({3, 4, 2}, 1e30),           // finite, but G·Gᵀ overflows float32 (factor check)
-      at::zeros({3, 4, 2}, at::kDouble)};  // wrong dtype
+      at::zeros({3, 8}),                  // wrong shape
+      at::full({3, 4, 2}, NAN),           // non-finite
+      at::full({3, 4, 2}, 1e30),          // finite, but G·Gᵀ overflows float32 (factor check)
+      at::full({3, 4, 2}, -1e30),         // the same from below (max |G| bounds the update)
+      at::zeros({3, 4, 2}, at::kDouble),  // wrong dtype
+      one_entry({3, 4, 2}, 5, NAN),       // one NaN among finite entries
+      one_entry({3, 4, 2}, 17, -INFINITY)};
   for (size_t i = 0; i < bad_grads.size(); ++i) {
     set_grads(params, 2);
     params[2].mutable_grad() = bad_grads[i];

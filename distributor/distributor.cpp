@@ -1,9 +1,11 @@
 #include "distributor/distributor.h"
 
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <map>
+#include <string>
 
 #include "parallel/block_assignment.h"
 #include "parallel/process_group.h"
@@ -137,6 +139,18 @@ void Distributor::mark_updated(int64_t block) {
   updated_[block] = true;
 }
 
+namespace {
+
+/// The error of a step's collective that failed on this rank: what failed, the likely causes.
+std::string collective_failure(const char* what, int rank, const std::exception& e) {
+  return fmt::format(
+      "DistributedShampoo: {} failed on rank {} (another rank died, hung, or called step() a "
+      "different number of times): {}",
+      what, rank, e.what());
+}
+
+}  // namespace
+
 int64_t Distributor::exchange(bool failed) {
   if (!distributed()) return 0;
   int64_t collectives = 0;
@@ -156,11 +170,7 @@ int64_t Distributor::exchange(bool failed) {
     try {
       group_->getBackend(device_type)->_allgather_base(unit.receive, unit.send)->wait();
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "DistributedShampoo: the AllGather of this step failed on rank ",
-                  global_rank_,
-                  " (another rank died, hung, or called step() a different number "
-                  "of times): ",
-                  e.what());
+      TORCH_CHECK(false, collective_failure("the AllGather of this step", global_rank_, e));
     }
     ++collectives;
     // Every rank's status and flags, read back with one copy.
@@ -201,9 +211,7 @@ std::vector<Distributor::Readiness> Distributor::agree(Readiness mine) {
   try {
     group_->getBackend(device.type())->allreduce(tensors)->wait();
   } catch (const std::exception& e) {
-    TORCH_CHECK(
-        false, "DistributedShampoo: the agreement before the step failed on rank ", global_rank_,
-        " (another rank died, hung, or called step() a different number of times): ", e.what());
+    TORCH_CHECK(false, collective_failure("the agreement before the step", global_rank_, e));
   }
   const auto host = words.to(at::kCPU).contiguous();
   const int64_t* data = host.data_ptr<int64_t>();

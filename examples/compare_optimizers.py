@@ -200,7 +200,6 @@ def resolve(args):
     if args.workload not in WORKLOADS:
         raise UsageError(f"--workload: got '{args.workload}', expected one of "
                          f"{', '.join(WORKLOADS)}")
-    args.workload_name = args.workload
     args.workload = WORKLOADS[args.workload]
     args.optimizers = parse_optimizers(args.optimizers)
     args.grid = parse_grid(args.optimizers, args.lrs, args.workload["grid"])

@@ -254,6 +254,14 @@ namespace {
 /// _foreach_norm(inf); on the CPU one aminmax pass per tensor (max(−min, max), exact like the
 /// norm): the CPU inf-norm reduction took ~20× as long for 4.2M entries on one thread (11.5 ms
 /// against 0.55, issue 28's profile), as long as a whole torch::optim::Adam step.
+/// The error of the ranks whose step did not fail: which failed, and why nothing changed.
+std::string failed_ranks_message(const std::vector<int>& failed, const char* why_unchanged) {
+  return fmt::format(
+      "DistributedShampoo: the step failed on rank(s) {} of the trainer group (the error is "
+      "reported there); {}, so parameters, state and step counts are as before it",
+      fmt::join(failed, ", "), why_unchanged);
+}
+
 std::vector<double> max_abs_entries(const std::vector<at::Tensor>& tensors) {
   const bool on_cpu = std::all_of(tensors.begin(), tensors.end(),
                                   [](const at::Tensor& t) { return t.device().is_cpu(); });
@@ -477,10 +485,8 @@ bool ShampooEngine::agree_before_update(bool needs_journal) {
   }
   if (!failed.empty()) {
     close_step(/*completed=*/false);
-    TORCH_CHECK(false, "DistributedShampoo: the step failed on rank(s) ",
-                fmt::format("{}", fmt::join(failed, ", ")),
-                " of the trainer group (the error is reported there); the ranks agreed on it "
-                "before any state changed, so parameters, state and step counts are as before it");
+    TORCH_CHECK(false,
+                failed_ranks_message(failed, "the ranks agreed on it before any state changed"));
   }
   return journal;
 }
@@ -535,10 +541,7 @@ void ShampooEngine::finish_step() {
     transaction_.restore(virtual_groups_);
     note_broken_if_unjournaled();
     close_step(/*completed=*/false);
-    TORCH_CHECK(false, "DistributedShampoo: the step failed on rank(s) ",
-                fmt::format("{}", fmt::join(failed, ", ")),
-                " of the trainer group (the error is reported there); every rank undid this "
-                "step, so parameters, state and step counts are as before it");
+    TORCH_CHECK(false, failed_ranks_message(failed, "every rank undid this step"));
   }
   if (distributor_->distributed())
     apply_received(*distributor_, registry_.params, registry_.blocks);

@@ -11,17 +11,6 @@
 #include "parallel/process_group.h"
 
 namespace shampoo::detail {
-namespace {
-
-std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group) {
-  try {
-    return group.getBackend(c10::DeviceType::CPU)->getBackendOptions()->timeout;
-  } catch (const c10::Error&) {
-    return kDefaultProcessGroupTimeout;
-  }
-}
-
-}  // namespace
 
 Distributor::Distributor(DistributorConfig config) : config_(std::move(config)) {
   if (!config_.process_group) return;

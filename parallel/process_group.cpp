@@ -131,6 +131,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(
   return make_process_group(store, rank - first, size, timeout, has_cuda_backend(*parent));
 }
 
+std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group) {
+  try {
+    return group.getBackend(c10::DeviceType::CPU)->getBackendOptions()->timeout;
+  } catch (const c10::Error&) {
+    return kDefaultProcessGroupTimeout;
+  }
+}
+
 std::vector<std::vector<int64_t>> gather_int64(c10d::ProcessGroup& group,
                                                const std::vector<int64_t>& values) {
   const auto n = static_cast<int64_t>(values.size());

@@ -53,6 +53,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(
     const c10::intrusive_ptr<c10d::ProcessGroup>& parent, int first, int size,
     const std::string& tag, std::chrono::milliseconds timeout);
 
+/// The timeout of `group`'s CPU backend (kDefaultProcessGroupTimeout when it has none).
+std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group);
+
 /// Whether `group` has a backend for CUDA tensors.
 bool has_cuda_backend(const c10d::ProcessGroup& group);
 

@@ -6,6 +6,7 @@
 #include "amp/autocast_guard.h"
 #include "amp/grad_scaler.h"
 #include "parallel/distributed_checkpoint.h"
+#include "parallel/fully_sharded.h"
 #include "parallel/gradient_synchronizer.h"
 #include "parallel/in_backward.h"
 #include "parallel/optimizer_factory.h"

@@ -1,0 +1,810 @@
+#include "parallel/fully_sharded.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+#include "parallel/block_assignment.h"
+#include "parallel/grad_ready_hooks.h"
+#include "parallel/process_group.h"
+
+namespace shampoo {
+namespace {
+
+constexpr const char* kWho = "FullyShardedDataParallel: ";
+
+/// A parameter's full storage is released while its unit is sharded: no bytes and shape [0], so
+/// that autograd's saved tensors (which hold the parameter itself) see the values again once the
+/// unit is gathered. Neither call bumps the version counter.
+void release_full(const at::Tensor& param) {
+  auto* impl = param.unsafeGetTensorImpl();
+  auto* storage = impl->storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, param.device()));
+  storage->set_nbytes(0);
+  impl->set_sizes_contiguous({0});
+}
+
+void allocate_full(const at::Tensor& param, at::IntArrayRef sizes) {
+  auto* impl = param.unsafeGetTensorImpl();
+  auto* storage = impl->storage().unsafeGetStorageImpl();
+  const auto nbytes = static_cast<size_t>(c10::multiply_integers(sizes)) * param.element_size();
+  c10::DeviceGuard guard(param.device());
+  at::Allocator* allocator =
+      storage->allocator() != nullptr ? storage->allocator() : c10::GetAllocator(param.device().type());
+  storage->set_data_ptr_noswap(allocator->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+  impl->set_sizes_contiguous(sizes);
+}
+
+std::string shape_text(at::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << sizes;
+  return out.str();
+}
+
+/// Runs steps one after another on a thread of their own.
+class StepWorker {
+ public:
+  StepWorker() : thread_([this] { run(); }) {}
+  ~StepWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    ready_.notify_one();
+    thread_.join();
+  }
+  StepWorker(const StepWorker&) = delete;
+  StepWorker& operator=(const StepWorker&) = delete;
+
+  std::shared_future<void> submit(std::function<void()> task) {
+    std::packaged_task<void()> packaged(std::move(task));
+    auto future = packaged.get_future().share();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tasks_.push_back(std::move(packaged));
+    }
+    ready_.notify_one();
+    return future;
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::packaged_task<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        ready_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();  // an exception lands in the task's future
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<std::packaged_task<void()>> tasks_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members it uses
+};
+
+/// One parameter of a unit: its full shape, its row chunks and what this rank keeps of it.
+struct ParamSlot {
+  at::Tensor param;  // the module's tensor: full while the unit is gathered, else shape [0]
+  std::vector<int64_t> sizes;
+  int64_t rows = 1;        // dim 0 (1 for a 0-dim parameter)
+  int64_t row_numel = 1;   // elements per row
+  int64_t chunk_rows = 1;  // rows per rank, ceil(rows / world)
+  int64_t offset = 0;      // of this parameter's chunk in the unit's shard buffer
+  int owner = -1;          // lossless: the rank that steps it
+  at::Tensor shard;        // this rank's valid rows, [valid, ...]
+  at::Tensor reduced;      // averaged gradient kept for the step (full, or this rank's rows)
+  bool arrived = false;    // gradient accumulated in this backward pass
+  int64_t hook = -1;
+
+  int64_t numel() const { return rows * row_numel; }
+  int64_t chunk_numel() const { return chunk_rows * row_numel; }
+  int64_t valid_rows(int rank) const {
+    return std::clamp<int64_t>(rows - rank * chunk_rows, 0, chunk_rows);
+  }
+  std::vector<int64_t> shard_sizes(int rank) const {
+    auto out = sizes.empty() ? std::vector<int64_t>{1} : sizes;
+    out[0] = valid_rows(rank);
+    return out;
+  }
+};
+
+struct Unit {
+  std::string name;
+  std::vector<ParamSlot> params;
+  int64_t shard_numel = 0;  // padded chunks of every parameter
+  at::TensorOptions options;
+  std::atomic<bool> gathered{true};
+  int64_t arrived = 0;
+  bool in_pass = false;  // ran forward with gradients in the current pass
+  bool reduced = false;  // gradients reduced in the current pass
+  bool to_step = false;  // reduced gradients waiting for step()
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::shared_future<void> pending;  // its step on the worker
+};
+
+}  // namespace
+
+struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;         // gathers; step() without overlap
+  c10::intrusive_ptr<c10d::ProcessGroup> reduce_group;  // gradient reductions in backward
+  c10::intrusive_ptr<c10d::ProcessGroup> step_group;    // the worker's scatter of new rows
+  FullyShardedOptions options;
+  int rank = 0;
+  int world = 1;
+  std::vector<std::unique_ptr<Unit>> units;
+  std::map<std::string, size_t> unit_by_name;
+  std::unordered_map<const c10::TensorImpl*, std::pair<size_t, size_t>> slot_of;
+  std::vector<size_t> forward_order;  // units run with gradients in this pass, in order
+  size_t next_to_gather = 0;          // in reverse forward order, for backward
+  size_t next_to_reduce = 0;
+  bool pass_open = false;
+  int pass_task = -1;
+  bool stepping = false;  // the current pass is the last of an accumulation
+  int64_t passes = 0;
+  int64_t steps = 0;
+  int64_t passes_since_step = 0;
+  std::recursive_mutex mutex;
+  std::unique_ptr<StepWorker> worker;
+
+  bool lossless() const { return options.step_mode() == ShardedStepMode::kLossless; }
+  Unit& unit(size_t index) { return *units[index]; }
+
+  // ----- construction -----
+
+  void add_units(std::vector<ShardedUnit> given) {
+    for (size_t u = 0; u < given.size(); ++u) {
+      auto& in = given[u];
+      TORCH_CHECK(!in.params.empty(), kWho, "unit ", u, " ('", in.name, "') has no parameters");
+      TORCH_CHECK(unit_by_name.emplace(in.name, u).second, kWho, "two units are named '", in.name,
+                  "'; unit names must be unique");
+      auto made = std::make_unique<Unit>();
+      made->name = in.name;
+      made->options = in.params[0].options();
+      for (size_t i = 0; i < in.params.size(); ++i) {
+        check_param(in, u, i);
+        ParamSlot slot;
+        slot.param = in.params[i];
+        slot.sizes = in.params[i].sizes().vec();
+        slot.rows = slot.sizes.empty() ? 1 : slot.sizes[0];
+        slot.row_numel = slot.rows == 0 ? 0 : in.params[i].numel() / slot.rows;
+        slot.chunk_rows = (slot.rows + world - 1) / world;
+        slot.offset = made->shard_numel;
+        made->shard_numel += slot.chunk_numel();
+        made->params.push_back(std::move(slot));
+      }
+      units.push_back(std::move(made));
+    }
+  }
+
+  void check_param(const ShardedUnit& in, size_t u, size_t i) {
+    const auto& p = in.params[i];
+    const auto where = [&] {
+      return std::string("parameter ") + std::to_string(i) + " of unit " + std::to_string(u) +
+             " ('" + in.name + "')";
+    };
+    TORCH_CHECK(p.defined() && p.is_leaf() && p.requires_grad(), kWho, where(),
+                " must be a leaf tensor that requires grad");
+    TORCH_CHECK(p.numel() > 0, kWho, where(), " is empty (shape ", shape_text(p.sizes()), ")");
+    TORCH_CHECK(p.device() == in.params[0].device() && p.dtype() == in.params[0].dtype(), kWho,
+                where(), " is on ", p.device(), " with dtype ", p.dtype(), ", but parameter 0 is on ",
+                in.params[0].device(), " with dtype ", in.params[0].dtype(),
+                ": the parameters of a unit share one device and dtype");
+    TORCH_CHECK(p.is_contiguous() && p.storage_offset() == 0 &&
+                    p.storage().nbytes() == p.nbytes(),
+                kWho, where(),
+                " must own its storage (contiguous, not a view of a larger tensor): its storage is "
+                "released while the unit is sharded");
+    const auto [it, fresh] = slot_of.emplace(p.unsafeGetTensorImpl(), std::make_pair(u, i));
+    TORCH_CHECK(fresh, kWho, where(), " is also parameter ", it->second.second, " of unit ",
+                it->second.first, "; a parameter belongs to one unit, once");
+  }
+
+  /// The ranks agree on the units (count, then each unit's shapes, dtype and device) before any
+  /// other collective, and draw the tag of this object's subgroups.
+  int64_t agree_on_units() {
+    const int64_t ticket = rank == 0 && world > 1 ? group->getStore()->add("shampoo_fsdp_ticket", 1) : 0;
+    const auto counts = detail::gather_int64(*group, {ticket, static_cast<int64_t>(units.size())});
+    for (int r = 0; r < world; ++r) {
+      TORCH_CHECK(counts[r][1] == counts[0][1], kWho, "the units differ across ranks: rank 0 has ",
+                  counts[0][1], " units, rank ", r, " has ", counts[r][1]);
+    }
+    std::vector<int64_t> prints;
+    for (const auto& unit : units) prints.push_back(fingerprint(*unit));
+    const auto all = detail::gather_int64(*group, prints);
+    for (int r = 0; r < world; ++r) {
+      for (size_t u = 0; u < units.size(); ++u) {
+        TORCH_CHECK(all[r][u] == all[0][u], kWho, "the units differ across ranks: unit ", u, " ('",
+                    units[u]->name, "') has other parameter shapes, dtype or device on rank ", r,
+                    " than on rank 0; here it holds ", describe(*units[u]));
+      }
+    }
+    return counts[0][0];
+  }
+
+  static int64_t fingerprint(const Unit& unit) {
+    uint64_t hash = 1469598103934665603ULL;  // FNV-1a over the numbers that describe the unit
+    const auto mix = [&](int64_t value) {
+      hash ^= static_cast<uint64_t>(value);
+      hash *= 1099511628211ULL;
+    };
+    mix(static_cast<int64_t>(unit.params.size()));
+    mix(static_cast<int64_t>(c10::typeMetaToScalarType(unit.options.dtype())));
+    mix(static_cast<int64_t>(unit.options.device().type()));
+    for (const auto& slot : unit.params) {
+      mix(static_cast<int64_t>(slot.sizes.size()));
+      for (const auto size : slot.sizes) mix(size);
+    }
+    return static_cast<int64_t>(hash);
+  }
+
+  static std::string describe(const Unit& unit) {
+    std::ostringstream out;
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      out << (i ? ", " : "") << shape_text(unit.params[i].sizes);
+    }
+    out << " (" << unit.options.dtype() << ", " << unit.options.device() << ")";
+    return out.str();
+  }
+
+  void make_groups(int64_t tag) {
+    reduce_group = group;
+    step_group = group;
+    if (world == 1) return;
+    const auto timeout = detail::group_timeout(*group);
+    const auto name = "fsdp_" + std::to_string(tag);
+    reduce_group = detail::make_subgroup(group, 0, world, name + "_reduce", timeout);
+    if (options.overlap_step()) {
+      step_group = detail::make_subgroup(group, 0, world, name + "_step", timeout);
+    }
+  }
+
+  void broadcast_values() {
+    if (world == 1 || !options.broadcast_parameters()) return;
+    at::NoGradGuard no_grad;
+    for (auto& unit : units) {
+      std::vector<at::Tensor> flat;
+      for (const auto& slot : unit->params) flat.push_back(slot.param.detach().reshape({-1}));
+      std::vector<at::Tensor> buffer{at::cat(flat)};
+      group->broadcast(buffer)->wait();
+      int64_t offset = 0;
+      for (auto& slot : unit->params) {
+        slot.param.variable_data().view({-1}).copy_(buffer[0].narrow(0, offset, slot.numel()));
+        offset += slot.numel();
+      }
+    }
+  }
+
+  /// Lossless owners: whole parameters, the greedy balance by bytes of Shampoo's blocks.
+  void assign_owners() {
+    std::vector<int64_t> costs;
+    for (const auto& unit : units) {
+      for (const auto& slot : unit->params) {
+        costs.push_back(detail::block_cost(slot.numel(), slot.param.element_size()));
+      }
+    }
+    std::vector<int64_t> loads(world, 0);
+    const auto owners = detail::assign_owners(costs, world, loads);
+    size_t k = 0;
+    for (auto& unit : units) {
+      for (auto& slot : unit->params) slot.owner = owners[k++];
+    }
+  }
+
+  void make_shards_and_optimizers(const OptimizerFactory& factory) {
+    at::NoGradGuard no_grad;
+    for (auto& unit : units) {
+      std::vector<at::Tensor> stepped;
+      for (auto& slot : unit->params) {
+        const int64_t valid = slot.valid_rows(rank);
+        slot.shard = slot.param.detach()
+                         .reshape({slot.rows, slot.row_numel})
+                         .narrow(0, rank * slot.chunk_rows, valid)
+                         .clone()
+                         .view(slot.shard_sizes(rank));
+        if (lossless() && slot.owner == rank) stepped.push_back(slot.param);
+        if (!lossless() && valid > 0) {
+          slot.shard.set_requires_grad(true);
+          stepped.push_back(slot.shard);
+        }
+      }
+      if (!stepped.empty()) unit->optimizer = factory(stepped);
+    }
+  }
+
+  void add_hooks() {
+    std::weak_ptr<State> weak = shared_from_this();
+    for (size_t u = 0; u < units.size(); ++u) {
+      for (size_t i = 0; i < units[u]->params.size(); ++i) {
+        units[u]->params[i].hook = detail::add_grad_ready_callback(
+            units[u]->params[i].param, [weak, u, i](const at::Tensor&) {
+              if (auto self = weak.lock()) self->on_grad_ready(u, i);
+            });
+      }
+    }
+  }
+
+  // ----- gathering and releasing -----
+
+  /// All-gathers the unit's chunks over `via` and writes the full parameters.
+  void gather(Unit& unit, c10d::ProcessGroup& via) {
+    if (unit.gathered) return;
+    at::NoGradGuard no_grad;
+    auto send = at::zeros({unit.shard_numel}, unit.options);
+    for (const auto& slot : unit.params) {
+      send.narrow(0, slot.offset, slot.shard.numel()).copy_(slot.shard.reshape({-1}));
+    }
+    auto received = at::empty({world * unit.shard_numel}, unit.options);
+    via._allgather_base(received, send)->wait();
+    const auto by_rank = received.view({world, unit.shard_numel});
+    for (auto& slot : unit.params) {
+      allocate_full(slot.param, slot.sizes);
+      auto chunks = by_rank.narrow(1, slot.offset, slot.chunk_numel()).reshape({-1});
+      slot.param.variable_data().view({-1}).copy_(chunks.narrow(0, 0, slot.numel()));
+    }
+    unit.gathered = true;
+  }
+
+  void reshard(Unit& unit) {
+    if (!unit.gathered) return;
+    for (auto& slot : unit.params) release_full(slot.param);
+    unit.gathered = false;
+  }
+
+  // ----- forward and backward -----
+
+  at::Tensor forward(size_t u, const std::function<at::Tensor()>& fn) {
+    auto& unit = this->unit(u);
+    if (unit.pending.valid()) wait_for(unit);
+    {
+      std::lock_guard<std::recursive_mutex> lock(mutex);
+      gather(unit, *group);
+    }
+    auto out = fn();
+    TORCH_CHECK(out.defined(), kWho, "the forward of unit '", unit.name,
+                "' returned an undefined tensor");
+    if (out.requires_grad()) {
+      std::lock_guard<std::recursive_mutex> lock(mutex);
+      if (!unit.in_pass) {
+        unit.in_pass = true;
+        forward_order.push_back(u);
+      }
+      std::weak_ptr<State> weak = shared_from_this();
+      out.register_hook([weak, u](const at::Tensor&) {
+        if (auto self = weak.lock()) self->before_unit_backward(u);
+      });
+    }
+    if (options.reshard_after_forward()) {
+      std::lock_guard<std::recursive_mutex> lock(mutex);
+      reshard(unit);
+    }
+    return out;
+  }
+
+  void open_pass() {
+    const int task = torch::autograd::get_current_graph_task_id();
+    if (pass_open && task == pass_task) return;
+    pass_open = true;
+    pass_task = task;
+    stepping = (passes_since_step + 1) % options.accumulation_steps() == 0;
+    std::weak_ptr<State> weak = shared_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto self = weak.lock()) self->close_pass();
+    });
+  }
+
+  /// Before the unit's backward: gather it, and every unit before it in reverse forward order
+  /// (the same sequence of collectives on every rank, whatever order hooks fire in).
+  void before_unit_backward(size_t u) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    open_pass();
+    const auto position = std::find(forward_order.rbegin(), forward_order.rend(), u);
+    if (position == forward_order.rend()) return;
+    const auto last = static_cast<size_t>(position - forward_order.rbegin());
+    for (; next_to_gather <= last; ++next_to_gather) {
+      gather(unit(forward_order[forward_order.size() - 1 - next_to_gather]), *group);
+    }
+  }
+
+  void on_grad_ready(size_t u, size_t i) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    open_pass();
+    auto& slot = unit(u).params[i];
+    if (!slot.arrived) {
+      slot.arrived = true;
+      ++unit(u).arrived;
+    }
+    // Reductions run in reverse forward order on every rank (their collectives must match).
+    while (next_to_reduce < forward_order.size()) {
+      auto& next = unit(forward_order[forward_order.size() - 1 - next_to_reduce]);
+      if (next.arrived < static_cast<int64_t>(next.params.size())) break;
+      reduce(next);
+      ++next_to_reduce;
+    }
+  }
+
+  void close_pass() {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    // Units whose gradients did not all arrive (a parameter unused in this pass counts as zero).
+    for (; next_to_reduce < forward_order.size(); ++next_to_reduce) {
+      reduce(unit(forward_order[forward_order.size() - 1 - next_to_reduce]));
+    }
+    for (auto& unit : units) {
+      unit->in_pass = false;
+      unit->reduced = false;
+      unit->arrived = 0;
+      for (auto& slot : unit->params) slot.arrived = false;
+    }
+    forward_order.clear();
+    next_to_gather = 0;
+    next_to_reduce = 0;
+    pass_open = false;
+    ++passes;
+    ++passes_since_step;
+    if (stepping && options.overlap_step()) finish_step();  // the steps are on the worker
+  }
+
+  // ----- reduction -----
+
+  /// Averages the unit's gradients over the ranks into what this rank steps, releases the full
+  /// gradients, and steps the unit on the worker (overlap) or marks it for step().
+  void reduce(Unit& unit) {
+    // The gathers for backward never come back to a reduced unit (the worker may release it).
+    next_to_gather = std::max(next_to_gather, next_to_reduce + 1);
+    const bool step_now = stepping && options.overlap_step();
+    // A lossless step needs the full parameters; a unit whose backward never ran was released.
+    if (step_now && lossless()) gather(unit, *group);
+    std::vector<at::Tensor> grads;
+    for (auto& slot : unit.params) {
+      auto grad = slot.param.grad();
+      grads.push_back(grad.defined() ? grad.reshape({-1}) : at::zeros({slot.numel()}, unit.options));
+      slot.param.mutable_grad() = at::Tensor();
+    }
+    if (lossless()) {
+      reduce_to_owners(unit, grads);
+    } else {
+      reduce_to_rows(unit, grads);
+    }
+    unit.reduced = true;
+    if (stepping) unit.to_step = true;
+    if (step_now) {
+      if (!lossless()) reshard(unit);
+      std::weak_ptr<State> weak = shared_from_this();
+      Unit* target = &unit;
+      unit.pending = worker->submit([weak, target] {
+        if (auto self = weak.lock()) self->step_unit(*target, *self->step_group);
+      });
+    } else {
+      reshard(unit);
+    }
+  }
+
+  /// Lossless: every rank sends each whole gradient to its owner; the owner sums the ranks'
+  /// gradients in rank order and divides by the world size (an all-reduce's average).
+  void reduce_to_owners(Unit& unit, const std::vector<at::Tensor>& grads) {
+    std::vector<int64_t> send_split(world, 0);
+    int64_t owned = 0;
+    std::vector<at::Tensor> ordered;
+    for (int o = 0; o < world; ++o) {
+      for (size_t i = 0; i < unit.params.size(); ++i) {
+        if (unit.params[i].owner != o) continue;
+        send_split[o] += unit.params[i].numel();
+        ordered.push_back(grads[i]);
+        if (o == rank) owned += unit.params[i].numel();
+      }
+    }
+    auto send = at::cat(ordered);
+    auto received = at::empty({world * owned}, unit.options);
+    std::vector<int64_t> receive_split(world, owned);
+    reduce_group->alltoall_base(received, send, receive_split, send_split)->wait();
+    int64_t offset = 0;
+    for (auto& slot : unit.params) {
+      if (slot.owner != rank) continue;
+      auto sum = received.narrow(0, offset, slot.numel()).clone();
+      for (int s = 1; s < world; ++s) sum += received.narrow(0, s * owned + offset, slot.numel());
+      accumulate(slot, (sum / world).view(slot.sizes));
+      offset += slot.numel();
+    }
+  }
+
+  /// Local shards: every rank sends each rank that rank's rows; sums in rank order, averaged.
+  void reduce_to_rows(Unit& unit, const std::vector<at::Tensor>& grads) {
+    auto send = at::zeros({world, unit.shard_numel}, unit.options);
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      const auto& slot = unit.params[i];
+      auto padded = at::zeros({world * slot.chunk_numel()}, unit.options);
+      padded.narrow(0, 0, slot.numel()).copy_(grads[i]);
+      send.narrow(1, slot.offset, slot.chunk_numel()).copy_(padded.view({world, -1}));
+    }
+    auto received = at::empty({world * unit.shard_numel}, unit.options);
+    std::vector<int64_t> split(world, unit.shard_numel);
+    auto flat = send.view({-1});
+    reduce_group->alltoall_base(received, flat, split, split)->wait();
+    for (auto& slot : unit.params) {
+      const int64_t n = slot.valid_rows(rank) * slot.row_numel;
+      if (n == 0) continue;
+      auto sum = received.narrow(0, slot.offset, n).clone();
+      for (int s = 1; s < world; ++s) sum += received.narrow(0, s * unit.shard_numel + slot.offset, n);
+      accumulate(slot, (sum / world).view(slot.shard_sizes(rank)));
+    }
+  }
+
+  static void accumulate(ParamSlot& slot, at::Tensor averaged) {
+    if (slot.reduced.defined()) {
+      slot.reduced += averaged;
+    } else {
+      slot.reduced = std::move(averaged);
+    }
+  }
+
+  // ----- the step -----
+
+  /// Steps one unit on the gradients reduced for it and releases them. Lossless: the unit must
+  /// be gathered (the owners step whole parameters); every owner then sends each rank its rows
+  /// over `via`, and the unit is released.
+  void step_unit(Unit& unit, c10d::ProcessGroup& via) {
+    at::NoGradGuard no_grad;
+    for (auto& slot : unit.params) {
+      if (slot.reduced.defined()) (lossless() ? slot.param : slot.shard).mutable_grad() = slot.reduced;
+    }
+    if (unit.optimizer) unit.optimizer->step();
+    for (auto& slot : unit.params) {
+      (lossless() ? slot.param : slot.shard).mutable_grad() = at::Tensor();
+      slot.reduced = at::Tensor();
+    }
+    if (lossless()) {
+      scatter_rows(unit, via);
+      reshard(unit);
+    }
+    unit.to_step = false;
+  }
+
+  /// Lossless: each owner sends every rank that rank's rows of the parameters it stepped.
+  void scatter_rows(Unit& unit, c10d::ProcessGroup& via) {
+    int64_t sent_per_rank = 0;
+    std::vector<int64_t> receive_split(world, 0);
+    for (const auto& slot : unit.params) {
+      receive_split[slot.owner] += slot.chunk_numel();
+      if (slot.owner == rank) sent_per_rank += slot.chunk_numel();
+    }
+    auto send = at::zeros({world, sent_per_rank}, unit.options);
+    int64_t column = 0;
+    for (const auto& slot : unit.params) {
+      if (slot.owner != rank) continue;
+      auto padded = at::zeros({world * slot.chunk_numel()}, unit.options);
+      padded.narrow(0, 0, slot.numel()).copy_(slot.param.reshape({-1}));
+      send.narrow(1, column, slot.chunk_numel()).copy_(padded.view({world, -1}));
+      column += slot.chunk_numel();
+    }
+    auto received = at::empty({c10::sum_integers(receive_split)}, unit.options);
+    std::vector<int64_t> send_split(world, sent_per_rank);
+    auto flat = send.view({-1});
+    via.alltoall_base(received, flat, receive_split, send_split)->wait();
+    std::vector<int64_t> source_offset(world, 0);
+    for (int o = 1; o < world; ++o) source_offset[o] = source_offset[o - 1] + receive_split[o - 1];
+    for (auto& slot : unit.params) {
+      const int64_t n = slot.valid_rows(rank) * slot.row_numel;
+      if (n > 0) slot.shard.view({-1}).copy_(received.narrow(0, source_offset[slot.owner], n));
+      source_offset[slot.owner] += slot.chunk_numel();
+    }
+  }
+
+  void step_all() {
+    TORCH_CHECK(!options.overlap_step(), kWho,
+                "step(): with overlap_step the steps run during backward; go on with the next "
+                "forward (or call wait())");
+    TORCH_CHECK(passes_since_step >= options.accumulation_steps(), kWho,
+                "step(): accumulation_steps is ", options.accumulation_steps(), " and ",
+                passes_since_step, " backward pass(es) ran since the last step");
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    for (auto& unit : units) {
+      if (!unit->to_step) continue;
+      if (lossless()) gather(*unit, *group);
+      step_unit(*unit, *group);
+    }
+    finish_step();
+  }
+
+  void finish_step() {
+    passes_since_step = 0;
+    ++steps;
+  }
+
+  static void wait_for(Unit& unit) {
+    auto pending = std::exchange(unit.pending, {});
+    pending.get();
+  }
+
+  void wait_all() {
+    std::exception_ptr first;
+    for (auto& unit : units) {
+      if (!unit->pending.valid()) continue;
+      try {
+        wait_for(*unit);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+  ParamSlot& slot_for(const at::Tensor& param) {
+    const auto it = slot_of.find(param.unsafeGetTensorImpl());
+    TORCH_CHECK(it != slot_of.end(), kWho, "this tensor is no unit's parameter");
+    return unit(it->second.first).params[it->second.second];
+  }
+};
+
+FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> units,
+                                                   OptimizerFactory factory,
+                                                   c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                   FullyShardedOptions options)
+    : state_(std::make_shared<State>()) {
+  TORCH_CHECK(group, kWho, "the process group is null");
+  TORCH_CHECK(factory, kWho, "the optimizer factory is empty");
+  TORCH_CHECK(options.accumulation_steps() >= 1, kWho, "accumulation_steps: got ",
+              options.accumulation_steps(), ", expected at least 1");
+  auto& s = *state_;
+  s.group = std::move(group);
+  s.options = options;
+  s.rank = s.group->getRank();
+  s.world = s.group->getSize();
+  s.add_units(std::move(units));
+  s.make_groups(s.agree_on_units());
+  s.broadcast_values();
+  if (s.lossless()) s.assign_owners();
+  s.make_shards_and_optimizers(factory);
+  for (auto& unit : s.units) s.reshard(*unit);
+  s.add_hooks();
+  if (options.overlap_step()) s.worker = std::make_unique<StepWorker>();
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  try {
+    state_->wait_all();
+  } catch (...) {  // a failed step was the caller's to see through wait(); nothing to do here
+  }
+  state_->worker.reset();
+  for (auto& unit : state_->units) {
+    for (auto& slot : unit->params) detail::remove_grad_ready_callback(slot.param, slot.hook);
+  }
+}
+
+size_t FullyShardedDataParallel::num_units() const { return state_->units.size(); }
+
+size_t FullyShardedDataParallel::unit_index(const std::string& name) const {
+  const auto it = state_->unit_by_name.find(name);
+  if (it == state_->unit_by_name.end()) {
+    std::ostringstream names;
+    for (const auto& unit : state_->units) {
+      names << (names.tellp() > 0 ? ", '" : "'") << unit->name << "'";
+    }
+    TORCH_CHECK(false, kWho, "no unit is named '", name, "'; the units are ", names.str());
+  }
+  return it->second;
+}
+
+const std::string& FullyShardedDataParallel::unit_name(size_t unit) const {
+  TORCH_CHECK(unit < state_->units.size(), kWho, "unit ", unit, " does not exist (", state_->units.size(),
+              " units)");
+  return state_->units[unit]->name;
+}
+
+at::Tensor FullyShardedDataParallel::forward(size_t unit, const std::function<at::Tensor()>& fn) {
+  unit_name(unit);  // checks the index
+  return state_->forward(unit, fn);
+}
+
+void FullyShardedDataParallel::step() { state_->step_all(); }
+
+void FullyShardedDataParallel::wait() { state_->wait_all(); }
+
+torch::optim::Optimizer* FullyShardedDataParallel::optimizer(size_t unit) {
+  unit_name(unit);
+  return state_->units[unit]->optimizer.get();
+}
+
+int FullyShardedDataParallel::owner_of(const at::Tensor& param) const {
+  return state_->lossless() ? state_->slot_for(param).owner : -1;
+}
+
+at::Tensor FullyShardedDataParallel::shard_of(const at::Tensor& param) const {
+  return state_->slot_for(param).shard;
+}
+
+at::Tensor FullyShardedDataParallel::full_value(const at::Tensor& param) {
+  auto& s = *state_;
+  s.wait_all();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  const auto where = s.slot_of.find(param.unsafeGetTensorImpl());
+  TORCH_CHECK(where != s.slot_of.end(), kWho, "full_value: this tensor is no unit's parameter");
+  auto& unit = s.unit(where->second.first);
+  const bool was_gathered = unit.gathered;
+  s.gather(unit, *s.group);
+  auto value = param.detach().clone();
+  if (!was_gathered) s.reshard(unit);
+  return value;
+}
+
+int64_t FullyShardedDataParallel::backward_passes() const { return state_->passes; }
+int64_t FullyShardedDataParallel::steps_taken() const { return state_->steps; }
+
+int64_t FullyShardedDataParallel::shard_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& unit : state_->units) {
+    for (const auto& slot : unit->params) bytes += static_cast<int64_t>(slot.shard.nbytes());
+  }
+  return bytes;
+}
+
+int64_t FullyShardedDataParallel::gradient_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& unit : state_->units) {
+    for (const auto& slot : unit->params) {
+      if (slot.reduced.defined()) bytes += static_cast<int64_t>(slot.reduced.nbytes());
+    }
+  }
+  return bytes;
+}
+
+int64_t FullyShardedDataParallel::gathered_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& unit : state_->units) {
+    if (!unit->gathered) continue;
+    for (const auto& slot : unit->params) bytes += slot.numel() * slot.param.element_size();
+  }
+  return bytes;
+}
+
+const c10::intrusive_ptr<c10d::ProcessGroup>& FullyShardedDataParallel::process_group() const {
+  return state_->group;
+}
+
+std::vector<ShardedUnit> sequential_units(const torch::nn::Sequential& model) {
+  std::vector<ShardedUnit> units;
+  for (size_t i = 0; i < model->size(); ++i) {
+    auto params = model->ptr(i)->parameters();
+    if (!params.empty()) units.push_back({std::to_string(i), std::move(params)});
+  }
+  return units;
+}
+
+at::Tensor forward_sequential(FullyShardedDataParallel& fsdp, torch::nn::Sequential& model,
+                              at::Tensor input) {
+  at::Tensor x = std::move(input);
+  size_t index = 0;
+  for (auto& module : *model) {
+    if (module.ptr()->parameters().empty()) {
+      x = module.forward(x);
+    } else {
+      x = fsdp.forward(fsdp.unit_index(std::to_string(index)), [&] { return module.forward(x); });
+    }
+    ++index;
+  }
+  return x;
+}
+
+}  // namespace shampoo

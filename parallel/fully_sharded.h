@@ -1,0 +1,147 @@
+#pragma once
+/// Fully sharded data parallelism (ZeRO-3, as PyTorch's FSDP2 `fully_shard`) for C++ models:
+/// parameters, gradients and optimizer state are each split across the ranks, and a unit's full
+/// parameters exist only while the unit runs forward or backward.
+///
+/// The model is cut into units (a layer, a block, any list of parameters). Every parameter of a
+/// unit is split along dim 0 into one row chunk per rank (the last chunks padded). LibTorch
+/// modules have no forward hooks, so each unit's forward runs through forward(unit, fn): its
+/// parameters are all-gathered before fn runs and released after it (reshard_after_forward); a
+/// hook on the unit's output gathers them again before the unit's backward. Once the unit's
+/// gradients are complete they are reduced (averaged over the ranks), the full gradients are
+/// released, and, with overlap_step, the unit's optimizer steps on a worker thread while backward
+/// goes on with the earlier units. The step is waited on at the unit's next forward.
+///
+///   auto units = shampoo::sequential_units(model);   // one unit per layer with parameters
+///   shampoo::FullyShardedDataParallel fsdp(units, [](std::vector<torch::Tensor> p) {
+///     return std::make_unique<shampoo::DistributedShampoo>(p, shampoo::ShampooOptions(1e-3));
+///   }, group);
+///   auto loss = loss_fn(shampoo::forward_sequential(fsdp, model, x), y);
+///   loss.backward();                                // reduces and steps, unit by unit
+///
+/// Two step modes (FullyShardedOptions::step_mode):
+/// - kLossless (default): every whole parameter has one owner rank (the greedy balance by bytes
+///   that Shampoo's blocks and ZeRO-1 use). Its averaged gradient goes to the owner alone, the
+///   owner's optimizer steps the whole parameter, and each rank gets its rows back. Results do not
+///   depend on the world size; any optimizer works, Shampoo included.
+/// - kLocalShard: every rank steps its own rows of every parameter with an optimizer over those
+///   rows (FSDP2's plain mode). Elementwise optimizers (SGD, Adam, ...) give the same results;
+///   Shampoo then preconditions row chunks, so its numerics change with the world size.
+///
+/// The module's parameter tensors stay the tensors autograd sees: while a unit is sharded they
+/// have no storage and shape [0] (an ATen op that reads one outside forward(unit, fn) fails on
+/// the shape). Optimizers come from the factory and belong to this object: one per unit and rank
+/// (over the parameters the rank owns, or over its row chunks).
+
+#include <ATen/ATen.h>
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
+
+#include "parallel/optimizer_factory.h"
+
+namespace shampoo {
+
+/// A unit of a fully sharded model: parameters gathered together, before the unit's forward and
+/// again before its backward.
+struct ShardedUnit {
+  std::string name;
+  std::vector<at::Tensor> params;
+};
+
+/// How the optimizer steps a fully sharded model.
+enum class ShardedStepMode {
+  /// Whole parameters stepped by one owner rank each (results independent of the world size).
+  kLossless,
+  /// Every rank steps its own row chunk of every parameter.
+  kLocalShard,
+};
+
+struct FullyShardedOptions {
+  TORCH_ARG(ShardedStepMode, step_mode) = ShardedStepMode::kLossless;
+  /// Release a unit's full parameters after its forward (gathered again before its backward).
+  TORCH_ARG(bool, reshard_after_forward) = true;
+  /// Step each unit on a worker thread as soon as its gradients are reduced during backward,
+  /// waited on at the unit's next forward (or wait()). Off: step() after backward.
+  TORCH_ARG(bool, overlap_step) = true;
+  /// Gradient accumulation: the reduced gradients of k backward passes are summed and the step
+  /// runs on the k-th (k ≥ 1).
+  TORCH_ARG(int64_t, accumulation_steps) = 1;
+  /// Copy rank 0's parameter values to every rank at construction.
+  TORCH_ARG(bool, broadcast_parameters) = true;
+};
+
+class FullyShardedDataParallel {
+ public:
+  /// Shards `units` (the same units, in the same order, on every rank) over `group` and builds
+  /// the optimizers with `factory`. Errors: a parameter in two units (or twice in one), one that
+  /// is not a contiguous leaf that requires grad, a unit whose parameters differ in device or
+  /// dtype, an empty unit, units that differ across ranks (checked before any other collective,
+  /// so a mismatch is an error on every rank, not a hang). Collective.
+  FullyShardedDataParallel(std::vector<ShardedUnit> units, OptimizerFactory factory,
+                           c10::intrusive_ptr<c10d::ProcessGroup> group,
+                           FullyShardedOptions options = {});
+  ~FullyShardedDataParallel();
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  size_t num_units() const;
+  /// The index of the unit named `name`; an error naming the units when there is none.
+  size_t unit_index(const std::string& name) const;
+  const std::string& unit_name(size_t unit) const;
+
+  /// Runs the unit's forward: waits for the unit's pending step, gathers its parameters, calls
+  /// fn (which uses the module's parameters as usual), arranges the gathering before the unit's
+  /// backward and, with reshard_after_forward, releases the parameters. Returns fn's output.
+  at::Tensor forward(size_t unit, const std::function<at::Tensor()>& fn);
+
+  /// Without overlap_step: steps every unit on the gradients reduced since the last step (after
+  /// the k-th backward of an accumulation). With overlap_step it is an error (the steps run in
+  /// backward). Collective.
+  void step();
+  /// Waits for every step in flight and rethrows the first failure of one.
+  void wait();
+
+  /// The optimizer of `unit` on this rank, or null when the rank steps none of its parameters
+  /// (lossless mode) or none of its rows (local-shard mode).
+  torch::optim::Optimizer* optimizer(size_t unit);
+  /// The rank that steps `param` in lossless mode (-1 in local-shard mode); an error for a
+  /// tensor that is no unit's parameter.
+  int owner_of(const at::Tensor& param) const;
+  /// This rank's row chunk of `param` (its shard, valid rows only: [rows, ...]).
+  at::Tensor shard_of(const at::Tensor& param) const;
+  /// The full value of `param` (a new tensor, gathered from every rank). Collective.
+  at::Tensor full_value(const at::Tensor& param);
+
+  /// Backward passes seen, and steps taken.
+  int64_t backward_passes() const;
+  int64_t steps_taken() const;
+  /// Bytes this rank holds between steps: parameter shards, reduced gradients kept for the step
+  /// (accumulation), and full parameters gathered right now.
+  int64_t shard_bytes() const;
+  int64_t gradient_bytes() const;
+  int64_t gathered_bytes() const;
+
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+/// One unit per module of `model` that has parameters, named by its index in the Sequential.
+std::vector<ShardedUnit> sequential_units(const torch::nn::Sequential& model);
+
+/// model->forward(input) with every module that has parameters run as its unit of `fsdp` (the
+/// units of sequential_units(model)).
+at::Tensor forward_sequential(FullyShardedDataParallel& fsdp, torch::nn::Sequential& model,
+                              at::Tensor input);
+
+}  // namespace shampoo

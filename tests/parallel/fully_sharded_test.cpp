@@ -1,0 +1,349 @@
+// Full sharding (FullyShardedDataParallel, ZeRO-3): training a fully sharded model equals plain
+// data parallelism (GradientSynchronizer) bit for bit at world 2, for Adam and Shampoo, lossless
+// and local-shard, with the step overlapped in backward and after it; within float32 tolerance at
+// world 3 (padded row chunks); gradient accumulation; what a rank holds; clear errors.
+#include <shampoo/shampoo.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "parallel/sharding_runs.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shampoo::FullyShardedDataParallel;
+using shampoo::FullyShardedOptions;
+using shampoo::ShardedStepMode;
+using shampoo::ShardedUnit;
+using shampoo::testing::all_close;
+using shampoo::testing::bit_equal;
+using shampoo::testing::Dataset;
+using shampoo::testing::expect_error;
+using shampoo::testing::make_mlp;
+using shampoo::testing::run_ranks;
+using shampoo::testing::sharding_batch;
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+constexpr std::chrono::seconds kTimeout{60};
+
+enum class Optim { kAdam, kShampoo, kEigenvalueCorrected };
+
+std::string optim_name(Optim optim) {
+  switch (optim) {
+    case Optim::kAdam:
+      return "adam";
+    case Optim::kShampoo:
+      return "shampoo";
+    case Optim::kEigenvalueCorrected:
+      return "eigenvalue_corrected";
+  }
+  return "?";
+}
+
+/// One process's optimizer over `params` (the data-parallel run steps every parameter on every
+/// rank; the fully sharded run steps what the rank owns).
+shampoo::OptimizerFactory factory_of(Optim optim) {
+  return [optim](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (optim == Optim::kAdam) {
+      return std::make_unique<torch::optim::Adam>(
+          params, torch::optim::AdamOptions(0.01).weight_decay(0.01));
+    }
+    return std::make_unique<shampoo::DistributedShampoo>(
+        params,
+        shampoo::testing::sharding_shampoo_options(optim == Optim::kEigenvalueCorrected));
+  };
+}
+
+at::Tensor loss_of(const at::Tensor& logits, const Dataset& data) {
+  return torch::nn::functional::cross_entropy(logits, data.labels);
+}
+
+/// Plain data parallelism: every rank holds and steps everything.
+struct DataParallelRun {
+  torch::nn::Sequential model = make_mlp(6, 10, 3, /*seed=*/5);
+  std::unique_ptr<shampoo::GradientSynchronizer> sync;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+
+  DataParallelRun(Optim optim, const Group& group)
+      : sync(std::make_unique<shampoo::GradientSynchronizer>(model->parameters(), group)),
+        optimizer(factory_of(optim)(model->parameters())) {}
+
+  float step(const Dataset& data) {
+    optimizer->zero_grad();
+    auto loss = loss_of(model->forward(data.inputs), data);
+    loss.backward();
+    sync->synchronize();
+    optimizer->step();
+    return loss.item<float>();
+  }
+};
+
+/// The same model fully sharded, one unit per Linear layer.
+struct ShardedRun {
+  torch::nn::Sequential model = make_mlp(6, 10, 3, /*seed=*/5);
+  std::unique_ptr<FullyShardedDataParallel> fsdp;
+
+  ShardedRun(Optim optim, const Group& group, FullyShardedOptions options)
+      : fsdp(std::make_unique<FullyShardedDataParallel>(shampoo::sequential_units(model),
+                                                        factory_of(optim), group, options)) {}
+
+  float step(const Dataset& data) {
+    auto loss = loss_of(shampoo::forward_sequential(*fsdp, model, data.inputs), data);
+    loss.backward();  // with overlap_step the steps run here, on the worker
+    return loss.item<float>();
+  }
+
+  std::vector<at::Tensor> full_values() {
+    std::vector<at::Tensor> out;
+    for (const auto& p : model->parameters()) out.push_back(fsdp->full_value(p));
+    return out;
+  }
+};
+
+float sharded_step(ShardedRun& run, const Dataset& data, bool overlap) {
+  const float loss = run.step(data);
+  if (!overlap) run.fsdp->step();
+  return loss;
+}
+
+using Case = std::tuple<Optim, ShardedStepMode, bool>;
+
+class FullySharded : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FullySharded, EqualsDataParallelismBitForBitAtWorld2) {
+  const auto [optim, mode, overlap] = GetParam();
+  run_ranks(
+      2,
+      [&, optim = optim, mode = mode, overlap = overlap](int rank, const Group& group) {
+        const auto data = sharding_batch(rank, 2);
+        DataParallelRun plain(optim, group);
+        ShardedRun sharded(optim, group,
+                           FullyShardedOptions().step_mode(mode).overlap_step(overlap));
+        for (int step = 0; step < 20; ++step) {
+          const float expected = plain.step(data);
+          const float actual = sharded_step(sharded, data, overlap);
+          ASSERT_EQ(actual, expected) << "rank " << rank << " step " << step;
+        }
+        EXPECT_TRUE(bit_equal(sharded.full_values(), plain.model->parameters())) << "rank " << rank;
+        EXPECT_EQ(sharded.fsdp->steps_taken(), 20);
+        EXPECT_EQ(sharded.fsdp->backward_passes(), 20);
+      },
+      kTimeout);
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const auto [optim, mode, overlap] = info.param;
+  return optim_name(optim) + (mode == ShardedStepMode::kLossless ? "_lossless" : "_local") +
+         (overlap ? "_overlap" : "_after_backward");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Lossless, FullySharded,
+    ::testing::Combine(::testing::Values(Optim::kAdam, Optim::kShampoo, Optim::kEigenvalueCorrected),
+                       ::testing::Values(ShardedStepMode::kLossless), ::testing::Bool()),
+    case_name);
+// Local shards equal data parallelism for elementwise optimizers only.
+INSTANTIATE_TEST_SUITE_P(LocalShard, FullySharded,
+                         ::testing::Combine(::testing::Values(Optim::kAdam),
+                                            ::testing::Values(ShardedStepMode::kLocalShard),
+                                            ::testing::Bool()),
+                         case_name);
+
+// World 3: rows split 4/4/2 and 1/1/1, and the average's summation order differs from Gloo's:
+// Adam stays within float32 tolerance of data parallelism; Shampoo's roots amplify the last-bit
+// differences of the gradients, so its loss is compared within 0.1 % (as the ZeRO-2 tests do).
+TEST(FullyShardedWorld3, LosslessFollowsDataParallelism) {
+  for (const auto optim : {Optim::kAdam, Optim::kShampoo}) {
+    const bool adam = optim == Optim::kAdam;
+    run_ranks(
+        3,
+        [&](int rank, const Group& group) {
+          const auto all = shampoo::testing::make_blobs(96, 6, 3, /*seed=*/21);
+          const Dataset data{all.inputs.narrow(0, rank * 32, 32),
+                             all.labels.narrow(0, rank * 32, 32)};
+          DataParallelRun plain(optim, group);
+          ShardedRun sharded(optim, group, FullyShardedOptions());
+          for (int step = 0; step < 10; ++step) {
+            const float expected = plain.step(data);
+            const float actual = sharded_step(sharded, data, true);
+            EXPECT_NEAR(actual, expected, (adam ? 1e-5 : 1e-3) * std::abs(expected))
+                << optim_name(optim) << " rank " << rank << " step " << step;
+          }
+          const auto values = sharded.full_values();
+          const auto params = plain.model->parameters();
+          for (size_t i = 0; i < params.size(); ++i) {
+            if (adam) {
+              EXPECT_TRUE(all_close(values[i], params[i], {1e-5, 1e-6})) << "parameter " << i;
+            }
+          }
+        },
+        kTimeout);
+  }
+}
+
+// Gradient accumulation: the reduced gradients of two micro-batches are summed and the step runs
+// on the second; equal (to float32 summation order) to data parallelism over the same micro-batches
+// with NoSync.
+TEST(FullyShardedAccumulation, TwoMicroBatchesFollowDataParallelism) {
+  for (const bool overlap : {true, false}) {
+    run_ranks(
+        2,
+        [&](int rank, const Group& group) {
+          const auto data = sharding_batch(rank, 2);
+          const Dataset first{data.inputs.narrow(0, 0, 24), data.labels.narrow(0, 0, 24)};
+          const Dataset second{data.inputs.narrow(0, 24, 24), data.labels.narrow(0, 24, 24)};
+          DataParallelRun plain(Optim::kAdam, group);
+          ShardedRun sharded(Optim::kAdam, group,
+                             FullyShardedOptions().accumulation_steps(2).overlap_step(overlap));
+          for (int step = 0; step < 5; ++step) {
+            plain.optimizer->zero_grad();
+            {
+              shampoo::GradientSynchronizer::NoSync no_sync(*plain.sync);
+              loss_of(plain.model->forward(first.inputs), first).backward();
+            }
+            loss_of(plain.model->forward(second.inputs), second).backward();
+            plain.sync->synchronize();
+            plain.optimizer->step();
+
+            sharded.step(first);
+            EXPECT_EQ(sharded.fsdp->steps_taken(), step);
+            if (!overlap) {
+              expect_error([&] { sharded.fsdp->step(); },
+                           {"accumulation_steps is 2", "1 backward pass(es)"});
+            }
+            sharded_step(sharded, second, overlap);
+            EXPECT_EQ(sharded.fsdp->steps_taken(), step + 1);
+          }
+          const auto values = sharded.full_values();
+          const auto params = plain.model->parameters();
+          for (size_t i = 0; i < params.size(); ++i) {
+            EXPECT_TRUE(all_close(values[i], params[i], {1e-5, 1e-6}))
+                << "parameter " << i << " overlap " << overlap;
+          }
+        },
+        kTimeout);
+  }
+}
+
+// What a rank holds: its row chunks; no full parameters or gradients between steps; the module's
+// parameters have no storage while sharded; lossless owners balance the parameters.
+TEST(FullyShardedMemory, RanksHoldTheirChunksOnly) {
+  run_ranks(
+      2,
+      [&](int rank, const Group& group) {
+        const auto data = sharding_batch(rank, 2);
+        ShardedRun run(Optim::kAdam, group, FullyShardedOptions());
+        // Layers 6->10, 10->10, 10->3: rows 10, 10, 10 (5 per rank), 3 (2 and 1).
+        const int64_t full = (60 + 10 + 100 + 10 + 30 + 3) * 4;
+        const int64_t expected = rank == 0 ? (30 + 5 + 50 + 5 + 20 + 2) * 4 : (30 + 5 + 50 + 5 + 10 + 1) * 4;
+        EXPECT_EQ(run.fsdp->shard_bytes(), expected);
+        EXPECT_LT(run.fsdp->shard_bytes(), full);
+        EXPECT_EQ(run.fsdp->gathered_bytes(), 0);
+        for (const auto& p : run.model->parameters()) {
+          EXPECT_EQ(p.numel(), 0);
+          EXPECT_EQ(p.storage().nbytes(), 0u);
+        }
+        run.step(data);
+        run.fsdp->wait();
+        EXPECT_EQ(run.fsdp->gathered_bytes(), 0);
+        EXPECT_EQ(run.fsdp->gradient_bytes(), 0);
+        for (const auto& p : run.model->parameters()) EXPECT_FALSE(p.grad().defined());
+        int owned_here = 0;
+        for (const auto& p : run.model->parameters()) owned_here += run.fsdp->owner_of(p) == rank;
+        EXPECT_GE(owned_here, 2);  // six parameters over two ranks, balanced by bytes
+        // Without resharding after forward the units stay gathered until their backward.
+        ShardedRun kept(Optim::kAdam, group, FullyShardedOptions().reshard_after_forward(false));
+        auto logits = shampoo::forward_sequential(*kept.fsdp, kept.model, data.inputs);
+        EXPECT_EQ(kept.fsdp->gathered_bytes(), full);
+        loss_of(logits, data).backward();
+        kept.fsdp->wait();
+        EXPECT_EQ(kept.fsdp->gathered_bytes(), 0);
+      },
+      kTimeout);
+}
+
+// A unit's forward outside the wrapper finds parameters of shape [0] and fails (no crash).
+TEST(FullyShardedErrors, ForwardOutsideTheWrapperFails) {
+  run_ranks(
+      1,
+      [&](int, const Group& group) {
+        ShardedRun run(Optim::kAdam, group, FullyShardedOptions());
+        const auto data = sharding_batch(0, 1);
+        EXPECT_THROW(run.model->forward(data.inputs), c10::Error);
+      },
+      kTimeout);
+}
+
+TEST(FullyShardedErrors, BadUnitsAreClearErrors) {
+  run_ranks(
+      1,
+      [&](int, const Group& group) {
+        auto model = make_mlp(6, 10, 3, 5);
+        auto params = model->parameters();
+        const auto make = [&](std::vector<ShardedUnit> units, FullyShardedOptions options = {}) {
+          FullyShardedDataParallel fsdp(std::move(units), factory_of(Optim::kAdam), group, options);
+        };
+        expect_error([&] { make({{"a", {params[0]}}, {"b", {params[1], params[0]}}}); },
+                     {"parameter 1 of unit 1 ('b')", "also parameter 0 of unit 0",
+                      "belongs to one unit"});
+        expect_error([&] { make({{"a", {params[0], params[0]}}}); },
+                     {"parameter 1 of unit 0 ('a')", "also parameter 0 of unit 0"});
+        auto other = at::zeros({4}, at::kDouble).requires_grad_();
+        expect_error([&] { make({{"a", {params[0], other}}}); },
+                     {"parameter 1 of unit 0 ('a')", "dtype double", "share one device and dtype"});
+        expect_error([&] { make({{"a", {}}}); }, {"unit 0 ('a') has no parameters"});
+        expect_error([&] { make({{"a", {params[0]}}, {"a", {params[1]}}}); },
+                     {"two units are named 'a'"});
+        auto base = at::zeros({8}).requires_grad_();
+        auto view = base.detach().narrow(0, 0, 4).requires_grad_();
+        expect_error([&] { make({{"a", {view}}}); }, {"must own its storage"});
+        expect_error([&] { make({{"a", {params[0].detach()}}}); },
+                     {"leaf tensor that requires grad"});
+        expect_error([&] { make({{"a", {params[0]}}}, FullyShardedOptions().accumulation_steps(0)); },
+                     {"accumulation_steps: got 0"});
+      },
+      kTimeout);
+}
+
+TEST(FullyShardedErrors, MisuseIsAClearError) {
+  run_ranks(
+      1,
+      [&](int, const Group& group) {
+        ShardedRun run(Optim::kAdam, group, FullyShardedOptions());
+        expect_error([&] { run.fsdp->step(); }, {"overlap_step", "run during backward"});
+        expect_error([&] { run.fsdp->unit_index("9"); }, {"no unit is named '9'", "'0', '2', '4'"});
+        expect_error([&] { run.fsdp->forward(7, [] { return at::ones({1}); }); },
+                     {"unit 7 does not exist (3 units)"});
+        expect_error([&] { run.fsdp->owner_of(at::ones({2})); }, {"no unit's parameter"});
+      },
+      kTimeout);
+}
+
+// Units that differ across ranks are an error on every rank at construction, not a hang.
+TEST(FullyShardedErrors, UnitsThatDifferAcrossRanksFailOnEveryRank) {
+  for (const bool count_differs : {true, false}) {
+    run_ranks(
+        2,
+        [&](int rank, const Group& group) {
+          auto model = make_mlp(6, rank == 0 || count_differs ? 10 : 12, 3, 5);
+          auto units = shampoo::sequential_units(model);
+          if (count_differs && rank == 1) units.pop_back();
+          expect_error(
+              [&] { FullyShardedDataParallel fsdp(units, factory_of(Optim::kAdam), group); },
+              count_differs ? std::vector<std::string>{"units differ across ranks",
+                                                       "rank 0 has 3 units, rank 1 has 2"}
+                            : std::vector<std::string>{"units differ across ranks", "unit 0 ('0')",
+                                                       "on rank 1 than on rank 0"});
+        },
+        kTimeout);
+  }
+}
+
+}  // namespace

@@ -349,21 +349,35 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
 
   // ----- gathering and releasing -----
 
-  /// All-gathers the unit's chunks over `via` and writes the full parameters.
+  /// All-gathers the unit's chunks over `via` into the full parameters: one all-gather per
+  /// parameter, straight into its storage when its rows split evenly (else through a padded
+  /// buffer), all in flight at once.
   void gather(Unit& unit, c10d::ProcessGroup& via) {
     if (unit.gathered) return;
     at::NoGradGuard no_grad;
-    auto send = at::zeros({unit.shard_numel}, unit.options);
-    for (const auto& slot : unit.params) {
-      send.narrow(0, slot.offset, slot.shard.numel()).copy_(slot.shard.reshape({-1}));
-    }
-    auto received = at::empty({world * unit.shard_numel}, unit.options);
-    via._allgather_base(received, send)->wait();
-    const auto by_rank = received.view({world, unit.shard_numel});
-    for (auto& slot : unit.params) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<at::Tensor> inputs;
+    std::vector<at::Tensor> padded(unit.params.size());
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      auto& slot = unit.params[i];
       allocate_full(slot.param, slot.sizes);
-      auto chunks = by_rank.narrow(1, slot.offset, slot.chunk_numel()).reshape({-1});
-      slot.param.variable_data().view({-1}).copy_(chunks.narrow(0, 0, slot.numel()));
+      auto input = slot.shard.reshape({-1});
+      if (input.numel() < slot.chunk_numel()) {
+        input = at::cat({input, at::zeros({slot.chunk_numel() - input.numel()}, unit.options)});
+      }
+      at::Tensor output = slot.param.variable_data().view({-1});
+      if (slot.rows % world != 0) {
+        padded[i] = at::empty({world * slot.chunk_numel()}, unit.options);
+        output = padded[i];
+      }
+      inputs.push_back(input);
+      works.push_back(via._allgather_base(output, inputs.back()));
+    }
+    for (auto& work : works) work->wait();
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      if (!padded[i].defined()) continue;
+      const auto& slot = unit.params[i];
+      slot.param.variable_data().view({-1}).copy_(padded[i].narrow(0, 0, slot.numel()));
     }
     unit.gathered = true;
   }
@@ -475,81 +489,88 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     // The gathers for backward never come back to a reduced unit (the worker may release it).
     next_to_gather = std::max(next_to_gather, next_to_reduce + 1);
     const bool step_now = stepping && options.overlap_step();
-    // A lossless step needs the full parameters; a unit whose backward never ran was released.
-    if (step_now && lossless()) gather(unit, *group);
+    // Only a lossless step needs the full parameters (a unit whose backward never ran was
+    // released); otherwise they go before the gradients are reduced.
+    if (step_now && lossless()) {
+      gather(unit, *group);
+    } else {
+      reshard(unit);
+    }
     std::vector<at::Tensor> grads;
     for (auto& slot : unit.params) {
-      auto grad = slot.param.grad();
-      grads.push_back(grad.defined() ? grad.reshape({-1}) : at::zeros({slot.numel()}, unit.options));
-      slot.param.mutable_grad() = at::Tensor();
+      auto grad = std::exchange(slot.param.mutable_grad(), at::Tensor());
+      grads.push_back(grad.defined() ? grad.view(slot.sizes) : at::zeros(slot.sizes, unit.options));
     }
     if (lossless()) {
-      reduce_to_owners(unit, grads);
+      reduce_to_owners(unit, std::move(grads));
     } else {
-      reduce_to_rows(unit, grads);
+      reduce_to_rows(unit, std::move(grads));
     }
     unit.reduced = true;
     if (stepping) unit.to_step = true;
     if (step_now) {
-      if (!lossless()) reshard(unit);
       std::weak_ptr<State> weak = shared_from_this();
       Unit* target = &unit;
       unit.pending = worker->submit([weak, target] {
         if (auto self = weak.lock()) self->step_unit(*target, *self->step_group);
       });
-    } else {
-      reshard(unit);
     }
   }
 
-  /// Lossless: every rank sends each whole gradient to its owner; the owner sums the ranks'
-  /// gradients in rank order and divides by the world size (an all-reduce's average).
-  void reduce_to_owners(Unit& unit, const std::vector<at::Tensor>& grads) {
-    std::vector<int64_t> send_split(world, 0);
-    int64_t owned = 0;
-    std::vector<at::Tensor> ordered;
-    for (int o = 0; o < world; ++o) {
-      for (size_t i = 0; i < unit.params.size(); ++i) {
-        if (unit.params[i].owner != o) continue;
-        send_split[o] += unit.params[i].numel();
-        ordered.push_back(grads[i]);
-        if (o == rank) owned += unit.params[i].numel();
-      }
+  /// Lossless: each whole gradient is summed into its owner's copy in place (a c10d reduce, as
+  /// gradient sharding does) and divided by the world size there: an all-reduce's average, with
+  /// no buffer beyond the gradients themselves. The other ranks release theirs.
+  void reduce_to_owners(Unit& unit, std::vector<at::Tensor> grads) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (size_t i = 0; i < grads.size() && world > 1; ++i) {
+      c10d::ReduceOptions reduce_options;
+      reduce_options.rootRank = unit.params[i].owner;
+      std::vector<at::Tensor> one{grads[i]};
+      works.push_back(reduce_group->reduce(one, reduce_options));
     }
-    auto send = at::cat(ordered);
-    auto received = at::empty({world * owned}, unit.options);
-    std::vector<int64_t> receive_split(world, owned);
-    reduce_group->alltoall_base(received, send, receive_split, send_split)->wait();
-    int64_t offset = 0;
-    for (auto& slot : unit.params) {
-      if (slot.owner != rank) continue;
-      auto sum = received.narrow(0, offset, slot.numel()).clone();
-      for (int s = 1; s < world; ++s) sum += received.narrow(0, s * owned + offset, slot.numel());
-      accumulate(slot, (sum / world).view(slot.sizes));
-      offset += slot.numel();
+    for (auto& work : works) work->wait();
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (unit.params[i].owner == rank) accumulate(unit.params[i], grads[i].div_(world));
+      grads[i] = at::Tensor();
     }
   }
 
-  /// Local shards: every rank sends each rank that rank's rows; sums in rank order, averaged.
-  void reduce_to_rows(Unit& unit, const std::vector<at::Tensor>& grads) {
-    auto send = at::zeros({world, unit.shard_numel}, unit.options);
+  /// Local shards: a reduce-scatter of the rank-major row chunks (padded), averaged.
+  void reduce_to_rows(Unit& unit, std::vector<at::Tensor> grads) {
+    auto send = at::empty({world, unit.shard_numel}, unit.options);
     for (size_t i = 0; i < unit.params.size(); ++i) {
       const auto& slot = unit.params[i];
-      auto padded = at::zeros({world * slot.chunk_numel()}, unit.options);
-      padded.narrow(0, 0, slot.numel()).copy_(grads[i]);
-      send.narrow(1, slot.offset, slot.chunk_numel()).copy_(padded.view({world, -1}));
+      write_chunks(send, slot, grads[i]);
+      grads[i] = at::Tensor();
     }
-    auto received = at::empty({world * unit.shard_numel}, unit.options);
-    std::vector<int64_t> split(world, unit.shard_numel);
+    auto received = at::empty({unit.shard_numel}, unit.options);
     auto flat = send.view({-1});
-    reduce_group->alltoall_base(received, flat, split, split)->wait();
+    reduce_group->_reduce_scatter_base(received, flat)->wait();
+    send = at::Tensor();
     for (auto& slot : unit.params) {
       const int64_t n = slot.valid_rows(rank) * slot.row_numel;
-      if (n == 0) continue;
-      auto sum = received.narrow(0, slot.offset, n).clone();
-      for (int s = 1; s < world; ++s) sum += received.narrow(0, s * unit.shard_numel + slot.offset, n);
-      accumulate(slot, (sum / world).view(slot.shard_sizes(rank)));
+      if (n > 0) {
+        accumulate(slot, received.narrow(0, slot.offset, n).div(world).view(slot.shard_sizes(rank)));
+      }
     }
+  }
+
+  /// Writes `full`'s rows (the parameter's full shape) into the rank-major [world, ...] buffer
+  /// at `column`, one chunk per rank, zeros past the last row.
+  static void write_chunks(const at::Tensor& by_rank, const ParamSlot& slot, const at::Tensor& full,
+                           int64_t column) {
+    const auto rows = full.reshape({slot.rows, slot.row_numel});
+    const int world = static_cast<int>(by_rank.size(0));
+    for (int r = 0; r < world; ++r) {
+      auto chunk = by_rank[r].narrow(0, column, slot.chunk_numel()).view({slot.chunk_rows, -1});
+      const int64_t valid = slot.valid_rows(r);
+      if (valid > 0) chunk.narrow(0, 0, valid).copy_(rows.narrow(0, r * slot.chunk_rows, valid));
+      if (valid < slot.chunk_rows) chunk.narrow(0, valid, slot.chunk_rows - valid).zero_();
+    }
+  }
+  static void write_chunks(const at::Tensor& by_rank, const ParamSlot& slot,
+                           const at::Tensor& full) {
+    write_chunks(by_rank, slot, full, slot.offset);
   }
 
   static void accumulate(ParamSlot& slot, at::Tensor averaged) {
@@ -590,13 +611,11 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       receive_split[slot.owner] += slot.chunk_numel();
       if (slot.owner == rank) sent_per_rank += slot.chunk_numel();
     }
-    auto send = at::zeros({world, sent_per_rank}, unit.options);
+    auto send = at::empty({world, sent_per_rank}, unit.options);
     int64_t column = 0;
     for (const auto& slot : unit.params) {
       if (slot.owner != rank) continue;
-      auto padded = at::zeros({world * slot.chunk_numel()}, unit.options);
-      padded.narrow(0, 0, slot.numel()).copy_(slot.param.reshape({-1}));
-      send.narrow(1, column, slot.chunk_numel()).copy_(padded.view({world, -1}));
+      write_chunks(send, slot, slot.param, column);
       column += slot.chunk_numel();
     }
     auto received = at::empty({c10::sum_integers(receive_split)}, unit.options);

@@ -117,6 +117,7 @@ struct ParamSlot {
   int owner = -1;          // lossless: the rank that steps it
   at::Tensor shard;        // this rank's valid rows, [valid, ...]
   at::Tensor reduced;      // averaged gradient kept for the step (full, or this rank's rows)
+  std::unique_ptr<torch::optim::Optimizer> optimizer;  // lossless, on the owner: its own
   bool arrived = false;    // gradient accumulated in this backward pass
   int64_t hook = -1;
 
@@ -142,7 +143,7 @@ struct Unit {
   bool in_pass = false;  // ran forward with gradients in the current pass
   bool reduced = false;  // gradients reduced in the current pass
   bool to_step = false;  // reduced gradients waiting for step()
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;  // local shards: over this rank's rows
   std::shared_future<void> pending;  // its step on the worker
 };
 
@@ -153,6 +154,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   c10::intrusive_ptr<c10d::ProcessGroup> reduce_group;  // gradient reductions in backward
   c10::intrusive_ptr<c10d::ProcessGroup> step_group;    // the worker's scatter of new rows
   FullyShardedOptions options;
+  OptimizerFactory factory;
   int rank = 0;
   int world = 1;
   std::vector<std::unique_ptr<Unit>> units;
@@ -314,7 +316,10 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
   }
 
-  void make_shards_and_optimizers(const OptimizerFactory& factory) {
+  /// Each rank's row chunks, and the optimizers: lossless, one per parameter on its owner (so
+  /// that a parameter's state is the same whatever the world size, and checkpoints move between
+  /// sizes); local shards, one per unit over this rank's rows.
+  void make_shards_and_optimizers() {
     at::NoGradGuard no_grad;
     for (auto& unit : units) {
       std::vector<at::Tensor> stepped;
@@ -325,7 +330,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
                          .narrow(0, rank * slot.chunk_rows, valid)
                          .clone()
                          .view(slot.shard_sizes(rank));
-        if (lossless() && slot.owner == rank) stepped.push_back(slot.param);
+        if (lossless() && slot.owner == rank) slot.optimizer = factory({slot.param});
         if (!lossless() && valid > 0) {
           slot.shard.set_requires_grad(true);
           stepped.push_back(slot.shard);
@@ -590,6 +595,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     at::NoGradGuard no_grad;
     for (auto& slot : unit.params) {
       if (slot.reduced.defined()) (lossless() ? slot.param : slot.shard).mutable_grad() = slot.reduced;
+      if (slot.optimizer && slot.reduced.defined()) slot.optimizer->step();
     }
     if (unit.optimizer) unit.optimizer->step();
     for (auto& slot : unit.params) {
@@ -670,6 +676,201 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     if (first) std::rethrow_exception(first);
   }
 
+  // ----- checkpoints -----
+
+  static std::string param_key(size_t u, size_t i) {
+    return "unit_" + std::to_string(u) + "/param_" + std::to_string(i);
+  }
+
+  static std::vector<at::Tensor> shapes_of(const Unit& unit) {
+    std::vector<at::Tensor> out;  // meta tensors: the shapes without the (released) values
+    for (const auto& slot : unit.params) {
+      out.push_back(at::empty(slot.sizes, at::TensorOptions().device(at::kMeta)));
+    }
+    return out;
+  }
+
+  void check_checkpointable() const {
+    TORCH_CHECK(options.step_mode() == ShardedStepMode::kLossless, kWho,
+                "checkpoints need step_mode kLossless: local shards keep optimizer state of row "
+                "chunks, which depends on the world size");
+  }
+
+  void save_common(torch::serialize::OutputArchive& common) {
+    check_checkpointable();
+    wait_all();
+    common.write("world", c10::IValue(static_cast<int64_t>(world)));
+    common.write("num_units", c10::IValue(static_cast<int64_t>(units.size())));
+    common.write("backward_passes", c10::IValue(passes));
+    common.write("steps_taken", c10::IValue(steps));
+    common.write("passes_since_step", c10::IValue(passes_since_step));
+    for (size_t u = 0; u < units.size(); ++u) {
+      torch::serialize::OutputArchive archive;
+      archive.write("name", c10::IValue(units[u]->name));
+      detail::write_param_shapes(archive, shapes_of(*units[u]));
+      common.write("unit_" + std::to_string(u), archive);
+    }
+  }
+
+  void save_pieces(PieceWriter& pieces) {
+    check_checkpointable();
+    wait_all();
+    for (size_t u = 0; u < units.size(); ++u) {
+      for (size_t i = 0; i < units[u]->params.size(); ++i) {
+        const auto& slot = units[u]->params[i];
+        if (slot.valid_rows(rank) > 0) {
+          torch::serialize::OutputArchive rows;
+          rows.write("rows", slot.shard.detach(), /*is_buffer=*/true);
+          pieces.add(param_key(u, i) + "/rows_" + std::to_string(rank), std::move(rows));
+        }
+        if (slot.optimizer) save_optimizer(*slot.optimizer, pieces, param_key(u, i) + "/optimizer");
+      }
+    }
+  }
+
+  /// A parameter's optimizer: a DistributedCheckpointable one (DistributedShampoo) as its common
+  /// part plus its own pieces, a LibTorch one as its whole archive (it holds one parameter).
+  static void save_optimizer(const torch::optim::Optimizer& optimizer, PieceWriter& pieces,
+                             const std::string& key) {
+    torch::serialize::OutputArchive head;
+    if (const auto* inner = dynamic_cast<const DistributedCheckpointable*>(&optimizer)) {
+      head.write("kind", c10::IValue(inner->checkpoint_kind()));
+      torch::serialize::OutputArchive common;
+      inner->save_common(common);
+      head.write("common", common);
+      auto nested = pieces.nested(key + "/");
+      inner->save_pieces(nested);
+    } else {
+      head.write("kind", c10::IValue(std::string("torch.optim")));
+      torch::serialize::OutputArchive state;
+      optimizer.save(state);
+      head.write("state", state);
+    }
+    pieces.add(key, std::move(head));
+  }
+
+  static int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
+    c10::IValue value;
+    TORCH_CHECK(archive.try_read(key, value) && value.isInt(), kWho, "checkpoint: entry '", key,
+                "' is missing");
+    return value.toInt();
+  }
+
+  /// Checks that the checkpoint holds these units (a checkpoint of another model is an error
+  /// naming the first difference).
+  void check_units(torch::serialize::InputArchive& common) {
+    const int64_t saved = read_int(common, "num_units");
+    TORCH_CHECK(saved == static_cast<int64_t>(units.size()), kWho, "checkpoint: it holds ", saved,
+                " units, this model has ", units.size(), " (a checkpoint of another model?)");
+    for (size_t u = 0; u < units.size(); ++u) {
+      torch::serialize::InputArchive archive;
+      TORCH_CHECK(common.try_read("unit_" + std::to_string(u), archive), kWho,
+                  "checkpoint: no entry for unit ", u);
+      c10::IValue name;
+      TORCH_CHECK(archive.try_read("name", name) && name.isString(), kWho,
+                  "checkpoint: unit ", u, " has no name");
+      TORCH_CHECK(name.toStringRef() == units[u]->name, kWho, "checkpoint: unit ", u, " is named '",
+                  name.toStringRef(), "' there and '", units[u]->name,
+                  "' here (a checkpoint of another model?)");
+      detail::check_param_shapes(archive, shapes_of(*units[u]),
+                                 std::string(kWho) + "checkpoint: unit " + std::to_string(u) +
+                                     " ('" + units[u]->name + "')");
+    }
+  }
+
+  /// This rank's rows of parameter (u, i), from the chunks the ranks of the saving job wrote.
+  at::Tensor read_rows(size_t u, size_t i, int64_t saved_world, PieceReader& pieces) {
+    const auto& slot = unit(u).params[i];
+    const int64_t valid = slot.valid_rows(rank);
+    auto rows = at::empty({valid, slot.row_numel}, unit(u).options);
+    const int64_t first = rank * slot.chunk_rows;
+    const int64_t saved_chunk = (slot.rows + saved_world - 1) / saved_world;
+    for (int64_t s = 0; s < saved_world; ++s) {
+      const int64_t begin = s * saved_chunk;
+      const int64_t end = std::min(slot.rows, begin + saved_chunk);
+      const int64_t low = std::max(begin, first);
+      const int64_t high = std::min(end, first + valid);
+      if (low >= high) continue;
+      const auto key = param_key(u, i) + "/rows_" + std::to_string(s);
+      auto piece = pieces.read(key);
+      at::Tensor saved;
+      TORCH_CHECK(piece.try_read("rows", saved, /*is_buffer=*/true) &&
+                      saved.numel() == (end - begin) * slot.row_numel,
+                  kWho, "checkpoint: piece ", key, " is damaged");
+      rows.narrow(0, low - first, high - low)
+          .copy_(saved.reshape({end - begin, slot.row_numel}).narrow(0, low - begin, high - low));
+    }
+    return rows.view(slot.shard_sizes(rank));
+  }
+
+  /// Reads the optimizer of parameter (u, i) and returns what installs it.
+  std::function<void()> prepare_optimizer(size_t u, size_t i, PieceReader& pieces) {
+    auto& slot = unit(u).params[i];
+    const auto key = param_key(u, i) + "/optimizer";
+    auto head = pieces.read(key);
+    c10::IValue kind;
+    TORCH_CHECK(head.try_read("kind", kind) && kind.isString(), kWho, "checkpoint: piece ", key,
+                " is damaged");
+    auto* inner = dynamic_cast<DistributedCheckpointable*>(slot.optimizer.get());
+    const std::string here = inner != nullptr ? inner->checkpoint_kind() : "torch.optim";
+    TORCH_CHECK(kind.toStringRef() == here, kWho, "checkpoint: parameter ", i, " of unit '",
+                unit(u).name, "' was stepped by a ", kind.toStringRef(), ", here by a ", here);
+    if (inner != nullptr) {
+      auto common = std::make_shared<torch::serialize::InputArchive>();
+      TORCH_CHECK(head.try_read("common", *common), kWho, "checkpoint: piece ", key, " is damaged");
+      auto nested = pieces.nested(key + "/");
+      return inner->prepare_load(*common, nested);
+    }
+    // Loaded into a scratch optimizer of the same kind first: nothing changes unless it loads.
+    auto scratch_param = at::empty(slot.sizes, unit(u).options).requires_grad_();
+    std::shared_ptr<torch::optim::Optimizer> scratch = factory({scratch_param});
+    torch::serialize::InputArchive state;
+    TORCH_CHECK(head.try_read("state", state), kWho, "checkpoint: piece ", key, " is damaged");
+    scratch->load(state);
+    auto* target = slot.optimizer.get();
+    void* target_key = slot.param.unsafeGetTensorImpl();
+    return [scratch, scratch_param, target, target_key] {
+      auto& states = scratch->state();
+      const auto it = states.find(scratch_param.unsafeGetTensorImpl());
+      target->state().clear();
+      if (it != states.end()) target->state()[target_key] = std::move(it->second);
+      target->param_groups()[0].set_options(scratch->param_groups()[0].options().clone());
+    };
+  }
+
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common, PieceReader& pieces) {
+    check_checkpointable();
+    wait_all();
+    check_units(common);
+    const int64_t saved_world = read_int(common, "world");
+    const int64_t saved_passes = read_int(common, "backward_passes");
+    const int64_t saved_steps = read_int(common, "steps_taken");
+    const int64_t saved_since = read_int(common, "passes_since_step");
+    std::vector<std::pair<at::Tensor, at::Tensor>> shards;  // (this rank's shard, its rows)
+    std::vector<std::function<void()>> installs;
+    for (size_t u = 0; u < units.size(); ++u) {
+      for (size_t i = 0; i < unit(u).params.size(); ++i) {
+        auto& slot = unit(u).params[i];
+        shards.emplace_back(slot.shard, read_rows(u, i, saved_world, pieces));
+        if (slot.optimizer) installs.push_back(prepare_optimizer(u, i, pieces));
+      }
+    }
+    std::weak_ptr<State> weak = shared_from_this();
+    return [weak, shards, installs, saved_passes, saved_steps, saved_since] {
+      at::NoGradGuard no_grad;
+      for (const auto& [shard, rows] : shards) shard.copy_(rows);
+      for (const auto& install : installs) install();
+      if (auto self = weak.lock()) {
+        self->passes = saved_passes;
+        self->steps = saved_steps;
+        self->passes_since_step = saved_since;
+        for (auto& unit : self->units) {
+          for (auto& slot : unit->params) slot.reduced = at::Tensor();
+        }
+      }
+    };
+  }
+
   ParamSlot& slot_for(const at::Tensor& param) {
     const auto it = slot_of.find(param.unsafeGetTensorImpl());
     TORCH_CHECK(it != slot_of.end(), kWho, "this tensor is no unit's parameter");
@@ -695,7 +896,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> unit
   s.make_groups(s.agree_on_units());
   s.broadcast_values();
   if (s.lossless()) s.assign_owners();
-  s.make_shards_and_optimizers(factory);
+  s.factory = std::move(factory);
+  s.make_shards_and_optimizers();
   for (auto& unit : s.units) s.reshard(*unit);
   s.add_hooks();
   if (options.overlap_step()) s.worker = std::make_unique<StepWorker>();
@@ -741,9 +943,21 @@ void FullyShardedDataParallel::step() { state_->step_all(); }
 
 void FullyShardedDataParallel::wait() { state_->wait_all(); }
 
-torch::optim::Optimizer* FullyShardedDataParallel::optimizer(size_t unit) {
-  unit_name(unit);
-  return state_->units[unit]->optimizer.get();
+torch::optim::Optimizer* FullyShardedDataParallel::optimizer_of(const at::Tensor& param) {
+  const auto& where = state_->slot_for(param);
+  if (state_->lossless()) return where.optimizer.get();
+  return state_->unit(state_->slot_of.at(param.unsafeGetTensorImpl()).first).optimizer.get();
+}
+
+std::vector<torch::optim::Optimizer*> FullyShardedDataParallel::optimizers() {
+  std::vector<torch::optim::Optimizer*> out;
+  for (auto& unit : state_->units) {
+    if (unit->optimizer) out.push_back(unit->optimizer.get());
+    for (auto& slot : unit->params) {
+      if (slot.optimizer) out.push_back(slot.optimizer.get());
+    }
+  }
+  return out;
 }
 
 int FullyShardedDataParallel::owner_of(const at::Tensor& param) const {
@@ -800,6 +1014,23 @@ int64_t FullyShardedDataParallel::gathered_bytes() const {
 
 const c10::intrusive_ptr<c10d::ProcessGroup>& FullyShardedDataParallel::process_group() const {
   return state_->group;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedDataParallel::checkpoint_group() const {
+  return state_->group;
+}
+
+void FullyShardedDataParallel::save_common(torch::serialize::OutputArchive& common) const {
+  state_->save_common(common);
+}
+
+void FullyShardedDataParallel::save_pieces(PieceWriter& pieces) const {
+  state_->save_pieces(pieces);
+}
+
+std::function<void()> FullyShardedDataParallel::prepare_load(
+    torch::serialize::InputArchive& common, PieceReader& pieces) {
+  return state_->prepare_load(common, pieces);
 }
 
 std::vector<ShardedUnit> sequential_units(const torch::nn::Sequential& model) {

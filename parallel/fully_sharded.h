@@ -30,8 +30,12 @@
 ///
 /// The module's parameter tensors stay the tensors autograd sees: while a unit is sharded they
 /// have no storage and shape [0] (an ATen op that reads one outside forward(unit, fn) fails on
-/// the shape). Optimizers come from the factory and belong to this object: one per unit and rank
-/// (over the parameters the rank owns, or over its row chunks).
+/// the shape). Optimizers come from the factory and belong to this object: lossless, one per
+/// parameter on its owner; local shards, one per unit and rank over its row chunks.
+///
+/// Checkpoints (lossless): save_distributed_state(fsdp, dir) / load_distributed_state(fsdp, dir)
+/// store every parameter's rows and every parameter's optimizer state keyed by unit and
+/// parameter, so a run saved on 4 ranks resumes on 2, or on 1.
 
 #include <ATen/ATen.h>
 #include <torch/arg.h>
@@ -45,6 +49,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
+#include "parallel/distributed_checkpoint.h"
 #include "parallel/optimizer_factory.h"
 
 namespace shampoo {
@@ -78,7 +83,7 @@ struct FullyShardedOptions {
   TORCH_ARG(bool, broadcast_parameters) = true;
 };
 
-class FullyShardedDataParallel {
+class FullyShardedDataParallel : public DistributedCheckpointable {
  public:
   /// Shards `units` (the same units, in the same order, on every rank) over `group` and builds
   /// the optimizers with `factory`. Errors: a parameter in two units (or twice in one), one that
@@ -88,7 +93,7 @@ class FullyShardedDataParallel {
   FullyShardedDataParallel(std::vector<ShardedUnit> units, OptimizerFactory factory,
                            c10::intrusive_ptr<c10d::ProcessGroup> group,
                            FullyShardedOptions options = {});
-  ~FullyShardedDataParallel();
+  ~FullyShardedDataParallel() override;
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
 
@@ -109,9 +114,12 @@ class FullyShardedDataParallel {
   /// Waits for every step in flight and rethrows the first failure of one.
   void wait();
 
-  /// The optimizer of `unit` on this rank, or null when the rank steps none of its parameters
-  /// (lossless mode) or none of its rows (local-shard mode).
-  torch::optim::Optimizer* optimizer(size_t unit);
+  /// The optimizer that steps `param` on this rank: lossless, the parameter's own (made by the
+  /// factory with this one parameter), null on a rank that does not own it; local shards, the
+  /// unit's (over this rank's rows of its parameters), null when the rank holds none of them.
+  torch::optim::Optimizer* optimizer_of(const at::Tensor& param);
+  /// Every optimizer on this rank (to change learning rates, attach schedulers).
+  std::vector<torch::optim::Optimizer*> optimizers();
   /// The rank that steps `param` in lossless mode (-1 in local-shard mode); an error for a
   /// tensor that is no unit's parameter.
   int owner_of(const at::Tensor& param) const;
@@ -130,6 +138,19 @@ class FullyShardedDataParallel {
   int64_t gathered_bytes() const;
 
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
+
+  /// World-size-independent checkpoints, lossless mode (local shards: an error). Pieces: each
+  /// rank's rows of every parameter, and each owner's optimizer of its parameters
+  /// (DistributedShampoo's own pieces, or a LibTorch optimizer's archive). Loading checks the
+  /// units' names and shapes against the checkpoint's ("a checkpoint of another model" names the
+  /// first difference) and installs nothing unless every rank read its part. Waits for the
+  /// steps in flight first.
+  std::string checkpoint_kind() const override { return "FullyShardedDataParallel"; }
+  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
+  void save_common(torch::serialize::OutputArchive& common) const override;
+  void save_pieces(PieceWriter& pieces) const override;
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
+                                     PieceReader& pieces) override;
 
  private:
   struct State;

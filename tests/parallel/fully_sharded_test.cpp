@@ -9,6 +9,7 @@
 #include <torch/optim/adam.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -230,6 +231,73 @@ TEST(FullyShardedAccumulation, TwoMicroBatchesFollowDataParallelism) {
         },
         kTimeout);
   }
+}
+
+// Checkpoints: saved fully sharded at world 4, resumed at 4 (bit for bit the uninterrupted run),
+// at 2 and at 1 (the same global batch; within float32 summation-order noise).
+void train_sharded(Optim optim, int world, int steps, const std::string& load_from,
+                   const std::string& save_to, std::vector<at::Tensor>& final_values) {
+  std::mutex mutex;
+  run_ranks(
+      world,
+      [&](int rank, const Group& group) {
+        ShardedRun run(optim, group, FullyShardedOptions());
+        if (!load_from.empty()) shampoo::load_distributed_state(*run.fsdp, load_from);
+        const auto data = sharding_batch(rank, world);
+        for (int step = 0; step < steps; ++step) sharded_step(run, data, true);
+        if (!save_to.empty()) shampoo::save_distributed_state(*run.fsdp, save_to);
+        auto values = run.full_values();
+        if (rank != 0) return;
+        std::lock_guard<std::mutex> lock(mutex);
+        final_values = values;
+      },
+      kTimeout);
+}
+
+TEST(FullyShardedCheckpoint, ResumesAtAnotherWorldSize) {
+  for (const auto optim : {Optim::kAdam, Optim::kShampoo}) {
+    const auto dir = shampoo::testing::temp_path("fsdp_checkpoint_" + optim_name(optim));
+    std::vector<at::Tensor> saved, uninterrupted, resumed;
+    train_sharded(optim, 4, 6, "", "", uninterrupted);
+    train_sharded(optim, 4, 3, "", dir, saved);
+    train_sharded(optim, 4, 3, dir, "", resumed);
+    EXPECT_TRUE(bit_equal(resumed, uninterrupted)) << optim_name(optim);
+    for (const int world : {2, 1}) {
+      train_sharded(optim, world, 3, dir, "", resumed);
+      for (size_t i = 0; i < resumed.size(); ++i) {
+        EXPECT_TRUE(all_close(resumed[i], uninterrupted[i],
+                              optim == Optim::kAdam ? shampoo::testing::Tolerance{1e-5, 1e-6}
+                                                    : shampoo::testing::Tolerance{1e-3, 1e-4}))
+            << optim_name(optim) << " world " << world << " parameter " << i;
+        EXPECT_FALSE(bit_equal(resumed[i], saved[i])) << "the resumed run trained";
+      }
+    }
+    shampoo::testing::remove_tree(dir);
+  }
+}
+
+TEST(FullyShardedCheckpoint, ACheckpointOfAnotherModelOrModeIsAClearError) {
+  const auto dir = shampoo::testing::temp_path("fsdp_checkpoint_other");
+  std::vector<at::Tensor> ignored;
+  train_sharded(Optim::kAdam, 2, 1, "", dir, ignored);
+  run_ranks(
+      2,
+      [&](int, const Group& group) {
+        auto wider = make_mlp(6, 12, 3, 5);
+        FullyShardedDataParallel other(shampoo::sequential_units(wider), factory_of(Optim::kAdam),
+                                       group);
+        expect_error([&] { shampoo::load_distributed_state(other, dir); },
+                     {"unit 0 ('0')", "parameter 0 has shape [10, 6] there and [12, 6] here"});
+        ShardedRun shampoo_run(Optim::kShampoo, group, FullyShardedOptions());
+        expect_error([&] { shampoo::load_distributed_state(*shampoo_run.fsdp, dir); },
+                     {"was stepped by a torch.optim, here by a DistributedShampoo"});
+        ShardedRun local(Optim::kAdam, group,
+                         FullyShardedOptions().step_mode(ShardedStepMode::kLocalShard));
+        expect_error([&] { shampoo::save_distributed_state(*local.fsdp, dir + "_local"); },
+                     {"checkpoints need step_mode kLossless"});
+      },
+      kTimeout);
+  shampoo::testing::remove_tree(dir);
 }
 
 // What a rank holds: its row chunks; no full parameters or gradients between steps; the module's

@@ -52,6 +52,28 @@ void allocate_full(const at::Tensor& param, at::IntArrayRef sizes) {
   impl->set_sizes_contiguous(sizes);
 }
 
+/// Waits for collectives; a failure (a rank that died, a timeout) becomes an error that says what
+/// was being done, on which rank, and what c10d reported.
+void wait_all_of(std::vector<c10::intrusive_ptr<c10d::Work>>& works, const std::string& what,
+                 int rank) {
+  std::string failure;
+  for (auto& work : works) {
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      if (failure.empty()) failure = e.what();
+    }
+  }
+  works.clear();
+  TORCH_CHECK(failure.empty(), kWho, what, " failed on rank ", rank,
+              " (did another rank stop, or time out?): ", failure);
+}
+
+void wait_one(c10::intrusive_ptr<c10d::Work> work, const std::string& what, int rank) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works{std::move(work)};
+  wait_all_of(works, what, rank);
+}
+
 std::string shape_text(at::IntArrayRef sizes) {
   std::ostringstream out;
   out << sizes;
@@ -291,7 +313,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       std::vector<at::Tensor> flat;
       for (const auto& slot : unit->params) flat.push_back(slot.param.detach().reshape({-1}));
       std::vector<at::Tensor> buffer{at::cat(flat)};
-      group->broadcast(buffer)->wait();
+      wait_one(group->broadcast(buffer), "the broadcast of unit '" + unit->name + "'", rank);
       int64_t offset = 0;
       for (auto& slot : unit->params) {
         slot.param.variable_data().view({-1}).copy_(buffer[0].narrow(0, offset, slot.numel()));
@@ -378,7 +400,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       inputs.push_back(input);
       works.push_back(via._allgather_base(output, inputs.back()));
     }
-    for (auto& work : works) work->wait();
+    wait_all_of(works, "the all-gather of unit '" + unit.name + "'", rank);
     for (size_t i = 0; i < unit.params.size(); ++i) {
       if (!padded[i].defined()) continue;
       const auto& slot = unit.params[i];
@@ -533,7 +555,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       std::vector<at::Tensor> one{grads[i]};
       works.push_back(reduce_group->reduce(one, reduce_options));
     }
-    for (auto& work : works) work->wait();
+    wait_all_of(works, "the gradient reduction of unit '" + unit.name + "'", rank);
     for (size_t i = 0; i < grads.size(); ++i) {
       if (unit.params[i].owner == rank) accumulate(unit.params[i], grads[i].div_(world));
       grads[i] = at::Tensor();
@@ -550,7 +572,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
     auto received = at::empty({unit.shard_numel}, unit.options);
     auto flat = send.view({-1});
-    reduce_group->_reduce_scatter_base(received, flat)->wait();
+    wait_one(reduce_group->_reduce_scatter_base(received, flat),
+             "the gradient reduce-scatter of unit '" + unit.name + "'", rank);
     send = at::Tensor();
     for (auto& slot : unit.params) {
       const int64_t n = slot.valid_rows(rank) * slot.row_numel;
@@ -627,7 +650,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     auto received = at::empty({c10::sum_integers(receive_split)}, unit.options);
     std::vector<int64_t> send_split(world, sent_per_rank);
     auto flat = send.view({-1});
-    via.alltoall_base(received, flat, receive_split, send_split)->wait();
+    wait_one(via.alltoall_base(received, flat, receive_split, send_split),
+             "sending the stepped rows of unit '" + unit.name + "'", rank);
     std::vector<int64_t> source_offset(world, 0);
     for (int o = 1; o < world; ++o) source_offset[o] = source_offset[o - 1] + receive_split[o - 1];
     for (auto& slot : unit.params) {

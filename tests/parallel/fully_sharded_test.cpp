@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -298,6 +299,47 @@ TEST(FullyShardedCheckpoint, ACheckpointOfAnotherModelOrModeIsAClearError) {
       },
       kTimeout);
   shampoo::testing::remove_tree(dir);
+}
+
+// A rank that stops in the middle of a step (after its forward, before its backward) makes the
+// other fail with an error that says so, within the process group's timeout: killed (its
+// connections close) or hung (alive, silent past the timeout). The checkpoint saved before that
+// step is intact.
+TEST(FullyShardedFaults, ARankThatStopsMidStepFailsTheOtherAndKeepsTheCheckpoint) {
+  for (const bool hung : {false, true}) {
+    const auto dir = shampoo::testing::temp_path("fsdp_fault");
+    const std::chrono::seconds timeout{2};
+    std::mutex mutex;
+    std::vector<at::Tensor> saved_values;
+    run_ranks(
+        2,
+        [&](int rank, const Group& group) {
+          ShardedRun run(Optim::kShampoo, group, FullyShardedOptions());
+          const auto data = sharding_batch(rank, 2);
+          for (int step = 0; step < 2; ++step) sharded_step(run, data, true);
+          shampoo::save_distributed_state(*run.fsdp, dir);
+          auto values = run.full_values();
+          if (rank == 1) {
+            shampoo::forward_sequential(*run.fsdp, run.model, data.inputs);
+            if (hung) std::this_thread::sleep_for(2 * timeout);
+            return;  // gone: its process group closes
+          }
+          {
+            std::lock_guard<std::mutex> lock(mutex);
+            saved_values = values;
+          }
+          const auto start = std::chrono::steady_clock::now();
+          expect_error([&] { sharded_step(run, data, true); },
+                       {"FullyShardedDataParallel: ", "failed on rank 0", "did another rank stop"});
+          EXPECT_LT(std::chrono::steady_clock::now() - start, timeout + std::chrono::seconds(3))
+              << (hung ? "hung" : "killed");
+        },
+        timeout);
+    std::vector<at::Tensor> loaded;
+    train_sharded(Optim::kShampoo, 1, 0, dir, "", loaded);
+    EXPECT_TRUE(bit_equal(loaded, saved_values));
+    shampoo::testing::remove_tree(dir);
+  }
 }
 
 // What a rank holds: its row chunks; no full parameters or gradients between steps; the module's

@@ -22,11 +22,14 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/utils.h>
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -143,8 +146,10 @@ shampoo::AutocastGuard autocast_for(const TrainerConfig& config, c10::Device dev
 /// Test loss and accuracy (none for the autoencoder): every rank evaluates its contiguous share
 /// of the test set and the sums are all-reduced. With --amp the forward passes run under
 /// autocast, as in training.
-Evaluation evaluate(ImageClassifier& model, const ImageDataset& data, int64_t batch_size,
-                    const Distributed& d, const TrainerConfig& config, c10::Device device) {
+Evaluation evaluate(ImageClassifier& model,
+                    const std::function<at::Tensor(const at::Tensor&)>& forward,
+                    const ImageDataset& data, int64_t batch_size, const Distributed& d,
+                    const TrainerConfig& config, c10::Device device) {
   torch::NoGradGuard no_grad;
   const auto autocast = autocast_for(config, device);
   model.eval();
@@ -156,7 +161,7 @@ Evaluation evaluate(ImageClassifier& model, const ImageDataset& data, int64_t ba
   for (int64_t b = begin; b < end; b += batch_size) {
     const int64_t e = std::min(b + batch_size, end);
     const auto input = model_input(model, data, data.test.images.slice(0, b, e));
-    const auto logits = model.forward(input);
+    const auto logits = forward(input);
     const auto labels = data.test.labels.slice(0, b, e);
     loss_sum += batch_loss(model, logits, input, labels, /*sum=*/true).item<double>();
     if (!model.reconstructs()) {
@@ -185,6 +190,15 @@ RunSignature run_signature(const TrainerConfig& config, int64_t global_batch_siz
           {"global_batch_size", std::to_string(global_batch_size)},
           {"train_examples", std::to_string(train_examples)},
           {"seed", std::to_string(config.seed)}};
+}
+
+/// The signature with full sharding: its checkpoints hold the parameters as sharded pieces, which
+/// only a fully sharded run reads (and it reads no other).
+RunSignature run_signature_of(const TrainerConfig& config, int64_t global_batch_size,
+                              int64_t train_examples) {
+  auto signature = run_signature(config, global_batch_size, train_examples);
+  if (config.sharding == ShardingMode::kFull) signature.emplace_back("sharding", "full");
+  return signature;
 }
 
 /// LibTorch's CPU allocator takes every tensor from malloc. glibc serves blocks above its mmap
@@ -257,6 +271,12 @@ struct Trainer {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<shampoo::GradScaler> scaler;  // --amp fp16
   std::unique_ptr<CosineAnnealingLr> scheduler;
+  // --sharding full: the fully sharded model, one optimizer per parameter on its owner rank, and
+  // a cosine schedule for each of this rank's optimizers.
+  std::unique_ptr<shampoo::FullyShardedDataParallel> fsdp;
+  std::vector<std::unique_ptr<CosineAnnealingLr>> sharded_schedulers;
+  bool whole_model_unit = false;  // the model has no units of its own: it is one
+  int64_t num_parameters = 0;
   LossMetrics metrics;
   TrainingProgress progress;
   std::optional<MetricsCsv> csv;
@@ -277,9 +297,9 @@ ImageDataset load_data(const TrainerConfig& config, int64_t* full_train_size) {
 void resume(Trainer& t) {
   const auto& config = t.config;
   t.checkpoint.emplace(config.checkpoint_dir, t.d.group,
-                       run_signature(config, t.batch.global, t.data.train.size()),
+                       run_signature_of(config, t.batch.global, t.data.train.size()),
                        TrainingCheckpoint::State{t.model.get(), t.optimizer.get(), &t.metrics,
-                                                 &t.progress, t.scaler.get()},
+                                                 &t.progress, t.scaler.get(), t.fsdp.get()},
                        t.device);
   if (!t.checkpoint->exists()) return;
   t.resumed_from_world_size = t.checkpoint->load();
@@ -292,9 +312,73 @@ void resume(Trainer& t) {
               " epoch(s) and ", t.progress.iteration, " iterations do not fit epochs of ", batches,
               " iterations");
   if (t.scheduler) t.scheduler->resume(t.progress.iteration);
+  for (auto& scheduler : t.sharded_schedulers) scheduler->resume(t.progress.iteration);
 }
 
-/// Model, synchronizer, optimizer, scheduler; resumes from the checkpoint.
+/// Data parallelism: the synchronizer (sharding gradients with --sharding gradients), the
+/// optimizer and its schedule.
+void build_data_parallel(Trainer& t) {
+  const auto& config = t.config;
+  if (t.d.group && t.d.world_size > 1) {
+    t.synchronizer =
+        std::make_unique<shampoo::GradientSynchronizer>(t.model->parameters(), t.d.group);
+  }
+  t.optimizer = make_optimizer(config, t.plans, t.d.group);
+  if (t.synchronizer && config.sharding == ShardingMode::kGradients) {
+    // ZeRO-2: each gradient goes to the rank that steps its parameter.
+    t.synchronizer->shard_gradients(dynamic_cast<const shampoo::ParameterOwners&>(*t.optimizer));
+  }
+  if (config.lr_schedule == LrSchedule::kCosine) {
+    // Made before a checkpoint is loaded: its base rates are the configured ones.
+    t.scheduler = std::make_unique<CosineAnnealingLr>(
+        lr_optimizer(*t.optimizer), t.sampler.batches_per_epoch() * config.epochs);
+  }
+}
+
+/// --sharding full: the model's units (or the whole model as one unit) sharded over the ranks,
+/// each parameter's optimizer made on its owner from the plan of its param group.
+void build_fully_sharded(Trainer& t) {
+  const auto& config = t.config;
+  auto named = t.model->sharding_units();
+  t.whole_model_unit = named.empty();
+  if (named.empty()) named.emplace_back("model", t.model->parameters());
+  std::vector<shampoo::ShardedUnit> units;
+  for (auto& [name, params] : named) units.push_back({name, params});
+  const auto plans = t.plans;
+  const shampoo::OptimizerFactory factory = [&config,
+                                             plans](std::vector<torch::Tensor> params) {
+    std::vector<ParamGroupPlan> own;
+    for (const auto& plan : plans) {
+      for (size_t k = 0; k < plan.params.size(); ++k) {
+        if (plan.params[k].is_same(params.at(0))) {
+          own.push_back({{plan.names[k]}, {params[0]}, plan.lr, plan.weight_decay});
+        }
+      }
+    }
+    return make_optimizer(config, own, nullptr);
+  };
+  // One process without torchrun: a group of one rank (the units are gathered from it alone).
+  auto group = t.d.group ? t.d.group
+                         : shampoo::detail::make_process_group(
+                               c10::make_intrusive<c10d::HashStore>(), 0, 1,
+                               shampoo::kDefaultProcessGroupTimeout, t.device.is_cuda());
+  t.fsdp = std::make_unique<shampoo::FullyShardedDataParallel>(units, factory, group);
+  if (!t.whole_model_unit) {
+    auto* fsdp = t.fsdp.get();
+    t.model->set_unit_runner(
+        [fsdp](const std::string& unit, const std::function<at::Tensor()>& forward) {
+          return fsdp->forward(fsdp->unit_index(unit), forward);
+        });
+  }
+  if (config.lr_schedule == LrSchedule::kCosine) {
+    for (auto* optimizer : t.fsdp->optimizers()) {
+      t.sharded_schedulers.push_back(std::make_unique<CosineAnnealingLr>(
+          lr_optimizer(*optimizer), t.sampler.batches_per_epoch() * config.epochs));
+    }
+  }
+}
+
+/// Model, synchronizer or full sharding, optimizer, scheduler; resumes from the checkpoint.
 void build_model_and_optimizer(Trainer& t) {
   const auto& config = t.config;
   // The same seed on every rank (the synchronizer also broadcasts rank 0's weights).
@@ -303,25 +387,17 @@ void build_model_and_optimizer(Trainer& t) {
                                   t.data.height(), t.data.width());
   // Initialized on the CPU, then moved: the same initial weights on every device.
   t.model->to(t.device);
-  if (t.d.group && t.d.world_size > 1) {
-    t.synchronizer =
-        std::make_unique<shampoo::GradientSynchronizer>(t.model->parameters(), t.d.group);
-  }
+  for (const auto& p : t.model->parameters()) t.num_parameters += p.numel();
   t.plans = plan_param_groups(t.model->named_parameters(), config);
-  t.optimizer = make_optimizer(config, t.plans, t.d.group);
-  if (t.synchronizer && config.sharding == ShardingMode::kGradients) {
-    // ZeRO-2: each gradient goes to the rank that steps its parameter.
-    t.synchronizer->shard_gradients(dynamic_cast<const shampoo::ParameterOwners&>(*t.optimizer));
+  if (config.sharding == ShardingMode::kFull) {
+    build_fully_sharded(t);
+  } else {
+    build_data_parallel(t);
   }
   if (config.amp == AmpMode::kFp16) {
     // fp16's narrow range needs loss scaling; bf16 has float32's exponent range and needs none.
     t.scaler = std::make_unique<shampoo::GradScaler>(
         shampoo::GradScalerOptions().process_group(t.d.group));
-  }
-  if (config.lr_schedule == LrSchedule::kCosine) {
-    // Made before a checkpoint is loaded: its base rates are the configured ones.
-    t.scheduler = std::make_unique<CosineAnnealingLr>(
-        lr_optimizer(*t.optimizer), t.sampler.batches_per_epoch() * config.epochs);
   }
   // The model's tensors are loaded in place, after the synchronizer and the optimizer took them.
   if (!config.checkpoint_dir.empty()) resume(t);
@@ -329,6 +405,33 @@ void build_model_and_optimizer(Trainer& t) {
     t.csv.emplace(config.metrics_dir, t.progress.epoch, t.progress.iteration,
                   device_name(t.device));
   }
+}
+
+/// The model's forward: a model without units of its own runs as one fully sharded unit with
+/// --sharding full (a model with units runs each through the fully sharded model itself).
+at::Tensor model_forward(Trainer& t, const at::Tensor& input) {
+  if (t.fsdp && t.whole_model_unit) {
+    return t.fsdp->forward(0, [&] { return t.model->forward(input); });
+  }
+  return t.model->forward(input);
+}
+
+/// evaluate() with the trainer's forward; a fully sharded model is gathered whole for it.
+Evaluation evaluate_model(Trainer& t) {
+  if (t.fsdp) t.fsdp->gather_all();
+  const auto evaluation =
+      evaluate(*t.model, [&t](const at::Tensor& input) { return model_forward(t, input); },
+               t.data, t.config.eval_batch_size, t.d, t.config, t.device);
+  if (t.fsdp) t.fsdp->release_all();
+  return evaluation;
+}
+
+/// The learning rate of the first param group this rank steps (for the metrics).
+double current_lr(Trainer& t) {
+  if (t.optimizer) return lr_optimizer(*t.optimizer).param_groups()[0].options().get_lr();
+  const auto optimizers = t.fsdp->optimizers();
+  if (optimizers.empty()) return t.plans.at(0).lr;  // a rank that owns no parameter
+  return lr_optimizer(*optimizers[0]).param_groups()[0].options().get_lr();
 }
 
 /// The first output line: where this run trains.
@@ -362,8 +465,7 @@ std::string describe_resume(const Trainer& t) {
 
 void print_setup(Trainer& t) {
   const auto& config = t.config;
-  int64_t num_parameters = 0;
-  for (const auto& p : t.model->parameters()) num_parameters += p.numel();
+  const int64_t num_parameters = t.num_parameters;
   t.log.lead(describe_device(config.device, t.device, t.d.world_size));
   t.log.lead(config.command_line);
   t.log.lead(fmt::format(
@@ -378,22 +480,31 @@ void print_setup(Trainer& t) {
                   t.sampler.batches_per_epoch(), at::get_num_threads()));
   std::string optimizer_line = fmt::format("Optimizer: {}, {} param group(s)",
                                            optimizer_name(config.optimizer), t.plans.size());
-  if (const auto* shampoo_optimizer = as_shampoo(*t.optimizer)) {
+  if (const auto* shampoo_optimizer = t.optimizer ? as_shampoo(*t.optimizer) : nullptr) {
     const auto stats = shampoo_optimizer->stats();
     optimizer_line +=
         fmt::format(" -> {} virtual group(s), {} blocks ({} owned by rank 0), grafting {}",
                     stats.virtual_groups, stats.total_blocks, stats.owned_blocks,
                     grafting_name(config.grafting));
   }
+  if (t.fsdp) {
+    optimizer_line += fmt::format(
+        " -> one per parameter on its owner ({} on rank {}), stepped during backward",
+        t.fsdp->optimizers().size(), t.d.rank);
+  }
   t.log.lead(optimizer_line);
   t.log.lead(fmt::format(
-      "Mixed precision: {} | gradient sharding: {}",
+      "Mixed precision: {} | sharding: {}",
       config.amp == AmpMode::kOff    ? "off (float32)"
       : config.amp == AmpMode::kBf16 ? "bf16 autocast"
                                      : "fp16 autocast with a GradScaler",
-      t.synchronizer && t.synchronizer->sharded()   ? "each gradient reduced to its owner (ZeRO-2)"
-      : config.sharding == ShardingMode::kGradients ? "none needed (one process)"
-                                                    : "off (gradients all-reduced)"));
+      t.fsdp ? fmt::format("full (ZeRO-3): {} unit(s), each parameter's rows split over {} "
+                           "rank(s), each whole parameter stepped by its owner",
+                           t.fsdp->num_units(), t.d.world_size)
+      : t.synchronizer && t.synchronizer->sharded()
+          ? std::string("each gradient reduced to its owner (ZeRO-2)")
+      : config.sharding == ShardingMode::kGradients ? std::string("none needed (one process)")
+                                                    : std::string("off (gradients all-reduced)")));
   std::string groups = describe_param_groups(t.plans);
   if (!groups.empty() && groups.back() == '\n') groups.pop_back();
   t.log.lead(groups);
@@ -405,12 +516,12 @@ double train_step(Trainer& t, const at::Tensor& order, int64_t batch) {
   const auto index = t.sampler.local_batch(order, batch);
   const auto images = model_input(*t.model, t.data, t.data.train.images.index_select(0, index));
   const auto labels = t.data.train.labels.index_select(0, index);
-  t.optimizer->zero_grad();
+  if (t.optimizer) t.optimizer->zero_grad();
   at::Tensor loss;
   {
     // The forward pass under --amp's autocast (the loss itself comes out in float32).
     const auto autocast = autocast_for(t.config, t.device);
-    loss = batch_loss(*t.model, t.model->forward(images), images, labels, /*sum=*/false);
+    loss = batch_loss(*t.model, model_forward(t, images), images, labels, /*sum=*/false);
   }
   if (t.scaler) {
     t.scaler->scale(loss).backward();
@@ -418,7 +529,12 @@ double train_step(Trainer& t, const at::Tensor& order, int64_t batch) {
     loss.backward();
   }
   if (t.synchronizer) t.synchronizer->synchronize();
-  if (t.scaler) {
+  if (t.fsdp) {
+    // The steps ran during backward, unit by unit; the schedule changes the rates once they are
+    // done.
+    if (!t.sharded_schedulers.empty()) t.fsdp->wait();
+    for (auto& scheduler : t.sharded_schedulers) scheduler->step();
+  } else if (t.scaler) {
     t.scaler->step(*t.optimizer);  // skipped on every rank when a gradient overflowed
     t.scaler->update();
   } else {
@@ -475,8 +591,7 @@ std::optional<IterationLosses> train_epoch(Trainer& t, int64_t epoch) {
     const IterationLosses local = t.metrics.local();
     global = t.metrics.global(t.d.group);
     if (t.csv) {
-      t.csv->add_iteration(epoch, t.progress.iteration, local, global,
-                           lr_optimizer(*t.optimizer).param_groups()[0].options().get_lr());
+      t.csv->add_iteration(epoch, t.progress.iteration, local, global, current_lr(t));
     }
     t.progress_bar.update(batch + 1, fmt::format("loss {:.4f}", global.window_loss));
     const bool last = batch + 1 == batches;
@@ -510,7 +625,7 @@ std::optional<Evaluation> train(Trainer& t, int64_t last_epoch) {
     if (!global) break;
     const double train_seconds = seconds_since(epoch_start);
     average_buffers(*t.model, t.d);
-    evaluation = evaluate(*t.model, t.data, t.config.eval_batch_size, t.d, t.config, t.device);
+    evaluation = evaluate_model(t);
     t.progress.epoch = epoch;
     const double epoch_seconds = seconds_since(epoch_start);
     const auto accuracy = t.model->reconstructs()
@@ -531,7 +646,7 @@ std::optional<Evaluation> train(Trainer& t, int64_t last_epoch) {
 }
 
 void print_summary(Trainer& t, const Evaluation& evaluation, Clock::time_point run_start) {
-  if (const auto* shampoo_optimizer = as_shampoo(*t.optimizer)) {
+  if (const auto* shampoo_optimizer = t.optimizer ? as_shampoo(*t.optimizer) : nullptr) {
     const auto stats = shampoo_optimizer->stats();
     t.log.lead(
         fmt::format("Shampoo on rank 0: {} amortized root computations ({} failed), {} "
@@ -606,7 +721,7 @@ int run(int argc, const char* const* argv) {
   auto evaluation = train(t, last_epoch);
   report_stop(t, last_epoch, first_iteration);
   if (!evaluation) {
-    evaluation = evaluate(*t.model, t.data, config.eval_batch_size, d, config, device);
+    evaluation = evaluate_model(t);
   }
   print_summary(t, *evaluation, run_start);
   return 0;

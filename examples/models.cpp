@@ -34,7 +34,13 @@ ConvNetImpl::ConvNetImpl(int64_t in_channels, int64_t num_classes, int64_t heigh
 }
 
 torch::Tensor ConvNetImpl::forward(const torch::Tensor& images) {
-  return linear_->forward(F::relu(conv_->forward(images)).flatten(1));
+  const auto features = run_unit("conv", [&] { return conv_->forward(images); });
+  const auto flat = F::relu(features).flatten(1);
+  return run_unit("linear", [&] { return linear_->forward(flat); });
+}
+
+std::vector<std::pair<std::string, std::vector<torch::Tensor>>> ConvNetImpl::sharding_units() {
+  return {{"conv", conv_->parameters()}, {"linear", linear_->parameters()}};
 }
 
 SmallCnnImpl::SmallCnnImpl(int64_t in_channels, int64_t num_classes, int64_t image_size) {
@@ -137,15 +143,29 @@ torch::Tensor DeepAutoencoderImpl::forward(const torch::Tensor& images) {
   auto x = images.flatten(1);
   const auto encoders = encoder_->size();
   for (size_t i = 0; i < encoders; ++i) {
-    x = encoder_->ptr(i)->as<nn::Linear>()->forward(x);
+    x = run_unit("encoder." + std::to_string(i),
+                 [&] { return encoder_->ptr(i)->as<nn::Linear>()->forward(x); });
     if (i + 1 < encoders) x = torch::sigmoid(x);  // the 30-unit code is linear
   }
   const auto decoders = decoder_->size();
   for (size_t i = 0; i < decoders; ++i) {
-    x = decoder_->ptr(i)->as<nn::Linear>()->forward(x);
+    x = run_unit("decoder." + std::to_string(i),
+                 [&] { return decoder_->ptr(i)->as<nn::Linear>()->forward(x); });
     if (i + 1 < decoders) x = torch::sigmoid(x);  // the last layer's logits go to the loss
   }
   return x;
+}
+
+std::vector<std::pair<std::string, std::vector<torch::Tensor>>>
+DeepAutoencoderImpl::sharding_units() {
+  std::vector<std::pair<std::string, std::vector<torch::Tensor>>> units;
+  for (size_t i = 0; i < encoder_->size(); ++i) {
+    units.emplace_back("encoder." + std::to_string(i), encoder_->ptr(i)->parameters());
+  }
+  for (size_t i = 0; i < decoder_->size(); ++i) {
+    units.emplace_back("decoder." + std::to_string(i), decoder_->ptr(i)->parameters());
+  }
+  return units;
 }
 
 std::shared_ptr<ImageClassifier> make_image_classifier(const std::string& name, int64_t in_channels,

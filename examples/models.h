@@ -11,8 +11,11 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace shampoo::examples {
 
@@ -22,6 +25,25 @@ class ImageClassifier : public torch::nn::Module {
   virtual torch::Tensor forward(const torch::Tensor& images) = 0;
   /// True for a model that reconstructs its input (logits of every pixel) instead of classifying.
   virtual bool reconstructs() const { return false; }
+
+  /// Runs the forward of one unit of full sharding: (unit name, the unit's forward) -> its output.
+  using UnitRunner = std::function<torch::Tensor(const std::string& unit,
+                                                 const std::function<torch::Tensor()>& forward)>;
+  /// The units of full sharding (shampoo::FullyShardedDataParallel), by name, in forward order,
+  /// each with its parameters. Empty (the default): the whole model is one unit.
+  virtual std::vector<std::pair<std::string, std::vector<torch::Tensor>>> sharding_units() {
+    return {};
+  }
+  /// From now on forward() runs each of sharding_units() through `runner` (null: directly).
+  void set_unit_runner(UnitRunner runner) { unit_runner_ = std::move(runner); }
+
+ protected:
+  torch::Tensor run_unit(const std::string& unit, const std::function<torch::Tensor()>& forward) {
+    return unit_runner_ ? unit_runner_(unit, forward) : forward();
+  }
+
+ private:
+  UnitRunner unit_runner_;
 };
 
 /// The deep autoencoder of Hinton & Salakhutdinov (Science, 2006), the classic benchmark of
@@ -34,6 +56,8 @@ class DeepAutoencoderImpl : public ImageClassifier {
   explicit DeepAutoencoderImpl(int64_t pixels);
   torch::Tensor forward(const torch::Tensor& images) override;
   bool reconstructs() const override { return true; }
+  /// One unit per layer: "encoder.<i>", "decoder.<i>".
+  std::vector<std::pair<std::string, std::vector<torch::Tensor>>> sharding_units() override;
 
  private:
   torch::nn::ModuleList encoder_{nullptr};
@@ -49,6 +73,8 @@ class ConvNetImpl : public ImageClassifier {
  public:
   ConvNetImpl(int64_t in_channels, int64_t num_classes, int64_t height, int64_t width);
   torch::Tensor forward(const torch::Tensor& images) override;
+  /// Two units: "conv" and "linear".
+  std::vector<std::pair<std::string, std::vector<torch::Tensor>>> sharding_units() override;
 
  private:
   torch::nn::Conv2d conv_{nullptr};

@@ -24,7 +24,8 @@ const Names<DeviceChoice> kDeviceChoices{
 const Names<AmpMode> kAmpModes{
     {"off", AmpMode::kOff}, {"bf16", AmpMode::kBf16}, {"fp16", AmpMode::kFp16}};
 const Names<ShardingMode> kShardingModes{{"none", ShardingMode::kNone},
-                                         {"gradients", ShardingMode::kGradients}};
+                                         {"gradients", ShardingMode::kGradients},
+                                         {"full", ShardingMode::kFull}};
 const Names<OptimizerKind> kOptimizers{{"sgd", OptimizerKind::kSgd},
                                        {"adam", OptimizerKind::kAdam},
                                        {"adamw", OptimizerKind::kAdamW},
@@ -128,7 +129,9 @@ void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues
                   "what is sharded across ranks: none, or gradients (ZeRO-2: each gradient is "
                   "reduced to the rank that steps its parameter and released on the others; "
                   "sgd/adam/adamw run as shampoo::ShardedOptimizer, shampoo owns whole "
-                  "parameters)")
+                  "parameters), or full (ZeRO-3, shampoo::FullyShardedDataParallel: every "
+                  "parameter split by rows across the ranks and gathered per layer for forward "
+                  "and backward, each whole parameter stepped by one owner during backward)")
       .add_choice("progress", config.progress, kProgressModes,
                   "progress bar with rate and ETA on rank 0 (stderr); auto = only when stderr "
                   "is a terminal")
@@ -245,6 +248,11 @@ std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* a
     throw std::invalid_argument("--checkpoint-every: got " +
                                 std::to_string(config.checkpoint_every) +
                                 " without --checkpoint-dir (where would the checkpoints go?)");
+  }
+  if (config.sharding == ShardingMode::kFull && config.amp == AmpMode::kFp16) {
+    throw std::invalid_argument(
+        "--sharding full: --amp fp16 needs a GradScaler, which full sharding does not support "
+        "yet; use --amp bf16 (no scaler needed) or --amp off");
   }
   config.command_line = quoted_command_line(argc, argv);
   return config;

@@ -25,9 +25,10 @@ enum class ProgressMode { kAuto, kOn, kOff };
 enum class DeviceChoice { kAuto, kCpu, kCuda };
 /// --amp: the forward pass under autocast in bf16 or fp16 (fp16 with a GradScaler).
 enum class AmpMode { kOff, kBf16, kFp16 };
-/// --sharding: none (gradients all-reduced, every rank holds all of them) or gradients (ZeRO-2:
-/// each gradient reduced to the rank that steps its parameter).
-enum class ShardingMode { kNone, kGradients };
+/// --sharding: none (gradients all-reduced, every rank holds all of them), gradients (ZeRO-2:
+/// each gradient reduced to the rank that steps its parameter) or full (ZeRO-3:
+/// shampoo::FullyShardedDataParallel, parameters, gradients and state split across the ranks).
+enum class ShardingMode { kNone, kGradients, kFull };
 /// shampoo::CompactState (--compact-state).
 enum class CompactChoice { kNone, kBf16, kInt8 };
 

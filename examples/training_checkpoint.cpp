@@ -99,10 +99,13 @@ std::string metrics_key(int rank, int world_size) {
   return "metrics/rank-" + std::to_string(rank) + "-of-" + std::to_string(world_size);
 }
 
-/// The parameters, then the buffers, by name (the module's own tensors).
-NamedTensors named_state(const torch::nn::Module& model) {
+/// The parameters (unless `with_parameters` is false: a fully sharded model saves them itself),
+/// then the buffers, by name (the module's own tensors).
+NamedTensors named_state(const torch::nn::Module& model, bool with_parameters = true) {
   NamedTensors named;
-  for (const auto& item : model.named_parameters()) named.emplace_back(item.key(), item.value());
+  if (with_parameters) {
+    for (const auto& item : model.named_parameters()) named.emplace_back(item.key(), item.value());
+  }
   for (const auto& item : model.named_buffers()) named.emplace_back(item.key(), item.value());
   return named;
 }
@@ -160,11 +163,17 @@ TrainingCheckpoint::TrainingCheckpoint(std::filesystem::path dir, Group group,
       signature_(std::move(signature)),
       state_(state),
       device_(device) {
-  TORCH_INTERNAL_ASSERT(state_.model && state_.optimizer && state_.metrics && state_.progress);
+  TORCH_INTERNAL_ASSERT(state_.model && (state_.optimizer || state_.sharded) && state_.metrics &&
+                        state_.progress);
   if (group_) {
     rank_ = group_->getRank();
     world_size_ = group_->getSize();
   }
+}
+
+shampoo::DistributedCheckpointable* TrainingCheckpoint::checkpointable() const {
+  if (state_.sharded != nullptr) return state_.sharded;
+  return dynamic_cast<DistributedCheckpointable*>(state_.optimizer);
 }
 
 bool TrainingCheckpoint::exists() const {
@@ -214,7 +223,7 @@ void TrainingCheckpoint::save_common(torch::serialize::OutputArchive& common) co
   (mean_metrics_ ? *mean_metrics_ : *state_.metrics).save(metrics);
   common.write("metrics", metrics);
 
-  auto named = named_state(*state_.model);
+  auto named = named_state(*state_.model, state_.sharded == nullptr);
   const size_t first_buffer = named.size() - saved_buffers_.size();
   for (size_t i = 0; i < saved_buffers_.size(); ++i)
     named[first_buffer + i].second = saved_buffers_[i];
@@ -229,7 +238,7 @@ void TrainingCheckpoint::save_common(torch::serialize::OutputArchive& common) co
   common.write("rng", rng);
 
   torch::serialize::OutputArchive optimizer(unit);
-  if (const auto* distributed = dynamic_cast<const DistributedCheckpointable*>(state_.optimizer)) {
+  if (const auto* distributed = checkpointable()) {
     optimizer.write("kind", c10::IValue(distributed->checkpoint_kind()));
     torch::serialize::OutputArchive own(unit);
     distributed->save_common(own);
@@ -258,7 +267,7 @@ void TrainingCheckpoint::save_pieces(shampoo::PieceWriter& pieces) const {
     state_.metrics->save(metrics);
     pieces.add(metrics_key(rank_, world_size_), std::move(metrics));
   }
-  if (const auto* distributed = dynamic_cast<const DistributedCheckpointable*>(state_.optimizer)) {
+  if (const auto* distributed = checkpointable()) {
     auto nested = pieces.nested("optimizer/");
     distributed->save_pieces(nested);
   }
@@ -284,7 +293,7 @@ std::function<void()> TrainingCheckpoint::prepare_model(
   torch::serialize::InputArchive archive;
   common.read("model", archive);
   const auto saved = read_named_tensors(archive);
-  const auto live = named_state(*state_.model);
+  const auto live = named_state(*state_.model, state_.sharded == nullptr);
   TORCH_CHECK(saved.size() == live.size(), "--checkpoint-dir ", dir_.string(), ": the model has ",
               saved.size(), " parameters and buffers there, ", live.size(), " in this run");
   for (size_t i = 0; i < live.size(); ++i) {
@@ -308,7 +317,7 @@ std::function<void()> TrainingCheckpoint::prepare_optimizer(torch::serialize::In
   common.read("optimizer", archive);
   c10::IValue kind;
   archive.read("kind", kind);
-  auto* distributed = dynamic_cast<DistributedCheckpointable*>(state_.optimizer);
+  auto* distributed = checkpointable();
   const std::string expected = distributed ? distributed->checkpoint_kind() : "replicated";
   TORCH_CHECK(kind.toStringRef() == expected, "--checkpoint-dir ", dir_.string(),
               ": the optimizer state there is of a ", kind.toStringRef(),

@@ -62,6 +62,10 @@ class TrainingCheckpoint : public shampoo::DistributedCheckpointable {
     /// --amp fp16's loss scaler (null without one). A checkpoint written with a scaler is
     /// resumed only with one, and the other way round.
     shampoo::GradScaler* scaler = nullptr;
+    /// --sharding full: the fully sharded model with its optimizers, in place of `optimizer`;
+    /// the model's parameters are saved in its pieces (any number of ranks resumes them), the
+    /// model's buffers in the common part.
+    shampoo::DistributedCheckpointable* sharded = nullptr;
   };
 
   /// `group` null = one process. `device`: the run's (--device), for the optimizer's state and
@@ -96,6 +100,9 @@ class TrainingCheckpoint : public shampoo::DistributedCheckpointable {
                                      shampoo::PieceReader& pieces) override;
 
  private:
+  /// What saves the optimizer part: the sharded model, or the optimizer when it is a
+  /// DistributedCheckpointable (null: a replicated torch::optim optimizer).
+  shampoo::DistributedCheckpointable* checkpointable() const;
   std::function<void()> prepare_optimizer(torch::serialize::InputArchive& common,
                                           shampoo::PieceReader& pieces);
   std::function<void()> prepare_model(torch::serialize::InputArchive& common) const;

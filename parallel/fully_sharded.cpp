@@ -191,6 +191,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   int64_t passes = 0;
   int64_t steps = 0;
   int64_t passes_since_step = 0;
+  bool holding = false;  // between gather_all() and release_all()
   std::recursive_mutex mutex;
   std::unique_ptr<StepWorker> worker;
 
@@ -419,6 +420,12 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
 
   at::Tensor forward(size_t u, const std::function<at::Tensor()>& fn) {
     auto& unit = this->unit(u);
+    if (holding) {
+      TORCH_CHECK(!at::GradMode::is_enabled(), kWho, "the forward of unit '", unit.name,
+                  "' runs with gradients between gather_all() and release_all(); those are for "
+                  "forwards without gradients (evaluation)");
+      return fn();
+    }
     if (unit.pending.valid()) wait_for(unit);
     {
       std::lock_guard<std::recursive_mutex> lock(mutex);
@@ -845,19 +852,19 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       auto nested = pieces.nested(key + "/");
       return inner->prepare_load(*common, nested);
     }
-    // Loaded into a scratch optimizer of the same kind first: nothing changes unless it loads.
-    auto scratch_param = at::empty(slot.sizes, unit(u).options).requires_grad_();
-    std::shared_ptr<torch::optim::Optimizer> scratch = factory({scratch_param});
+    // Loaded first into a second optimizer from the factory over the same parameter (the factory
+    // may pick options by parameter): nothing changes unless it loads.
+    std::shared_ptr<torch::optim::Optimizer> scratch = factory({slot.param});
     torch::serialize::InputArchive state;
     TORCH_CHECK(head.try_read("state", state), kWho, "checkpoint: piece ", key, " is damaged");
     scratch->load(state);
     auto* target = slot.optimizer.get();
-    void* target_key = slot.param.unsafeGetTensorImpl();
-    return [scratch, scratch_param, target, target_key] {
+    void* param_key = slot.param.unsafeGetTensorImpl();
+    return [scratch, target, param_key] {
       auto& states = scratch->state();
-      const auto it = states.find(scratch_param.unsafeGetTensorImpl());
+      const auto it = states.find(param_key);
       target->state().clear();
-      if (it != states.end()) target->state()[target_key] = std::move(it->second);
+      if (it != states.end()) target->state()[param_key] = std::move(it->second);
       target->param_groups()[0].set_options(scratch->param_groups()[0].options().clone());
     };
   }
@@ -966,6 +973,21 @@ at::Tensor FullyShardedDataParallel::forward(size_t unit, const std::function<at
 void FullyShardedDataParallel::step() { state_->step_all(); }
 
 void FullyShardedDataParallel::wait() { state_->wait_all(); }
+
+void FullyShardedDataParallel::gather_all() {
+  auto& s = *state_;
+  s.wait_all();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  for (auto& unit : s.units) s.gather(*unit, *s.group);
+  s.holding = true;
+}
+
+void FullyShardedDataParallel::release_all() {
+  auto& s = *state_;
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  for (auto& unit : s.units) s.reshard(*unit);
+  s.holding = false;
+}
 
 torch::optim::Optimizer* FullyShardedDataParallel::optimizer_of(const at::Tensor& param) {
   const auto& where = state_->slot_for(param);

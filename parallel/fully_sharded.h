@@ -114,6 +114,13 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   /// Waits for every step in flight and rethrows the first failure of one.
   void wait();
 
+  /// Gathers every unit's full parameters and keeps them until release_all(), e.g. to evaluate:
+  /// forwards in between (without gradients) neither gather nor release. Waits for the steps in
+  /// flight first. Collective.
+  void gather_all();
+  /// Releases what gather_all() gathered.
+  void release_all();
+
   /// The optimizer that steps `param` on this rank: lossless, the parameter's own (made by the
   /// factory with this one parameter), null on a rank that does not own it; local shards, the
   /// unit's (over this rank's rows of its parameters), null when the rank holds none of them.

@@ -505,6 +505,71 @@ TEST_P(ShardingTest, ShardedGradientsEqualAllReducedGradients) {
   EXPECT_TRUE(identical(sharded.eval.at("test_loss"), all_reduced.eval.at("test_loss")));
 }
 
+// Full sharding in the trainer (ZeRO-3, --sharding full): the ConvNet's two layers are units,
+// every parameter is stepped whole by one owner during backward, with its param group's rate.
+// At two ranks the owner adds the same two gradients as the all-reduce, so the runs agree bit for
+// bit; at four, within float32 summation-order noise. A checkpoint of the fully sharded run
+// resumes at another number of ranks.
+TEST_P(ShardingTest, FullyShardedEqualsDataParallelism) {
+  if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
+  const auto& c = GetParam();
+  const auto flags = base_flags(data_dir_, 2) + c.flags +
+                     std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr / 2)};
+  const TrainerRun all_reduced = run_ok("all_reduced", 2, flags);
+  const TrainerRun full =
+      run_ok("full", 2, flags + std::vector<std::string>{"--sharding", "full"});
+  EXPECT_NE(full.log.find("full (ZeRO-3): 2 unit(s)"), std::string::npos) << full.log;
+  EXPECT_TRUE(identical(full.train.at("global_loss"), all_reduced.train.at("global_loss")));
+  EXPECT_TRUE(identical(full.eval.at("test_loss"), all_reduced.eval.at("test_loss")));
+}
+
+TEST_P(ShardingTest, FullyShardedAtFourRanksFollowsDataParallelism) {
+  if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
+  const auto& c = GetParam();
+  const auto flags = base_flags(data_dir_, 4) + c.flags +
+                     std::vector<std::string>{"--lr", number(c.lr)};
+  const TrainerRun all_reduced = run_ok("all_reduced4", 4, flags);
+  const TrainerRun full =
+      run_ok("full4", 4, flags + std::vector<std::string>{"--sharding", "full"});
+  EXPECT_LT(max_relative_difference(full.train.at("global_loss"),
+                                    all_reduced.train.at("global_loss")),
+            1e-4);
+  EXPECT_LT(max_relative_difference(full.eval.at("test_loss"), all_reduced.eval.at("test_loss")),
+            1e-4);
+}
+
+// A fully sharded run checkpointed at 2 ranks resumes at 4 and then at 1 (one process, no
+// torchrun): the global losses follow the uninterrupted 2-rank run within float32 noise.
+TEST_P(ShardingTest, FullyShardedResumesAtOtherNumbersOfRanks) {
+  if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
+  const auto& c = GetParam();
+  const auto flags = c.flags + std::vector<std::string>{"--lr", number(c.lr), "--sharding",
+                                                        "full", "--checkpoint-dir",
+                                                        (dir_ / "checkpoints").string()};
+  const TrainerRun uninterrupted =
+      run_ok("uninterrupted", 2, base_flags(data_dir_, 2) + c.flags +
+                                     std::vector<std::string>{"--lr", number(c.lr), "--sharding",
+                                                              "full"});
+  const auto run_part = [&](int ranks, const std::string& stop_after) {
+    auto part = base_flags(data_dir_, ranks) + flags;
+    if (!stop_after.empty()) part = part + std::vector<std::string>{"--stop-after-epoch", stop_after};
+    const TrainerRun run = run_trainer(dir_ / "resumed", ranks, part);
+    EXPECT_EQ(run.exit_code, 0) << run.log;
+    return run;
+  };
+  run_part(2, "1");
+  const TrainerRun at4 = run_part(4, "2");
+  EXPECT_NE(at4.log.find("saved at world size 2, now 4"), std::string::npos) << at4.log;
+  const TrainerRun at1 = run_part(1, "");
+  EXPECT_NE(at1.log.find("saved at world size 4, now 1"), std::string::npos) << at1.log;
+  ASSERT_EQ(rows(at1.train, "global_loss"), 30u) << at1.log;
+  EXPECT_LT(max_relative_difference(at1.train.at("global_loss"),
+                                    uninterrupted.train.at("global_loss")),
+            1e-4);
+  EXPECT_LT(max_relative_difference(at1.eval.at("test_loss"), uninterrupted.eval.at("test_loss")),
+            1e-4);
+}
+
 INSTANTIATE_TEST_SUITE_P(Optimizers, ShardingTest,
                          ::testing::Values(optimizer_cases()[0], optimizer_cases()[1]),
                          [](const auto& info) { return info.param.name; });

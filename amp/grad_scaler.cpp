@@ -5,6 +5,7 @@
 #include <torch/serialize.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -99,10 +100,9 @@ void GradScaler::combine(at::Tensor& found_inf) const {
   group->getBackend(found_inf.device().type())->allreduce(tensors)->wait();
 }
 
-void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
-  if (!options_.enabled()) return;
+void GradScaler::unscale_for(const void* key, const std::vector<at::Tensor>& grads) {
   check_started("unscale_");
-  auto& state = states_[&optimizer];
+  auto& state = states_[key];
   TORCH_CHECK(state.stage != Stage::kUnscaled,
               "GradScaler::unscale_: unscale_() has already been called on this optimizer since "
               "the last update(); the gradients are unscaled once per iteration");
@@ -112,16 +112,46 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   at::NoGradGuard no_grad;
   const auto inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   auto found_inf = at::zeros({}, scale_.options());
+  unscale_grads(grads, found_inf, inv_scale, "unscale_");
+  combine(found_inf);
+  state.found_inf = found_inf;
+  state.stage = Stage::kUnscaled;
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled()) return;
   std::vector<at::Tensor> grads;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       if (p.grad().defined()) grads.push_back(p.mutable_grad());
     }
   }
-  unscale_grads(grads, found_inf, inv_scale, "unscale_");
-  combine(found_inf);
-  state.found_inf = found_inf;
-  state.stage = Stage::kUnscaled;
+  unscale_for(&optimizer, grads);
+}
+
+void GradScaler::unscale_(FullyShardedDataParallel& fsdp) {
+  if (!options_.enabled()) return;
+  unscale_for(&fsdp, fsdp.reduced_gradients());
+}
+
+bool GradScaler::step_unless_inf(const void* key, const std::function<void()>& unscale,
+                                 const std::function<void()>& step,
+                                 const std::function<void()>& skip) {
+  check_started("step");
+  TORCH_CHECK(states_[key].stage != Stage::kStepped,
+              "GradScaler::step: step() has already been called for this optimizer since the "
+              "last update()");
+  if (states_[key].stage == Stage::kReady) unscale();
+  auto& unscaled = states_[key];
+  const bool finite = unscaled.found_inf.item<float>() == 0.0f;
+  if (finite) {
+    step();
+  } else {
+    ++skipped_;
+    skip();
+  }
+  unscaled.stage = Stage::kStepped;
+  return finite;
 }
 
 at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer,
@@ -130,21 +160,19 @@ at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer,
   TORCH_CHECK(!closure,
               "GradScaler::step: a closure is not supported while the scaler is "
               "enabled (as in PyTorch): run forward and backward before step()");
-  check_started("step");
-  auto& state = states_[&optimizer];
-  TORCH_CHECK(state.stage != Stage::kStepped,
-              "GradScaler::step: step() has already been called for this optimizer since the "
-              "last update()");
-  if (state.stage == Stage::kReady) unscale_(optimizer);
-  auto& unscaled = states_[&optimizer];
   at::Tensor result;
-  if (unscaled.found_inf.item<float>() == 0.0f) {
-    result = optimizer.step();
-  } else {
-    ++skipped_;
-  }
-  unscaled.stage = Stage::kStepped;
+  step_unless_inf(
+      &optimizer, [&] { unscale_(optimizer); }, [&] { result = optimizer.step(); }, [] {});
   return result;
+}
+
+void GradScaler::step(FullyShardedDataParallel& fsdp) {
+  if (!options_.enabled()) {
+    fsdp.step();
+    return;
+  }
+  step_unless_inf(
+      &fsdp, [&] { unscale_(fsdp); }, [&] { fsdp.step(); }, [&] { fsdp.skip_step(); });
 }
 
 void GradScaler::update(std::optional<double> new_scale) {

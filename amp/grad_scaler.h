@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "parallel/distributed_checkpoint.h"
+#include "parallel/fully_sharded.h"
 #include "parallel/in_backward.h"
 
 namespace shampoo {
@@ -87,6 +88,13 @@ class GradScaler : public BackwardUnscaler {
   /// between update()s.
   at::Tensor step(torch::optim::Optimizer& optimizer,
                   torch::optim::Optimizer::LossClosure closure = nullptr);
+
+  /// The same for a fully sharded model stepped after backward
+  /// (FullyShardedOptions().overlap_step(false)): its reduced gradients are unscaled, and step()
+  /// runs fsdp.step(), or fsdp.skip_step() when any rank found inf or NaN. With overlap_step an
+  /// error (the steps run in backward, before every gradient is known to be finite).
+  void unscale_(FullyShardedDataParallel& fsdp);
+  void step(FullyShardedDataParallel& fsdp);
 
   /// Ends the iteration: backs off when a step was skipped, grows after growth_interval clean
   /// iterations (or sets `new_scale`). An error when no optimizer was stepped or unscaled since
@@ -129,6 +137,12 @@ class GradScaler : public BackwardUnscaler {
     at::Tensor found_inf;  // float32 scalar on the scale's device, summed over the ranks
   };
   void check_started(const char* function) const;
+  /// unscale_'s work for the optimizer or model `key` and its gradients.
+  void unscale_for(const void* key, const std::vector<at::Tensor>& grads);
+  /// step's checks for `key`; unscales (unscale()) unless done; steps (step()) unless a gradient
+  /// was inf or NaN, else skip(); returns whether it stepped.
+  bool step_unless_inf(const void* key, const std::function<void()>& unscale,
+                       const std::function<void()>& step, const std::function<void()>& skip);
   /// found_inf += (any of `grads` is inf or NaN); grads *= inv_scale.
   void unscale_grads(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
                      const at::Tensor& inv_scale, const char* function) const;

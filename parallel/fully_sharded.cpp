@@ -32,18 +32,23 @@ constexpr const char* kWho = "FullyShardedDataParallel: ";
 /// A parameter's full storage is released while its unit is sharded: no bytes and shape [0], so
 /// that autograd's saved tensors (which hold the parameter itself) see the values again once the
 /// unit is gathered. Neither call bumps the version counter.
-void release_full(const at::Tensor& param) {
+/// `dtype`: the parameter's own (the shards'), which it shows while released.
+void release_full(const at::Tensor& param, at::ScalarType dtype) {
   auto* impl = param.unsafeGetTensorImpl();
   auto* storage = impl->storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, param.device()));
   storage->set_nbytes(0);
+  impl->set_storage_and_dtype(impl->storage(), c10::scalarTypeToTypeMeta(dtype));
   impl->set_sizes_contiguous({0});
 }
 
-void allocate_full(const at::Tensor& param, at::IntArrayRef sizes) {
+/// Full storage of `sizes` in `dtype` (a mixed-precision policy's compute dtype while gathered).
+void allocate_full(const at::Tensor& param, at::IntArrayRef sizes, at::ScalarType dtype) {
   auto* impl = param.unsafeGetTensorImpl();
+  impl->set_storage_and_dtype(impl->storage(), c10::scalarTypeToTypeMeta(dtype));
   auto* storage = impl->storage().unsafeGetStorageImpl();
-  const auto nbytes = static_cast<size_t>(c10::multiply_integers(sizes)) * param.element_size();
+  const auto nbytes =
+      static_cast<size_t>(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
   c10::DeviceGuard guard(param.device());
   at::Allocator* allocator =
       storage->allocator() != nullptr ? storage->allocator() : c10::GetAllocator(param.device().type());
@@ -159,7 +164,10 @@ struct Unit {
   std::string name;
   std::vector<ParamSlot> params;
   int64_t shard_numel = 0;  // padded chunks of every parameter
-  at::TensorOptions options;
+  at::TensorOptions options;  // of the parameters and their shards
+  at::ScalarType dtype = at::kFloat;          // the parameters' own
+  at::ScalarType compute_dtype = at::kFloat;  // of the gathered parameters (param_dtype)
+  at::ScalarType reduce_dtype = at::kFloat;   // of the gradient reduction
   std::atomic<bool> gathered{true};
   int64_t arrived = 0;
   bool in_pass = false;  // ran forward with gradients in the current pass
@@ -209,6 +217,9 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       auto made = std::make_unique<Unit>();
       made->name = in.name;
       made->options = in.params[0].options();
+      made->dtype = in.params[0].scalar_type();
+      made->compute_dtype = options.param_dtype().value_or(made->dtype);
+      made->reduce_dtype = options.reduce_dtype().value_or(made->compute_dtype);
       for (size_t i = 0; i < in.params.size(); ++i) {
         check_param(in, u, i);
         ParamSlot slot;
@@ -377,25 +388,26 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
 
   // ----- gathering and releasing -----
 
-  /// All-gathers the unit's chunks over `via` into the full parameters: one all-gather per
-  /// parameter, straight into its storage when its rows split evenly (else through a padded
-  /// buffer), all in flight at once.
+  /// All-gathers the unit's chunks over `via` into the full parameters (in the policy's compute
+  /// dtype): one all-gather per parameter, straight into its storage when its rows split evenly
+  /// (else through a padded buffer), all in flight at once.
   void gather(Unit& unit, c10d::ProcessGroup& via) {
     if (unit.gathered) return;
     at::NoGradGuard no_grad;
+    const auto compute = unit.options.dtype(unit.compute_dtype);
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<at::Tensor> inputs;
     std::vector<at::Tensor> padded(unit.params.size());
     for (size_t i = 0; i < unit.params.size(); ++i) {
       auto& slot = unit.params[i];
-      allocate_full(slot.param, slot.sizes);
-      auto input = slot.shard.reshape({-1});
+      allocate_full(slot.param, slot.sizes, unit.compute_dtype);
+      auto input = slot.shard.reshape({-1}).to(unit.compute_dtype);
       if (input.numel() < slot.chunk_numel()) {
-        input = at::cat({input, at::zeros({slot.chunk_numel() - input.numel()}, unit.options)});
+        input = at::cat({input, at::zeros({slot.chunk_numel() - input.numel()}, compute)});
       }
       at::Tensor output = slot.param.variable_data().view({-1});
       if (slot.rows % world != 0) {
-        padded[i] = at::empty({world * slot.chunk_numel()}, unit.options);
+        padded[i] = at::empty({world * slot.chunk_numel()}, compute);
         output = padded[i];
       }
       inputs.push_back(input);
@@ -412,7 +424,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
 
   void reshard(Unit& unit) {
     if (!unit.gathered) return;
-    for (auto& slot : unit.params) release_full(slot.param);
+    for (auto& slot : unit.params) release_full(slot.param, unit.dtype);
     unit.gathered = false;
   }
 
@@ -523,18 +535,14 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     // The gathers for backward never come back to a reduced unit (the worker may release it).
     next_to_gather = std::max(next_to_gather, next_to_reduce + 1);
     const bool step_now = stepping && options.overlap_step();
-    // Only a lossless step needs the full parameters (a unit whose backward never ran was
-    // released); otherwise they go before the gradients are reduced.
-    if (step_now && lossless()) {
-      gather(unit, *group);
-    } else {
-      reshard(unit);
-    }
+    // The parameters go before the gradients are reduced (the step collects the rows it needs).
     std::vector<at::Tensor> grads;
     for (auto& slot : unit.params) {
       auto grad = std::exchange(slot.param.mutable_grad(), at::Tensor());
-      grads.push_back(grad.defined() ? grad.view(slot.sizes) : at::zeros(slot.sizes, unit.options));
+      grads.push_back(grad.defined() ? grad.view(slot.sizes).to(unit.reduce_dtype)
+                                     : at::zeros(slot.sizes, unit.options.dtype(unit.reduce_dtype)));
     }
+    reshard(unit);
     if (lossless()) {
       reduce_to_owners(unit, std::move(grads));
     } else {
@@ -564,20 +572,23 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
     wait_all_of(works, "the gradient reduction of unit '" + unit.name + "'", rank);
     for (size_t i = 0; i < grads.size(); ++i) {
-      if (unit.params[i].owner == rank) accumulate(unit.params[i], grads[i].div_(world));
+      if (unit.params[i].owner == rank) {
+        accumulate(unit.params[i], grads[i].to(unit.dtype).div_(world));
+      }
       grads[i] = at::Tensor();
     }
   }
 
   /// Local shards: a reduce-scatter of the rank-major row chunks (padded), averaged.
   void reduce_to_rows(Unit& unit, std::vector<at::Tensor> grads) {
-    auto send = at::empty({world, unit.shard_numel}, unit.options);
+    const auto reduce = unit.options.dtype(unit.reduce_dtype);
+    auto send = at::empty({world, unit.shard_numel}, reduce);
     for (size_t i = 0; i < unit.params.size(); ++i) {
       const auto& slot = unit.params[i];
       write_chunks(send, slot, grads[i]);
       grads[i] = at::Tensor();
     }
-    auto received = at::empty({unit.shard_numel}, unit.options);
+    auto received = at::empty({unit.shard_numel}, reduce);
     auto flat = send.view({-1});
     wait_one(reduce_group->_reduce_scatter_base(received, flat),
              "the gradient reduce-scatter of unit '" + unit.name + "'", rank);
@@ -585,7 +596,10 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     for (auto& slot : unit.params) {
       const int64_t n = slot.valid_rows(rank) * slot.row_numel;
       if (n > 0) {
-        accumulate(slot, received.narrow(0, slot.offset, n).div(world).view(slot.shard_sizes(rank)));
+        accumulate(slot, received.narrow(0, slot.offset, n)
+                             .to(unit.dtype)
+                             .div(world)
+                             .view(slot.shard_sizes(rank)));
       }
     }
   }
@@ -618,11 +632,13 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
 
   // ----- the step -----
 
-  /// Steps one unit on the gradients reduced for it and releases them. Lossless: the unit must
-  /// be gathered (the owners step whole parameters); every owner then sends each rank its rows
-  /// over `via`, and the unit is released.
+  /// Steps one unit on the gradients reduced for it and releases them. Lossless: every rank
+  /// sends each owner its rows of the owner's parameters over `via` (the full values in the
+  /// parameters' own dtype, whatever the compute dtype), the owners step them whole, send every
+  /// rank its rows back, and release them.
   void step_unit(Unit& unit, c10d::ProcessGroup& via) {
     at::NoGradGuard no_grad;
+    if (lossless()) collect_rows(unit, via);
     for (auto& slot : unit.params) {
       if (slot.reduced.defined()) (lossless() ? slot.param : slot.shard).mutable_grad() = slot.reduced;
       if (slot.optimizer && slot.reduced.defined()) slot.optimizer->step();
@@ -634,9 +650,48 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
     if (lossless()) {
       scatter_rows(unit, via);
-      reshard(unit);
+      for (auto& slot : unit.params) release_full(slot.param, unit.dtype);
     }
     unit.to_step = false;
+  }
+
+  /// Lossless: every rank sends each owner its rows of the owner's parameters; the owners'
+  /// parameters get their full values (in their own dtype).
+  void collect_rows(Unit& unit, c10d::ProcessGroup& via) {
+    std::vector<int64_t> send_split(world, 0);
+    int64_t owned_chunks = 0;
+    for (const auto& slot : unit.params) {
+      send_split[slot.owner] += slot.chunk_numel();
+      if (slot.owner == rank) owned_chunks += slot.chunk_numel();
+    }
+    auto send = at::empty({c10::sum_integers(send_split)}, unit.options);
+    std::vector<int64_t> offset(world, 0);
+    for (int o = 1; o < world; ++o) offset[o] = offset[o - 1] + send_split[o - 1];
+    for (const auto& slot : unit.params) {
+      auto chunk = send.narrow(0, offset[slot.owner], slot.chunk_numel());
+      const auto n = slot.shard.numel();
+      chunk.narrow(0, 0, n).copy_(slot.shard.reshape({-1}));
+      chunk.narrow(0, n, slot.chunk_numel() - n).zero_();
+      offset[slot.owner] += slot.chunk_numel();
+    }
+    auto received = at::empty({world, owned_chunks}, unit.options);
+    auto flat = received.view({-1});
+    std::vector<int64_t> receive_split(world, owned_chunks);
+    wait_one(via.alltoall_base(flat, send, receive_split, send_split),
+             "collecting the rows of unit '" + unit.name + "' for its step", rank);
+    int64_t column = 0;
+    for (auto& slot : unit.params) {
+      if (slot.owner != rank) continue;
+      allocate_full(slot.param, slot.sizes, unit.dtype);
+      const auto rows = slot.param.variable_data().view({slot.rows, slot.row_numel});
+      for (int r = 0; r < world; ++r) {
+        const int64_t valid = slot.valid_rows(r);
+        if (valid == 0) continue;
+        rows.narrow(0, r * slot.chunk_rows, valid)
+            .copy_(received[r].narrow(0, column, valid * slot.row_numel).view({valid, -1}));
+      }
+      column += slot.chunk_numel();
+    }
   }
 
   /// Lossless: each owner sends every rank that rank's rows of the parameters it stepped.
@@ -668,20 +723,46 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
   }
 
-  void step_all() {
-    TORCH_CHECK(!options.overlap_step(), kWho,
-                "step(): with overlap_step the steps run during backward; go on with the next "
-                "forward (or call wait())");
-    TORCH_CHECK(passes_since_step >= options.accumulation_steps(), kWho,
-                "step(): accumulation_steps is ", options.accumulation_steps(), " and ",
+  void check_step_after_backward(const char* function) const {
+    TORCH_CHECK(!options.overlap_step(), kWho, function,
+                ": with overlap_step the steps run during backward; go on with the next forward "
+                "(or call wait()), or construct with FullyShardedOptions().overlap_step(false)");
+    TORCH_CHECK(passes_since_step >= options.accumulation_steps(), kWho, function,
+                ": accumulation_steps is ", options.accumulation_steps(), " and ",
                 passes_since_step, " backward pass(es) ran since the last step");
+  }
+
+  void step_all() {
+    check_step_after_backward("step()");
     std::lock_guard<std::recursive_mutex> lock(mutex);
     for (auto& unit : units) {
-      if (!unit->to_step) continue;
-      if (lossless()) gather(*unit, *group);
-      step_unit(*unit, *group);
+      if (unit->to_step) step_unit(*unit, *group);
     }
     finish_step();
+  }
+
+  void skip_all() {
+    check_step_after_backward("skip_step()");
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    for (auto& unit : units) {
+      for (auto& slot : unit->params) slot.reduced = at::Tensor();
+      unit->to_step = false;
+    }
+    passes_since_step = 0;
+  }
+
+  std::vector<at::Tensor> reduced_gradients() {
+    TORCH_CHECK(!options.overlap_step(), kWho,
+                "reduced_gradients(): with overlap_step the steps run during backward, before "
+                "every gradient is known (a GradScaler needs FullyShardedOptions()"
+                ".overlap_step(false))");
+    std::vector<at::Tensor> out;
+    for (auto& unit : units) {
+      for (auto& slot : unit->params) {
+        if (slot.reduced.defined()) out.push_back(slot.reduced);
+      }
+    }
+    return out;
   }
 
   void finish_step() {
@@ -918,6 +999,11 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> unit
   TORCH_CHECK(factory, kWho, "the optimizer factory is empty");
   TORCH_CHECK(options.accumulation_steps() >= 1, kWho, "accumulation_steps: got ",
               options.accumulation_steps(), ", expected at least 1");
+  for (const auto& [name, dtype] : {std::pair{"param_dtype", options.param_dtype()},
+                                    std::pair{"reduce_dtype", options.reduce_dtype()}}) {
+    TORCH_CHECK(!dtype || at::isFloatingType(*dtype), kWho, name, ": got ", *dtype,
+                ", expected a floating-point dtype");
+  }
   auto& s = *state_;
   s.group = std::move(group);
   s.options = options;
@@ -974,6 +1060,12 @@ void FullyShardedDataParallel::step() { state_->step_all(); }
 
 void FullyShardedDataParallel::wait() { state_->wait_all(); }
 
+std::vector<at::Tensor> FullyShardedDataParallel::reduced_gradients() {
+  return state_->reduced_gradients();
+}
+
+void FullyShardedDataParallel::skip_step() { state_->skip_all(); }
+
 void FullyShardedDataParallel::gather_all() {
   auto& s = *state_;
   s.wait_all();
@@ -1018,14 +1110,17 @@ at::Tensor FullyShardedDataParallel::full_value(const at::Tensor& param) {
   auto& s = *state_;
   s.wait_all();
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  const auto where = s.slot_of.find(param.unsafeGetTensorImpl());
-  TORCH_CHECK(where != s.slot_of.end(), kWho, "full_value: this tensor is no unit's parameter");
-  auto& unit = s.unit(where->second.first);
-  const bool was_gathered = unit.gathered;
-  s.gather(unit, *s.group);
-  auto value = param.detach().clone();
-  if (!was_gathered) s.reshard(unit);
-  return value;
+  const auto& slot = s.slot_for(param);
+  // The shards' own values (not a lower-precision compute copy), padded to whole chunks.
+  auto input = at::zeros({slot.chunk_numel()}, slot.shard.options().requires_grad(false));
+  input.narrow(0, 0, slot.shard.numel()).copy_(slot.shard.detach().reshape({-1}));
+  auto gathered = at::empty({s.world * slot.chunk_numel()}, input.options());
+  wait_one(s.group->_allgather_base(gathered, input), "full_value's all-gather", s.rank);
+  return gathered.narrow(0, 0, slot.numel()).view(slot.sizes).clone();
+}
+
+std::optional<at::ScalarType> FullyShardedDataParallel::param_dtype() const {
+  return state_->options.param_dtype();
 }
 
 int64_t FullyShardedDataParallel::backward_passes() const { return state_->passes; }
@@ -1096,6 +1191,8 @@ at::Tensor forward_sequential(FullyShardedDataParallel& fsdp, torch::nn::Sequent
     if (module.ptr()->parameters().empty()) {
       x = module.forward(x);
     } else {
+      // Mixed precision: the unit computes in the gathered parameters' dtype.
+      if (fsdp.param_dtype() && x.is_floating_point()) x = x.to(*fsdp.param_dtype());
       x = fsdp.forward(fsdp.unit_index(std::to_string(index)), [&] { return module.forward(x); });
     }
     ++index;

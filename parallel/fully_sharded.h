@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
@@ -81,6 +82,12 @@ struct FullyShardedOptions {
   TORCH_ARG(int64_t, accumulation_steps) = 1;
   /// Copy rank 0's parameter values to every rank at construction.
   TORCH_ARG(bool, broadcast_parameters) = true;
+  /// Mixed precision: the dtype of the gathered parameters, so of the all-gather and of the
+  /// forward and backward compute (e.g. at::kBFloat16); unset = the parameters' own. The shards,
+  /// the reduced gradients, the optimizer state and the step stay in the parameters' own dtype.
+  TORCH_ARG(std::optional<at::ScalarType>, param_dtype) = std::nullopt;
+  /// Mixed precision: the dtype the gradients are reduced in; unset = param_dtype's.
+  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype) = std::nullopt;
 };
 
 class FullyShardedDataParallel : public DistributedCheckpointable {
@@ -114,6 +121,13 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   /// Waits for every step in flight and rethrows the first failure of one.
   void wait();
 
+  /// Without overlap_step: the averaged gradients this rank holds for step() (a GradScaler
+  /// unscales them in place). An error with overlap_step.
+  std::vector<at::Tensor> reduced_gradients();
+  /// Without overlap_step: drops the reduced gradients instead of stepping (a GradScaler's
+  /// skipped step; every rank must do the same). The same errors as step().
+  void skip_step();
+
   /// Gathers every unit's full parameters and keeps them until release_all(), e.g. to evaluate:
   /// forwards in between (without gradients) neither gather nor release. Waits for the steps in
   /// flight first. Collective.
@@ -132,8 +146,11 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   int owner_of(const at::Tensor& param) const;
   /// This rank's row chunk of `param` (its shard, valid rows only: [rows, ...]).
   at::Tensor shard_of(const at::Tensor& param) const;
-  /// The full value of `param` (a new tensor, gathered from every rank). Collective.
+  /// The full value of `param` in its own dtype (a new tensor, gathered from every rank).
+  /// Collective.
   at::Tensor full_value(const at::Tensor& param);
+  /// FullyShardedOptions::param_dtype: the dtype units compute in (unset: the parameters' own).
+  std::optional<at::ScalarType> param_dtype() const;
 
   /// Backward passes seen, and steps taken.
   int64_t backward_passes() const;
@@ -168,7 +185,8 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
 std::vector<ShardedUnit> sequential_units(const torch::nn::Sequential& model);
 
 /// model->forward(input) with every module that has parameters run as its unit of `fsdp` (the
-/// units of sequential_units(model)).
+/// units of sequential_units(model)); with a param_dtype, a unit's floating-point input is cast
+/// to it first.
 at::Tensor forward_sequential(FullyShardedDataParallel& fsdp, torch::nn::Sequential& model,
                               at::Tensor input);
 

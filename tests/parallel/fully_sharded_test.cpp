@@ -8,6 +8,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -64,7 +65,8 @@ shampoo::OptimizerFactory factory_of(Optim optim) {
 }
 
 at::Tensor loss_of(const at::Tensor& logits, const Dataset& data) {
-  return torch::nn::functional::cross_entropy(logits, data.labels);
+  // In float32 also when the units compute in a lower precision (a no-op otherwise).
+  return torch::nn::functional::cross_entropy(logits.to(at::kFloat), data.labels);
 }
 
 /// Plain data parallelism: every rank holds and steps everything.
@@ -340,6 +342,101 @@ TEST(FullyShardedFaults, ARankThatStopsMidStepFailsTheOtherAndKeepsTheCheckpoint
     EXPECT_TRUE(bit_equal(loaded, saved_values));
     shampoo::testing::remove_tree(dir);
   }
+}
+
+// Mixed precision: the units gather and compute in bfloat16, while the shards, the optimizer's
+// state and its step stay float32 (the stepped values are not rounded to bfloat16); a float32
+// policy changes nothing, bit for bit.
+TEST(FullyShardedMixedPrecision, ComputesInBf16AndStepsInFloat32) {
+  run_ranks(
+      2,
+      [&](int rank, const Group& group) {
+        const auto data = sharding_batch(rank, 2);
+        ShardedRun plain(Optim::kAdam, group, FullyShardedOptions());
+        ShardedRun float32(Optim::kAdam, group,
+                           FullyShardedOptions().param_dtype(at::kFloat).reduce_dtype(at::kFloat));
+        ShardedRun mixed(Optim::kAdam, group,
+                         FullyShardedOptions().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+        ShardedRun mixed_reduce(Optim::kAdam, group,
+                                FullyShardedOptions().param_dtype(at::kBFloat16));
+        {
+          torch::NoGradGuard no_grad;
+          auto first = mixed.model->ptr(0)->as<torch::nn::Linear>();
+          const auto out = mixed.fsdp->forward(0, [&] {
+            EXPECT_EQ(first->weight.scalar_type(), at::kBFloat16);
+            return first->forward(data.inputs.to(at::kBFloat16));
+          });
+          EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+        }
+        float first_loss = 0;
+        float losses[4] = {0, 0, 0, 0};
+        for (int step = 0; step < 20; ++step) {
+          losses[0] = sharded_step(plain, data, true);
+          losses[1] = sharded_step(float32, data, true);
+          losses[2] = sharded_step(mixed, data, true);
+          losses[3] = sharded_step(mixed_reduce, data, true);
+          if (step == 0) first_loss = losses[0];
+          ASSERT_EQ(losses[1], losses[0]) << "step " << step;
+        }
+        EXPECT_LT(losses[0], 0.7 * first_loss);
+        EXPECT_NEAR(losses[2], losses[0], 0.03 * losses[0]);
+        EXPECT_NEAR(losses[3], losses[0], 0.03 * losses[0]);
+        for (const auto& p : mixed.model->parameters()) {
+          EXPECT_EQ(p.scalar_type(), at::kFloat);  // at rest, the parameter's own dtype
+          const auto value = mixed.fsdp->full_value(p);
+          EXPECT_EQ(value.scalar_type(), at::kFloat);
+          EXPECT_FALSE(at::equal(value, value.to(at::kBFloat16).to(at::kFloat)));
+        }
+        expect_error(
+            [&] {
+              ShardedRun bad(Optim::kAdam, group, FullyShardedOptions().param_dtype(at::kInt));
+            },
+            {"param_dtype: got Int, expected a floating-point dtype"});
+      },
+      kTimeout);
+}
+
+// The sharded GradScaler with a fully sharded model stepped after backward equals data
+// parallelism with the same scaler, bit for bit at world 2: the same scale, growth and back-off,
+// and a skipped step on both ranks when one rank's gradients hold inf. With the step overlapped in
+// backward the scaler is refused, naming the option.
+TEST(FullyShardedGradScaler, EqualsDataParallelismWithTheScaler) {
+  run_ranks(
+      2,
+      [&](int rank, const Group& group) {
+        const auto data = sharding_batch(rank, 2);
+        DataParallelRun plain(Optim::kAdam, group);
+        ShardedRun sharded(Optim::kAdam, group, FullyShardedOptions().overlap_step(false));
+        const auto options =
+            shampoo::GradScalerOptions().process_group(group).init_scale(1024.0).growth_interval(3);
+        shampoo::GradScaler plain_scaler(options);
+        shampoo::GradScaler sharded_scaler(options);
+        const float inf = std::numeric_limits<float>::infinity();
+        for (int step = 0; step < 10; ++step) {
+          const bool poison = step == 4 && rank == 1;
+          plain.optimizer->zero_grad();
+          auto loss = loss_of(plain.model->forward(data.inputs), data);
+          plain_scaler.scale(poison ? loss * inf : loss).backward();
+          plain.sync->synchronize();
+          plain_scaler.step(*plain.optimizer);
+          plain_scaler.update();
+          auto sharded_loss =
+              loss_of(shampoo::forward_sequential(*sharded.fsdp, sharded.model, data.inputs), data);
+          sharded_scaler.scale(poison ? sharded_loss * inf : sharded_loss).backward();
+          sharded_scaler.step(*sharded.fsdp);
+          sharded_scaler.update();
+          ASSERT_EQ(sharded_scaler.get_scale(), plain_scaler.get_scale()) << "step " << step;
+        }
+        EXPECT_EQ(plain_scaler.skipped_steps(), 1);
+        EXPECT_EQ(sharded_scaler.skipped_steps(), 1);
+        EXPECT_EQ(sharded.fsdp->steps_taken(), 9);
+        EXPECT_NE(sharded_scaler.get_scale(), 1024.0);  // backed off, grown
+        EXPECT_TRUE(bit_equal(sharded.full_values(), plain.model->parameters())) << "rank " << rank;
+        ShardedRun overlapped(Optim::kAdam, group, FullyShardedOptions());
+        expect_error([&] { sharded_scaler.unscale_(*overlapped.fsdp); },
+                     {"reduced_gradients()", "overlap_step(false)"});
+      },
+      kTimeout);
 }
 
 // What a rank holds: its row chunks; no full parameters or gradients between steps; the module's

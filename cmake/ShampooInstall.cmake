@@ -18,6 +18,7 @@ set(SHAMPOO_PUBLIC_HEADERS
   amp/autocast_guard.h
   amp/grad_scaler.h
   parallel/distributed_checkpoint.h
+  parallel/fully_sharded.h
   parallel/gradient_synchronizer.h
   parallel/in_backward.h
   parallel/optimizer_factory.h

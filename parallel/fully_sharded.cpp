@@ -173,6 +173,7 @@ struct Unit {
   bool in_pass = false;  // ran forward with gradients in the current pass
   bool reduced = false;  // gradients reduced in the current pass
   bool to_step = false;  // reduced gradients waiting for step()
+  bool owned_kept = false;  // the owner's parameters kept from the backward gather for the step
   std::unique_ptr<torch::optim::Optimizer> optimizer;  // local shards: over this rank's rows
   std::shared_future<void> pending;  // its step on the worker
 };
@@ -535,14 +536,24 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     // The gathers for backward never come back to a reduced unit (the worker may release it).
     next_to_gather = std::max(next_to_gather, next_to_reduce + 1);
     const bool step_now = stepping && options.overlap_step();
-    // The parameters go before the gradients are reduced (the step collects the rows it needs).
     std::vector<at::Tensor> grads;
     for (auto& slot : unit.params) {
       auto grad = std::exchange(slot.param.mutable_grad(), at::Tensor());
       grads.push_back(grad.defined() ? grad.view(slot.sizes).to(unit.reduce_dtype)
                                      : at::zeros(slot.sizes, unit.options.dtype(unit.reduce_dtype)));
     }
-    reshard(unit);
+    // The parameters go before the gradients are reduced. A lossless step right away keeps the
+    // ones this rank owns when they hold its values exactly (gathered in their own dtype): the
+    // step then needs no rows collected.
+    if (step_now && lossless() && unit.gathered && unit.compute_dtype == unit.dtype) {
+      for (auto& slot : unit.params) {
+        if (slot.owner != rank) release_full(slot.param, unit.dtype);
+      }
+      unit.gathered = false;
+      unit.owned_kept = true;
+    } else {
+      reshard(unit);
+    }
     if (lossless()) {
       reduce_to_owners(unit, std::move(grads));
     } else {
@@ -638,7 +649,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   /// rank its rows back, and release them.
   void step_unit(Unit& unit, c10d::ProcessGroup& via) {
     at::NoGradGuard no_grad;
-    if (lossless()) collect_rows(unit, via);
+    if (lossless() && !std::exchange(unit.owned_kept, false)) collect_rows(unit, via);
     for (auto& slot : unit.params) {
       if (slot.reduced.defined()) (lossless() ? slot.param : slot.shard).mutable_grad() = slot.reduced;
       if (slot.optimizer && slot.reduced.defined()) slot.optimizer->step();
@@ -997,6 +1008,9 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> unit
     : state_(std::make_shared<State>()) {
   TORCH_CHECK(group, kWho, "the process group is null");
   TORCH_CHECK(factory, kWho, "the optimizer factory is empty");
+  TORCH_CHECK(!options.offload_state_to_cpu(), kWho,
+              "offload_state_to_cpu: a CPU-resident optimizer state (the state and the step on "
+              "the CPU while the model trains on a GPU) is not supported yet; leave it false");
   TORCH_CHECK(options.accumulation_steps() >= 1, kWho, "accumulation_steps: got ",
               options.accumulation_steps(), ", expected at least 1");
   for (const auto& [name, dtype] : {std::pair{"param_dtype", options.param_dtype()},
@@ -1147,8 +1161,9 @@ int64_t FullyShardedDataParallel::gradient_bytes() const {
 int64_t FullyShardedDataParallel::gathered_bytes() const {
   int64_t bytes = 0;
   for (const auto& unit : state_->units) {
-    if (!unit->gathered) continue;
-    for (const auto& slot : unit->params) bytes += slot.numel() * slot.param.element_size();
+    for (const auto& slot : unit->params) {
+      bytes += static_cast<int64_t>(slot.param.unsafeGetTensorImpl()->storage().nbytes());
+    }
   }
   return bytes;
 }

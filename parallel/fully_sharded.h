@@ -88,6 +88,9 @@ struct FullyShardedOptions {
   TORCH_ARG(std::optional<at::ScalarType>, param_dtype) = std::nullopt;
   /// Mixed precision: the dtype the gradients are reduced in; unset = param_dtype's.
   TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype) = std::nullopt;
+  /// The optimizer state and the step on the CPU while the model trains on a GPU: not supported
+  /// yet (true is an error that says so).
+  TORCH_ARG(bool, offload_state_to_cpu) = false;
 };
 
 class FullyShardedDataParallel : public DistributedCheckpointable {

@@ -14,6 +14,7 @@
 # The names each marked block uses without declaring them.
 set(readme_context_quickstart model x y loss_fn num_steps)
 set(readme_context_mixed_precision model x y loss_fn num_steps)
+set(readme_context_full_sharding model x y loss_fn num_steps group)
 
 # Writes `output` (a C++ file whose main() runs every marked block with its context) and sets
 # `names_var` to the names of the blocks found, in README order.

@@ -515,6 +515,9 @@ TEST(FullyShardedErrors, BadUnitsAreClearErrors) {
                      {"leaf tensor that requires grad"});
         expect_error([&] { make({{"a", {params[0]}}}, FullyShardedOptions().accumulation_steps(0)); },
                      {"accumulation_steps: got 0"});
+        expect_error(
+            [&] { make({{"a", {params[0]}}}, FullyShardedOptions().offload_state_to_cpu(true)); },
+            {"offload_state_to_cpu", "not supported yet"});
       },
       kTimeout);
 }

@@ -2,9 +2,12 @@
 // ../readme_snippets.cmake): a small model, one batch and a loss, enough to run each block.
 #pragma once
 
+#include <shampoo/shampoo.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <functional>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 namespace readme_context {
 
@@ -22,5 +25,20 @@ struct quickstart {
 
 /// The mixed-precision snippet: the same model, batch and loss.
 struct mixed_precision : quickstart {};
+
+/// The full-sharding snippet: a Sequential model, the same batch and loss, and a process group of
+/// one rank (torchrun's group in a real run).
+struct full_sharding {
+  torch::nn::Sequential model{torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4)};
+  torch::Tensor x = torch::randn({32, 8});
+  torch::Tensor y = torch::randn({32, 4});
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_fn =
+      [](const torch::Tensor& output, const torch::Tensor& target) {
+        return torch::mse_loss(output, target);
+      };
+  int num_steps = 3;
+  c10::intrusive_ptr<c10d::ProcessGroup> group = shampoo::detail::make_process_group(
+      c10::make_intrusive<c10d::HashStore>(), 0, 1, std::chrono::minutes(1), false);
+};
 
 }  // namespace readme_context

@@ -19,8 +19,9 @@
 /// "held": the tracking allocator's live bytes after the iteration (parameters, gradients, state,
 /// buffers: everything the mode keeps between steps) above what the process held before the mode
 /// was built, the least over the measured iterations (Gloo's threads drop their references to a
-/// collective's tensors a little after wait() returns, so one reading may still count one); "peak": its peak during the iteration, same base; the median ms from the end of
-/// backward to the end of the step, and of the whole iteration.
+/// collective's tensors a little after wait() returns, so one reading may still count one); "peak":
+/// its peak during the iteration, same base; the median ms from the end of backward to the end of
+/// the step, and of the whole iteration.
 ///
 /// The bounds of issue 27, printed per rank for full: held ≤ none's held / world × 1.1 (none's
 /// held is the world-1 figure: every rank of plain data parallelism holds the same), and
@@ -118,8 +119,7 @@ ModeRun make_mode(const std::string& mode, const std::vector<at::Tensor>& params
       units.push_back(unit);
     }
     run.fsdp = std::make_unique<shampoo::FullyShardedDataParallel>(
-        units, factory, group,
-        shampoo::FullyShardedOptions().overlap_step(mode == "full"));
+        units, factory, group, shampoo::FullyShardedOptions().overlap_step(mode == "full"));
     run.overlap = mode == "full";
     return run;
   }
@@ -238,7 +238,8 @@ void print_results(const Results& results, const std::vector<std::string>& modes
       "as {}, {} step(s) per mode\n",
       args.small ? " (small)" : "", mb(unit_bytes), args.optimizer, world,
       args.torchrun ? "torchrun processes" : "threads", args.steps);
-  fmt::print("| mode | rank | held MB | peak MB | end of backward to end of step ms | iteration ms |\n");
+  fmt::print(
+      "| mode | rank | held MB | peak MB | end of backward to end of step ms | iteration ms |\n");
   fmt::print("|---|---:|---:|---:|---:|---:|\n");
   const auto none = std::find(modes.begin(), modes.end(), "none");
   for (size_t m = 0; m < modes.size(); ++m) {

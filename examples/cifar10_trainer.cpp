@@ -22,8 +22,6 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/utils.h>
 
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -35,6 +33,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
 #include "examples/cosine_annealing_lr.h"
@@ -345,8 +344,7 @@ void build_fully_sharded(Trainer& t) {
   std::vector<shampoo::ShardedUnit> units;
   for (auto& [name, params] : named) units.push_back({name, params});
   const auto plans = t.plans;
-  const shampoo::OptimizerFactory factory = [&config,
-                                             plans](std::vector<torch::Tensor> params) {
+  const shampoo::OptimizerFactory factory = [&config, plans](std::vector<torch::Tensor> params) {
     std::vector<ParamGroupPlan> own;
     for (const auto& plan : plans) {
       for (size_t k = 0; k < plan.params.size(); ++k) {
@@ -419,9 +417,9 @@ at::Tensor model_forward(Trainer& t, const at::Tensor& input) {
 /// evaluate() with the trainer's forward; a fully sharded model is gathered whole for it.
 Evaluation evaluate_model(Trainer& t) {
   if (t.fsdp) t.fsdp->gather_all();
-  const auto evaluation =
-      evaluate(*t.model, [&t](const at::Tensor& input) { return model_forward(t, input); },
-               t.data, t.config.eval_batch_size, t.d, t.config, t.device);
+  const auto evaluation = evaluate(
+      *t.model, [&t](const at::Tensor& input) { return model_forward(t, input); }, t.data,
+      t.config.eval_batch_size, t.d, t.config, t.device);
   if (t.fsdp) t.fsdp->release_all();
   return evaluation;
 }
@@ -488,9 +486,9 @@ void print_setup(Trainer& t) {
                     grafting_name(config.grafting));
   }
   if (t.fsdp) {
-    optimizer_line += fmt::format(
-        " -> one per parameter on its owner ({} on rank {}), stepped during backward",
-        t.fsdp->optimizers().size(), t.d.rank);
+    optimizer_line +=
+        fmt::format(" -> one per parameter on its owner ({} on rank {}), stepped during backward",
+                    t.fsdp->optimizers().size(), t.d.rank);
   }
   t.log.lead(optimizer_line);
   t.log.lead(fmt::format(

@@ -82,6 +82,27 @@ void add_data_and_model_flags(CommandLine& cli, TrainerConfig& config) {
                   "pixels in [0, 1], summed over an image; no test accuracy)");
 }
 
+/// Where and how precisely the run computes, and what it shards across ranks.
+void add_device_and_sharding_flags(CommandLine& cli, TrainerConfig& config) {
+  cli.add_choice("device", config.device, kDeviceChoices,
+                 "where the model, the data and the optimizer live: cuda (GPU LOCAL_RANK of "
+                 "this node under torchrun, GPU 0 otherwise; collectives of CUDA tensors over "
+                 "NCCL), cpu (collectives over Gloo), or auto = cuda when a CUDA device is "
+                 "available, else cpu")
+      .add_choice("amp", config.amp, kAmpModes,
+                  "mixed precision: the forward pass under autocast (shampoo::AutocastGuard) in "
+                  "bf16, or in fp16 with a shampoo::GradScaler (loss scaling, steps with an inf "
+                  "or NaN gradient skipped on every rank); parameters, gradients and optimizer "
+                  "state stay float32; off = float32 throughout")
+      .add_choice("sharding", config.sharding, kShardingModes,
+                  "what is sharded across ranks: none, or gradients (ZeRO-2: each gradient is "
+                  "reduced to the rank that steps its parameter and released on the others; "
+                  "sgd/adam/adamw run as shampoo::ShardedOptimizer, shampoo owns whole "
+                  "parameters), or full (ZeRO-3, shampoo::FullyShardedDataParallel: every "
+                  "parameter split by rows across the ranks and gathered per layer for forward "
+                  "and backward, each whole parameter stepped by one owner during backward)");
+}
+
 void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues& values) {
   cli.add("epochs", config.epochs, "passes over the training set", 1)
       .add("stop-after-epoch", config.stop_after_epoch,
@@ -115,23 +136,6 @@ void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues
            "intra-op CPU threads per rank (0 = LibTorch's default, one per core; 1 avoids "
            "oversubscription when several ranks share the cores)",
            0)
-      .add_choice("device", config.device, kDeviceChoices,
-                  "where the model, the data and the optimizer live: cuda (GPU LOCAL_RANK of "
-                  "this node under torchrun, GPU 0 otherwise; collectives of CUDA tensors over "
-                  "NCCL), cpu (collectives over Gloo), or auto = cuda when a CUDA device is "
-                  "available, else cpu")
-      .add_choice("amp", config.amp, kAmpModes,
-                  "mixed precision: the forward pass under autocast (shampoo::AutocastGuard) in "
-                  "bf16, or in fp16 with a shampoo::GradScaler (loss scaling, steps with an inf "
-                  "or NaN gradient skipped on every rank); parameters, gradients and optimizer "
-                  "state stay float32; off = float32 throughout")
-      .add_choice("sharding", config.sharding, kShardingModes,
-                  "what is sharded across ranks: none, or gradients (ZeRO-2: each gradient is "
-                  "reduced to the rank that steps its parameter and released on the others; "
-                  "sgd/adam/adamw run as shampoo::ShardedOptimizer, shampoo owns whole "
-                  "parameters), or full (ZeRO-3, shampoo::FullyShardedDataParallel: every "
-                  "parameter split by rows across the ranks and gathered per layer for forward "
-                  "and backward, each whole parameter stepped by one owner during backward)")
       .add_choice("progress", config.progress, kProgressModes,
                   "progress bar with rate and ETA on rank 0 (stderr); auto = only when stderr "
                   "is a terminal")
@@ -234,6 +238,7 @@ std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* a
   CommandLine cli("cifar10_trainer", kSummary);
   add_data_and_model_flags(cli, config);
   add_training_loop_flags(cli, config, values);
+  add_device_and_sharding_flags(cli, config);
   add_optimizer_flags(cli, config, values);
   add_shampoo_flags(cli, config, values);
   if (!cli.parse(argc, argv)) return std::nullopt;

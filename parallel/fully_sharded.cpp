@@ -47,11 +47,11 @@ void allocate_full(const at::Tensor& param, at::IntArrayRef sizes, at::ScalarTyp
   auto* impl = param.unsafeGetTensorImpl();
   impl->set_storage_and_dtype(impl->storage(), c10::scalarTypeToTypeMeta(dtype));
   auto* storage = impl->storage().unsafeGetStorageImpl();
-  const auto nbytes =
-      static_cast<size_t>(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
+  const auto nbytes = static_cast<size_t>(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
   c10::DeviceGuard guard(param.device());
-  at::Allocator* allocator =
-      storage->allocator() != nullptr ? storage->allocator() : c10::GetAllocator(param.device().type());
+  at::Allocator* allocator = storage->allocator() != nullptr
+                                 ? storage->allocator()
+                                 : c10::GetAllocator(param.device().type());
   storage->set_data_ptr_noswap(allocator->allocate(nbytes));
   storage->set_nbytes(nbytes);
   impl->set_sizes_contiguous(sizes);
@@ -145,7 +145,7 @@ struct ParamSlot {
   at::Tensor shard;        // this rank's valid rows, [valid, ...]
   at::Tensor reduced;      // averaged gradient kept for the step (full, or this rank's rows)
   std::unique_ptr<torch::optim::Optimizer> optimizer;  // lossless, on the owner: its own
-  bool arrived = false;    // gradient accumulated in this backward pass
+  bool arrived = false;                                // gradient accumulated in this backward pass
   int64_t hook = -1;
 
   int64_t numel() const { return rows * row_numel; }
@@ -163,19 +163,19 @@ struct ParamSlot {
 struct Unit {
   std::string name;
   std::vector<ParamSlot> params;
-  int64_t shard_numel = 0;  // padded chunks of every parameter
-  at::TensorOptions options;  // of the parameters and their shards
+  int64_t shard_numel = 0;                    // padded chunks of every parameter
+  at::TensorOptions options;                  // of the parameters and their shards
   at::ScalarType dtype = at::kFloat;          // the parameters' own
   at::ScalarType compute_dtype = at::kFloat;  // of the gathered parameters (param_dtype)
   at::ScalarType reduce_dtype = at::kFloat;   // of the gradient reduction
   std::atomic<bool> gathered{true};
   int64_t arrived = 0;
-  bool in_pass = false;  // ran forward with gradients in the current pass
-  bool reduced = false;  // gradients reduced in the current pass
-  bool to_step = false;  // reduced gradients waiting for step()
+  bool in_pass = false;     // ran forward with gradients in the current pass
+  bool reduced = false;     // gradients reduced in the current pass
+  bool to_step = false;     // reduced gradients waiting for step()
   bool owned_kept = false;  // the owner's parameters kept from the backward gather for the step
   std::unique_ptr<torch::optim::Optimizer> optimizer;  // local shards: over this rank's rows
-  std::shared_future<void> pending;  // its step on the worker
+  std::shared_future<void> pending;                    // its step on the worker
 };
 
 }  // namespace
@@ -247,11 +247,10 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
                 " must be a leaf tensor that requires grad");
     TORCH_CHECK(p.numel() > 0, kWho, where(), " is empty (shape ", shape_text(p.sizes()), ")");
     TORCH_CHECK(p.device() == in.params[0].device() && p.dtype() == in.params[0].dtype(), kWho,
-                where(), " is on ", p.device(), " with dtype ", p.dtype(), ", but parameter 0 is on ",
-                in.params[0].device(), " with dtype ", in.params[0].dtype(),
-                ": the parameters of a unit share one device and dtype");
-    TORCH_CHECK(p.is_contiguous() && p.storage_offset() == 0 &&
-                    p.storage().nbytes() == p.nbytes(),
+                where(), " is on ", p.device(), " with dtype ", p.dtype(),
+                ", but parameter 0 is on ", in.params[0].device(), " with dtype ",
+                in.params[0].dtype(), ": the parameters of a unit share one device and dtype");
+    TORCH_CHECK(p.is_contiguous() && p.storage_offset() == 0 && p.storage().nbytes() == p.nbytes(),
                 kWho, where(),
                 " must own its storage (contiguous, not a view of a larger tensor): its storage is "
                 "released while the unit is sharded");
@@ -263,7 +262,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   /// The ranks agree on the units (count, then each unit's shapes, dtype and device) before any
   /// other collective, and draw the tag of this object's subgroups.
   int64_t agree_on_units() {
-    const int64_t ticket = rank == 0 && world > 1 ? group->getStore()->add("shampoo_fsdp_ticket", 1) : 0;
+    const int64_t ticket =
+        rank == 0 && world > 1 ? group->getStore()->add("shampoo_fsdp_ticket", 1) : 0;
     const auto counts = detail::gather_int64(*group, {ticket, static_cast<int64_t>(units.size())});
     for (int r = 0; r < world; ++r) {
       TORCH_CHECK(counts[r][1] == counts[0][1], kWho, "the units differ across ranks: rank 0 has ",
@@ -379,10 +379,11 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     std::weak_ptr<State> weak = shared_from_this();
     for (size_t u = 0; u < units.size(); ++u) {
       for (size_t i = 0; i < units[u]->params.size(); ++i) {
-        units[u]->params[i].hook = detail::add_grad_ready_callback(
-            units[u]->params[i].param, [weak, u, i](const at::Tensor&) {
-              if (auto self = weak.lock()) self->on_grad_ready(u, i);
-            });
+        units[u]->params[i].hook = detail::add_grad_ready_callback(units[u]->params[i].param,
+                                                                   [weak, u, i](const at::Tensor&) {
+                                                                     if (auto self = weak.lock())
+                                                                       self->on_grad_ready(u, i);
+                                                                   });
       }
     }
   }
@@ -539,8 +540,9 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     std::vector<at::Tensor> grads;
     for (auto& slot : unit.params) {
       auto grad = std::exchange(slot.param.mutable_grad(), at::Tensor());
-      grads.push_back(grad.defined() ? grad.view(slot.sizes).to(unit.reduce_dtype)
-                                     : at::zeros(slot.sizes, unit.options.dtype(unit.reduce_dtype)));
+      grads.push_back(grad.defined()
+                          ? grad.view(slot.sizes).to(unit.reduce_dtype)
+                          : at::zeros(slot.sizes, unit.options.dtype(unit.reduce_dtype)));
     }
     // The parameters go before the gradients are reduced. A lossless step right away keeps the
     // ones this rank owns when they hold its values exactly (gathered in their own dtype): the
@@ -651,7 +653,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     at::NoGradGuard no_grad;
     if (lossless() && !std::exchange(unit.owned_kept, false)) collect_rows(unit, via);
     for (auto& slot : unit.params) {
-      if (slot.reduced.defined()) (lossless() ? slot.param : slot.shard).mutable_grad() = slot.reduced;
+      if (slot.reduced.defined())
+        (lossless() ? slot.param : slot.shard).mutable_grad() = slot.reduced;
       if (slot.optimizer && slot.reduced.defined()) slot.optimizer->step();
     }
     if (unit.optimizer) unit.optimizer->step();
@@ -890,8 +893,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       TORCH_CHECK(common.try_read("unit_" + std::to_string(u), archive), kWho,
                   "checkpoint: no entry for unit ", u);
       c10::IValue name;
-      TORCH_CHECK(archive.try_read("name", name) && name.isString(), kWho,
-                  "checkpoint: unit ", u, " has no name");
+      TORCH_CHECK(archive.try_read("name", name) && name.isString(), kWho, "checkpoint: unit ", u,
+                  " has no name");
       TORCH_CHECK(name.toStringRef() == units[u]->name, kWho, "checkpoint: unit ", u, " is named '",
                   name.toStringRef(), "' there and '", units[u]->name,
                   "' here (a checkpoint of another model?)");
@@ -1060,8 +1063,8 @@ size_t FullyShardedDataParallel::unit_index(const std::string& name) const {
 }
 
 const std::string& FullyShardedDataParallel::unit_name(size_t unit) const {
-  TORCH_CHECK(unit < state_->units.size(), kWho, "unit ", unit, " does not exist (", state_->units.size(),
-              " units)");
+  TORCH_CHECK(unit < state_->units.size(), kWho, "unit ", unit, " does not exist (",
+              state_->units.size(), " units)");
   return state_->units[unit]->name;
 }
 
@@ -1184,8 +1187,8 @@ void FullyShardedDataParallel::save_pieces(PieceWriter& pieces) const {
   state_->save_pieces(pieces);
 }
 
-std::function<void()> FullyShardedDataParallel::prepare_load(
-    torch::serialize::InputArchive& common, PieceReader& pieces) {
+std::function<void()> FullyShardedDataParallel::prepare_load(torch::serialize::InputArchive& common,
+                                                             PieceReader& pieces) {
   return state_->prepare_load(common, pieces);
 }
 

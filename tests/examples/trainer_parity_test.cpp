@@ -258,9 +258,9 @@ TEST_F(TrainerTest, CompactStateStaysNearTheGoldenTrajectory) {
   ASSERT_EQ(golden.count("loss"), 1u);
   const auto flags = golden_cases()[0].flags;
   for (const std::string compact : {"bf16", "int8"}) {
-    const TrainerRun run = run_ok("compact_" + compact, 1,
-                                  base_flags(data_dir_, 1) + flags +
-                                      std::vector<std::string>{"--compact-state", compact});
+    const TrainerRun run = run_ok(
+        "compact_" + compact, 1,
+        base_flags(data_dir_, 1) + flags + std::vector<std::string>{"--compact-state", compact});
     const double distance = max_relative_difference(run.train.at("loss"), golden.at("loss"));
     std::cout << "[ DISTANCE ] --compact-state " << compact
               << ": max relative loss difference from the golden trajectory " << distance << "\n";
@@ -516,8 +516,7 @@ TEST_P(ShardingTest, FullyShardedEqualsDataParallelism) {
   const auto flags = base_flags(data_dir_, 2) + c.flags +
                      std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr / 2)};
   const TrainerRun all_reduced = run_ok("all_reduced", 2, flags);
-  const TrainerRun full =
-      run_ok("full", 2, flags + std::vector<std::string>{"--sharding", "full"});
+  const TrainerRun full = run_ok("full", 2, flags + std::vector<std::string>{"--sharding", "full"});
   EXPECT_NE(full.log.find("full (ZeRO-3): 2 unit(s)"), std::string::npos) << full.log;
   EXPECT_TRUE(identical(full.train.at("global_loss"), all_reduced.train.at("global_loss")));
   EXPECT_TRUE(identical(full.eval.at("test_loss"), all_reduced.eval.at("test_loss")));
@@ -526,14 +525,14 @@ TEST_P(ShardingTest, FullyShardedEqualsDataParallelism) {
 TEST_P(ShardingTest, FullyShardedAtFourRanksFollowsDataParallelism) {
   if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
   const auto& c = GetParam();
-  const auto flags = base_flags(data_dir_, 4) + c.flags +
-                     std::vector<std::string>{"--lr", number(c.lr)};
+  const auto flags =
+      base_flags(data_dir_, 4) + c.flags + std::vector<std::string>{"--lr", number(c.lr)};
   const TrainerRun all_reduced = run_ok("all_reduced4", 4, flags);
   const TrainerRun full =
       run_ok("full4", 4, flags + std::vector<std::string>{"--sharding", "full"});
-  EXPECT_LT(max_relative_difference(full.train.at("global_loss"),
-                                    all_reduced.train.at("global_loss")),
-            1e-4);
+  EXPECT_LT(
+      max_relative_difference(full.train.at("global_loss"), all_reduced.train.at("global_loss")),
+      1e-4);
   EXPECT_LT(max_relative_difference(full.eval.at("test_loss"), all_reduced.eval.at("test_loss")),
             1e-4);
 }
@@ -543,16 +542,17 @@ TEST_P(ShardingTest, FullyShardedAtFourRanksFollowsDataParallelism) {
 TEST_P(ShardingTest, FullyShardedResumesAtOtherNumbersOfRanks) {
   if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
   const auto& c = GetParam();
-  const auto flags = c.flags + std::vector<std::string>{"--lr", number(c.lr), "--sharding",
-                                                        "full", "--checkpoint-dir",
-                                                        (dir_ / "checkpoints").string()};
+  const auto flags = c.flags + std::vector<std::string>{
+                                   "--lr", number(c.lr),       "--sharding",
+                                   "full", "--checkpoint-dir", (dir_ / "checkpoints").string()};
   const TrainerRun uninterrupted =
-      run_ok("uninterrupted", 2, base_flags(data_dir_, 2) + c.flags +
-                                     std::vector<std::string>{"--lr", number(c.lr), "--sharding",
-                                                              "full"});
+      run_ok("uninterrupted", 2,
+             base_flags(data_dir_, 2) + c.flags +
+                 std::vector<std::string>{"--lr", number(c.lr), "--sharding", "full"});
   const auto run_part = [&](int ranks, const std::string& stop_after) {
     auto part = base_flags(data_dir_, ranks) + flags;
-    if (!stop_after.empty()) part = part + std::vector<std::string>{"--stop-after-epoch", stop_after};
+    if (!stop_after.empty())
+      part = part + std::vector<std::string>{"--stop-after-epoch", stop_after};
     const TrainerRun run = run_trainer(dir_ / "resumed", ranks, part);
     EXPECT_EQ(run.exit_code, 0) << run.log;
     return run;
@@ -563,9 +563,9 @@ TEST_P(ShardingTest, FullyShardedResumesAtOtherNumbersOfRanks) {
   const TrainerRun at1 = run_part(1, "");
   EXPECT_NE(at1.log.find("saved at world size 4, now 1"), std::string::npos) << at1.log;
   ASSERT_EQ(rows(at1.train, "global_loss"), 30u) << at1.log;
-  EXPECT_LT(max_relative_difference(at1.train.at("global_loss"),
-                                    uninterrupted.train.at("global_loss")),
-            1e-4);
+  EXPECT_LT(
+      max_relative_difference(at1.train.at("global_loss"), uninterrupted.train.at("global_loss")),
+      1e-4);
   EXPECT_LT(max_relative_difference(at1.eval.at("test_loss"), uninterrupted.eval.at("test_loss")),
             1e-4);
 }

@@ -59,8 +59,7 @@ shampoo::OptimizerFactory factory_of(Optim optim) {
           params, torch::optim::AdamOptions(0.01).weight_decay(0.01));
     }
     return std::make_unique<shampoo::DistributedShampoo>(
-        params,
-        shampoo::testing::sharding_shampoo_options(optim == Optim::kEigenvalueCorrected));
+        params, shampoo::testing::sharding_shampoo_options(optim == Optim::kEigenvalueCorrected));
   };
 }
 
@@ -148,11 +147,12 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
          (overlap ? "_overlap" : "_after_backward");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Lossless, FullySharded,
-    ::testing::Combine(::testing::Values(Optim::kAdam, Optim::kShampoo, Optim::kEigenvalueCorrected),
-                       ::testing::Values(ShardedStepMode::kLossless), ::testing::Bool()),
-    case_name);
+INSTANTIATE_TEST_SUITE_P(Lossless, FullySharded,
+                         ::testing::Combine(::testing::Values(Optim::kAdam, Optim::kShampoo,
+                                                              Optim::kEigenvalueCorrected),
+                                            ::testing::Values(ShardedStepMode::kLossless),
+                                            ::testing::Bool()),
+                         case_name);
 // Local shards equal data parallelism for elementwise optimizers only.
 INSTANTIATE_TEST_SUITE_P(LocalShard, FullySharded,
                          ::testing::Combine(::testing::Values(Optim::kAdam),
@@ -449,7 +449,8 @@ TEST(FullyShardedMemory, RanksHoldTheirChunksOnly) {
         ShardedRun run(Optim::kAdam, group, FullyShardedOptions());
         // Layers 6->10, 10->10, 10->3: rows 10, 10, 10 (5 per rank), 3 (2 and 1).
         const int64_t full = (60 + 10 + 100 + 10 + 30 + 3) * 4;
-        const int64_t expected = rank == 0 ? (30 + 5 + 50 + 5 + 20 + 2) * 4 : (30 + 5 + 50 + 5 + 10 + 1) * 4;
+        const int64_t expected =
+            rank == 0 ? (30 + 5 + 50 + 5 + 20 + 2) * 4 : (30 + 5 + 50 + 5 + 10 + 1) * 4;
         EXPECT_EQ(run.fsdp->shard_bytes(), expected);
         EXPECT_LT(run.fsdp->shard_bytes(), full);
         EXPECT_EQ(run.fsdp->gathered_bytes(), 0);
@@ -497,26 +498,45 @@ TEST(FullyShardedErrors, BadUnitsAreClearErrors) {
         const auto make = [&](std::vector<ShardedUnit> units, FullyShardedOptions options = {}) {
           FullyShardedDataParallel fsdp(std::move(units), factory_of(Optim::kAdam), group, options);
         };
-        expect_error([&] { make({{"a", {params[0]}}, {"b", {params[1], params[0]}}}); },
-                     {"parameter 1 of unit 1 ('b')", "also parameter 0 of unit 0",
-                      "belongs to one unit"});
-        expect_error([&] { make({{"a", {params[0], params[0]}}}); },
-                     {"parameter 1 of unit 0 ('a')", "also parameter 0 of unit 0"});
+        expect_error(
+            [&] {
+              make({{"a", {params[0]}}, {"b", {params[1], params[0]}}});
+            },
+            {"parameter 1 of unit 1 ('b')", "also parameter 0 of unit 0", "belongs to one unit"});
+        expect_error(
+            [&] {
+              make({{"a", {params[0], params[0]}}});
+            },
+            {"parameter 1 of unit 0 ('a')", "also parameter 0 of unit 0"});
         auto other = at::zeros({4}, at::kDouble).requires_grad_();
-        expect_error([&] { make({{"a", {params[0], other}}}); },
-                     {"parameter 1 of unit 0 ('a')", "dtype double", "share one device and dtype"});
+        expect_error(
+            [&] {
+              make({{"a", {params[0], other}}});
+            },
+            {"parameter 1 of unit 0 ('a')", "dtype double", "share one device and dtype"});
         expect_error([&] { make({{"a", {}}}); }, {"unit 0 ('a') has no parameters"});
-        expect_error([&] { make({{"a", {params[0]}}, {"a", {params[1]}}}); },
-                     {"two units are named 'a'"});
+        expect_error(
+            [&] {
+              make({{"a", {params[0]}}, {"a", {params[1]}}});
+            },
+            {"two units are named 'a'"});
         auto base = at::zeros({8}).requires_grad_();
         auto view = base.detach().narrow(0, 0, 4).requires_grad_();
         expect_error([&] { make({{"a", {view}}}); }, {"must own its storage"});
-        expect_error([&] { make({{"a", {params[0].detach()}}}); },
-                     {"leaf tensor that requires grad"});
-        expect_error([&] { make({{"a", {params[0]}}}, FullyShardedOptions().accumulation_steps(0)); },
-                     {"accumulation_steps: got 0"});
         expect_error(
-            [&] { make({{"a", {params[0]}}}, FullyShardedOptions().offload_state_to_cpu(true)); },
+            [&] {
+              make({{"a", {params[0].detach()}}});
+            },
+            {"leaf tensor that requires grad"});
+        expect_error(
+            [&] {
+              make({{"a", {params[0]}}}, FullyShardedOptions().accumulation_steps(0));
+            },
+            {"accumulation_steps: got 0"});
+        expect_error(
+            [&] {
+              make({{"a", {params[0]}}}, FullyShardedOptions().offload_state_to_cpu(true));
+            },
             {"offload_state_to_cpu", "not supported yet"});
       },
       kTimeout);

@@ -29,7 +29,8 @@ struct mixed_precision : quickstart {};
 /// The full-sharding snippet: a Sequential model, the same batch and loss, and a process group of
 /// one rank (torchrun's group in a real run).
 struct full_sharding {
-  torch::nn::Sequential model{torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4)};
+  torch::nn::Sequential model{torch::nn::Linear(8, 16), torch::nn::ReLU(),
+                              torch::nn::Linear(16, 4)};
   torch::Tensor x = torch::randn({32, 8});
   torch::Tensor y = torch::randn({32, 4});
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_fn =

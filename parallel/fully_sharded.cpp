@@ -171,7 +171,6 @@ struct Unit {
   std::atomic<bool> gathered{true};
   int64_t arrived = 0;
   bool in_pass = false;     // ran forward with gradients in the current pass
-  bool reduced = false;     // gradients reduced in the current pass
   bool to_step = false;     // reduced gradients waiting for step()
   bool owned_kept = false;  // the owner's parameters kept from the backward gather for the step
   std::unique_ptr<torch::optim::Optimizer> optimizer;  // local shards: over this rank's rows
@@ -183,7 +182,7 @@ struct Unit {
 struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   c10::intrusive_ptr<c10d::ProcessGroup> group;         // gathers; step() without overlap
   c10::intrusive_ptr<c10d::ProcessGroup> reduce_group;  // gradient reductions in backward
-  c10::intrusive_ptr<c10d::ProcessGroup> step_group;    // the worker's scatter of new rows
+  c10::intrusive_ptr<c10d::ProcessGroup> step_group;    // the worker's all-to-alls of rows
   FullyShardedOptions options;
   OptimizerFactory factory;
   int rank = 0;
@@ -516,7 +515,6 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
     for (auto& unit : units) {
       unit->in_pass = false;
-      unit->reduced = false;
       unit->arrived = 0;
       for (auto& slot : unit->params) slot.arrived = false;
     }
@@ -561,7 +559,6 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     } else {
       reduce_to_rows(unit, std::move(grads));
     }
-    unit.reduced = true;
     if (stepping) unit.to_step = true;
     if (step_now) {
       std::weak_ptr<State> weak = shared_from_this();

@@ -11,9 +11,8 @@
 
 namespace readme_context {
 
-/// The first snippet: the training loop that replaces torch::optim::Adam.
-struct quickstart {
-  torch::nn::Linear model{8, 4};
+/// One batch, a loss and a step count: what every training-loop snippet uses.
+struct batch_and_loss {
   torch::Tensor x = torch::randn({32, 8});
   torch::Tensor y = torch::randn({32, 4});
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_fn =
@@ -23,21 +22,19 @@ struct quickstart {
   int num_steps = 3;
 };
 
+/// The first snippet: the training loop that replaces torch::optim::Adam.
+struct quickstart : batch_and_loss {
+  torch::nn::Linear model{8, 4};
+};
+
 /// The mixed-precision snippet: the same model, batch and loss.
 struct mixed_precision : quickstart {};
 
 /// The full-sharding snippet: a Sequential model, the same batch and loss, and a process group of
 /// one rank (torchrun's group in a real run).
-struct full_sharding {
+struct full_sharding : batch_and_loss {
   torch::nn::Sequential model{torch::nn::Linear(8, 16), torch::nn::ReLU(),
                               torch::nn::Linear(16, 4)};
-  torch::Tensor x = torch::randn({32, 8});
-  torch::Tensor y = torch::randn({32, 4});
-  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_fn =
-      [](const torch::Tensor& output, const torch::Tensor& target) {
-        return torch::mse_loss(output, target);
-      };
-  int num_steps = 3;
   c10::intrusive_ptr<c10d::ProcessGroup> group = shampoo::detail::make_process_group(
       c10::make_intrusive<c10d::HashStore>(), 0, 1, std::chrono::minutes(1), false);
 };

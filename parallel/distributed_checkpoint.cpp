@@ -611,6 +611,14 @@ DistributedCheckpointable& checkpointable(const torch::optim::Optimizer& optimiz
   return *object;
 }
 
+int64_t read_int_entry(torch::serialize::InputArchive& archive, const std::string& key,
+                       const std::string& what) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value) && value.isInt(), what, ": entry '", key,
+              "' is missing");
+  return value.toInt();
+}
+
 void write_param_shapes(torch::serialize::OutputArchive& archive,
                         const std::vector<at::Tensor>& params) {
   archive.write("num_params", c10::IValue(static_cast<int64_t>(params.size())));

@@ -149,6 +149,10 @@ inline constexpr const char* kWithGradScalerSuffix = "+GradScaler";
 DistributedCheckpointable& checkpointable(const torch::optim::Optimizer& optimizer,
                                           const char* function);
 
+/// The int entry `key` of `archive`; an error "<what>: entry '<key>' is missing" otherwise.
+int64_t read_int_entry(torch::serialize::InputArchive& archive, const std::string& key,
+                       const std::string& what);
+
 /// Writes the parameters' count and shapes ("num_params", "shape_<i>") into `archive`.
 void write_param_shapes(torch::serialize::OutputArchive& archive,
                         const std::vector<at::Tensor>& params);

@@ -873,10 +873,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   }
 
   static int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
-    c10::IValue value;
-    TORCH_CHECK(archive.try_read(key, value) && value.isInt(), kWho, "checkpoint: entry '", key,
-                "' is missing");
-    return value.toInt();
+    return detail::read_int_entry(archive, key, "FullyShardedDataParallel checkpoint");
   }
 
   /// Checks that the checkpoint holds these units (a checkpoint of another model is an error

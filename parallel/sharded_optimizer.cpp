@@ -30,10 +30,7 @@ std::string local_type(const torch::optim::Optimizer& local) {
 }
 
 int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
-  c10::IValue value;
-  TORCH_CHECK(archive.try_read(key, value) && value.isInt(), "ShardedOptimizer checkpoint: entry '",
-              key, "' is missing");
-  return value.toInt();
+  return detail::read_int_entry(archive, key, "ShardedOptimizer checkpoint");
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "parallel/block_assignment.h"
+#include "parallel/grad_norm_clipping.h"
 #include "parallel/grad_ready_hooks.h"
 #include "parallel/process_group.h"
 
@@ -1076,6 +1077,23 @@ std::vector<at::Tensor> FullyShardedDataParallel::reduced_gradients() {
 }
 
 void FullyShardedDataParallel::skip_step() { state_->skip_all(); }
+
+double FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type) {
+  auto& s = *state_;
+  s.reduced_gradients();  // only for its check: an error with overlap_step
+  TORCH_CHECK(s.lossless(), kWho,
+              "clip_grad_norm_: needs step_mode kLossless (local shards hold row chunks, whose "
+              "norms do not add up to a whole parameter's bit for bit)");
+  std::vector<detail::SpreadGradient> spread;
+  for (const auto& unit : s.units) {
+    for (const auto& slot : unit->params) {
+      // The owner holds the parameter's whole averaged gradient; nobody else holds any of it.
+      spread.push_back({slot.reduced, slot.reduced, unit->options});
+    }
+  }
+  return detail::clip_spread_grad_norm_(*s.group, spread, max_norm, norm_type,
+                                        "FullyShardedDataParallel::clip_grad_norm_");
+}
 
 void FullyShardedDataParallel::gather_all() {
   auto& s = *state_;

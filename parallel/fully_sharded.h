@@ -130,6 +130,10 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   /// Without overlap_step: drops the reduced gradients instead of stepping (a GradScaler's
   /// skipped step; every rank must do the same). The same errors as step().
   void skip_step();
+  /// Without overlap_step, lossless, between backward and step(): clips the reduced gradients by
+  /// their global norm, as torch::nn::utils::clip_grad_norm_ on the full averaged gradients (bit
+  /// for bit): one all-reduce of the per-parameter norms. Returns the total norm. Collective.
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0);
 
   /// Gathers every unit's full parameters and keeps them until release_all(), e.g. to evaluate:
   /// forwards in between (without gradients) neither gather nor release. Waits for the steps in

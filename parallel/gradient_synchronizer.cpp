@@ -9,6 +9,7 @@
 #include <map>
 #include <tuple>
 
+#include "parallel/grad_norm_clipping.h"
 #include "parallel/grad_ready_hooks.h"
 #include "parallel/process_group.h"
 
@@ -370,53 +371,18 @@ void GradientSynchronizer::synchronize() {
 }
 
 double GradientSynchronizer::clip_grad_norm_(double max_norm, double norm_type) {
-  TORCH_CHECK(norm_type > 0.0, "GradientSynchronizer::clip_grad_norm_: norm_type: got ", norm_type,
-              ", expected > 0 or infinity");
-  const bool inf_norm = std::isinf(norm_type);
-  const auto n = static_cast<int64_t>(params_.size());
-  // Per parameter: its gradient's norm (on the rank that owns it; replicated ones on rank 0)
-  // and 1 when it has a gradient. Each entry has one non-zero contribution, so the all-reduced
-  // sum is exact and every rank sees the norms the unsharded ranks would compute.
-  auto local = at::zeros({2 * n}, at::TensorOptions().dtype(at::kDouble));
+  // Each gradient's norm counted on the rank that owns it (replicated ones on rank 0).
   const int rank = group_->getRank();
-  {
-    at::NoGradGuard no_grad;
-    for (int64_t i = 0; i < n; ++i) {
-      const auto& grad = params_[i].grad();
-      const bool counted =
-          owners_[i] == ParameterOwners::kEveryRank ? rank == 0 : owners_[i] == rank;
-      if (!grad.defined() || !counted) continue;
-      const auto norm = inf_norm ? grad.abs().max() : grad.norm(norm_type);
-      local[i] = norm.to(at::kCPU, at::kDouble);
-      local[n + i] = 1.0;
-    }
-  }
-  if (n > 0) {
-    // Over the CPU backend: one small tensor (NCCL would need it on the GPU and gain nothing).
-    std::vector<at::Tensor> tensors{local};
-    group_->getBackend(c10::DeviceType::CPU)->allreduce(tensors)->wait();
-  }
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> norms;
-  std::vector<at::Tensor> held;
-  const auto* values = local.data_ptr<double>();
-  for (int64_t i = 0; i < n; ++i) {
-    if (values[n + i] == 0.0) continue;
+  std::vector<detail::SpreadGradient> gradients;
+  for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
-    // The norm in the gradient's dtype and on its device, as LibTorch computes it.
-    norms.push_back(at::scalar_tensor(values[i], p.options().requires_grad(false)));
-    if (holds(i) && p.grad().defined()) held.push_back(p.grad());
+    const bool counted = owners_[i] == ParameterOwners::kEveryRank ? rank == 0 : owners_[i] == rank;
+    const auto& grad = p.grad();
+    gradients.push_back({counted ? grad : at::Tensor(),
+                         holds(static_cast<int64_t>(i)) ? grad : at::Tensor(), p.options()});
   }
-  if (norms.empty()) return 0.0;
-  at::Tensor total;
-  if (inf_norm) {
-    total = norms.size() == 1 ? norms[0] : at::max(at::stack(norms));
-  } else {
-    total = norms.size() == 1 ? norms[0] : at::stack(norms).norm(norm_type);
-  }
-  const auto coefficient = at::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
-  for (auto& grad : held) grad.mul_(coefficient.to(grad.device()));
-  return total.item().toDouble();
+  return detail::clip_spread_grad_norm_(*group_, gradients, max_norm, norm_type,
+                                        "GradientSynchronizer::clip_grad_norm_");
 }
 
 int64_t GradientSynchronizer::gradient_bytes() const {

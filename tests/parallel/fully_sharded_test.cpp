@@ -439,6 +439,37 @@ TEST(FullyShardedGradScaler, EqualsDataParallelismWithTheScaler) {
       kTimeout);
 }
 
+// Clipping by global norm on the reduced gradients equals the synchronizer's (LibTorch's
+// clip_grad_norm_ on the full averaged gradients), bit for bit at world 2, also while it clips.
+TEST(FullyShardedClipping, EqualsDataParallelClipping) {
+  run_ranks(
+      2,
+      [&](int rank, const Group& group) {
+        const auto data = sharding_batch(rank, 2);
+        DataParallelRun plain(Optim::kShampoo, group);
+        ShardedRun sharded(Optim::kShampoo, group, FullyShardedOptions().overlap_step(false));
+        int clipped = 0;
+        for (int step = 0; step < 10; ++step) {
+          plain.optimizer->zero_grad();
+          loss_of(plain.model->forward(data.inputs), data).backward();
+          plain.sync->synchronize();
+          const double expected = plain.sync->clip_grad_norm_(0.1);
+          plain.optimizer->step();
+          loss_of(shampoo::forward_sequential(*sharded.fsdp, sharded.model, data.inputs), data)
+              .backward();
+          const double actual = sharded.fsdp->clip_grad_norm_(0.1);
+          sharded.fsdp->step();
+          ASSERT_EQ(actual, expected) << "step " << step;
+          clipped += expected > 0.1;
+        }
+        EXPECT_GT(clipped, 0);
+        EXPECT_TRUE(bit_equal(sharded.full_values(), plain.model->parameters())) << "rank " << rank;
+        ShardedRun overlapped(Optim::kAdam, group, FullyShardedOptions());
+        expect_error([&] { overlapped.fsdp->clip_grad_norm_(1.0); }, {"overlap_step(false)"});
+      },
+      kTimeout);
+}
+
 // What a rank holds: its row chunks; no full parameters or gradients between steps; the module's
 // parameters have no storage while sharded; lossless owners balance the parameters.
 TEST(FullyShardedMemory, RanksHoldTheirChunksOnly) {

@@ -405,7 +405,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       allocate_full(slot.param, slot.sizes, unit.compute_dtype);
       auto input = slot.shard.reshape({-1}).to(unit.compute_dtype);
       if (input.numel() < slot.chunk_numel()) {
-        input = at::cat({input, at::zeros({slot.chunk_numel() - input.numel()}, compute)});
+        input = at::empty({slot.chunk_numel()}, compute);
+        write_shard(input, slot);
       }
       at::Tensor output = slot.param.variable_data().view({-1});
       if (slot.rows % world != 0) {
@@ -633,6 +634,39 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     write_chunks(by_rank, slot, full, slot.offset);
   }
 
+  /// The inverse of write_chunks: the rank-major buffer's chunks at `column` into `full`'s rows.
+  static void read_chunks(const at::Tensor& by_rank, const ParamSlot& slot, int64_t column,
+                          const at::Tensor& full) {
+    const auto rows = full.view({slot.rows, slot.row_numel});
+    for (int r = 0; r < static_cast<int>(by_rank.size(0)); ++r) {
+      const int64_t valid = slot.valid_rows(r);
+      if (valid == 0) continue;
+      rows.narrow(0, r * slot.chunk_rows, valid)
+          .copy_(by_rank[r].narrow(0, column, valid * slot.row_numel).view({valid, -1}));
+    }
+  }
+
+  /// This rank's shard into `chunk` (chunk_numel elements, any dtype), zeros past its rows.
+  static void write_shard(const at::Tensor& chunk, const ParamSlot& slot) {
+    const auto n = slot.shard.numel();
+    chunk.narrow(0, 0, n).copy_(slot.shard.detach().reshape({-1}));
+    chunk.narrow(0, n, slot.chunk_numel() - n).zero_();
+  }
+
+  /// Per rank: the elements of the chunks of the unit's parameters that rank owns.
+  std::vector<int64_t> chunks_by_owner(const Unit& unit) const {
+    std::vector<int64_t> split(world, 0);
+    for (const auto& slot : unit.params) split[slot.owner] += slot.chunk_numel();
+    return split;
+  }
+
+  /// Where each rank's part starts in a buffer of consecutive parts of sizes `split`.
+  static std::vector<int64_t> starts_of(const std::vector<int64_t>& split) {
+    std::vector<int64_t> starts(split.size(), 0);
+    for (size_t o = 1; o < split.size(); ++o) starts[o] = starts[o - 1] + split[o - 1];
+    return starts;
+  }
+
   static void accumulate(ParamSlot& slot, at::Tensor averaged) {
     if (slot.reduced.defined()) {
       slot.reduced += averaged;
@@ -670,20 +704,12 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   /// Lossless: every rank sends each owner its rows of the owner's parameters; the owners'
   /// parameters get their full values (in their own dtype).
   void collect_rows(Unit& unit, c10d::ProcessGroup& via) {
-    std::vector<int64_t> send_split(world, 0);
-    int64_t owned_chunks = 0;
-    for (const auto& slot : unit.params) {
-      send_split[slot.owner] += slot.chunk_numel();
-      if (slot.owner == rank) owned_chunks += slot.chunk_numel();
-    }
+    auto send_split = chunks_by_owner(unit);
+    const int64_t owned_chunks = send_split[rank];
     auto send = at::empty({c10::sum_integers(send_split)}, unit.options);
-    std::vector<int64_t> offset(world, 0);
-    for (int o = 1; o < world; ++o) offset[o] = offset[o - 1] + send_split[o - 1];
+    auto offset = starts_of(send_split);
     for (const auto& slot : unit.params) {
-      auto chunk = send.narrow(0, offset[slot.owner], slot.chunk_numel());
-      const auto n = slot.shard.numel();
-      chunk.narrow(0, 0, n).copy_(slot.shard.reshape({-1}));
-      chunk.narrow(0, n, slot.chunk_numel() - n).zero_();
+      write_shard(send.narrow(0, offset[slot.owner], slot.chunk_numel()), slot);
       offset[slot.owner] += slot.chunk_numel();
     }
     auto received = at::empty({world, owned_chunks}, unit.options);
@@ -695,25 +721,15 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     for (auto& slot : unit.params) {
       if (slot.owner != rank) continue;
       allocate_full(slot.param, slot.sizes, unit.dtype);
-      const auto rows = slot.param.variable_data().view({slot.rows, slot.row_numel});
-      for (int r = 0; r < world; ++r) {
-        const int64_t valid = slot.valid_rows(r);
-        if (valid == 0) continue;
-        rows.narrow(0, r * slot.chunk_rows, valid)
-            .copy_(received[r].narrow(0, column, valid * slot.row_numel).view({valid, -1}));
-      }
+      read_chunks(received, slot, column, slot.param.variable_data());
       column += slot.chunk_numel();
     }
   }
 
   /// Lossless: each owner sends every rank that rank's rows of the parameters it stepped.
   void scatter_rows(Unit& unit, c10d::ProcessGroup& via) {
-    int64_t sent_per_rank = 0;
-    std::vector<int64_t> receive_split(world, 0);
-    for (const auto& slot : unit.params) {
-      receive_split[slot.owner] += slot.chunk_numel();
-      if (slot.owner == rank) sent_per_rank += slot.chunk_numel();
-    }
+    auto receive_split = chunks_by_owner(unit);
+    const int64_t sent_per_rank = receive_split[rank];
     auto send = at::empty({world, sent_per_rank}, unit.options);
     int64_t column = 0;
     for (const auto& slot : unit.params) {
@@ -726,8 +742,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     auto flat = send.view({-1});
     wait_one(via.alltoall_base(received, flat, receive_split, send_split),
              "sending the stepped rows of unit '" + unit.name + "'", rank);
-    std::vector<int64_t> source_offset(world, 0);
-    for (int o = 1; o < world; ++o) source_offset[o] = source_offset[o - 1] + receive_split[o - 1];
+    auto source_offset = starts_of(receive_split);
     for (auto& slot : unit.params) {
       const int64_t n = slot.valid_rows(rank) * slot.row_numel;
       if (n > 0) slot.shard.view({-1}).copy_(received.narrow(0, source_offset[slot.owner], n));
@@ -992,10 +1007,16 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     };
   }
 
-  ParamSlot& slot_for(const at::Tensor& param) {
+  /// (unit, index in the unit) of `param`; an error for a tensor that is no unit's parameter.
+  std::pair<size_t, size_t> position_of(const at::Tensor& param) const {
     const auto it = slot_of.find(param.unsafeGetTensorImpl());
     TORCH_CHECK(it != slot_of.end(), kWho, "this tensor is no unit's parameter");
-    return unit(it->second.first).params[it->second.second];
+    return it->second;
+  }
+
+  ParamSlot& slot_for(const at::Tensor& param) {
+    const auto [u, i] = position_of(param);
+    return unit(u).params[i];
   }
 };
 
@@ -1111,9 +1132,9 @@ void FullyShardedDataParallel::release_all() {
 }
 
 torch::optim::Optimizer* FullyShardedDataParallel::optimizer_of(const at::Tensor& param) {
-  const auto& where = state_->slot_for(param);
-  if (state_->lossless()) return where.optimizer.get();
-  return state_->unit(state_->slot_of.at(param.unsafeGetTensorImpl()).first).optimizer.get();
+  const auto [u, i] = state_->position_of(param);
+  auto& unit = state_->unit(u);
+  return state_->lossless() ? unit.params[i].optimizer.get() : unit.optimizer.get();
 }
 
 std::vector<torch::optim::Optimizer*> FullyShardedDataParallel::optimizers() {
@@ -1141,8 +1162,8 @@ at::Tensor FullyShardedDataParallel::full_value(const at::Tensor& param) {
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
   const auto& slot = s.slot_for(param);
   // The shards' own values (not a lower-precision compute copy), padded to whole chunks.
-  auto input = at::zeros({slot.chunk_numel()}, slot.shard.options().requires_grad(false));
-  input.narrow(0, 0, slot.shard.numel()).copy_(slot.shard.detach().reshape({-1}));
+  auto input = at::empty({slot.chunk_numel()}, slot.shard.options().requires_grad(false));
+  State::write_shard(input, slot);
   auto gathered = at::empty({s.world * slot.chunk_numel()}, input.options());
   wait_one(s.group->_allgather_base(gathered, input), "full_value's all-gather", s.rank);
   return gathered.narrow(0, 0, slot.numel()).view(slot.sizes).clone();

@@ -75,6 +75,14 @@ class SignDescentPreconditionerList final : public StatelessPreconditionerList {
     return 0;
   }
 
+  /// With scale 1, sign(Ḡ) is one formula per element; Σ|Ḡ| needs the whole block.
+  bool elementwise() const override { return scale_ == SignDescentScale::kOne; }
+  ElementwiseDirection elementwise_direction(int64_t /*stack*/, int64_t /*row*/,
+                                             int64_t /*step*/) override {
+    TORCH_INTERNAL_ASSERT(elementwise());
+    return {ElementwiseDirection::Kind::kSign, {}, {}};
+  }
+
   using PreconditionerList::precondition;
   void precondition(int64_t stack, const Rows& rows, const at::Tensor& filtered,
                     const RowScalars& scalars, at::Tensor& out) const override;

@@ -15,6 +15,15 @@ DiagonalPreconditionerList::DiagonalPreconditionerList(
   }
 }
 
+ElementwiseDirection DiagonalPreconditionerList::elementwise_direction(int64_t stack, int64_t row,
+                                                                       int64_t step) {
+  ElementwiseDirection out;
+  out.kind = ElementwiseDirection::Kind::kDiagonal;
+  out.coefficients = diagonal_coefficients(config_, step);
+  if (coefficients_.has_state) out.state = second_moments_[stack][row];
+  return out;
+}
+
 void DiagonalPreconditionerList::update(int64_t stack, const Rows& rows,
                                         const at::Tensor& gradients, const RowScalars& /*scalars*/,
                                         const std::vector<bool>& /*amortize*/) {

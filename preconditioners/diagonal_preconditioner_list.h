@@ -21,6 +21,10 @@ class DiagonalPreconditionerList final : public PreconditionerList {
                                                       : 0;
   }
 
+  /// Every diagonal family is one formula per element.
+  bool elementwise() const override { return true; }
+  ElementwiseDirection elementwise_direction(int64_t stack, int64_t row, int64_t step) override;
+
   void update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
               const RowScalars& scalars, const std::vector<bool>& amortize) override;
   using PreconditionerList::precondition;

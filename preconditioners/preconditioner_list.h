@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,9 +60,35 @@ struct BlockLayout {
   int64_t numel() const;
 };
 
+/// The direction of a family that is one formula per element of Ḡ (the diagonal families and
+/// sign descent with scale 1), for the elementwise chain's fused pass, which then does the
+/// family's whole work (update() and precondition() are not called for the member).
+struct ElementwiseDirection {
+  enum class Kind {
+    kDiagonal,  ///< V ← β2·V + w·G′², P = Ḡ / (sqrt(V / bc2) + ε); P = Ḡ without V (SGD)
+    kSign,      ///< P = sign(Ḡ)
+  };
+  Kind kind = Kind::kDiagonal;
+  /// The member's V ([block_shape], a view of the list's state that the chain updates in place);
+  /// undefined without statistics.
+  at::Tensor state;
+  /// The coefficients at the step (kDiagonal).
+  DiagonalCoefficients coefficients;
+};
+
 class PreconditionerList {
  public:
   virtual ~PreconditionerList() = default;
+
+  /// Whether every member's direction is elementwise (elementwise_direction gives it).
+  virtual bool elementwise() const { return false; }
+  /// The elementwise direction of member `row` of stack `stack` at step `step`, for lists whose
+  /// elementwise() is true.
+  virtual ElementwiseDirection elementwise_direction(int64_t /*stack*/, int64_t /*row*/,
+                                                     int64_t /*step*/) {
+    TORCH_INTERNAL_ASSERT(false, "elementwise_direction of a list that is not elementwise");
+    return {};
+  }
 
   /// Updates the statistics of `rows` of stack `stack` with the gradients `gradients`
   /// [rows, block_shape] (after L2 weight decay) and, for the rows with `amortize[i]`, recomputes

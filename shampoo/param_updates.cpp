@@ -17,19 +17,20 @@ void StepUpdates::route(int64_t block, const at::Tensor& param_view, const at::T
     return;
   }
   if (chain_reads_param(c.scalars)) c.param = param_view.contiguous();
+  const auto buffer = [&] { return staging.defined() ? staging : at::empty_like(c.grad); };
   if (!distributed) {
-    c.update_out = staging;
+    c.update_out = buffer();
     apply_to_.push_back(param_view);
-    apply_from_.push_back(staging.view(param_view.sizes()));
+    apply_from_.push_back(c.update_out.view(param_view.sizes()));
     return;
   }
   auto slot = distributor_.slot(block);
   if (slot.scalar_type() == param_view.scalar_type()) {
     c.update_out = slot;
   } else {
-    c.update_out = staging;
+    c.update_out = buffer();
     cast_to_.push_back(slot);
-    cast_from_.push_back(staging.reshape(-1));
+    cast_from_.push_back(c.update_out.reshape(-1));
   }
   distributor_.mark_updated(block);
 }

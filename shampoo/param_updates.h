@@ -30,7 +30,8 @@ class StepUpdates {
   /// Sets where the chain of engine block `block` reads W and writes its result (c.param,
   /// c.param_out or c.update_out), from `param_view` (the block of the parameter) and
   /// `staging` (a row of the step's buffers that the post pass may overwrite: it reads each
-  /// element of a row before it writes the same element). Call after c.scalars are set.
+  /// element of a row before it writes the same element; undefined: a buffer like c.grad is
+  /// allocated where one is needed). Call after c.scalars and c.grad are set.
   void route(int64_t block, const at::Tensor& param_view, const at::Tensor& staging,
              ChainBlockTensors& c);
   /// After the post pass: adds the staged updates to their parameters and copies the staged

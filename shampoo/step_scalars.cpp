@@ -34,7 +34,7 @@ namespace {
 kernels::DirectionMode direction_mode(const ShampooOptions& options, int64_t t) {
   const bool grafting = grafting_kind(options.grafting()) != GraftingKind::kNone;
   if (!grafting) return kernels::DirectionMode::kPreconditioned;
-  return t < options.resolved_start_preconditioning_step() ? kernels::DirectionMode::kGraft
+  return t < options.resolved_start_preconditioning_step() ? kernels::DirectionMode::kDiagonal
                                                            : kernels::DirectionMode::kGraftNorm;
 }
 

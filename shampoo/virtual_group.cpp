@@ -8,6 +8,7 @@
 #include "preconditioners/preconditioner_factory.h"
 #include "shampoo/param_updates.h"
 #include "shampoo/step_scalars.h"
+#include "update/grafting.h"
 
 namespace shampoo::detail {
 namespace {
@@ -62,6 +63,8 @@ namespace {
 // concurrent eigh lanes on CUDA (preconditioners/cuda/eigh_lanes.h).
 constexpr int64_t kDefaultStepChunkBytes = int64_t{64} << 20;
 std::atomic<int64_t> step_chunk_limit{kDefaultStepChunkBytes};
+std::atomic<bool> fused_step_enabled{true};
+std::atomic<int64_t> fused_chunks{0};
 }  // namespace
 
 int64_t step_chunk_bytes() { return step_chunk_limit.load(); }
@@ -87,6 +90,8 @@ void write_back(const at::Tensor& param, const at::Tensor& work) {
 void set_step_chunk_bytes_for_testing(int64_t bytes) {
   step_chunk_limit.store(bytes > 0 ? bytes : kDefaultStepChunkBytes);
 }
+void set_fused_step_for_testing(bool enabled) { fused_step_enabled.store(enabled); }
+int64_t fused_chunks_for_testing() { return fused_chunks.load(); }
 
 std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order) {
   std::vector<double> exponents(order, 1.0 / (2.0 * static_cast<double>(order)));
@@ -217,21 +222,38 @@ void VirtualGroup::restore(const StepJournal::GroupMark& mark, const StepJournal
   preconditioner_->set_counters(mark.counters);
 }
 
+bool VirtualGroup::fused_step() const {
+  // Grafting would take the chain's V slot and needs the norms of a separate direction; the
+  // fused pass has CPU loops only.
+  return fused_step_enabled.load() && preconditioner_->elementwise() &&
+         grafting_kind(structure_.grafting()) == GraftingKind::kNone && !stacks_.empty() &&
+         stacks_.front().spec.options.device().is_cpu();
+}
+
 void VirtualGroup::step(const StepInputs& in) {
   // In chunks of rows (ChunkStep's buffers bounded by step_chunk_bytes), each through every phase;
   // a block's result does not depend on the chunks.
+  const bool fused = fused_step();
   for (const auto& chunk : step_chunks(in)) {
     StepUpdates updates(in.distributor);
-    auto chunk_step = prepare_chunk(in, chunk, updates);
+    auto chunk_step = prepare_chunk(in, chunk, updates, fused);
     if (chunk_step.chain.empty()) continue;
-    run_chain_pre(chunk_step.chain);  // L2 weight decay, grafting statistics, β1/β3 filtering
-    update_statistics(chunk_step);    // Kronecker factors, amortized roots
-    if (in.fault) in.fault(FaultPoint::kStatisticsUpdated);
-    precondition(chunk_step);           // the matrix preconditioner applied to Ḡ
-    run_chain_norms(chunk_step.chain);  // the grafting norms
-    if (in.fault) in.fault(FaultPoint::kBeforeUpdate);
-    run_chain_post(chunk_step.chain);  // graft, decoupled weight decay, momentum, × −lr, apply
-    elementwise_->commit();            // compact state: the chain's float copies rounded back
+    if (fused) {
+      // Statistics, direction and update in one pass: nothing changes before it.
+      if (in.fault) in.fault(FaultPoint::kStatisticsUpdated);
+      if (in.fault) in.fault(FaultPoint::kBeforeUpdate);
+      run_chain_fused(chunk_step.chain);
+      ++fused_chunks;
+    } else {
+      run_chain_pre(chunk_step.chain);  // L2 weight decay, grafting statistics, β1/β3 filtering
+      update_statistics(chunk_step);    // Kronecker factors, amortized roots
+      if (in.fault) in.fault(FaultPoint::kStatisticsUpdated);
+      precondition(chunk_step);           // the matrix preconditioner applied to Ḡ
+      run_chain_norms(chunk_step.chain);  // the grafting norms
+      if (in.fault) in.fault(FaultPoint::kBeforeUpdate);
+      run_chain_post(chunk_step.chain);  // graft, decoupled weight decay, momentum, × −lr, apply
+    }
+    elementwise_->commit();  // compact state: the chain's float copies rounded back
     updates.finish();
   }
 }
@@ -264,7 +286,7 @@ std::vector<std::vector<Rows>> VirtualGroup::step_chunks(const StepInputs& in) c
 
 VirtualGroup::ChunkStep VirtualGroup::prepare_chunk(const StepInputs& in,
                                                     const std::vector<Rows>& chunk,
-                                                    StepUpdates& updates) {
+                                                    StepUpdates& updates, bool fused) {
   elementwise_->discard();  // what a failed earlier chunk bound
   ChunkStep chunk_step;
   chunk_step.stacks.resize(stacks_.size());
@@ -273,6 +295,14 @@ VirtualGroup::ChunkStep VirtualGroup::prepare_chunk(const StepInputs& in,
     auto& st = chunk_step.stacks[s];
     st.rows = chunk[s];
     if (st.rows.size() == 0) continue;
+    if (fused) {
+      for (int64_t i = 0; i < st.rows.size(); ++i) {
+        chunk_step.chain.push_back(
+            chain_entry(in, static_cast<int64_t>(s), st.rows.rows[i], i, nullptr, updates));
+        in.computed[stack.blocks[st.rows.rows[i]]] = true;
+      }
+      continue;
+    }
     bool any_filter = false;
     for (const int64_t r : st.rows.rows) {
       any_filter |= std::get<0>(options_of_block(in, stack.blocks[r]).options.betas()) != 0.0;
@@ -285,7 +315,7 @@ VirtualGroup::ChunkStep VirtualGroup::prepare_chunk(const StepInputs& in,
       const int64_t b = stack.blocks[st.rows.rows[i]];
       st.chain.push_back(chunk_step.chain.size());
       chunk_step.chain.push_back(
-          chain_entry(in, static_cast<int64_t>(s), st.rows.rows[i], i, st, updates));
+          chain_entry(in, static_cast<int64_t>(s), st.rows.rows[i], i, &st, updates));
       in.computed[b] = true;
     }
   }
@@ -293,28 +323,38 @@ VirtualGroup::ChunkStep VirtualGroup::prepare_chunk(const StepInputs& in,
 }
 
 ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int64_t row, int64_t i,
-                                            StackStep& st, StepUpdates& updates) {
+                                            StackStep* st, StepUpdates& updates) {
   const int64_t b = stacks_[s].blocks[row];
   const auto& block = in.blocks[b];
   const auto [options, t] = options_of_block(in, b);
   const double lr_sum = in.group_lr_sums[in.params[block.param].group];
-  push_statistics_scalars(options, t, st.scalars);
-  st.amortize.push_back(amortized_at(structure_, t));
-  st.preconditioned.push_back(
-      matrix_preconditioned_at(structure_, t, preconditioner_->identity_before_amortization()));
-
   ChainBlockTensors c;
   c.scalars = chain_scalars(options, t, in.distributor.communicate_params(), lr_sum);
-  c.gradient_out = st.gradients[i];
-  c.filtered_out = st.filtered[i];
   const auto& grad_view = in.grad_blocks[block.param][block.id.block];
-  if (grad_view.is_contiguous()) {
-    c.grad = grad_view;
+  if (st == nullptr) {
+    // The fused pass: the family's statistics and direction in the chain.
+    const auto direction = preconditioner_->elementwise_direction(s, row, t);
+    c.diagonal_state = direction.state;
+    fill_diagonal_scalars(direction.coefficients, c.scalars);
+    c.scalars.direction_mode = static_cast<int32_t>(
+        direction.kind == ElementwiseDirection::Kind::kSign ? kernels::DirectionMode::kSign
+                                                            : kernels::DirectionMode::kDiagonal);
+    c.grad = grad_view.contiguous();  // a column block of a matrix is copied
   } else {
-    // A column block of a matrix: copied once, straight into its row (the pre pass then reads
-    // and rewrites it in place).
-    c.gradient_out.copy_(grad_view);
-    c.grad = c.gradient_out;
+    push_statistics_scalars(options, t, st->scalars);
+    st->amortize.push_back(amortized_at(structure_, t));
+    st->preconditioned.push_back(
+        matrix_preconditioned_at(structure_, t, preconditioner_->identity_before_amortization()));
+    c.gradient_out = st->gradients[i];
+    c.filtered_out = st->filtered[i];
+    if (grad_view.is_contiguous()) {
+      c.grad = grad_view;
+    } else {
+      // A column block of a matrix: copied once, straight into its row (the pre pass then reads
+      // and rewrites it in place).
+      c.gradient_out.copy_(grad_view);
+      c.grad = c.gradient_out;
+    }
   }
   const auto& param_view = in.param_blocks[block.param][block.id.block];
   elementwise_->bind(s, row, c.scalars.beta1 != 0.0, c.scalars.momentum != 0.0, c, b, t);

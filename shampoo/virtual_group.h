@@ -28,6 +28,14 @@ class StepUpdates;
 /// it (≤ 0 = the default) to check that the chunks do not change a result.
 int64_t step_chunk_bytes();
 void set_step_chunk_bytes_for_testing(int64_t bytes);
+/// Test seam: whether groups whose family is elementwise take the fused pass (default true);
+/// off, they take the three passes with the list's update() and precondition(), as matrix
+/// families do (and as CUDA tensors and grafting do). The same formulas; the list's ATen ops
+/// round V's update once (addcmul's fused multiply-add) and take MKL's vector sqrt on the CPU,
+/// so with a second moment the two agree within float32 rounding, without one bit for bit.
+void set_fused_step_for_testing(bool enabled);
+/// How many chunks took the fused pass in this process so far (tests).
+int64_t fused_chunks_for_testing();
 
 /// The dtype a parameter is stepped in: its own for Float and Double; Float for BFloat16 and
 /// Half (their state, the update and W + U are float32; the result is rounded into the
@@ -113,7 +121,9 @@ class VirtualGroup {
   /// prepare_chunk (rows, per-block scalars, where updates go) → gradient statistics (L2 weight
   /// decay, grafting statistics, filtering) → Kronecker factors and amortized roots → matrix
   /// preconditioning → grafting norms → graft, decoupled weight decay, momentum, × −lr → apply
-  /// (in place in a single process, into the distributor's slot when distributed).
+  /// (in place in a single process, into the distributor's slot when distributed). A family
+  /// whose direction is elementwise (diagonal, sign with scale 1) without grafting, on the CPU,
+  /// runs all of it as the chain's fused pass: one pass over memory, no step buffers.
   void step(const StepInputs& in);
 
   /// Whether step(in) could throw after it has started changing state (an amortized computation
@@ -156,13 +166,16 @@ class VirtualGroup {
   /// The rows with a gradient of every stack, in chunks (per chunk, Rows per stack) whose step
   /// buffers (G' and Ḡ rows) stay within step_chunk_bytes(); small stacks share a chunk.
   std::vector<std::vector<Rows>> step_chunks(const StepInputs& in) const;
+  /// Whether this step takes the chain's fused pass (see step()).
+  bool fused_step() const;
   /// Phase 1: the rows of `chunk` of every stack, their scalars and masks, the step's buffers and
-  /// the chain entries (with where each update goes).
+  /// the chain entries (with where each update goes); `fused`: the chain entries only.
   ChunkStep prepare_chunk(const StepInputs& in, const std::vector<Rows>& chunk,
-                          StepUpdates& updates);
-  /// The chain entry of member `row` (the i-th row with a gradient) of stack `s`.
+                          StepUpdates& updates, bool fused);
+  /// The chain entry of member `row` (the i-th row with a gradient) of stack `s`; `st` null: for
+  /// the fused pass (the list's elementwise direction, no step buffers).
   ChainBlockTensors chain_entry(const StepInputs& in, int64_t s, int64_t row, int64_t i,
-                                StackStep& st, StepUpdates& updates);
+                                StackStep* st, StepUpdates& updates);
   /// Phase 3: the factor statistics of every stepped row and the amortized computations due.
   void update_statistics(ChunkStep& chunk_step);
   /// Phase 4: the matrix preconditioning of Ḡ of the rows that need it (their chain entries

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include "shampoo/config.h"
+#include "update/elementwise_chain_cpu.h"
 
 #if SHAMPOO_WITH_CUDA
 #include "update/cuda/chain_launch.h"
@@ -111,7 +112,7 @@ std::vector<kernels::ChainBlock<T>> to_kernel_blocks(const std::vector<ChainBloc
   return out;
 }
 
-enum class Pass { kPre, kPost };
+enum class Pass { kPre, kPost, kFused };
 
 void check_cuda_kernels() {
   TORCH_CHECK(chain_has_cuda_kernels(),
@@ -147,13 +148,15 @@ void run_pass(Pass pass, const std::vector<ChainBlockTensors>& blocks, const at:
   const auto items = make_work(blocks, nullptr);
   if (device.is_cuda()) {
     check_cuda_kernels();
+    TORCH_CHECK(pass != Pass::kFused, "elementwise chain: the fused pass runs on the CPU only");
 #if SHAMPOO_WITH_CUDA
     launch_chain_pass_cuda<T>(pass == Pass::kPre, kblocks, items, device);
 #endif
     return;
   }
-  const auto range =
-      pass == Pass::kPre ? kernels::chain_pre_range<T> : kernels::chain_post_range<T>;
+  const auto range = pass == Pass::kPre    ? kernels::chain_pre_tiles<T>
+                     : pass == Pass::kPost ? kernels::chain_post_tiles<T>
+                                           : kernels::chain_fused_tiles<T>;
   for_each_item(items,
                 [&](const WorkItem& item) { range(kblocks[item.block], item.begin, item.end); });
 }
@@ -208,23 +211,48 @@ void run_chain_norms(std::vector<ChainBlockTensors>& blocks) {
   }
 }
 
+namespace {
+
+/// What the post half of the chain needs of a block (the post and the fused pass).
+void check_post(const ChainBlockTensors& b) {
+  TORCH_INTERNAL_ASSERT(b.param_out.defined() != b.update_out.defined(),
+                        "post pass writes either param_out or update_out");
+  TORCH_INTERNAL_ASSERT(
+      b.param.defined() || (b.scalars.decoupled_weight_decay == 0.0 && !b.param_out.defined() &&
+                            b.scalars.output_updated_param == 0 && !b.average_state.defined()),
+      "post pass: this block needs the parameter");
+  TORCH_INTERNAL_ASSERT((b.scalars.averaging != 0) == b.average_state.defined(),
+                        "post pass: iterate averaging needs Z, and Z needs averaging");
+}
+
+}  // namespace
+
 void run_chain_post(const std::vector<ChainBlockTensors>& blocks) {
   at::ScalarType dtype;
   at::Device device(at::kCPU);
   if (!check_all(blocks, dtype, device)) return;
   for (const auto& b : blocks) {
     TORCH_INTERNAL_ASSERT(b.filtered_out.defined());
-    TORCH_INTERNAL_ASSERT(b.param_out.defined() != b.update_out.defined(),
-                          "post pass writes either param_out or update_out");
-    TORCH_INTERNAL_ASSERT(
-        b.param.defined() || (b.scalars.decoupled_weight_decay == 0.0 && !b.param_out.defined() &&
-                              b.scalars.output_updated_param == 0 && !b.average_state.defined()),
-        "post pass: this block needs the parameter");
-    TORCH_INTERNAL_ASSERT((b.scalars.averaging != 0) == b.average_state.defined(),
-                          "post pass: iterate averaging needs Z, and Z needs averaging");
+    check_post(b);
   }
   AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_post",
                              [&] { run_pass<scalar_t>(Pass::kPost, blocks, device); });
+}
+
+void run_chain_fused(const std::vector<ChainBlockTensors>& blocks) {
+  at::ScalarType dtype;
+  at::Device device(at::kCPU);
+  if (!check_all(blocks, dtype, device)) return;
+  for (const auto& b : blocks) {
+    TORCH_INTERNAL_ASSERT(b.param.defined() || b.scalars.l2_weight_decay == 0.0,
+                          "fused pass: L2 weight decay needs the parameter");
+    const auto mode = static_cast<kernels::DirectionMode>(b.scalars.direction_mode);
+    TORCH_INTERNAL_ASSERT(!b.preconditioned.defined() && mode != kernels::DirectionMode::kGraftNorm,
+                          "fused pass: no matrix preconditioner, no grafting norms");
+    check_post(b);
+  }
+  AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_fused",
+                             [&] { run_pass<scalar_t>(Pass::kFused, blocks, device); });
 }
 
 }  // namespace shampoo::detail

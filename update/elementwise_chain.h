@@ -1,7 +1,8 @@
 #pragma once
 /// Launcher of the elementwise chain (see elementwise_chain_kernels.h): checks the tensors of every
 /// block, then runs one pass for all blocks of a virtual group at once, on the CPU (chunks in
-/// parallel) or on CUDA (one launch per pass), by the device of the tensors.
+/// parallel, each in the tiled loops of elementwise_chain_cpu.h) or on CUDA (one launch per
+/// pass), by the device of the tensors.
 
 #include <ATen/ATen.h>
 
@@ -36,6 +37,11 @@ void run_chain_norms(std::vector<ChainBlockTensors>& blocks);
 /// Post pass (grafting, decoupled weight decay, momentum, × −lr, iterate averaging, apply or
 /// write) for every block.
 void run_chain_post(const std::vector<ChainBlockTensors>& blocks);
+
+/// Pre and post as one pass, Ḡ not stored (filtered_out may be undefined): for blocks whose
+/// direction is elementwise (DirectionMode kPreconditioned without a preconditioned tensor,
+/// kDiagonal, kSign). CPU tensors only.
+void run_chain_fused(const std::vector<ChainBlockTensors>& blocks);
 
 /// Whether the CUDA kernels of the chain were compiled into this build.
 bool chain_has_cuda_kernels();

@@ -6,8 +6,12 @@
 ///   norms: ‖P‖² and ‖P_graft‖² per block (only for blocks that match norms)
 ///   post:  grafting, decoupled weight decay, momentum, × (−lr), iterate averaging, apply or
 ///          write the update
-/// The per-element math is shared by the CPU path (this header) and the CUDA kernels
-/// (update/cuda/), so both compute the same formulas (docs/math.md).
+/// When no matrix preconditioner sits between them (the diagonal families and sign descent as the
+/// main preconditioner, without grafting), pre and post run as one fused pass that keeps Ḡ in a
+/// register instead of writing it out.
+/// The per-element math is shared by the CPU path and the CUDA kernels (update/cuda/), so both
+/// compute the same formulas (docs/math.md); the CPU path runs them in tiles
+/// (elementwise_chain_cpu.h), operation for operation the same, so bit for bit the same.
 
 #include <cmath>
 #include <cstdint>
@@ -23,8 +27,11 @@ namespace shampoo::kernels {
 /// What the post pass uses as the search direction P of a block.
 enum class DirectionMode : int32_t {
   kPreconditioned = 0,  ///< P = the matrix-preconditioned Ḡ (or Ḡ itself when none is given)
-  kGraft = 1,           ///< P = P_graft = diagonal(Ḡ) (grafting warm-up before preconditioning)
-  kGraftNorm = 2,       ///< P = preconditioned · ‖P_graft‖ / (‖preconditioned‖ + 1e−16)
+  /// P = the diagonal direction Ḡ / (sqrt(V / bc2) + ε) with statistics V, Ḡ without: grafting's
+  /// warm-up before preconditioning, or a diagonal main preconditioner in the fused pass.
+  kDiagonal = 1,
+  kGraftNorm = 2,  ///< P = preconditioned · ‖P_graft‖ / (‖preconditioned‖ + 1e−16)
+  kSign = 3,       ///< P = sign(Ḡ) (sign descent with scale 1, in the fused pass)
 };
 
 /// Per-block scalars of one step, resolved on the host (double; cast to the compute type).
@@ -87,11 +94,11 @@ SHAMPOO_HOST_DEVICE T lerp(T self, T end, T weight) {
                                                : end - (end - self) * (T(1) - weight);
 }
 
-/// The grafting direction P_graft of element i: Ḡ, divided by sqrt(V / bc2) + ε when the block
-/// has grafting statistics V (AdaGrad, RMSprop, Adam; SGD has none).
+/// The diagonal direction of element i (grafting's P_graft, or a diagonal main preconditioner's
+/// P): Ḡ, divided by sqrt(V / bc2) + ε when the block has statistics V (AdaGrad, RMSprop, Adam;
+/// SGD has none).
 template <typename T>
-SHAMPOO_HOST_DEVICE T graft_direction(const ChainBlock<T>& b, int64_t i) {
-  const T filtered = b.filtered_out[i];
+SHAMPOO_HOST_DEVICE T diagonal_direction(const ChainBlock<T>& b, int64_t i, T filtered) {
   if (b.diagonal_state == nullptr) return filtered;
   using std::sqrt;
   const ChainScalars& s = b.s;
@@ -99,9 +106,16 @@ SHAMPOO_HOST_DEVICE T graft_direction(const ChainBlock<T>& b, int64_t i) {
   return filtered / denom;
 }
 
-/// Pre pass for element i of a block.
+/// torch.sign's value (ATen's sign kernel): −1, 0 or 1; 0 for ±0 and NaN.
 template <typename T>
-SHAMPOO_HOST_DEVICE void chain_pre_element(const ChainBlock<T>& b, int64_t i) {
+SHAMPOO_HOST_DEVICE T sign_of(T x) {
+  return T(T(0) < x) - T(x < T(0));
+}
+
+/// The first half of the chain for element i of a block: G' (written to gradient_out when
+/// given), V and M updated; returns Ḡ.
+template <typename T>
+SHAMPOO_HOST_DEVICE T chain_filter_element(const ChainBlock<T>& b, int64_t i) {
   const ChainScalars& s = b.s;
   T g = b.grad[i];
   if (s.l2_weight_decay != 0.0) g = g + T(s.l2_weight_decay) * b.param[i];
@@ -117,19 +131,26 @@ SHAMPOO_HOST_DEVICE void chain_pre_element(const ChainBlock<T>& b, int64_t i) {
     filtered = s.separate_beta3 ? lerp<T>(m_prev, g, T(1.0 - s.beta3)) : m;
     if (s.filter_bias_correction != 1.0) filtered = filtered / T(s.filter_bias_correction);
   }
-  b.filtered_out[i] = filtered;
+  return filtered;
 }
 
-/// The search direction of element i before weight decay and momentum.
+/// Pre pass for element i of a block: Ḡ written to filtered_out.
 template <typename T>
-SHAMPOO_HOST_DEVICE T chain_direction(const ChainBlock<T>& b, int64_t i) {
+SHAMPOO_HOST_DEVICE void chain_pre_element(const ChainBlock<T>& b, int64_t i) {
+  b.filtered_out[i] = chain_filter_element(b, i);
+}
+
+/// The search direction of element i (Ḡ = `filtered`) before weight decay and momentum.
+template <typename T>
+SHAMPOO_HOST_DEVICE T chain_direction(const ChainBlock<T>& b, int64_t i, T filtered) {
   const ChainScalars& s = b.s;
-  const T filtered = b.filtered_out[i];
   switch (static_cast<DirectionMode>(s.direction_mode)) {
-    case DirectionMode::kGraft:
-      return graft_direction<T>(b, i);
+    case DirectionMode::kDiagonal:
+      return diagonal_direction<T>(b, i, filtered);
     case DirectionMode::kGraftNorm:
       return b.preconditioned[i] * T(s.graft_ratio);
+    case DirectionMode::kSign:
+      return sign_of(filtered);
     case DirectionMode::kPreconditioned:
     default:
       return b.preconditioned != nullptr ? b.preconditioned[i] : filtered;
@@ -141,7 +162,7 @@ template <typename T>
 SHAMPOO_HOST_DEVICE void chain_norm_element(const ChainBlock<T>& b, int64_t i,
                                             double& preconditioned_sq, double& graft_sq) {
   const double p = static_cast<double>(b.preconditioned[i]);
-  const double g = static_cast<double>(graft_direction<T>(b, i));
+  const double g = static_cast<double>(diagonal_direction<T>(b, i, b.filtered_out[i]));
   preconditioned_sq += p * p;
   graft_sq += g * g;
 }
@@ -156,13 +177,13 @@ SHAMPOO_HOST_DEVICE T primal_average(const ChainBlock<T>& b, int64_t i, T update
   return T(s.average_step) * update + T(s.average_pull) * (decayed - b.param[i]);
 }
 
-/// Post pass for element i. The parameter is read only when needed (decoupled weight decay, an
-/// in-place update, averaging, or writing the updated parameter), so callers may leave it null
-/// otherwise.
+/// The second half of the chain for element i, from its Ḡ (`filtered`). The parameter is read
+/// only when needed (decoupled weight decay, an in-place update, averaging, or writing the
+/// updated parameter), so callers may leave it null otherwise.
 template <typename T>
-SHAMPOO_HOST_DEVICE void chain_post_element(const ChainBlock<T>& b, int64_t i) {
+SHAMPOO_HOST_DEVICE void chain_apply_element(const ChainBlock<T>& b, int64_t i, T filtered) {
   const ChainScalars& s = b.s;
-  T p = chain_direction<T>(b, i);
+  T p = chain_direction<T>(b, i, filtered);
   if (s.decoupled_weight_decay != 0.0) p = p + T(s.decoupled_weight_decay) * b.param[i];
   if (b.momentum_state != nullptr) {
     const T one_minus_dampening = T(1.0 - s.dampening);
@@ -179,14 +200,28 @@ SHAMPOO_HOST_DEVICE void chain_post_element(const ChainBlock<T>& b, int64_t i) {
   }
 }
 
+/// Post pass for element i: reads Ḡ from filtered_out.
+template <typename T>
+SHAMPOO_HOST_DEVICE void chain_post_element(const ChainBlock<T>& b, int64_t i) {
+  chain_apply_element(b, i, b.filtered_out[i]);
+}
+
+/// Fused pass for element i: both halves, Ḡ never stored (filtered_out may be null).
+template <typename T>
+SHAMPOO_HOST_DEVICE void chain_fused_element(const ChainBlock<T>& b, int64_t i) {
+  chain_apply_element(b, i, chain_filter_element(b, i));
+}
+
 /// Grafting ratio from the two squared norms (docs/math.md step 5).
 inline double graft_ratio(double preconditioned_sq, double graft_sq) {
   return std::sqrt(graft_sq) / (std::sqrt(preconditioned_sq) + 1e-16);
 }
 
-/// CPU loops over a range of one block's elements (the launcher splits blocks into chunks of
-/// kChainChunk elements and runs chunks in parallel; norms are summed per chunk and combined in
-/// chunk order, so results do not depend on the number of threads).
+/// Loops over a range of one block's elements, one element at a time: the formulas as written
+/// (the CPU launcher runs the tiled loops of elementwise_chain_cpu.h instead, which tests check
+/// against these). The launcher splits blocks into chunks of kChainChunk elements and runs chunks
+/// in parallel; norms are summed per chunk and combined in chunk order, so results do not depend
+/// on the number of threads.
 inline constexpr int64_t kChainChunk = 1 << 14;
 
 template <typename T>
@@ -201,6 +236,10 @@ void chain_norm_range(const ChainBlock<T>& b, int64_t begin, int64_t end, double
 template <typename T>
 void chain_post_range(const ChainBlock<T>& b, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) chain_post_element(b, i);
+}
+template <typename T>
+void chain_fused_range(const ChainBlock<T>& b, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) chain_fused_element(b, i);
 }
 
 }  // namespace shampoo::kernels

@@ -89,7 +89,10 @@ std::optional<DiagonalConfig> grafting_family(const GraftingConfig& config) {
 
 void fill_chain_scalars(const GraftingConfig& config, int64_t step, kernels::ChainScalars& s) {
   const auto family = grafting_family(config);
-  const auto c = family ? diagonal_coefficients(*family, step) : DiagonalCoefficients{};
+  fill_diagonal_scalars(family ? diagonal_coefficients(*family, step) : DiagonalCoefficients{}, s);
+}
+
+void fill_diagonal_scalars(const DiagonalCoefficients& c, kernels::ChainScalars& s) {
   s.diagonal_beta2 = c.beta2;
   s.diagonal_weight = c.weight;
   s.diagonal_bias_correction = c.bias_correction2;

@@ -60,6 +60,12 @@ void check_grafting(const GraftingConfig& config);
 /// The diagonal family of a grafting config; nullopt for std::monostate (no grafting).
 std::optional<DiagonalConfig> grafting_family(const GraftingConfig& config);
 
+/// Writes the diagonal fields of the chain scalars (β2, weight, bias correction, ε) from a
+/// diagonal family's coefficients: grafting's, or a diagonal main preconditioner's in the fused
+/// pass.
+void fill_diagonal_scalars(const DiagonalCoefficients& coefficients,
+                           kernels::ChainScalars& scalars);
+
 /// Writes the grafting fields of the chain scalars of one block at step t.
 void fill_chain_scalars(const GraftingConfig& config, int64_t step, kernels::ChainScalars& scalars);
 

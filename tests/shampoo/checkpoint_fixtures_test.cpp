@@ -15,6 +15,15 @@
 // 1.7e-2; with the pseudo-inverse, which drops those directions, 2e-4 of it). Those fixtures are
 // compared within 25% of that distance; their loaded state is still checked bit for bit by the
 // continuation.
+//
+// A second change is allowed for in the diagonal main preconditioners that keep a second moment
+// (AdaGrad, RMSprop, Adam): they run in the elementwise chain's fused pass (issue 28), whose
+// V ← β2·V + w·G′² rounds after the product and after the sum, and whose sqrt is the correctly
+// rounded one, where the ATen ops used before rounded once (addcmul's fused multiply-add) and
+// took MKL's vector sqrt, an ulp off for about 15% of float32 inputs. The two-step parameters
+// move by an ulp (adagrad_preconditioner and adam_preconditioner: 1 of 10 entries of parameter 1,
+// 1.5e-8); those fixtures are compared at the float32 tolerance, and both runs continue from the
+// saved parameters, so the continuation is still checked bit for bit.
 #include <torch/serialize.h>
 
 #include <algorithm>
@@ -58,6 +67,13 @@ bool keeps_inverse_roots(const shampoo::ShampooOptions& options) {
          std::holds_alternative<shampoo::RootInvKLShampooConfig>(options.preconditioner());
 }
 
+/// Whether the family is a diagonal main preconditioner with a second moment (see above).
+bool diagonal_with_second_moment(const shampoo::ShampooOptions& options) {
+  return std::holds_alternative<shampoo::AdaGradPreconditionerConfig>(options.preconditioner()) ||
+         std::holds_alternative<shampoo::RMSpropPreconditionerConfig>(options.preconditioner()) ||
+         std::holds_alternative<shampoo::AdamPreconditionerConfig>(options.preconditioner());
+}
+
 /// max |a − b| over every element of the lists.
 double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   double out = 0.0;
@@ -88,6 +104,13 @@ TEST_P(CheckpointFixtures, LoadAndContinueBitForBit) {
     const double moved = max_difference(shampoo::testing::snapshot(params), saved);
     EXPECT_LE(moved, 0.25 * travelled) << fixture.name << ": " << moved << " of " << travelled;
     // From here on both runs continue from the saved parameters.
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(saved[i]);
+  } else if (diagonal_with_second_moment(options)) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(shampoo::testing::all_close(params[i].detach(), saved[i]))
+          << fixture.name << " parameter " << i;
+    }
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) params[i].copy_(saved[i]);
   } else {

@@ -5,7 +5,9 @@
 // - closed forms of one step (sign descent of a known block, spectral descent of a diagonal one);
 // - the diagonal families against LibTorch's own optimizers (Adam, AdamW, Adagrad, RMSprop, SGD);
 // - merged ≡ unmerged, world 2 ≡ one process, resumed ≡ uninterrupted, in backward ≡ ordinary
-//   step, bit for bit; CUDA ≡ CPU (skipped without a GPU).
+//   step, bit for bit; CUDA ≡ CPU (skipped without a GPU);
+// - the chain's fused pass (the elementwise families without grafting, on the CPU) ≡ the three
+//   passes with the list's own update and direction.
 #include <shampoo/shampoo.h>
 #include <torch/cuda.h>
 #include <torch/optim/adagrad.h>
@@ -19,6 +21,7 @@
 #include <filesystem>
 #include <functional>
 
+#include "shampoo/virtual_group.h"
 #include "support/device_parity.h"
 #include "support/test_support.h"
 
@@ -485,6 +488,63 @@ TEST_P(FamilyEquivalence, DistributedCheckpointResumesBitForBit) {
     set_grads(resumed, t);
     after.step();
     ASSERT_TRUE(bit_equal(snapshot(resumed), snapshot(uninterrupted))) << c.name << " step " << t;
+  }
+}
+
+TEST_P(FamilyEquivalence, FusedPassEqualsThreePasses) {
+  // The elementwise families (diagonal, sign with scale 1) step in the chain's fused pass; the
+  // others never do. Against the three passes with the list's update() and precondition(): bit
+  // for bit without a second moment; with one, within float32 rounding (the list's ATen ops
+  // round V's update once and take MKL's vector sqrt). Two option sets: decoupled weight decay
+  // with momentum and β1 (family_options), and L2 weight decay with β3 ≠ β1, no bias correction
+  // and iterate averaging (which needs momentum 0). Column blocks (6×10 → 6×6 and 6×4) are not
+  // contiguous: their gradients are copied and their updates staged.
+  const auto& c = GetParam();
+  const bool elementwise = std::visit(
+      [](const auto& config) {
+        using C = std::decay_t<decltype(config)>;
+        if constexpr (std::is_same_v<C, shampoo::SignDescentConfig>) {
+          return config.scale == shampoo::SignDescentScale::kOne;
+        } else {
+          return std::is_same_v<typename C::List, shampoo::detail::DiagonalPreconditionerList>;
+        }
+      },
+      c.config);
+  const bool second_moment = elementwise &&
+                             !std::holds_alternative<shampoo::SGDPreconditionerConfig>(c.config) &&
+                             !std::holds_alternative<shampoo::SignDescentConfig>(c.config);
+  const auto l2 = ShampooOptions(family_options(c))
+                      .momentum(0.0)
+                      .weight_decay_type(shampoo::WeightDecayType::kL2)
+                      .betas({0.8, 0.5})
+                      .beta3(0.6)
+                      .use_bias_correction(false)
+                      .iterate_averaging(shampoo::GeneralizedPrimalAveragingConfig{});
+  for (const auto& options : {family_options(c), l2}) {
+    auto fused_params = make_params(c, 9);
+    auto plain_params = make_params(c, 9);
+    DistributedShampoo fused(fused_params, options);
+    DistributedShampoo plain(plain_params, options);
+    for (int t = 1; t <= 6; ++t) {
+      set_grads(fused_params, t);
+      set_grads(plain_params, t);
+      const auto before = shampoo::detail::fused_chunks_for_testing();
+      fused.step();
+      EXPECT_EQ(shampoo::detail::fused_chunks_for_testing() > before, elementwise) << c.name;
+      shampoo::detail::set_fused_step_for_testing(false);
+      plain.step();
+      shampoo::detail::set_fused_step_for_testing(true);
+      EXPECT_EQ(shampoo::detail::fused_chunks_for_testing(), before + (elementwise ? 1 : 0));
+      if (second_moment) {
+        for (size_t i = 0; i < fused_params.size(); ++i) {
+          ASSERT_TRUE(all_close(fused_params[i].detach(), plain_params[i].detach()))
+              << c.name << " step " << t << " parameter " << i;
+        }
+      } else {
+        ASSERT_TRUE(bit_equal(snapshot(fused_params), snapshot(plain_params)))
+            << c.name << " step " << t;
+      }
+    }
   }
 }
 

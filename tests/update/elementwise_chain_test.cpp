@@ -1,13 +1,16 @@
 // The fused elementwise chain against a plain ATen formulation of docs/math.md steps 1, 2 (the
-// diagonal statistics), 4 and 5-8, for every direction mode, with per-block scalars; on CUDA the
-// kernels against the CPU path.
+// diagonal statistics), 4 and 5-8, for every direction mode, with per-block scalars; the CPU's
+// tiled loops against the per-element formulas bit for bit; the fused pass against pre + post;
+// on CUDA the kernels against the CPU path.
 #include "update/elementwise_chain.h"
 
 #include <ATen/Context.h>
 
 #include <cmath>
+#include <random>
 
 #include "support/test_support.h"
+#include "update/elementwise_chain_cpu.h"
 
 namespace {
 
@@ -15,6 +18,7 @@ using shampoo::detail::ChainBlockTensors;
 using shampoo::kernels::ChainScalars;
 using shampoo::kernels::DirectionMode;
 using shampoo::testing::all_close;
+using shampoo::testing::bit_equal;
 
 struct BlockCase {
   at::Tensor grad, param, filter, diagonal, momentum, preconditioned;
@@ -87,11 +91,14 @@ std::vector<at::Tensor> reference(const BlockCase& c) {
   at::Tensor p;
   const auto pre = d(c.preconditioned);
   switch (static_cast<DirectionMode>(s.direction_mode)) {
-    case DirectionMode::kGraft:
+    case DirectionMode::kDiagonal:
       p = graft;
       break;
     case DirectionMode::kGraftNorm:
       p = pre * (graft.norm().item<double>() / (pre.norm().item<double>() + 1e-16));
+      break;
+    case DirectionMode::kSign:
+      p = filtered.sign();
       break;
     default:
       p = pre;
@@ -205,15 +212,231 @@ TEST_P(ElementwiseChain, CudaKernelsMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, ElementwiseChain,
                          ::testing::Values(ChainCase{at::kFloat, DirectionMode::kPreconditioned},
-                                           ChainCase{at::kFloat, DirectionMode::kGraft},
+                                           ChainCase{at::kFloat, DirectionMode::kDiagonal},
                                            ChainCase{at::kFloat, DirectionMode::kGraftNorm},
+                                           ChainCase{at::kFloat, DirectionMode::kSign},
                                            ChainCase{at::kDouble, DirectionMode::kPreconditioned},
-                                           ChainCase{at::kDouble, DirectionMode::kGraft},
-                                           ChainCase{at::kDouble, DirectionMode::kGraftNorm}),
+                                           ChainCase{at::kDouble, DirectionMode::kDiagonal},
+                                           ChainCase{at::kDouble, DirectionMode::kGraftNorm},
+                                           ChainCase{at::kDouble, DirectionMode::kSign}),
                          [](const auto& info) {
                            return std::string(info.param.dtype == at::kFloat ? "Float" : "Double") +
                                   "_mode" + std::to_string(static_cast<int>(info.param.mode));
                          });
+
+// ----------------------------------------------------------------------------------------------
+// The CPU's tiled loops against the per-element loops, and the fused pass against pre + post.
+// ----------------------------------------------------------------------------------------------
+
+/// One block of a random case: which tensors exist, how they alias, its scalars.
+struct TileCase {
+  int64_t numel = 0;
+  bool l2 = false, filter = false, diagonal = false, momentum = false, averaging = false;
+  bool preconditioned = false;
+  bool in_place = true;         ///< param_out = param, else update_out
+  bool gradient_out = true;     ///< G' written (pre pass)
+  bool alias_filtered = false;  ///< filtered_out is gradient_out (no filter)
+  bool alias_grad = false;      ///< grad is gradient_out (a column block copied in)
+  bool alias_update = false;    ///< update_out is filtered_out (staging)
+  ChainScalars s;
+};
+
+TileCase random_case(std::mt19937& rng) {
+  auto coin = [&] { return std::uniform_int_distribution<int>(0, 1)(rng) == 1; };
+  auto pick = [&](std::vector<double> values) {
+    return values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)];
+  };
+  TileCase c;
+  c.numel = static_cast<int64_t>(pick({1, 3, 255, 256, 257, 700, 16387}));
+  c.l2 = coin();
+  c.filter = coin();
+  c.diagonal = coin();
+  c.momentum = coin();
+  c.averaging = !c.momentum && coin();
+  c.in_place = coin();
+  c.gradient_out = coin();
+  c.alias_filtered = !c.filter && c.gradient_out && coin();
+  c.alias_grad = c.gradient_out && coin();
+  c.alias_update = !c.in_place && coin();
+  auto& s = c.s;
+  s.direction_mode = static_cast<int32_t>(pick({0, 1, 2, 3}));
+  c.preconditioned = s.direction_mode == static_cast<int32_t>(DirectionMode::kGraftNorm) ||
+                     (s.direction_mode == 0 && coin());
+  s.l2_weight_decay = c.l2 ? 0.03 : 0.0;
+  // Weights 1 − β on both sides of 0.5: torch.lerp's two formulas.
+  s.beta1 = c.filter ? pick({0.9, 0.3}) : 0.0;
+  s.separate_beta3 = c.filter && coin();
+  s.beta3 = s.separate_beta3 ? pick({0.95, 0.2}) : s.beta1;
+  s.filter_bias_correction = c.filter && coin() ? 1.0 - s.beta3 * 0.81 : 1.0;
+  s.diagonal_beta2 = pick({0.999, 1.0});
+  s.diagonal_weight = pick({0.001, 1.0});
+  s.diagonal_bias_correction = pick({1.0, 0.0297});
+  s.diagonal_epsilon = pick({1e-8, 0.0});
+  s.graft_ratio = 0.7;
+  s.decoupled_weight_decay = coin() ? 0.02 : 0.0;
+  s.momentum = c.momentum ? 0.9 : 0.0;
+  s.dampening = coin() ? 0.1 : 0.0;
+  s.nesterov = coin() ? 1 : 0;
+  s.lr = 0.01;
+  s.output_updated_param = !c.in_place && coin() ? 1 : 0;
+  s.averaging = c.averaging ? 1 : 0;
+  s.average_decay = 0.999;
+  s.average_step = 0.28;
+  s.average_pull = 0.1;
+  return c;
+}
+
+/// The tensors of a case, and the kernel block over them; copy() duplicates every tensor (keeping
+/// the aliasing).
+template <typename T>
+struct TileTensors {
+  TileCase c;
+  at::Tensor grad, param, gradient_out, filtered_out, filter, diagonal, preconditioned, momentum,
+      average, update_out;
+
+  static TileTensors make(const TileCase& c, at::ScalarType dtype) {
+    const auto o = at::TensorOptions().dtype(dtype);
+    TileTensors t;
+    t.c = c;
+    t.param = at::randn({c.numel}, o);
+    t.gradient_out = c.gradient_out ? at::randn({c.numel}, o) : at::Tensor();
+    t.grad = c.alias_grad ? t.gradient_out : at::randn({c.numel}, o);
+    // Ḡ as a pre pass would leave it (the post pass alone reads it).
+    t.filtered_out = c.alias_filtered ? t.gradient_out : at::randn({c.numel}, o);
+    if (c.filter) t.filter = at::randn({c.numel}, o) * 0.1;
+    if (c.diagonal) t.diagonal = at::rand({c.numel}, o);
+    if (c.preconditioned) t.preconditioned = at::randn({c.numel}, o);
+    if (c.momentum) t.momentum = at::randn({c.numel}, o) * 0.1;
+    if (c.averaging) t.average = at::randn({c.numel}, o);
+    if (!c.in_place) t.update_out = c.alias_update ? t.filtered_out : at::empty({c.numel}, o);
+    return t;
+  }
+
+  TileTensors copy() const {
+    TileTensors t = *this;
+    auto dup = [](const at::Tensor& x) { return x.defined() ? x.clone() : x; };
+    t.param = dup(param);
+    t.gradient_out = dup(gradient_out);
+    t.grad = c.alias_grad ? t.gradient_out : dup(grad);
+    t.filtered_out = c.alias_filtered ? t.gradient_out : dup(filtered_out);
+    t.filter = dup(filter);
+    t.diagonal = dup(diagonal);
+    t.preconditioned = dup(preconditioned);
+    t.momentum = dup(momentum);
+    t.average = dup(average);
+    t.update_out = c.in_place ? at::Tensor() : (c.alias_update ? t.filtered_out : dup(update_out));
+    return t;
+  }
+
+  std::vector<at::Tensor> all() const {
+    std::vector<at::Tensor> out;
+    for (const auto& x : {grad, param, gradient_out, filtered_out, filter, diagonal, momentum,
+                          average, update_out}) {
+      out.push_back(x.defined() ? x : at::zeros({0}));
+    }
+    return out;
+  }
+
+  /// `fused`: no G' and Ḡ (as the fused pass runs).
+  shampoo::kernels::ChainBlock<T> block(bool fused) const {
+    auto p = [](const at::Tensor& x) { return x.defined() ? x.data_ptr<T>() : nullptr; };
+    shampoo::kernels::ChainBlock<T> b;
+    b.numel = c.numel;
+    b.grad = p(grad);
+    b.param = p(param);
+    b.gradient_out = fused ? nullptr : p(gradient_out);
+    b.filtered_out = fused ? nullptr : p(filtered_out);
+    b.filter_state = p(filter);
+    b.diagonal_state = p(diagonal);
+    b.preconditioned = p(preconditioned);
+    b.momentum_state = p(momentum);
+    b.average_state = p(average);
+    b.param_out = c.in_place ? p(param) : nullptr;
+    b.update_out = p(update_out);
+    b.s = c.s;
+    return b;
+  }
+};
+
+template <typename T>
+void check_tiles_equal_elements(at::ScalarType dtype) {
+  namespace k = shampoo::kernels;
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    const auto c = random_case(rng);
+    at::manual_seed(trial);
+    const auto a = TileTensors<T>::make(c, dtype);
+    const auto pre_element = a.copy();
+    const auto pre_tiles = a.copy();
+    k::chain_pre_range(pre_element.block(false), 0, c.numel);
+    k::chain_pre_tiles(pre_tiles.block(false), 0, c.numel);
+    ASSERT_TRUE(bit_equal(pre_tiles.all(), pre_element.all())) << "pre pass, case " << trial;
+    const auto post_element = a.copy();
+    const auto post_tiles = a.copy();
+    k::chain_post_range(post_element.block(false), 0, c.numel);
+    k::chain_post_tiles(post_tiles.block(false), 0, c.numel);
+    ASSERT_TRUE(bit_equal(post_tiles.all(), post_element.all())) << "post pass, case " << trial;
+    if (c.preconditioned) continue;  // the fused pass has no matrix preconditioner
+    const auto fused_element = a.copy();
+    const auto fused_tiles = a.copy();
+    k::chain_fused_range(fused_element.block(true), 0, c.numel);
+    k::chain_fused_tiles(fused_tiles.block(true), 0, c.numel);
+    ASSERT_TRUE(bit_equal(fused_tiles.all(), fused_element.all())) << "fused pass, case " << trial;
+  }
+}
+
+TEST(ElementwiseChainTiles, TiledLoopsEqualPerElementFormulasBitForBit) {
+  check_tiles_equal_elements<float>(at::kFloat);
+  check_tiles_equal_elements<double>(at::kDouble);
+}
+
+TEST(ElementwiseChainTiles, FusedPassEqualsPreThenPostBitForBit) {
+  for (const auto mode :
+       {DirectionMode::kPreconditioned, DirectionMode::kDiagonal, DirectionMode::kSign}) {
+    for (const bool in_place : {true, false}) {
+      at::manual_seed(6);
+      auto a = make_blocks(at::kFloat, mode, at::kCPU);
+      std::vector<BlockCase> b;
+      for (const auto& x : a) {
+        b.push_back({x.grad.clone(), x.param.clone(), x.filter.clone(), x.diagonal.clone(),
+                     x.momentum.clone(), at::Tensor(), x.graft_statistics, x.s});
+      }
+      std::vector<at::Tensor> updates, filtered;
+      for (auto& x : a) x.preconditioned = at::Tensor();
+      run_chain(a, in_place, updates, filtered);  // pre, norms (none), post
+      std::vector<ChainBlockTensors> chain;
+      std::vector<at::Tensor> fused_updates;
+      for (auto& x : b) {
+        ChainBlockTensors c;
+        c.grad = x.grad;
+        c.param = x.param;
+        if (x.s.beta1 != 0.0) c.filter_state = x.filter;
+        if (x.graft_statistics) c.diagonal_state = x.diagonal;
+        if (x.s.momentum != 0.0) c.momentum_state = x.momentum;
+        if (in_place) {
+          c.param_out = x.param;
+        } else {
+          c.update_out = at::empty_like(x.grad);
+          fused_updates.push_back(c.update_out);
+        }
+        c.scalars = x.s;
+        chain.push_back(c);
+      }
+      shampoo::detail::run_chain_fused(chain);
+      for (size_t i = 0; i < a.size(); ++i) {
+        const auto where = "mode " + std::to_string(static_cast<int>(mode)) + ", block " +
+                           std::to_string(i) + (in_place ? ", in place" : ", update out");
+        EXPECT_TRUE(bit_equal(b[i].param, a[i].param)) << where;
+        EXPECT_TRUE(bit_equal(b[i].filter, a[i].filter)) << where;
+        EXPECT_TRUE(bit_equal(b[i].diagonal, a[i].diagonal)) << where;
+        EXPECT_TRUE(bit_equal(b[i].momentum, a[i].momentum)) << where;
+        if (!in_place) {
+          EXPECT_TRUE(bit_equal(fused_updates[i], updates[i])) << where;
+        }
+      }
+    }
+  }
+}
 
 TEST(ElementwiseChainChecks, RejectsMismatchedTensors) {
   ChainBlockTensors c;

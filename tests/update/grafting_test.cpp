@@ -106,7 +106,7 @@ TEST(GraftingChainScalars, FilledFromTheTable) {
 at::Tensor graft_step(ElementwiseState& state, int64_t row, const shampoo::GraftingConfig& config,
                       int64_t t, const at::Tensor& g) {
   ChainBlockTensors c;
-  c.scalars.direction_mode = static_cast<int32_t>(shampoo::kernels::DirectionMode::kGraft);
+  c.scalars.direction_mode = static_cast<int32_t>(shampoo::kernels::DirectionMode::kDiagonal);
   c.scalars.lr = 1.0;
   shampoo::detail::fill_chain_scalars(config, t, c.scalars);
   c.grad = g.contiguous();

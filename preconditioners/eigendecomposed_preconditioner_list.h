@@ -6,6 +6,16 @@
 /// or the pseudo-inverse) and multiplies along every dim, as root-inverse Shampoo does with its
 /// roots. Eigenvalues start at 1 and eigenvectors at I. With FactorStatistics::kKL (eigendecomposed
 /// KL-Shampoo) the factors accumulate the gradient multiplied along the other dims by those X_j.
+///
+/// X_k changes only when the decomposition does (an amortized computation, an import) or the
+/// member's ε does, so it is formed then and kept: a step between amortized computations
+/// multiplies by the kept X_k, as root-inverse Shampoo does with its roots, instead of forming it
+/// again (a d³ product per dim and step). The kept X_k are the very matrices a fresh computation
+/// gives (the same operations), so the results do not change. They take a dense d×d matrix per
+/// dim and member in the factor dtype (counted as inverse roots in memory_summary and in the
+/// state-size estimate; not part of checkpoints, which keep the decompositions). With a compact
+/// state (MatrixPreconditionerSettings::compact) nothing is kept and X_k is formed at every step,
+/// as before: memory over time.
 
 #include "preconditioners/kronecker_factor_list.h"
 
@@ -17,10 +27,12 @@ class EigendecomposedPreconditionerList final : public KroneckerFactorList {
                                     const EigendecomposedShampooConfig& config,
                                     MatrixPreconditionerSettings settings);
 
-  /// A factor, its eigenvectors and its eigenvalues per preconditioned dim.
+  /// A factor, its eigenvectors, its eigenvalues and (without a compact state) the kept X_k per
+  /// preconditioned dim.
   static int64_t estimated_state_bytes(const EigendecomposedShampooConfig& /*config*/,
                                        const BlockLayout& layout) {
-    return estimated_factor_bytes(layout, /*symmetric_per_dim=*/0, /*matrices_per_dim=*/1,
+    const int64_t matrices = layout.compact == CompactState::kNone ? 2 : 1;
+    return estimated_factor_bytes(layout, /*symmetric_per_dim=*/0, matrices,
                                   /*vectors_per_dim=*/1);
   }
 
@@ -30,9 +42,11 @@ class EigendecomposedPreconditionerList final : public KroneckerFactorList {
   /// False: the preconditioner before the first decomposition is X_k = f(1)·I, which is I only
   /// for ε ≤ 1 (and no pseudo-inverse cut-off at 1); it is computed like any other.
   bool identity_before_amortization() const override { return false; }
+  /// The kept X_k.
+  int64_t derived_state_bytes() const override;
 
-  /// X_k of `rows` along `dim` from the kept decompositions with the rows' ε ([rows, d, d],
-  /// factor dtype). Used by precondition() and by KL-Shampoo's statistics; for tests.
+  /// X_k of `rows` along `dim` formed from the kept decompositions with the rows' ε ([rows, d, d],
+  /// factor dtype): what the kept X_k are set to; for tests.
   at::Tensor inverse_roots(int64_t stack, const Rows& rows, int64_t dim,
                            const RowScalars& scalars) const;
   const at::Tensor& eigenvalues(int64_t stack, int64_t dim) const {
@@ -47,12 +61,25 @@ class EigendecomposedPreconditionerList final : public KroneckerFactorList {
                         const RowScalars& scalars) override;
   at::Tensor kl_operand(int64_t stack, const Rows& rows, int64_t dim,
                         const RowScalars& scalars) const override {
-    return inverse_roots(stack, rows, dim, scalars);
+    return kept_inverse_roots(stack, rows, dim, scalars);
   }
+  void states_changed(int64_t stack, int64_t row) override;
+  void add_derived_memory(MemorySummary& out) const override;
+  /// X_k of `rows` along `dim` ([rows, d, d]): the kept ones, formed first where stale (formed
+  /// anew without kept ones).
+  at::Tensor kept_inverse_roots(int64_t stack, const Rows& rows, int64_t dim,
+                                const RowScalars& scalars) const;
 
   EigendecomposedShampooConfig config_;
   int eigenvalues_;   // dim state "eigenvalues_<k>": [n, d]
   int eigenvectors_;  // dim state "eigenvectors_<k>": [n, d, d]
+  /// The kept X_k of a stack: per preconditioned dim [n, d, d] (undefined with a compact state),
+  /// and per dim and member the ε it was formed with, or NaN when stale.
+  struct KeptRoots {
+    std::vector<at::Tensor> roots;
+    std::vector<std::vector<double>> epsilon;
+  };
+  mutable std::vector<KeptRoots> kept_;
 };
 
 }  // namespace shampoo::detail

@@ -171,6 +171,7 @@ void KroneckerFactorList::amortize_rows(int64_t stack, const Rows& rows,
   }
   for (int64_t i = 0; i < rows.size(); ++i) {
     factors_.record_outcome(stack, rows.rows[i], member_failed[i], scalars.step[i]);
+    states_changed(stack, rows.rows[i]);
   }
 }
 
@@ -241,6 +242,7 @@ void KroneckerFactorList::import_state(int64_t stack, int64_t row,
       t[row].copy_(checked_state(in, state_key(state, k), shape, t.options(), spec.names[row]));
     }
   }
+  states_changed(stack, row);
 }
 
 void KroneckerFactorList::add_memory(MemorySummary& out) const {
@@ -257,6 +259,7 @@ void KroneckerFactorList::add_memory(MemorySummary& out) const {
     }
     out.*state.memory += bytes;
   }
+  add_derived_memory(out);
 }
 
 }  // namespace shampoo::detail

@@ -148,6 +148,10 @@ class PreconditionerList {
   virtual void set_counters(const AmortizedCounters& counters) = 0;
   /// Adds the bytes of state held (factors, roots, ...) to `out` by kind.
   virtual void add_memory(MemorySummary& out) const = 0;
+  /// Bytes of state held that are derived from what export_member gives and formed again after
+  /// an import (eigendecomposed Shampoo's kept roots): state_bytes() is the exported bytes plus
+  /// these.
+  virtual int64_t derived_state_bytes() const { return 0; }
   /// Bytes of state held: the sum of add_memory's kinds.
   int64_t state_bytes() const {
     MemorySummary memory;

@@ -59,6 +59,29 @@ INSTANTIATE_TEST_SUITE_P(Orders, Contractions,
                                            std::vector<int64_t>{3, 4, 5},
                                            std::vector<int64_t>{2, 3, 2, 4}));
 
+// From two panels of rows on (d ≥ 256) the product is computed one triangle at a time (as syrk):
+// its lower triangle is the full product's bit for bit, the upper one its mirror, and it is
+// still the same for a block wherever it sits in a stack. Both orientations: dim 0 (X·Xᵀ of the
+// rows) and the last dim (Xᵀ·X, panels of columns), a dim that is not a multiple of the panel,
+// and a middle dim of a 3-D block.
+TEST(SymmetricGram, LowerTriangleIsTheFullProductBitForBit) {
+  at::manual_seed(21);
+  for (const auto& shape : std::vector<std::vector<int64_t>>{
+           {512, 300}, {300, 512}, {257, 64}, {385, 33}, {700, 5}, {1024, 784}, {3, 260, 4}}) {
+    const auto block = at::randn(shape);
+    for (int64_t dim = 0; dim < block.dim(); ++dim) {
+      if (block.size(dim) < 256) continue;
+      const auto x = block.movedim(dim, 0).reshape({block.size(dim), -1});
+      const auto full = at::mm(x, x.t());
+      const auto ours = stacked_outer_product(block.unsqueeze(0), dim)[0];
+      EXPECT_TRUE(bit_equal(ours.tril(), full.tril())) << "dim " << dim;
+      EXPECT_TRUE(bit_equal(ours, ours.t())) << "dim " << dim;
+      const auto stacked = at::stack({at::randn(shape), block});
+      EXPECT_TRUE(bit_equal(stacked_outer_product(stacked, dim)[1], ours)) << "dim " << dim;
+    }
+  }
+}
+
 class StackIndependence
     : public ::testing::TestWithParam<std::tuple<std::vector<int64_t>, at::ScalarType>> {};
 

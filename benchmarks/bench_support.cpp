@@ -167,6 +167,15 @@ std::vector<std::vector<int64_t>> transformer_workload_shapes(int64_t divisor) {
   return shapes;
 }
 
+std::vector<std::vector<int64_t>> mlp_workload_shapes(int64_t divisor) {
+  std::vector<std::vector<int64_t>> shapes{{2048, 784}, {2048},     {1024, 2048}, {1024},
+                                           {512, 1024}, {512},      {10, 512},    {10}};
+  for (auto& s : shapes) {
+    for (auto& d : s) d = std::max<int64_t>(1, d / divisor);
+  }
+  return shapes;
+}
+
 std::vector<std::vector<at::Tensor>> make_gradient_pool(torch::nn::Sequential& model, int64_t k,
                                                         int64_t batch, int64_t in_features,
                                                         int64_t classes) {

@@ -71,6 +71,9 @@ std::string layered_mlp_name(int64_t layers, int64_t width);
 /// twice (3072, 1024), (3072), (1024, 1024), (1024), (4096, 1024), (4096), (1024, 4096), (1024),
 /// (1024), (1024); every dim divided by `divisor` (1 = full size).
 std::vector<std::vector<int64_t>> transformer_workload_shapes(int64_t divisor = 1);
+/// bench_optimizer_step's MLP 784-2048-1024-512-10 (4.2M parameters) as parameter shapes
+/// (weights [out, in], then biases), every dimension divided by `divisor`.
+std::vector<std::vector<int64_t>> mlp_workload_shapes(int64_t divisor = 1);
 
 /// Gradients of `k` forward/backward passes (cross-entropy) on random batches: Gaussian inputs
 /// [batch, in_features], random labels below `classes`. Real gradient structure (a linear

@@ -82,6 +82,8 @@ struct Args {
   double epsilon = 1e-8;
   bool one_group_per_tensor = false;
   bool small = false;
+  std::string workload = "transformer";
+  int64_t max_dim = 0;  // 0 = 1024 (1024 / 8 with --small)
   int64_t step_chunk_mb = 0;      // 0 = the library's default
   int64_t amortize_chunk_mb = 0;  // 0 = the library's default
   std::string cuda_eigh = "auto";
@@ -114,6 +116,11 @@ Args parse_args(int argc, char** argv) {
                 "21 param groups, group i with lr 1e-3·(1 + i/21)")
       .add_bool("small", args.small,
                 "every dimension and max_preconditioner_dim divided by 8 (CPU smoke runs)")
+      .add_choice("workload", args.workload, {"transformer", "mlp"},
+                  "the parameters: issue 13's transformer-like tensors (29.4M), or "
+                  "bench_optimizer_step's MLP 784-2048-1024-512-10 (4.2M; issue 28)")
+      .add("max-dim", args.max_dim,
+           "max_preconditioner_dim (0 = 1024, or 1024 / 8 with --small)", 0)
       .add("step-chunk-mb", args.step_chunk_mb,
            "bound on a step's gradient buffers per chunk of rows, MB (0 = the library's "
            "64 MiB; a large value = one chunk, as before chunking)",
@@ -295,10 +302,17 @@ void reset_parameters(Workload& w) {
   for (size_t i = 0; i < init.size(); ++i) w.params[i].copy_(init[i]);
 }
 
-Workload make_workload(const at::Device& device, bool small) {
+int64_t max_dim(const Args& args) {
+  if (args.max_dim > 0) return args.max_dim;
+  return args.small ? 1024 / kSmallDivisor : 1024;
+}
+
+Workload make_workload(const at::Device& device, const Args& args) {
   Workload w;
   w.device = device;
-  w.shapes = transformer_workload_shapes(small ? kSmallDivisor : 1);
+  const int64_t divisor = args.small ? kSmallDivisor : 1;
+  w.shapes = args.workload == "mlp" ? mlp_workload_shapes(divisor)
+                                    : transformer_workload_shapes(divisor);
   for (const auto& p : draw_parameters(w)) {
     w.params.push_back(p.to(device).set_requires_grad(true));
   }
@@ -328,7 +342,7 @@ shampoo::ShampooOptions transformer_options(int64_t frequency,
       .epsilon(args.epsilon)
       .weight_decay(1e-5)
       .weight_decay_type(shampoo::WeightDecayType::kDecoupled)
-      .max_preconditioner_dim(args.small ? 1024 / kSmallDivisor : 1024)
+      .max_preconditioner_dim(max_dim(args))
       .precondition_frequency(frequency)
       .use_bias_correction(true)
       .grafting(shampoo::AdamGraftingConfig{0.999, 1e-8})
@@ -596,13 +610,14 @@ std::string megabytes(int64_t bytes) {
 
 void print_header(const Workload& w, const Args& args) {
   fmt::print(
-      "bench_transformer: {} parameters in {} tensors{}, device {}, LibTorch {}\n"
+      "bench_transformer: {} workload, {} parameters in {} tensors{}, max_preconditioner_dim {}, "
+      "device {}, LibTorch {}\n"
       "  frequency {}: warm-up {} steps, {} window(s) of {} steps; frequency 1: {} timed steps; "
       "{}, epsilon {:g}, step chunks {} MiB, amortize chunks {} MiB, eigh {}\n  harness tensors "
       "(parameters, gradients, {} gradient "
       "sets): {} MB\n",
-      numel_of(w.params), w.params.size(), args.small ? " (--small: dimensions / 8)" : "",
-      w.device.str(), TORCH_VERSION, args.frequency, args.frequency, args.repetitions, args.window,
+      args.workload, numel_of(w.params), w.params.size(),
+      args.small ? " (--small: dimensions / 8)" : "", max_dim(args), w.device.str(), TORCH_VERSION, args.frequency, args.frequency, args.repetitions, args.window,
       args.steps, args.one_group_per_tensor ? "21 param groups" : "one param group", args.epsilon,
       shampoo::detail::step_chunk_bytes() >> 20, shampoo::detail::amortize_chunk_bytes() >> 20,
       args.cuda_eigh, kGradientSets, megabytes(w.harness_bytes));
@@ -682,6 +697,7 @@ Json results_json(const std::vector<SolverResult>& results, const Workload& w, c
                 {"every_step_steps", args.steps},
                 {"one_group_per_tensor", args.one_group_per_tensor},
                 {"small", args.small},
+                {"workload", args.workload},
                 {"step_chunk_bytes", shampoo::detail::step_chunk_bytes()},
                 {"amortize_chunk_bytes", shampoo::detail::amortize_chunk_bytes()},
                 {"cuda_eigh", args.cuda_eigh},
@@ -692,7 +708,7 @@ Json results_json(const std::vector<SolverResult>& results, const Workload& w, c
                   {"epsilon", args.epsilon},
                   {"weight_decay", 1e-5},
                   {"weight_decay_type", "decoupled"},
-                  {"max_preconditioner_dim", args.small ? 1024 / kSmallDivisor : 1024},
+                  {"max_preconditioner_dim", max_dim(args)},
                   {"grafting", "adam(0.999, 1e-8)"},
                   {"use_bias_correction", true}}}};
   Json solvers = Json::array();
@@ -739,7 +755,7 @@ int main(int argc, char** argv) {
   const at::Device device = args.device == "cuda" ? at::Device(at::kCUDA, 0) : at::kCPU;
   if (device.is_cpu()) TrackingAllocator::install();  // counts every tensor from here on
   const double load_before = load_average();
-  Workload w = make_workload(device, args.small);
+  Workload w = make_workload(device, args);
   print_header(w, args);
   if (args.memory) return print_state_memory(w, settings, args);
   std::vector<SolverResult> results;

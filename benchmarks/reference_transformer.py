@@ -83,6 +83,11 @@ def parse_args(argv):
     parser.add_argument("--small", action="store_true",
                         help="every dimension and max_preconditioner_dim divided by 8 (CPU smoke "
                              "runs)")
+    parser.add_argument("--workload", choices=("transformer", "mlp"), default="transformer",
+                        help="the parameters: issue 13's transformer-like tensors (29.4M), or "
+                             "bench_optimizer_step's MLP 784-2048-1024-512-10 (4.2M; issue 28)")
+    parser.add_argument("--max-dim", type=int, default=0,
+                        help="max_preconditioner_dim (0 = 1024, or 1024 / 8 with --small)")
     parser.add_argument("--epsilon", type=float, default=1e-8,
                         help="Shampoo's epsilon (issue 13: 1e-8)")
     parser.add_argument("--no-symmetric-packing", action="store_true",
@@ -109,22 +114,32 @@ def parse_args(argv):
     return args
 
 
-def workload_shapes(small):
-    layer = [(3072, 1024), (3072,), (1024, 1024), (1024,), (4096, 1024), (4096,), (1024, 4096),
-             (1024,), (1024,), (1024,)]
-    shapes = [(4096, 1024)] + layer + layer
+def workload_shapes(small, workload="transformer"):
+    if workload == "mlp":
+        shapes = [(2048, 784), (2048,), (1024, 2048), (1024,), (512, 1024), (512,), (10, 512),
+                  (10,)]
+    else:
+        layer = [(3072, 1024), (3072,), (1024, 1024), (1024,), (4096, 1024), (4096,),
+                 (1024, 4096), (1024,), (1024,), (1024,)]
+        shapes = [(4096, 1024)] + layer + layer
     if small:
-        shapes = [tuple(d // SMALL_DIVISOR for d in s) for s in shapes]
+        shapes = [tuple(max(1, d // SMALL_DIVISOR) for d in s) for s in shapes]
     return shapes
+
+
+def max_dim(args):
+    if args.max_dim > 0:
+        return args.max_dim
+    return 1024 // SMALL_DIVISOR if args.small else 1024
 
 
 class Workload:
     """Parameters (with .grad allocated) and three gradient sets on the device."""
 
-    def __init__(self, torch, device, small):
+    def __init__(self, torch, device, small, workload="transformer"):
         self.torch = torch
         self.device = device
-        self.shapes = workload_shapes(small)
+        self.shapes = workload_shapes(small, workload)
         self.params = [torch.nn.Parameter(p.to(device)) for p in self.draw_parameters()]
         # The generator continues after the parameters: the order bench_transformer draws in.
         self.gradient_sets = [[torch.randn(s).to(device) for s in self.shapes]
@@ -216,7 +231,7 @@ def make_optimizer(ds, workload, root_inv, frequency, args):
         epsilon=args.epsilon,
         weight_decay=1e-5,
         weight_decay_type=ds.WeightDecayType.DECOUPLED,
-        max_preconditioner_dim=1024 // SMALL_DIVISOR if args.small else 1024,
+        max_preconditioner_dim=max_dim(args),
         precondition_frequency=frequency,
         use_bias_correction=True,
         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
@@ -480,6 +495,7 @@ def results_json(results, workload, args, torch):
             "frequency": args.frequency, "window": args.window,
             "repetitions": args.repetitions, "every_step_steps": args.steps,
             "one_group_per_tensor": args.one_group_per_tensor, "small": args.small,
+            "workload": args.workload, "max_preconditioner_dim": max_dim(args),
             "epsilon": args.epsilon,
             "symmetric_packing": not args.no_symmetric_packing, "memory": args.memory,
             "shapes": [list(s) for s in workload.shapes],
@@ -505,8 +521,9 @@ def main(argv):
     if device_name == "cuda" and not torch.cuda.is_available():
         sys.exit("reference_transformer: --device cuda, but no CUDA device is available")
     device = torch.device("cuda", 0) if device_name == "cuda" else torch.device("cpu")
-    workload = Workload(torch, device, args.small)
-    print(f"reference_transformer: {sum(p.numel() for p in workload.params)} parameters in "
+    workload = Workload(torch, device, args.small, args.workload)
+    print(f"reference_transformer: {args.workload} workload, max_preconditioner_dim "
+          f"{max_dim(args)}, {sum(p.numel() for p in workload.params)} parameters in "
           f"{len(workload.params)} tensors{' (--small: dimensions / 8)' if args.small else ''}, "
           f"device {device}, torch {torch.__version__}, epsilon {args.epsilon:g}, reference from "
           f"{ds.__file__}\n"

@@ -154,9 +154,10 @@ void run_pass(Pass pass, const std::vector<ChainBlockTensors>& blocks, const at:
 #endif
     return;
   }
-  const auto range = pass == Pass::kPre    ? kernels::chain_pre_tiles<T>
-                     : pass == Pass::kPost ? kernels::chain_post_tiles<T>
-                                           : kernels::chain_fused_tiles<T>;
+  const auto& tiles = kernels::chain_tiles<T>();
+  const auto range = pass == Pass::kPre    ? tiles.pre
+                     : pass == Pass::kPost ? tiles.post
+                                           : tiles.fused;
   for_each_item(items,
                 [&](const WorkItem& item) { range(kblocks[item.block], item.begin, item.end); });
 }

@@ -359,8 +359,9 @@ struct TileTensors {
 };
 
 template <typename T>
-void check_tiles_equal_elements(at::ScalarType dtype) {
+void check_tiles_equal_elements(at::ScalarType dtype, shampoo::kernels::ChainIsa isa) {
   namespace k = shampoo::kernels;
+  const auto tiles = k::chain_tiles<T>(isa);
   std::mt19937 rng(11);
   for (int trial = 0; trial < 300; ++trial) {
     const auto c = random_case(rng);
@@ -369,25 +370,31 @@ void check_tiles_equal_elements(at::ScalarType dtype) {
     const auto pre_element = a.copy();
     const auto pre_tiles = a.copy();
     k::chain_pre_range(pre_element.block(false), 0, c.numel);
-    k::chain_pre_tiles(pre_tiles.block(false), 0, c.numel);
+    tiles.pre(pre_tiles.block(false), 0, c.numel);
     ASSERT_TRUE(bit_equal(pre_tiles.all(), pre_element.all())) << "pre pass, case " << trial;
     const auto post_element = a.copy();
     const auto post_tiles = a.copy();
     k::chain_post_range(post_element.block(false), 0, c.numel);
-    k::chain_post_tiles(post_tiles.block(false), 0, c.numel);
+    tiles.post(post_tiles.block(false), 0, c.numel);
     ASSERT_TRUE(bit_equal(post_tiles.all(), post_element.all())) << "post pass, case " << trial;
     if (c.preconditioned) continue;  // the fused pass has no matrix preconditioner
     const auto fused_element = a.copy();
     const auto fused_tiles = a.copy();
     k::chain_fused_range(fused_element.block(true), 0, c.numel);
-    k::chain_fused_tiles(fused_tiles.block(true), 0, c.numel);
+    tiles.fused(fused_tiles.block(true), 0, c.numel);
     ASSERT_TRUE(bit_equal(fused_tiles.all(), fused_element.all())) << "fused pass, case " << trial;
   }
 }
 
 TEST(ElementwiseChainTiles, TiledLoopsEqualPerElementFormulasBitForBit) {
-  check_tiles_equal_elements<float>(at::kFloat);
-  check_tiles_equal_elements<double>(at::kDouble);
+  // Every instruction set this build has and this CPU runs (on x86-64: baseline, AVX2, AVX-512).
+  const auto isas = shampoo::kernels::chain_isas_available();
+  EXPECT_EQ(isas.back(), shampoo::kernels::chain_isa());
+  for (const auto isa : isas) {
+    SCOPED_TRACE(shampoo::kernels::chain_isa_name(isa));
+    check_tiles_equal_elements<float>(at::kFloat, isa);
+    check_tiles_equal_elements<double>(at::kDouble, isa);
+  }
 }
 
 TEST(ElementwiseChainTiles, FusedPassEqualsPreThenPostBitForBit) {

@@ -112,8 +112,10 @@ std::vector<at::Tensor> reference(const BlockCase& c) {
   return {w - s.lr * p, m, v, b, filtered};
 }
 
+/// The chain over `blocks`: pre, norms and post, or (`fused`) the fused pass, which has no G′ and Ḡ
+/// (`filtered` stays empty).
 void run_chain(std::vector<BlockCase>& blocks, bool in_place, std::vector<at::Tensor>& updates,
-               std::vector<at::Tensor>& filtered) {
+               std::vector<at::Tensor>& filtered, bool fused = false) {
   std::vector<ChainBlockTensors> chain;
   updates.clear();
   filtered.clear();
@@ -121,9 +123,11 @@ void run_chain(std::vector<BlockCase>& blocks, bool in_place, std::vector<at::Te
     ChainBlockTensors c;
     c.grad = b.grad;
     c.param = b.param;
-    c.gradient_out = at::empty_like(b.grad);
-    c.filtered_out = at::empty_like(b.grad);
-    filtered.push_back(c.filtered_out);
+    if (!fused) {
+      c.gradient_out = at::empty_like(b.grad);
+      c.filtered_out = at::empty_like(b.grad);
+      filtered.push_back(c.filtered_out);
+    }
     if (b.s.beta1 != 0.0) c.filter_state = b.filter;
     if (b.graft_statistics) c.diagonal_state = b.diagonal;
     if (b.s.momentum != 0.0) c.momentum_state = b.momentum;
@@ -136,6 +140,10 @@ void run_chain(std::vector<BlockCase>& blocks, bool in_place, std::vector<at::Te
     }
     c.scalars = b.s;
     chain.push_back(c);
+  }
+  if (fused) {
+    shampoo::detail::run_chain_fused(chain);
+    return;
   }
   shampoo::detail::run_chain_pre(chain);
   shampoo::detail::run_chain_norms(chain);
@@ -408,28 +416,10 @@ TEST(ElementwiseChainTiles, FusedPassEqualsPreThenPostBitForBit) {
         b.push_back({x.grad.clone(), x.param.clone(), x.filter.clone(), x.diagonal.clone(),
                      x.momentum.clone(), at::Tensor(), x.graft_statistics, x.s});
       }
-      std::vector<at::Tensor> updates, filtered;
+      std::vector<at::Tensor> updates, filtered, fused_updates;
       for (auto& x : a) x.preconditioned = at::Tensor();
       run_chain(a, in_place, updates, filtered);  // pre, norms (none), post
-      std::vector<ChainBlockTensors> chain;
-      std::vector<at::Tensor> fused_updates;
-      for (auto& x : b) {
-        ChainBlockTensors c;
-        c.grad = x.grad;
-        c.param = x.param;
-        if (x.s.beta1 != 0.0) c.filter_state = x.filter;
-        if (x.graft_statistics) c.diagonal_state = x.diagonal;
-        if (x.s.momentum != 0.0) c.momentum_state = x.momentum;
-        if (in_place) {
-          c.param_out = x.param;
-        } else {
-          c.update_out = at::empty_like(x.grad);
-          fused_updates.push_back(c.update_out);
-        }
-        c.scalars = x.s;
-        chain.push_back(c);
-      }
-      shampoo::detail::run_chain_fused(chain);
+      run_chain(b, in_place, fused_updates, filtered, /*fused=*/true);
       for (size_t i = 0; i < a.size(); ++i) {
         const auto where = "mode " + std::to_string(static_cast<int>(mode)) + ", block " +
                            std::to_string(i) + (in_place ? ", in place" : ", update out");

@@ -48,10 +48,6 @@ int64_t EigendecomposedPreconditionerList::derived_state_bytes() const {
   return bytes;
 }
 
-void EigendecomposedPreconditionerList::add_derived_memory(MemorySummary& out) const {
-  out.inverse_roots += derived_state_bytes();
-}
-
 at::Tensor EigendecomposedPreconditionerList::kept_inverse_roots(int64_t stack, const Rows& rows,
                                                                  int64_t dim,
                                                                  const RowScalars& scalars) const {

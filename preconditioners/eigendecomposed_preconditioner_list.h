@@ -64,7 +64,6 @@ class EigendecomposedPreconditionerList final : public KroneckerFactorList {
     return kept_inverse_roots(stack, rows, dim, scalars);
   }
   void states_changed(int64_t stack, int64_t row) override;
-  void add_derived_memory(MemorySummary& out) const override;
   /// X_k of `rows` along `dim` ([rows, d, d]): the kept ones, formed first where stale (formed
   /// anew without kept ones).
   at::Tensor kept_inverse_roots(int64_t stack, const Rows& rows, int64_t dim,

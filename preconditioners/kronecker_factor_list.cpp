@@ -259,7 +259,8 @@ void KroneckerFactorList::add_memory(MemorySummary& out) const {
     }
     out.*state.memory += bytes;
   }
-  add_derived_memory(out);
+  // What a family derives from those states and keeps: eigendecomposed Shampoo's roots.
+  out.inverse_roots += derived_state_bytes();
 }
 
 }  // namespace shampoo::detail

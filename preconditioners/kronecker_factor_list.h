@@ -107,8 +107,6 @@ class KroneckerFactorList : public PreconditionerList {
   /// After the registered states of member `row` may have changed (its amortized computation, an
   /// import): for what a family derives from them and keeps (eigendecomposed Shampoo's roots).
   virtual void states_changed(int64_t /*stack*/, int64_t /*row*/) {}
-  /// Bytes a family keeps besides the registered states (add_memory adds them).
-  virtual void add_derived_memory(MemorySummary& /*out*/) const {}
 
   KroneckerFactors factors_;
 

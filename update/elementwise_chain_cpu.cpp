@@ -17,15 +17,8 @@ ChainTiles<T> tiles();
 #endif
 
 const char* chain_isa_name(ChainIsa isa) {
-  switch (isa) {
-    case ChainIsa::kAvx2:
-      return "avx2";
-    case ChainIsa::kAvx512:
-      return "avx512";
-    case ChainIsa::kBaseline:
-    default:
-      return "baseline";
-  }
+  static constexpr const char* kNames[] = {"baseline", "avx2", "avx512"};  // ChainIsa's order
+  return kNames[static_cast<int>(isa)];
 }
 
 std::vector<ChainIsa> chain_isas_available() {

@@ -27,6 +27,7 @@
 ///                     [--small] [--threads T] [--epsilon 1e-8] [--step-chunk-mb MB]
 ///                     [--amortize-chunk-mb MB] [--cuda-eigh auto|batched-chunks]
 ///                     [--memory] [--dense-storage] [--compact-state none|bf16|int8]
+///                     [--profile-steps N]
 ///                     [--json PATH] [--label TEXT]
 ///   --memory (CPU): only the state after two steps, packed and unpacked, by kind (issue 26).
 /// Exits 1 when a setting failed (its row says why; the others are still measured).
@@ -51,6 +52,7 @@
 #include <vector>
 
 #include "benchmarks/bench_support.h"
+#include "benchmarks/kernel_profile.h"
 #include "benchmarks/tracking_allocator.h"
 #include "preconditioners/kronecker_factor_list.h"
 
@@ -83,13 +85,14 @@ struct Args {
   bool one_group_per_tensor = false;
   bool small = false;
   std::string workload = "transformer";
-  int64_t max_dim = 0;  // 0 = 1024 (1024 / 8 with --small)
+  int64_t max_dim = 0;            // 0 = 1024 (1024 / 8 with --small)
   int64_t step_chunk_mb = 0;      // 0 = the library's default
   int64_t amortize_chunk_mb = 0;  // 0 = the library's default
   std::string cuda_eigh = "auto";
   bool memory = false;
   bool dense_storage = false;
   std::string compact_state = "none";
+  int64_t profile_steps = 0;  // 0 = no kernel profile
   std::string json;
   std::string label;
 };
@@ -119,8 +122,8 @@ Args parse_args(int argc, char** argv) {
       .add_choice("workload", args.workload, {"transformer", "mlp"},
                   "the parameters: issue 13's transformer-like tensors (29.4M), or "
                   "bench_optimizer_step's MLP 784-2048-1024-512-10 (4.2M; issue 28)")
-      .add("max-dim", args.max_dim,
-           "max_preconditioner_dim (0 = 1024, or 1024 / 8 with --small)", 0)
+      .add("max-dim", args.max_dim, "max_preconditioner_dim (0 = 1024, or 1024 / 8 with --small)",
+           0)
       .add("step-chunk-mb", args.step_chunk_mb,
            "bound on a step's gradient buffers per chunk of rows, MB (0 = the library's "
            "64 MiB; a large value = one chunk, as before chunking)",
@@ -137,6 +140,10 @@ Args parse_args(int argc, char** argv) {
                 "modes)")
       .add_choice("compact-state", args.compact_state, {"none", "bf16", "int8"},
                   "compact_state of the timing modes (none, bf16 or int8)")
+      .add("profile-steps", args.profile_steps,
+           "after each setting's f=N windows, this many plain steps (no roots) under LibTorch's "
+           "Kineto profiler: device time by kernel, and the plain step's matmul floor (CUDA)",
+           0)
       .add_bool("memory", args.memory,
                 "only the state: per solver, packed and unpacked, the bytes the tracking "
                 "allocator sees the optimizer keep after two steps (CPU) against "
@@ -311,8 +318,8 @@ Workload make_workload(const at::Device& device, const Args& args) {
   Workload w;
   w.device = device;
   const int64_t divisor = args.small ? kSmallDivisor : 1;
-  w.shapes = args.workload == "mlp" ? mlp_workload_shapes(divisor)
-                                    : transformer_workload_shapes(divisor);
+  w.shapes =
+      args.workload == "mlp" ? mlp_workload_shapes(divisor) : transformer_workload_shapes(divisor);
   for (const auto& p : draw_parameters(w)) {
     w.params.push_back(p.to(device).set_requires_grad(true));
   }
@@ -413,6 +420,66 @@ double timed_step(Run& run, bool* root = nullptr) {
 
 // ---- measurements -------------------------------------------------------------------------------
 
+/// --profile-steps: steps on until one computes roots, then the plain steps after it (at most
+/// f − 1, so none computes roots) under the Kineto profiler: device time by kernel.
+void profile_plain_steps(Run& run, const std::string& name, const Args& args) {
+  bool root = false;
+  for (int64_t i = 0; i < args.frequency && !root; ++i) timed_step(run, &root);
+  const int64_t steps = std::min(args.profile_steps, args.frequency - 1);
+  if (!root || steps < 1) {
+    fmt::print("  {}: no kernel profile (no root step within f = {} steps)\n", name,
+               args.frequency);
+    return;
+  }
+  const auto computations = run.optimizer->stats().amortized_computations;
+  const auto profile = profile_kernels(run.workload->device, [&] {
+    for (int64_t i = 0; i < steps; ++i) timed_step(run);
+  });
+  const bool plain = run.optimizer->stats().amortized_computations == computations;
+  fmt::print("  {} kernel profile of {} plain step(s){}:\n", name, steps,
+             plain ? "" : " (one of them computed roots)");
+  print_kernel_profile(profile, steps, 15);
+}
+
+/// --profile-steps on CUDA: the float32 products of a plain step (per 2-D block [m, n]: the
+/// factor updates G·Gᵀ and Gᵀ·G, and L·G·R, 4·m·n·(m + n) flop; the 1-D blocks' matrix-vector
+/// work is left out) and the time they take at the rate at::bmm reaches on a stack of the
+/// workload's blocks of max_preconditioner_dim² (median of 10 after 3 warm-ups).
+void print_matmul_floor(const Workload& w, const Args& args) {
+  const int64_t d = max_dim(args);
+  double flop = 0.0;
+  int64_t square = 0;
+  for (const auto& shape : w.shapes) {
+    if (shape.size() != 2) continue;
+    for (int64_t r = 0; r < shape[0]; r += d) {
+      for (int64_t c = 0; c < shape[1]; c += d) {
+        const double m = static_cast<double>(std::min(d, shape[0] - r));
+        const double n = static_cast<double>(std::min(d, shape[1] - c));
+        flop += 4.0 * m * n * (m + n);
+        if (m == d && n == d) ++square;
+      }
+    }
+  }
+  const int64_t stack = std::max<int64_t>(square, 1);
+  const auto options = at::TensorOptions().device(w.device).dtype(at::kFloat);
+  const auto a = at::randn({stack, d, d}, options);
+  const auto b = at::randn({stack, d, d}, options);
+  std::vector<double> ms;
+  for (int i = 0; i < 13; ++i) {
+    synchronize(w.device);
+    const auto begin = Clock::now();
+    at::bmm(a, b);
+    synchronize(w.device);
+    if (i >= 3) ms.push_back(elapsed_ms(begin, Clock::now()));
+  }
+  const double rate = 2.0 * static_cast<double>(stack) * d * d * d / (median(ms) * 1e-3);
+  fmt::print(
+      "matmul floor of a plain step: {:.1f} GFLOP of float32 products; at::bmm on [{}, {}, {}] "
+      "float32: {:.3f} ms, {:.1f} TFLOP/s; floor {:.2f} ms\n",
+      flop / 1e9, stack, d, d, median(ms), rate / 1e12, flop / rate * 1e3);
+  std::fflush(stdout);
+}
+
 struct Amortized {
   std::vector<double> window_mean_ms;   // per window: mean of its steps
   std::vector<double> plain_median_ms;  // per window: median of its steps without roots
@@ -444,6 +511,7 @@ Amortized measure_amortized(Workload& w, const SolverSetting& setting, const Arg
   }
   a.peak_bytes = peak_memory_bytes(w.device);
   a.stats = run.optimizer->stats();
+  if (args.profile_steps > 0) profile_plain_steps(run, setting.name, args);
   return a;
 }
 
@@ -617,8 +685,9 @@ void print_header(const Workload& w, const Args& args) {
       "(parameters, gradients, {} gradient "
       "sets): {} MB\n",
       args.workload, numel_of(w.params), w.params.size(),
-      args.small ? " (--small: dimensions / 8)" : "", max_dim(args), w.device.str(), TORCH_VERSION, args.frequency, args.frequency, args.repetitions, args.window,
-      args.steps, args.one_group_per_tensor ? "21 param groups" : "one param group", args.epsilon,
+      args.small ? " (--small: dimensions / 8)" : "", max_dim(args), w.device.str(), TORCH_VERSION,
+      args.frequency, args.frequency, args.repetitions, args.window, args.steps,
+      args.one_group_per_tensor ? "21 param groups" : "one param group", args.epsilon,
       shampoo::detail::step_chunk_bytes() >> 20, shampoo::detail::amortize_chunk_bytes() >> 20,
       args.cuda_eigh, kGradientSets, megabytes(w.harness_bytes));
   std::fflush(stdout);
@@ -758,6 +827,7 @@ int main(int argc, char** argv) {
   Workload w = make_workload(device, args);
   print_header(w, args);
   if (args.memory) return print_state_memory(w, settings, args);
+  if (args.profile_steps > 0 && device.is_cuda()) print_matmul_floor(w, args);
   std::vector<SolverResult> results;
   for (const auto& s : settings) results.push_back(run_setting(w, s, args));
   print_table(results, w, args);

@@ -11,10 +11,13 @@
 #               solvers in LEASE_SOLVERS (eigh and the fastest setting of the last run by default)
 #   experiment  eigh on the transformer workload at f=20 and f=1 under the settings in
 #               LEASE_EXPERIMENTS ("name:bench_transformer flags;..."): time and peak by setting
+#   profile     bench_transformer --profile-steps: the plain step's device time by kernel (LibTorch's
+#               Kineto profiler) and its matmul floor, for the settings in LEASE_PROFILE_SOLVERS
+#               (eigh,eigendecomposed by default)
 #   demo        the demo (run_demo.sh) on the GPU
 #   compare     make compare on the GPU, the full budget (run_compare.sh)
 # Default stages: "build test perf". $OUT receives at most 8 files: machine.txt, ctest_cuda.log,
-# summary.md, results.json, logs.tar.gz (perf); experiments.txt; demo.txt; compare.md, compare.csv,
+# summary.md, results.json, logs.tar.gz (perf); experiments.txt; profile.txt; demo.txt; compare.md, compare.csv,
 # compare.txt. The last lines printed summarize each stage.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -84,6 +87,16 @@ stage_experiment() {
   done
 }
 
+stage_profile() {
+  local budget=$(( $(left) - 20 ))
+  if [ "$budget" -lt 40 ]; then log "profile: no time left"; status=1; return; fi
+  [ "$budget" -gt 180 ] && budget=180
+  timeout "$budget" "$BUILD/benchmarks/bench_transformer" --device cuda \
+    --solvers "${LEASE_PROFILE_SOLVERS:-eigh,eigendecomposed}" --frequency 20 --window 20 \
+    --repetitions 1 --steps 0 --epsilon 1e-8 --profile-steps 10 > "$OUT/profile.txt" 2>&1 || status=1
+  log "profile: $(grep -E '^matmul floor|device busy' "$OUT/profile.txt" | tr '\n' ' ')"
+}
+
 stage_demo() {
   local budget=$(( $(left) - 20 ))
   if [ "$budget" -lt 40 ]; then log "demo: no time left"; status=1; return; fi
@@ -108,8 +121,8 @@ stage_compare() {
 for stage in $STAGES; do
   log "$stage ($(left) s left)"
   case "$stage" in
-    build | test | perf | experiment | demo | compare) "stage_$stage" ;;
-    *) log "unknown stage '$stage' (build test perf experiment demo compare)"; exit 2 ;;
+    build | test | perf | experiment | profile | demo | compare) "stage_$stage" ;;
+    *) log "unknown stage '$stage' (build test perf experiment profile demo compare)"; exit 2 ;;
   esac
 done
 log "done, status $status"

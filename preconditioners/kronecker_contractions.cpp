@@ -65,14 +65,22 @@ namespace {
 /// matrix-vector product, which MKL sums in another order.
 constexpr int64_t kGramPanel = 128;
 
+/// The lower triangle, diagonal included, of an n×n matrix as a mask.
+at::Tensor lower_mask(int64_t n, const at::Device& device) {
+  return at::ones({n, n}, at::TensorOptions().dtype(at::kBool).device(device)).tril();
+}
+
 /// x·xᵀ for x [d, c] (x may be a transposed view), computed as BLAS's syrk does: one triangle.
 /// Panel i (rows r of kGramPanel) is x[r]·x[0:r_end]ᵀ, the block row of the lower triangle up to
 /// and including the diagonal block, written in place; its part left of the diagonal block is then
-/// mirrored above it. Each panel is one GEMM with the same contraction (length c) as the full
-/// product, which MKL sums in the same order: the lower triangle is bit for bit the full
-/// product's (kronecker_contractions_test checks it), for (k+1)/(2k) of its multiplications with
-/// k panels (62.5% at d = 512, 56% at d = 1024; 37-41% less time on one thread, issue 28).
-/// Below two panels, one product.
+/// mirrored above it, and so is the diagonal block's lower triangle: the result is symmetric.
+/// Each panel is one GEMM with the same contraction (length c) as the full product. Where BLAS
+/// sums a panel as it sums the full product (MKL on the CI machine, AMD Zen 5), the lower triangle
+/// is bit for bit the full product's; MKL does not promise it, and on the GPU machine's host CPU
+/// it differed in 2 of kronecker_contractions_test's cases (2026-11-26). The stored factors keep
+/// only the lower triangle either way. (k+1)/(2k) of the full product's multiplications with k
+/// panels (62.5% at d = 512, 56% at d = 1024; 37-41% less time on one thread, issue 28).
+/// Below two panels, one product (its triangles as that GEMM rounds them).
 at::Tensor symmetric_gram(const at::Tensor& x) {
   const int64_t d = x.size(0);
   if (d < 2 * kGramPanel) return at::mm(x, x.t());
@@ -84,6 +92,10 @@ at::Tensor symmetric_gram(const at::Tensor& x) {
     if (start > 0) {
       out.narrow(0, 0, start).narrow(1, start, rows).copy_(panel.narrow(1, 0, start).t());
     }
+    // The diagonal block's upper triangle from its lower one: a GEMM need not round (i, j) and
+    // (j, i) alike (MKL on the device machine's host CPU did not), and the result is symmetric.
+    auto diagonal = panel.narrow(1, start, rows);
+    diagonal.copy_(at::where(lower_mask(rows, x.device()), diagonal, diagonal.t()));
     if (rows != kGramPanel) break;  // the last panel
   }
   return out;

@@ -1,6 +1,9 @@
 // Stacked Kronecker contractions against an einsum reference in float64.
 #include "preconditioners/kronecker_contractions.h"
 
+#include <cstdlib>
+#include <string>
+
 #include "support/test_support.h"
 
 namespace {
@@ -60,11 +63,18 @@ INSTANTIATE_TEST_SUITE_P(Orders, Contractions,
                                            std::vector<int64_t>{2, 3, 2, 4}));
 
 // From two panels of rows on (d ≥ 256) the product is computed one triangle at a time (as syrk):
-// its lower triangle is the full product's bit for bit, the upper one its mirror, and it is
-// still the same for a block wherever it sits in a stack. Both orientations: dim 0 (X·Xᵀ of the
-// rows) and the last dim (Xᵀ·X, panels of columns), a dim that is not a multiple of the panel,
-// and a middle dim of a 3-D block.
+// it is symmetric bit for bit (the upper triangle, diagonal blocks included, mirrors the lower),
+// its lower triangle is the full product's, and it is the same for a block wherever it sits in a
+// stack. Both orientations: dim 0 (X·Xᵀ of the rows) and the last dim (Xᵀ·X, panels of columns),
+// a dim that is not a multiple of the panel, and a middle dim of a 3-D block.
+// The lower triangle equals the full product bit for bit where BLAS sums a panel as it sums the
+// whole product: MKL does so on the CI machine (AMD Zen 5), and this test demands it there
+// (SHAMPOO_GRAM_BITS unset or 1). On the GPU machine's host CPU it did not (2 cases, 2026-11-26,
+// and a diagonal block came out asymmetric before its mirror); set SHAMPOO_GRAM_BITS=0 there to
+// check the float32 tolerance instead.
 TEST(SymmetricGram, LowerTriangleIsTheFullProductBitForBit) {
+  const char* bits_env = std::getenv("SHAMPOO_GRAM_BITS");
+  const bool bits = bits_env == nullptr || std::string(bits_env) != "0";
   at::manual_seed(21);
   for (const auto& shape : std::vector<std::vector<int64_t>>{
            {512, 300}, {300, 512}, {257, 64}, {385, 33}, {700, 5}, {1024, 784}, {3, 260, 4}}) {
@@ -74,7 +84,12 @@ TEST(SymmetricGram, LowerTriangleIsTheFullProductBitForBit) {
       const auto x = block.movedim(dim, 0).reshape({block.size(dim), -1});
       const auto full = at::mm(x, x.t());
       const auto ours = stacked_outer_product(block.unsqueeze(0), dim)[0];
-      EXPECT_TRUE(bit_equal(ours.tril(), full.tril())) << "dim " << dim;
+      if (bits) {
+        EXPECT_TRUE(bit_equal(ours.tril(), full.tril())) << "dim " << dim;
+      } else {
+        const double scale = full.abs().max().item<double>();
+        EXPECT_TRUE(at::allclose(ours.tril(), full.tril(), 1e-5, 1e-5 * scale)) << "dim " << dim;
+      }
       EXPECT_TRUE(bit_equal(ours, ours.t())) << "dim " << dim;
       const auto stacked = at::stack({at::randn(shape), block});
       EXPECT_TRUE(bit_equal(stacked_outer_product(stacked, dim)[1], ours)) << "dim " << dim;

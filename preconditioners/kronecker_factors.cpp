@@ -66,6 +66,8 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
   // result per block is the same whatever the chunks). The update acts on the stored entries:
   // packed, the lower triangles of the outer products (dense, the products mirrored).
   constexpr int64_t kChunkBytes = int64_t{8} << 20;
+  // The rows are a slice of the stack (all of it, or a step chunk's consecutive rows).
+  const bool slice = rows.all || rows.consecutive();
   for (const int64_t k : s.dims) {
     auto& factor = s.factors[k];
     const int64_t d = s.spec.block_shape[k];
@@ -77,9 +79,15 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
       const auto operand =
           contribution_operand(g.narrow(0, begin, count), s.dims, k, other_dims, begin, count);
       auto outer = stacked_outer_product(operand, k);
-      outer.mul_(weight.narrow(0, begin, count));
-      const auto contribution = factor.to_stored(outer);
+      const auto weight_chunk = weight.narrow(0, begin, count);
       const auto beta2_chunk = beta2.narrow(0, begin, count);
+      if (slice && factor.packed()) {
+        // CUDA: one pass, the same bits as the ATen sequence below (symmetric_matrices.h).
+        auto target = factor.stored().narrow(0, rows.rows[begin], count);
+        if (decay_add_packed_(target, outer, beta2_chunk, weight_chunk)) continue;
+      }
+      outer.mul_(weight_chunk);
+      const auto contribution = factor.to_stored(outer);
       if (rows.all) {
         factor.stored().narrow(0, begin, count).mul_(beta2_chunk).add_(contribution);
       } else {

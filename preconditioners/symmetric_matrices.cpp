@@ -3,6 +3,16 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "shampoo/config.h"
+
+#if SHAMPOO_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "preconditioners/cuda/symmetric_kernels.h"
+#endif
+
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -50,10 +60,13 @@ void mirror_cpu(Element* dense, int64_t count, int64_t d) {
   });
 }
 
-/// Dispatches on the element size (2, 4 or 8 bytes) as an unsigned integer type.
+/// Dispatches on the element size (1, 2, 4 or 8 bytes) as an unsigned integer type.
 template <typename F>
 void by_element_size(const at::Tensor& t, F&& f) {
   switch (t.element_size()) {
+    case 1:
+      f(uint8_t{});
+      return;
     case 2:
       f(uint16_t{});
       return;
@@ -67,6 +80,15 @@ void by_element_size(const at::Tensor& t, F&& f) {
       TORCH_CHECK(false, "symmetric matrices: unsupported dtype ", t.scalar_type());
   }
 }
+
+#if SHAMPOO_WITH_CUDA
+/// The CUDA pack and unpack kernels copy elements of 1, 2, 4 or 8 bytes; others (complex128)
+/// go through index_select.
+bool copied_by_kernels(const at::Tensor& t) {
+  const auto size = t.element_size();
+  return size == 1 || size == 2 || size == 4 || size == 8;
+}
+#endif
 
 /// Accelerators: index tensors, cached per (d, device). `pack`: the linear indices i·d + j of the
 /// lower triangle, row by row; else per dense position the packed index of (max, min).
@@ -103,6 +125,18 @@ at::Tensor pack_lower(const at::Tensor& dense) {
   batch.pop_back();
   batch.back() = packed_size(d);
   if (!dense.device().is_cpu()) {
+#if SHAMPOO_WITH_CUDA
+    if (dense.is_cuda() && copied_by_kernels(dense)) {
+      const c10::cuda::CUDAGuard guard(dense.device());
+      const auto src = dense.contiguous();
+      auto out = at::empty(batch, dense.options());
+      const int64_t count = d == 0 ? 0 : src.numel() / (d * d);
+      C10_CUDA_CHECK(kernels::cuda::launch_pack_lower(src.data_ptr(), out.data_ptr(), count, d,
+                                                      static_cast<int>(src.element_size()),
+                                                      c10::cuda::getCurrentCUDAStream()));
+      return out;
+    }
+#endif
     return dense.reshape({-1, d * d})
         .index_select(1, index_map(d, dense.device(), true))
         .view(batch);
@@ -124,6 +158,18 @@ at::Tensor unpack_symmetric(const at::Tensor& packed, int64_t d) {
   shape.back() = d;
   shape.push_back(d);
   if (!packed.device().is_cpu()) {
+#if SHAMPOO_WITH_CUDA
+    if (packed.is_cuda() && copied_by_kernels(packed)) {
+      const c10::cuda::CUDAGuard guard(packed.device());
+      const auto src = packed.contiguous();
+      auto out = at::empty(shape, packed.options());
+      const int64_t count = d == 0 ? 0 : src.numel() / packed_size(d);
+      C10_CUDA_CHECK(kernels::cuda::launch_unpack_symmetric(src.data_ptr(), out.data_ptr(), count,
+                                                            d, static_cast<int>(src.element_size()),
+                                                            c10::cuda::getCurrentCUDAStream()));
+      return out;
+    }
+#endif
     return packed.reshape({-1, packed_size(d)})
         .index_select(1, index_map(d, packed.device(), false))
         .view(shape);
@@ -137,6 +183,40 @@ at::Tensor unpack_symmetric(const at::Tensor& packed, int64_t d) {
                       /*unpack=*/true);
   });
   return out;
+}
+
+bool decay_add_packed_(at::Tensor& stored, const at::Tensor& outer, const at::Tensor& beta2,
+                       const at::Tensor& weight) {
+#if SHAMPOO_WITH_CUDA
+  const auto dtype = stored.scalar_type();
+  const int64_t count = stored.size(0);
+  const bool applies =
+      stored.is_cuda() && stored.dim() == 2 && stored.is_contiguous() &&
+      (dtype == at::kFloat || dtype == at::kDouble) && outer.dim() == 3 && outer.size(0) == count &&
+      outer.size(1) == outer.size(2) && stored.size(1) == packed_size(outer.size(1)) &&
+      outer.scalar_type() == dtype && beta2.scalar_type() == dtype &&
+      weight.scalar_type() == dtype && beta2.numel() == count && weight.numel() == count &&
+      beta2.is_contiguous() && weight.is_contiguous() && outer.device() == stored.device() &&
+      beta2.device() == stored.device() && weight.device() == stored.device();
+  if (!applies) return false;
+  const c10::cuda::CUDAGuard guard(stored.device());
+  const auto src = outer.contiguous();
+  const int64_t d = outer.size(1);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (dtype == at::kFloat) {
+    C10_CUDA_CHECK(kernels::cuda::launch_packed_decay_add<float>(
+        stored.data_ptr<float>(), src.data_ptr<float>(), beta2.data_ptr<float>(),
+        weight.data_ptr<float>(), count, d, stream));
+  } else {
+    C10_CUDA_CHECK(kernels::cuda::launch_packed_decay_add<double>(
+        stored.data_ptr<double>(), src.data_ptr<double>(), beta2.data_ptr<double>(),
+        weight.data_ptr<double>(), count, d, stream));
+  }
+  return true;
+#else
+  (void)stored, (void)outer, (void)beta2, (void)weight;
+  return false;
+#endif
 }
 
 void mirror_lower_(at::Tensor& dense) {

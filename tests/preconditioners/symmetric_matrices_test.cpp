@@ -14,6 +14,7 @@
 namespace {
 
 using shampoo::CompactState;
+using shampoo::detail::decay_add_packed_;
 using shampoo::detail::kCompactGroup;
 using shampoo::detail::mirror_lower_;
 using shampoo::detail::pack_lower;
@@ -204,6 +205,80 @@ TEST(SymmetricLayoutCuda, MatchesTheCpuBitForBit) {
     }
     EXPECT_TRUE(bit_equal(gpu.dense(Rows::every(2)).cpu(), cpu.dense(Rows::every(2))));
   }
+}
+
+/// Entries of every bit pattern class a copy must keep: normal values, ±0, ±inf and NaN.
+at::Tensor awkward_values(at::IntArrayRef shape, at::ScalarType dtype) {
+  auto a = at::randn(shape, at::kDouble);
+  auto flat = a.view(-1);
+  if (flat.numel() > 4) {
+    flat[0] = -0.0;
+    flat[1] = INFINITY;
+    flat[2] = -INFINITY;
+    flat[3] = NAN;
+  }
+  return dtype == at::kChar ? (a * 40).clamp(-127, 127).to(dtype) : a.to(dtype);
+}
+
+// The CUDA pack and unpack kernels (index arithmetic, tiles of 32 through shared memory): the
+// CPU's bits for sizes around the tile edges and a factor-sized one, in 1-, 2-, 4- and 8-byte
+// dtypes, several matrices per call.
+TEST(SymmetricLayoutCuda, KernelsMatchTheCpuAtTileEdgesAndEveryElementSize) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  for (const auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kChar}) {
+    for (const int64_t d : {1, 2, 31, 32, 33, 63, 64, 65, 100, 1024}) {
+      const int64_t n = d >= 1024 ? 2 : 3;
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " d=" + std::to_string(d));
+      const auto a = awkward_values({n, d, d}, dtype);
+      const auto packed = pack_lower(a.cuda());
+      ASSERT_TRUE(bit_equal(packed.cpu(), pack_lower(a)));
+      ASSERT_TRUE(bit_equal(unpack_symmetric(packed, d).cpu(), unpack_symmetric(pack_lower(a), d)));
+    }
+  }
+  // A non-contiguous operand and a stack with extra leading dims.
+  const auto a = at::randn({2, 3, 40, 40});
+  const auto t = a.transpose(-2, -1);
+  EXPECT_TRUE(bit_equal(pack_lower(t.cuda()).cpu(), pack_lower(t)));
+  EXPECT_TRUE(bit_equal(unpack_symmetric(pack_lower(a).cuda(), 40).cpu(),
+                        unpack_symmetric(pack_lower(a), 40)));
+}
+
+// The packed factor update in one CUDA pass equals the ATen sequence it replaces (weight·outer,
+// pack, beta2·stored, +) bit for bit, in float and double, for per-row beta2 and weight.
+TEST(DecayAddPackedCuda, EqualsTheAtenSequenceBitForBit) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    for (const int64_t d : {1, 33, 257, 1024}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " d=" + std::to_string(d));
+      const int64_t n = 3;
+      const auto options = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+      const auto stored = at::randn({n, packed_size(d)}, options);
+      const auto outer = at::randn({n, d, d}, options);
+      const auto beta2 = at::rand({n, 1}, options);
+      const auto weight = at::rand({n, 1, 1}, options) * 2;
+      auto expected = stored.clone();
+      expected.mul_(beta2).add_(pack_lower(outer * weight));
+      auto fused = stored.clone();
+      ASSERT_TRUE(decay_add_packed_(fused, outer, beta2, weight));
+      EXPECT_TRUE(bit_equal(fused.cpu(), expected.cpu()));
+      EXPECT_FALSE(bit_equal(fused.cpu(), stored.cpu()));
+    }
+  }
+}
+
+// Where no kernel applies, the function says so and leaves the entries alone: the caller's ATen
+// sequence then runs (CPU tensors; on CUDA, a dtype the kernel lacks).
+TEST(DecayAddPacked, DeclinesWhereNoKernelApplies) {
+  auto stored = at::randn({2, packed_size(8)});
+  const auto before = stored.clone();
+  EXPECT_FALSE(
+      decay_add_packed_(stored, at::randn({2, 8, 8}), at::rand({2, 1}), at::rand({2, 1, 1})));
+  EXPECT_TRUE(bit_equal(stored, before));
+  if (!at::hasCUDA()) return;
+  const auto half = at::TensorOptions().dtype(at::kHalf).device(at::kCUDA);
+  auto stored_half = at::randn({2, packed_size(8)}, half);
+  EXPECT_FALSE(decay_add_packed_(stored_half, at::randn({2, 8, 8}, half), at::rand({2, 1}, half),
+                                 at::rand({2, 1, 1}, half)));
 }
 
 }  // namespace

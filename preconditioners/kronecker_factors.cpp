@@ -82,7 +82,7 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
       const auto weight_chunk = weight.narrow(0, begin, count);
       const auto beta2_chunk = beta2.narrow(0, begin, count);
       if (slice && factor.packed()) {
-        // CUDA: one pass, the same bits as the ATen sequence below (symmetric_matrices.h).
+        // One pass, the same bits as the ATen sequence below (symmetric_matrices.h).
         auto target = factor.stored().narrow(0, rows.rows[begin], count);
         if (decay_add_packed_(target, outer, beta2_chunk, weight_chunk)) continue;
       }

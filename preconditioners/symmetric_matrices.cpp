@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "preconditioners/symmetric_loops.h"
 #include "shampoo/config.h"
 
 #if SHAMPOO_WITH_CUDA
@@ -187,21 +188,34 @@ at::Tensor unpack_symmetric(const at::Tensor& packed, int64_t d) {
 
 bool decay_add_packed_(at::Tensor& stored, const at::Tensor& outer, const at::Tensor& beta2,
                        const at::Tensor& weight) {
-#if SHAMPOO_WITH_CUDA
   const auto dtype = stored.scalar_type();
-  const int64_t count = stored.size(0);
+  const int64_t count = stored.dim() == 2 ? stored.size(0) : -1;
   const bool applies =
-      stored.is_cuda() && stored.dim() == 2 && stored.is_contiguous() &&
-      (dtype == at::kFloat || dtype == at::kDouble) && outer.dim() == 3 && outer.size(0) == count &&
-      outer.size(1) == outer.size(2) && stored.size(1) == packed_size(outer.size(1)) &&
-      outer.scalar_type() == dtype && beta2.scalar_type() == dtype &&
-      weight.scalar_type() == dtype && beta2.numel() == count && weight.numel() == count &&
-      beta2.is_contiguous() && weight.is_contiguous() && outer.device() == stored.device() &&
-      beta2.device() == stored.device() && weight.device() == stored.device();
+      (stored.is_cpu() || (SHAMPOO_WITH_CUDA && stored.is_cuda())) && stored.dim() == 2 &&
+      stored.is_contiguous() && (dtype == at::kFloat || dtype == at::kDouble) && outer.dim() == 3 &&
+      outer.size(0) == count && outer.size(1) == outer.size(2) &&
+      stored.size(1) == packed_size(outer.size(1)) && outer.scalar_type() == dtype &&
+      beta2.scalar_type() == dtype && weight.scalar_type() == dtype && beta2.numel() == count &&
+      weight.numel() == count && beta2.is_contiguous() && weight.is_contiguous() &&
+      outer.device() == stored.device() && beta2.device() == stored.device() &&
+      weight.device() == stored.device();
   if (!applies) return false;
-  const c10::cuda::CUDAGuard guard(stored.device());
   const auto src = outer.contiguous();
   const int64_t d = outer.size(1);
+  if (stored.is_cpu()) {
+    AT_DISPATCH_FLOATING_TYPES(dtype, "decay_add_packed_", [&] {
+      auto* to = stored.data_ptr<scalar_t>();
+      const auto* from = src.data_ptr<scalar_t>();
+      const auto* b = beta2.data_ptr<scalar_t>();
+      const auto* w = weight.data_ptr<scalar_t>();
+      at::parallel_for(0, count * d, 64, [&](int64_t begin, int64_t end) {
+        decay_add_packed_rows<scalar_t>(to, from, b, w, d, begin, end);
+      });
+    });
+    return true;
+  }
+#if SHAMPOO_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(stored.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   if (dtype == at::kFloat) {
     C10_CUDA_CHECK(kernels::cuda::launch_packed_decay_add<float>(
@@ -212,11 +226,8 @@ bool decay_add_packed_(at::Tensor& stored, const at::Tensor& outer, const at::Te
         stored.data_ptr<double>(), src.data_ptr<double>(), beta2.data_ptr<double>(),
         weight.data_ptr<double>(), count, d, stream));
   }
-  return true;
-#else
-  (void)stored, (void)outer, (void)beta2, (void)weight;
-  return false;
 #endif
+  return true;
 }
 
 void mirror_lower_(at::Tensor& dense) {

@@ -30,12 +30,12 @@ constexpr int64_t packed_size(int64_t d) { return d * (d + 1) / 2; }
 at::Tensor pack_lower(const at::Tensor& dense);
 /// The symmetric matrices [..., d, d] whose lower triangles `packed` [..., d(d+1)/2] holds.
 at::Tensor unpack_symmetric(const at::Tensor& packed, int64_t d);
-/// The packed factor update in one pass over memory, where a CUDA kernel does it: for `stored`
-/// [n, d(d+1)/2] (packed rows, contiguous, float or double), `outer` [n, d, d], and `beta2` and
-/// `weight` of n entries each (contiguous, one per row), stored ← beta2·stored +
-/// pack(weight·outer), each product and the sum rounded once: the bits of that ATen sequence.
-/// Returns false, and changes nothing, where it does not apply (CPU tensors, other dtypes or
-/// shapes, a build without CUDA); the caller then runs the ATen sequence.
+/// The packed factor update in one pass over memory: for `stored` [n, d(d+1)/2] (packed rows,
+/// contiguous, float or double), `outer` [n, d, d], and `beta2` and `weight` of n entries each
+/// (contiguous, one per row), stored ← beta2·stored + pack(weight·outer), each product and the sum
+/// rounded once: the bits of that ATen sequence, on the CPU and on CUDA (a kernel of its own).
+/// Returns false, and changes nothing, where it does not apply (other dtypes or shapes, mixed
+/// devices, CUDA tensors in a build without CUDA); the caller then runs the ATen sequence.
 bool decay_add_packed_(at::Tensor& stored, const at::Tensor& outer, const at::Tensor& beta2,
                        const at::Tensor& weight);
 /// Copies the lower triangle of each matrix of `dense` [..., d, d] onto its upper triangle.

@@ -243,15 +243,14 @@ TEST(SymmetricLayoutCuda, KernelsMatchTheCpuAtTileEdgesAndEveryElementSize) {
                         unpack_symmetric(pack_lower(a), 40)));
 }
 
-// The packed factor update in one CUDA pass equals the ATen sequence it replaces (weight·outer,
-// pack, beta2·stored, +) bit for bit, in float and double, for per-row beta2 and weight.
-TEST(DecayAddPackedCuda, EqualsTheAtenSequenceBitForBit) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+/// The packed factor update (one pass) against the ATen sequence it replaces (weight·outer, pack,
+/// beta2·stored, +), bit for bit, in float and double, for per-row beta2 and weight, on `device`.
+void expect_decay_add_equals_aten(const at::Device& device) {
   for (const auto dtype : {at::kFloat, at::kDouble}) {
-    for (const int64_t d : {1, 33, 257, 1024}) {
+    for (const int64_t d : {1, 7, 33, 257, 1024}) {
       SCOPED_TRACE(std::string(c10::toString(dtype)) + " d=" + std::to_string(d));
       const int64_t n = 3;
-      const auto options = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+      const auto options = at::TensorOptions().dtype(dtype).device(device);
       const auto stored = at::randn({n, packed_size(d)}, options);
       const auto outer = at::randn({n, d, d}, options);
       const auto beta2 = at::rand({n, 1}, options);
@@ -266,19 +265,30 @@ TEST(DecayAddPackedCuda, EqualsTheAtenSequenceBitForBit) {
   }
 }
 
-// Where no kernel applies, the function says so and leaves the entries alone: the caller's ATen
-// sequence then runs (CPU tensors; on CUDA, a dtype the kernel lacks).
-TEST(DecayAddPacked, DeclinesWhereNoKernelApplies) {
+TEST(DecayAddPacked, EqualsTheAtenSequenceBitForBit) { expect_decay_add_equals_aten(at::kCPU); }
+
+TEST(DecayAddPackedCuda, EqualsTheAtenSequenceBitForBit) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  expect_decay_add_equals_aten(at::kCUDA);
+}
+
+// Where the one pass does not apply, the function says so and leaves the entries alone: the
+// caller's ATen sequence then runs (a dtype without the loop, mixed dtypes, a strided stack).
+TEST(DecayAddPacked, DeclinesWhereItDoesNotApply) {
+  auto stored_half = at::randn({2, packed_size(8)}).to(at::kHalf);
+  const auto before_half = stored_half.clone();
+  EXPECT_FALSE(decay_add_packed_(stored_half, at::randn({2, 8, 8}).to(at::kHalf),
+                                 at::rand({2, 1}).to(at::kHalf),
+                                 at::rand({2, 1, 1}).to(at::kHalf)));
+  EXPECT_TRUE(bit_equal(stored_half, before_half));
   auto stored = at::randn({2, packed_size(8)});
   const auto before = stored.clone();
+  EXPECT_FALSE(decay_add_packed_(stored, at::randn({2, 8, 8}, at::kDouble), at::rand({2, 1}),
+                                 at::rand({2, 1, 1})));
+  auto strided = at::randn({2, 2 * packed_size(8)}).narrow(1, 0, packed_size(8));
   EXPECT_FALSE(
-      decay_add_packed_(stored, at::randn({2, 8, 8}), at::rand({2, 1}), at::rand({2, 1, 1})));
+      decay_add_packed_(strided, at::randn({2, 8, 8}), at::rand({2, 1}), at::rand({2, 1, 1})));
   EXPECT_TRUE(bit_equal(stored, before));
-  if (!at::hasCUDA()) return;
-  const auto half = at::TensorOptions().dtype(at::kHalf).device(at::kCUDA);
-  auto stored_half = at::randn({2, packed_size(8)}, half);
-  EXPECT_FALSE(decay_add_packed_(stored_half, at::randn({2, 8, 8}, half), at::rand({2, 1}, half),
-                                 at::rand({2, 1, 1}, half)));
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 ///                           Kronecker factor update)
 ///   MultiplyAlongDim/n/d/dim stacked_multiply_along_dim: n d×d blocks times n d×d matrices (the
 ///                           preconditioner product)
+///   UnpackSymmetric/n/d     unpack_symmetric of n packed d×d matrices (the packed roots, before
+///                           each preconditioner product)
 /// Each runs --repetitions (5) repetitions and reports mean, median, stddev and cv (Google
 /// Benchmark's aggregates); --json PATH writes Google Benchmark's JSON (it becomes
 /// --benchmark_out=PATH
@@ -29,6 +31,7 @@
 #include "benchmarks/bench_support.h"
 #include "preconditioners/kronecker_contractions.h"
 #include "preconditioners/matrix_functions.h"
+#include "preconditioners/symmetric_matrices.h"
 #include "update/elementwise_chain.h"
 
 namespace {
@@ -84,6 +87,16 @@ void MultiplyAlongDim(benchmark::State& state) {
   }
 }
 
+void UnpackSymmetric(benchmark::State& state) {
+  const int64_t n = state.range(0), d = state.range(1);
+  const auto packed = at::randn({n, shampoo::detail::packed_size(d)});
+  for (auto _ : state) {
+    auto dense = shampoo::detail::unpack_symmetric(packed, d);
+    benchmark::DoNotOptimize(dense.data_ptr());
+  }
+  state.SetBytesProcessed(state.iterations() * n * d * d * static_cast<int64_t>(sizeof(float)));
+}
+
 BENCHMARK(InverseRootEigh)
     ->ArgNames({"n", "d"})
     ->Args({8, 128})
@@ -106,6 +119,13 @@ void contraction_shapes(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(OuterProduct)->Apply(contraction_shapes);
 BENCHMARK(MultiplyAlongDim)->Apply(contraction_shapes);
+BENCHMARK(UnpackSymmetric)
+    ->ArgNames({"n", "d"})
+    ->Args({8, 128})
+    ->Args({4, 512})
+    ->Args({2, 1024})
+    ->Unit(benchmark::kMicrosecond)
+    ->ReportAggregatesOnly(true);
 
 }  // namespace
 

@@ -25,7 +25,8 @@
 ///   bench_transformer [--device cuda|cpu] [--solvers eigh,coupled-newton,...] [--frequency 20]
 ///                     [--window 40] [--steps 5] [--repetitions 3] [--one-group-per-tensor]
 ///                     [--small] [--threads T] [--epsilon 1e-8] [--step-chunk-mb MB]
-///                     [--amortize-chunk-mb MB] [--cuda-eigh auto|batched-chunks]
+///                     [--amortize-chunk-mb MB] [--factor-chunk-mb MB]
+///                     [--cuda-eigh auto|batched-chunks]
 ///                     [--memory] [--dense-storage] [--compact-state none|bf16|int8]
 ///                     [--profile-steps N]
 ///                     [--json PATH] [--label TEXT]
@@ -55,6 +56,7 @@
 #include "benchmarks/kernel_profile.h"
 #include "benchmarks/tracking_allocator.h"
 #include "preconditioners/kronecker_factor_list.h"
+#include "preconditioners/kronecker_factors.h"
 
 #if SHAMPOO_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -88,6 +90,7 @@ struct Args {
   int64_t max_dim = 0;            // 0 = 1024 (1024 / 8 with --small)
   int64_t step_chunk_mb = 0;      // 0 = the library's default
   int64_t amortize_chunk_mb = 0;  // 0 = the library's default
+  int64_t factor_chunk_mb = 0;    // 0 = the library's default
   std::string cuda_eigh = "auto";
   bool memory = false;
   bool dense_storage = false;
@@ -131,6 +134,10 @@ Args parse_args(int argc, char** argv) {
       .add("amortize-chunk-mb", args.amortize_chunk_mb,
            "bound on the factors one amortized computation works on at once, MB (0 = the "
            "library's 32 MiB)",
+           0)
+      .add("factor-chunk-mb", args.factor_chunk_mb,
+           "bound on the outer products a factor update holds at once, MB (0 = the library's "
+           "8 MiB; on CUDA, larger bounds batch more blocks per product)",
            0)
       .add_choice("cuda-eigh", args.cuda_eigh, {"auto", "batched-chunks"},
                   "the eigh of factors above 32 on CUDA: auto (divide and conquer on concurrent "
@@ -681,7 +688,8 @@ void print_header(const Workload& w, const Args& args) {
       "bench_transformer: {} workload, {} parameters in {} tensors{}, max_preconditioner_dim {}, "
       "device {}, LibTorch {}\n"
       "  frequency {}: warm-up {} steps, {} window(s) of {} steps; frequency 1: {} timed steps; "
-      "{}, epsilon {:g}, step chunks {} MiB, amortize chunks {} MiB, eigh {}\n  harness tensors "
+      "{}, epsilon {:g}, step chunks {} MiB, amortize chunks {} MiB, factor update chunks {} MiB, "
+      "eigh {}\n  harness tensors "
       "(parameters, gradients, {} gradient "
       "sets): {} MB\n",
       args.workload, numel_of(w.params), w.params.size(),
@@ -689,7 +697,8 @@ void print_header(const Workload& w, const Args& args) {
       args.frequency, args.frequency, args.repetitions, args.window, args.steps,
       args.one_group_per_tensor ? "21 param groups" : "one param group", args.epsilon,
       shampoo::detail::step_chunk_bytes() >> 20, shampoo::detail::amortize_chunk_bytes() >> 20,
-      args.cuda_eigh, kGradientSets, megabytes(w.harness_bytes));
+      shampoo::detail::factor_update_chunk_bytes() >> 20, args.cuda_eigh, kGradientSets,
+      megabytes(w.harness_bytes));
   std::fflush(stdout);
 }
 
@@ -769,6 +778,7 @@ Json results_json(const std::vector<SolverResult>& results, const Workload& w, c
                 {"workload", args.workload},
                 {"step_chunk_bytes", shampoo::detail::step_chunk_bytes()},
                 {"amortize_chunk_bytes", shampoo::detail::amortize_chunk_bytes()},
+                {"factor_update_chunk_bytes", shampoo::detail::factor_update_chunk_bytes()},
                 {"cuda_eigh", args.cuda_eigh},
                 {"shapes", shapes},
                 {"shampoo",
@@ -800,6 +810,7 @@ int main(int argc, char** argv) {
   if (args.threads > 0) at::set_num_threads(static_cast<int>(args.threads));
   shampoo::detail::set_step_chunk_bytes_for_testing(args.step_chunk_mb << 20);
   shampoo::detail::set_amortize_chunk_bytes_for_benchmarks(args.amortize_chunk_mb << 20);
+  shampoo::detail::set_factor_update_chunk_bytes_for_benchmarks(args.factor_chunk_mb << 20);
   if (args.cuda_eigh != "auto") {
 #if SHAMPOO_WITH_CUDA
     shampoo::detail::set_large_eigh_method_for_benchmarks(

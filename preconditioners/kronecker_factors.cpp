@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -53,6 +54,17 @@ at::Tensor contribution_operand(const at::Tensor& g, const std::vector<int64_t>&
 
 }  // namespace
 
+namespace {
+constexpr int64_t kDefaultFactorUpdateChunkBytes = int64_t{8} << 20;
+std::atomic<int64_t> factor_update_chunk_limit{kDefaultFactorUpdateChunkBytes};
+}  // namespace
+
+int64_t factor_update_chunk_bytes() { return factor_update_chunk_limit.load(); }
+
+void set_factor_update_chunk_bytes_for_benchmarks(int64_t bytes) {
+  factor_update_chunk_limit.store(bytes > 0 ? bytes : kDefaultFactorUpdateChunkBytes);
+}
+
 void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
                               const RowScalars& scalars, const OtherDims* other_dims) {
   auto& s = stacks_[stack];
@@ -65,7 +77,7 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
   // In chunks of rows, so the outer products of a large stack never all exist at once (the
   // result per block is the same whatever the chunks). The update acts on the stored entries:
   // packed, the lower triangles of the outer products (dense, the products mirrored).
-  constexpr int64_t kChunkBytes = int64_t{8} << 20;
+  const int64_t chunk_bytes = factor_update_chunk_bytes();
   // The rows are a slice of the stack (all of it, or a step chunk's consecutive rows).
   const bool slice = rows.all || rows.consecutive();
   for (const int64_t k : s.dims) {
@@ -73,7 +85,7 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
     const int64_t d = s.spec.block_shape[k];
     const int64_t bytes_per_row =
         d * d * static_cast<int64_t>(c10::elementSize(settings_.factor_dtype));
-    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / bytes_per_row);
+    const int64_t chunk = std::max<int64_t>(1, chunk_bytes / bytes_per_row);
     for (int64_t begin = 0; begin < rows.size(); begin += chunk) {
       const int64_t count = std::min(chunk, rows.size() - begin);
       const auto operand =

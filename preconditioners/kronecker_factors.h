@@ -15,6 +15,14 @@
 
 namespace shampoo::detail {
 
+/// Bound of the outer products a factor update holds at once: 8 MiB (two 1024×1024 float32
+/// products per batched product on CUDA). On the CPU every block is computed on its own, so the
+/// bound changes no result; on CUDA the batched products may round differently with the batch
+/// size (within float32 tolerance, as for the step's chunks). Benchmarks set it (≤ 0 = the
+/// default) to weigh launches against memory: `bench_transformer --factor-chunk-mb`.
+int64_t factor_update_chunk_bytes();
+void set_factor_update_chunk_bytes_for_benchmarks(int64_t bytes);
+
 class KroneckerFactors {
  public:
   KroneckerFactors(std::vector<StackSpec> stacks, MatrixPreconditionerSettings settings);

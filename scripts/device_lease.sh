@@ -13,7 +13,8 @@
 #               LEASE_EXPERIMENTS ("name:bench_transformer flags;..."): time and peak by setting
 #   profile     bench_transformer --profile-steps: the plain step's device time by kernel (LibTorch's
 #               Kineto profiler) and its matmul floor, for the settings in LEASE_PROFILE_SOLVERS
-#               (eigh,eigendecomposed by default)
+#               (eigh,eigendecomposed by default), with LEASE_PROFILE_FLAGS added (e.g.
+#               "--factor-chunk-mb 32")
 #   demo        the demo (run_demo.sh) on the GPU
 #   compare     make compare on the GPU, the full budget (run_compare.sh)
 # Default stages: "build test perf". $OUT receives at most 8 files: machine.txt, ctest_cuda.log,
@@ -93,7 +94,8 @@ stage_profile() {
   [ "$budget" -gt 180 ] && budget=180
   timeout "$budget" "$BUILD/benchmarks/bench_transformer" --device cuda \
     --solvers "${LEASE_PROFILE_SOLVERS:-eigh,eigendecomposed}" --frequency 20 --window 20 \
-    --repetitions 1 --steps 0 --epsilon 1e-8 --profile-steps 10 > "$OUT/profile.txt" 2>&1 || status=1
+    --repetitions 1 --steps 0 --epsilon 1e-8 --profile-steps 10 ${LEASE_PROFILE_FLAGS:-} \
+    > "$OUT/profile.txt" 2>&1 || status=1
   log "profile: $(grep -E '^matmul floor|device busy' "$OUT/profile.txt" | tr '\n' ' ')"
 }
 

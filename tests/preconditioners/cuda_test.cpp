@@ -5,6 +5,7 @@
 
 #include <cstdio>
 
+#include "preconditioners/kronecker_factors.h"
 #include "support/test_support.h"
 
 #if SHAMPOO_WITH_CUDA
@@ -382,6 +383,48 @@ TEST(CudaOptimizer, StepChunksDoNotChangeTheResult) {
   const auto chunked = run(1);
   for (size_t i = 0; i < whole.size(); ++i) {
     EXPECT_TRUE(all_close(chunked[i].cpu(), whole[i].cpu(), {1e-5, 1e-6})) << "parameter " << i;
+  }
+}
+
+/// Parameters after 5 steps of Shampoo on a small MLP on `device`, with the factor updates'
+/// outer products bounded by `chunk_bytes` (0 = the default 8 MiB; 1 = one block at a time).
+std::vector<at::Tensor> run_with_factor_chunks(const at::Device& device, int64_t chunk_bytes) {
+  shampoo::detail::set_factor_update_chunk_bytes_for_benchmarks(chunk_bytes);
+  auto model = shampoo::testing::make_mlp(6, 16, 3, 1);
+  model->to(device);
+  shampoo::DistributedShampoo opt(model->parameters(),
+                                  shampoo::ShampooOptions(0.01)
+                                      .epsilon(1e-4)
+                                      .precondition_frequency(2)
+                                      .max_preconditioner_dim(8)
+                                      .grafting(shampoo::AdamGraftingConfig{}));
+  const auto data = shampoo::testing::make_blobs(64, 6, 3, 2);
+  const shampoo::testing::Dataset on_device{data.inputs.to(device), data.labels.to(device)};
+  for (int step = 0; step < 5; ++step) {
+    opt.zero_grad();
+    shampoo::testing::classification_loss(model, on_device, true);
+    opt.step();
+  }
+  shampoo::detail::set_factor_update_chunk_bytes_for_benchmarks(0);
+  return shampoo::testing::snapshot(model->parameters());
+}
+
+TEST(FactorUpdateChunks, DoNotChangeTheResultOnTheCpu) {
+  // Every block's outer product is computed on its own on the CPU: bit for bit.
+  const auto whole = run_with_factor_chunks(at::kCPU, 0);
+  const auto one_by_one = run_with_factor_chunks(at::kCPU, 1);
+  for (size_t i = 0; i < whole.size(); ++i) {
+    EXPECT_TRUE(bit_equal(one_by_one[i], whole[i])) << "parameter " << i;
+  }
+}
+
+TEST(CudaOptimizer, FactorUpdateChunksAgreeWithinTolerance) {
+  // On the GPU the batched products see fewer blocks at a time (and may round differently).
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const auto whole = run_with_factor_chunks(at::kCUDA, 0);
+  const auto one_by_one = run_with_factor_chunks(at::kCUDA, 1);
+  for (size_t i = 0; i < whole.size(); ++i) {
+    EXPECT_TRUE(all_close(one_by_one[i].cpu(), whole[i].cpu(), {1e-5, 1e-6})) << "parameter " << i;
   }
 }
 

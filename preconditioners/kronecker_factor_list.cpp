@@ -3,20 +3,18 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <atomic>
 #include <utility>
+
+#include "preconditioners/byte_bound.h"
 
 namespace shampoo::detail {
 namespace {
-constexpr int64_t kDefaultAmortizeChunkBytes = int64_t{32} << 20;
-std::atomic<int64_t> amortize_chunk_limit{kDefaultAmortizeChunkBytes};
+ByteBound amortize_chunk_limit{int64_t{32} << 20};
 }  // namespace
 
-int64_t amortize_chunk_bytes() { return amortize_chunk_limit.load(); }
+int64_t amortize_chunk_bytes() { return amortize_chunk_limit.get(); }
 
-void set_amortize_chunk_bytes_for_benchmarks(int64_t bytes) {
-  amortize_chunk_limit.store(bytes > 0 ? bytes : kDefaultAmortizeChunkBytes);
-}
+void set_amortize_chunk_bytes_for_benchmarks(int64_t bytes) { amortize_chunk_limit.set(bytes); }
 
 int64_t BlockLayout::numel() const {
   int64_t n = 1;

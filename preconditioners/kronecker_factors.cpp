@@ -2,12 +2,12 @@
 
 #include <c10/util/Exception.h>
 
-#include <atomic>
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <numeric>
 
+#include "preconditioners/byte_bound.h"
 #include "preconditioners/kronecker_contractions.h"
 #include "preconditioners/matrix_functions.h"
 
@@ -55,14 +55,13 @@ at::Tensor contribution_operand(const at::Tensor& g, const std::vector<int64_t>&
 }  // namespace
 
 namespace {
-constexpr int64_t kDefaultFactorUpdateChunkBytes = int64_t{8} << 20;
-std::atomic<int64_t> factor_update_chunk_limit{kDefaultFactorUpdateChunkBytes};
+ByteBound factor_update_chunk_limit{int64_t{8} << 20};
 }  // namespace
 
-int64_t factor_update_chunk_bytes() { return factor_update_chunk_limit.load(); }
+int64_t factor_update_chunk_bytes() { return factor_update_chunk_limit.get(); }
 
 void set_factor_update_chunk_bytes_for_benchmarks(int64_t bytes) {
-  factor_update_chunk_limit.store(bytes > 0 ? bytes : kDefaultFactorUpdateChunkBytes);
+  factor_update_chunk_limit.set(bytes);
 }
 
 void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor& gradients,

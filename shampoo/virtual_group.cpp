@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "preconditioners/byte_bound.h"
 #include "preconditioners/preconditioner_factory.h"
 #include "shampoo/param_updates.h"
 #include "shampoo/step_scalars.h"
@@ -61,13 +62,12 @@ struct VirtualGroup::ChunkStep {
 namespace {
 // 64 MiB: eight 1024×1024 float32 rows (G' and Ḡ), so that a chunk's roots still fill the eight
 // concurrent eigh lanes on CUDA (preconditioners/cuda/eigh_lanes.h).
-constexpr int64_t kDefaultStepChunkBytes = int64_t{64} << 20;
-std::atomic<int64_t> step_chunk_limit{kDefaultStepChunkBytes};
+ByteBound step_chunk_limit{int64_t{64} << 20};
 std::atomic<bool> fused_step_enabled{true};
 std::atomic<int64_t> fused_chunks{0};
 }  // namespace
 
-int64_t step_chunk_bytes() { return step_chunk_limit.load(); }
+int64_t step_chunk_bytes() { return step_chunk_limit.get(); }
 
 at::ScalarType compute_dtype(at::ScalarType param_dtype) {
   return param_dtype == at::kDouble ? at::kDouble : at::kFloat;
@@ -87,9 +87,7 @@ void write_back(const at::Tensor& param, const at::Tensor& work) {
   if (work.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return;
   param.detach().copy_(work);
 }
-void set_step_chunk_bytes_for_testing(int64_t bytes) {
-  step_chunk_limit.store(bytes > 0 ? bytes : kDefaultStepChunkBytes);
-}
+void set_step_chunk_bytes_for_testing(int64_t bytes) { step_chunk_limit.set(bytes); }
 void set_fused_step_for_testing(bool enabled) { fused_step_enabled.store(enabled); }
 int64_t fused_chunks_for_testing() { return fused_chunks.load(); }
 

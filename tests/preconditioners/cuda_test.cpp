@@ -4,6 +4,7 @@
 #include <torch/cuda.h>
 
 #include <cstdio>
+#include <functional>
 
 #include "preconditioners/kronecker_factors.h"
 #include "support/test_support.h"
@@ -354,50 +355,20 @@ TEST(CudaOptimizer, MatchesCpuWithinTolerance) {
   }
 }
 
-TEST(CudaOptimizer, StepChunksDoNotChangeTheResult) {
-  // The step in chunks of rows (here one row per chunk) against one chunk, on the GPU: the
-  // batched kernels see fewer rows at a time; the results agree within float32 tolerance.
-  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
-  const auto run = [](int64_t chunk_bytes) {
-    shampoo::detail::set_step_chunk_bytes_for_testing(chunk_bytes);
-    auto model = shampoo::testing::make_mlp(6, 16, 3, 1);
-    model->to(torch::kCUDA);
-    shampoo::DistributedShampoo opt(model->parameters(),
-                                    shampoo::ShampooOptions(0.01)
-                                        .epsilon(1e-4)
-                                        .precondition_frequency(2)
-                                        .max_preconditioner_dim(8)
-                                        .grafting(shampoo::AdamGraftingConfig{})
-                                        .momentum(0.5));
-    const auto data = shampoo::testing::make_blobs(64, 6, 3, 2);
-    const shampoo::testing::Dataset gpu_data{data.inputs.cuda(), data.labels.cuda()};
-    for (int step = 0; step < 5; ++step) {
-      opt.zero_grad();
-      shampoo::testing::classification_loss(model, gpu_data, true);
-      opt.step();
-    }
-    shampoo::detail::set_step_chunk_bytes_for_testing(0);
-    return shampoo::testing::snapshot(model->parameters());
-  };
-  const auto whole = run(0);
-  const auto chunked = run(1);
-  for (size_t i = 0; i < whole.size(); ++i) {
-    EXPECT_TRUE(all_close(chunked[i].cpu(), whole[i].cpu(), {1e-5, 1e-6})) << "parameter " << i;
-  }
-}
-
-/// Parameters after 5 steps of Shampoo on a small MLP on `device`, with the factor updates'
-/// outer products bounded by `chunk_bytes` (0 = the default 8 MiB; 1 = one block at a time).
-std::vector<at::Tensor> run_with_factor_chunks(const at::Device& device, int64_t chunk_bytes) {
-  shampoo::detail::set_factor_update_chunk_bytes_for_benchmarks(chunk_bytes);
+/// Parameters after 5 steps of Shampoo (lr 0.01, ε 1e-4, f = 2, blocks of 8, Adam grafting, plus
+/// `extra`) on a small MLP on `device`.
+std::vector<at::Tensor> train_small_mlp(
+    const at::Device& device,
+    const std::function<void(shampoo::ShampooOptions&)>& extra = [](shampoo::ShampooOptions&) {}) {
   auto model = shampoo::testing::make_mlp(6, 16, 3, 1);
   model->to(device);
-  shampoo::DistributedShampoo opt(model->parameters(),
-                                  shampoo::ShampooOptions(0.01)
-                                      .epsilon(1e-4)
-                                      .precondition_frequency(2)
-                                      .max_preconditioner_dim(8)
-                                      .grafting(shampoo::AdamGraftingConfig{}));
+  auto options = shampoo::ShampooOptions(0.01)
+                     .epsilon(1e-4)
+                     .precondition_frequency(2)
+                     .max_preconditioner_dim(8)
+                     .grafting(shampoo::AdamGraftingConfig{});
+  extra(options);
+  shampoo::DistributedShampoo opt(model->parameters(), options);
   const auto data = shampoo::testing::make_blobs(64, 6, 3, 2);
   const shampoo::testing::Dataset on_device{data.inputs.to(device), data.labels.to(device)};
   for (int step = 0; step < 5; ++step) {
@@ -405,8 +376,38 @@ std::vector<at::Tensor> run_with_factor_chunks(const at::Device& device, int64_t
     shampoo::testing::classification_loss(model, on_device, true);
     opt.step();
   }
-  shampoo::detail::set_factor_update_chunk_bytes_for_benchmarks(0);
   return shampoo::testing::snapshot(model->parameters());
+}
+
+/// Every parameter of `a` within float32 tolerance of `b`'s.
+void expect_close_parameters(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(all_close(a[i].cpu(), b[i].cpu(), {1e-5, 1e-6})) << "parameter " << i;
+  }
+}
+
+TEST(CudaOptimizer, StepChunksDoNotChangeTheResult) {
+  // The step in chunks of rows (here one row per chunk) against one chunk, on the GPU: the
+  // batched kernels see fewer rows at a time; the results agree within float32 tolerance.
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  const auto run = [](int64_t chunk_bytes) {
+    shampoo::detail::set_step_chunk_bytes_for_testing(chunk_bytes);
+    auto result =
+        train_small_mlp(at::kCUDA, [](shampoo::ShampooOptions& options) { options.momentum(0.5); });
+    shampoo::detail::set_step_chunk_bytes_for_testing(0);
+    return result;
+  };
+  expect_close_parameters(run(1), run(0));
+}
+
+/// train_small_mlp with the factor updates' outer products bounded by `chunk_bytes` (0 = the
+/// default 8 MiB; 1 = one block at a time).
+std::vector<at::Tensor> run_with_factor_chunks(const at::Device& device, int64_t chunk_bytes) {
+  shampoo::detail::set_factor_update_chunk_bytes_for_benchmarks(chunk_bytes);
+  auto result = train_small_mlp(device);
+  shampoo::detail::set_factor_update_chunk_bytes_for_benchmarks(0);
+  return result;
 }
 
 TEST(FactorUpdateChunks, DoNotChangeTheResultOnTheCpu) {
@@ -421,11 +422,8 @@ TEST(FactorUpdateChunks, DoNotChangeTheResultOnTheCpu) {
 TEST(CudaOptimizer, FactorUpdateChunksAgreeWithinTolerance) {
   // On the GPU the batched products see fewer blocks at a time (and may round differently).
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
-  const auto whole = run_with_factor_chunks(at::kCUDA, 0);
-  const auto one_by_one = run_with_factor_chunks(at::kCUDA, 1);
-  for (size_t i = 0; i < whole.size(); ++i) {
-    EXPECT_TRUE(all_close(one_by_one[i].cpu(), whole[i].cpu(), {1e-5, 1e-6})) << "parameter " << i;
-  }
+  expect_close_parameters(run_with_factor_chunks(at::kCUDA, 1),
+                          run_with_factor_chunks(at::kCUDA, 0));
 }
 
 TEST(CudaOptimizer, CheckpointLoadedOntoTheGpuResumesTheRun) {

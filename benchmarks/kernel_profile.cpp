@@ -9,6 +9,7 @@
 #include <exception>
 #include <map>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "benchmarks/bench_support.h"
@@ -26,6 +27,121 @@ bool is_device_work(uint8_t activity) {
   return activity == static_cast<uint8_t>(ActivityType::CONCURRENT_KERNEL) ||
          activity == static_cast<uint8_t>(ActivityType::GPU_MEMCPY) ||
          activity == static_cast<uint8_t>(ActivityType::GPU_MEMSET);
+}
+
+bool is_host_runtime_call(uint8_t activity) {
+  using libkineto::ActivityType;
+  return activity == static_cast<uint8_t>(ActivityType::CUDA_RUNTIME) ||
+         activity == static_cast<uint8_t>(ActivityType::CUDA_DRIVER);
+}
+
+std::vector<KernelTime> sorted_by_time(std::map<std::string, KernelTime>& by_name) {
+  std::vector<KernelTime> out;
+  for (auto& [name, k] : by_name) {
+    k.name = name;
+    k.kind = kernel_kind(name);
+    out.push_back(std::move(k));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const KernelTime& a, const KernelTime& b) { return a.ms > b.ms; });
+  return out;
+}
+
+/// A device event: its span, name and the correlation id of the host call that launched it.
+struct DeviceSpan {
+  uint64_t start;
+  uint64_t end;
+  std::string name;
+  uint64_t correlation;
+  bool operator<(const DeviceSpan& o) const { return start < o.start; }
+};
+
+/// A host-side span: a CPU op, a user scope (RECORD_USER_SCOPE) or a CUDA runtime call.
+struct HostSpan {
+  uint64_t start;
+  uint64_t end;
+  uint64_t thread;
+  std::string name;
+};
+
+/// The innermost span of `scopes` around [start, end] on `thread` ("" when none), preferring our
+/// own shampoo:: scopes when `ours` and ATen's ops otherwise.
+std::string innermost(const std::vector<HostSpan>& scopes, uint64_t start, uint64_t end,
+                      uint64_t thread, bool ours) {
+  const HostSpan* best = nullptr;
+  for (const auto& s : scopes) {
+    if (s.thread != thread || s.start > start || s.end < end) continue;
+    if ((s.name.rfind("shampoo::", 0) == 0) != ours) continue;
+    if (best == nullptr || s.end - s.start < best->end - best->start) best = &s;
+  }
+  return best == nullptr ? std::string(ours ? "(outside shampoo)" : "") : best->name;
+}
+
+/// Idle spans between consecutive device events (sorted by start; overlapping events merge).
+void find_gaps(std::vector<DeviceSpan> spans, KernelProfile& profile) {
+  std::sort(spans.begin(), spans.end());
+  uint64_t busy_until = 0;
+  std::string last;
+  for (const auto& span : spans) {
+    if (busy_until != 0 && span.start > busy_until) {
+      const double us = static_cast<double>(span.start - busy_until) / 1e3;
+      profile.idle_ms += us / 1e3;
+      if (us > 10.0) {
+        profile.gaps_over_10us += 1;
+        profile.gaps_over_10us_ms += us / 1e3;
+      }
+      DeviceGap gap;
+      gap.us = us;
+      gap.before = last;
+      gap.after = span.name;
+      gap.start_ns = busy_until;
+      gap.after_correlation = span.correlation;
+      profile.largest_gaps.push_back(std::move(gap));
+    }
+    if (span.end >= busy_until) {
+      busy_until = span.end;
+      last = span.name;
+    }
+  }
+  std::sort(profile.largest_gaps.begin(), profile.largest_gaps.end(),
+            [](const DeviceGap& a, const DeviceGap& b) { return a.us > b.us; });
+  if (profile.largest_gaps.size() > 12) profile.largest_gaps.resize(12);
+}
+
+/// Names the host's activity around each large gap and each synchronization.
+void attribute_to_host(const std::vector<HostSpan>& scopes, const std::vector<HostSpan>& calls,
+                       const std::vector<uint64_t>& call_correlations, KernelProfile& profile) {
+  std::map<std::string, KernelTime> sites;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const auto& c = calls[i];
+    if (c.name != "cudaStreamSynchronize" && c.name != "cudaDeviceSynchronize") continue;
+    const auto op = innermost(scopes, c.start, c.end, c.thread, /*ours=*/false);
+    auto& site = sites[fmt::format("{} / {} / {}",
+                                   innermost(scopes, c.start, c.end, c.thread, /*ours=*/true),
+                                   op.empty() ? "-" : op, c.name)];
+    site.calls += 1;
+    site.ms += static_cast<double>(c.end - c.start) / 1e6;
+  }
+  profile.sync_sites = sorted_by_time(sites);
+  std::map<std::string, KernelTime> by_scope;
+  for (const auto& s : scopes) {
+    if (s.name.rfind("shampoo::", 0) != 0) continue;
+    auto& k = by_scope[s.name];
+    k.calls += 1;
+    k.ms += static_cast<double>(s.end - s.start) / 1e6;
+  }
+  profile.host_scopes = sorted_by_time(by_scope);
+  for (auto& gap : profile.largest_gaps) {
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (call_correlations[i] != gap.after_correlation || gap.after_correlation == 0) continue;
+      const auto& c = calls[i];
+      gap.host_launching_after = innermost(scopes, c.start, c.end, c.thread, /*ours=*/true);
+      gap.host_at_start = innermost(scopes, gap.start_ns, gap.start_ns, c.thread, /*ours=*/true);
+      const auto op = innermost(scopes, gap.start_ns, gap.start_ns, c.thread, /*ours=*/false);
+      if (!op.empty()) gap.host_at_start += " / " + op;
+      break;
+    }
+  }
 }
 
 void synchronize(const at::Device& device) {
@@ -76,23 +192,42 @@ KernelProfile profile_kernels(const at::Device& device, const std::function<void
     return profile;
   }
   std::map<std::string, KernelTime> by_name;
+  std::map<std::string, KernelTime> host_by_name;
+  std::vector<DeviceSpan> spans;
+  std::vector<HostSpan> scopes;
+  std::vector<HostSpan> calls;
+  std::vector<uint64_t> call_correlations;
   for (const auto& event : result->events()) {
-    if (event.deviceType() == c10::DeviceType::CPU || !is_device_work(event.activityType())) {
+    const auto activity = event.activityType();
+    if (is_host_runtime_call(activity)) {
+      auto& k = host_by_name[event.name()];
+      k.calls += 1;
+      k.ms += static_cast<double>(event.durationNs()) / 1e6;
+      calls.push_back({event.startNs(), event.endNs(), event.startThreadId(), event.name()});
+      call_correlations.push_back(event.correlationId());
       continue;
     }
+    if (event.deviceType() == c10::DeviceType::CPU) {
+      if (activity == static_cast<uint8_t>(libkineto::ActivityType::CPU_OP) ||
+          activity == static_cast<uint8_t>(libkineto::ActivityType::USER_ANNOTATION)) {
+        scopes.push_back({event.startNs(), event.endNs(), event.startThreadId(), event.name()});
+      }
+      continue;
+    }
+    if (!is_device_work(activity)) continue;
     auto& k = by_name[event.name()];
     k.calls += 1;
     k.ms += static_cast<double>(event.durationNs()) / 1e6;
+    spans.push_back({event.startNs(), event.endNs(), event.name(), event.correlationId()});
   }
-  for (auto& [name, k] : by_name) {
-    k.name = name;
-    k.kind = kernel_kind(name);
+  profile.kernels = sorted_by_time(by_name);
+  for (const auto& k : profile.kernels) {
     profile.device_ms += k.ms;
     profile.launches += k.calls;
-    profile.kernels.push_back(std::move(k));
   }
-  std::sort(profile.kernels.begin(), profile.kernels.end(),
-            [](const KernelTime& a, const KernelTime& b) { return a.ms > b.ms; });
+  profile.host_calls = sorted_by_time(host_by_name);
+  find_gaps(std::move(spans), profile);
+  attribute_to_host(scopes, calls, call_correlations, profile);
   if (profile.kernels.empty()) {
     profile.error = device.is_cuda() ? "the profiler recorded no device events (no CUPTI?)"
                                      : "a CPU device has no device kernels";
@@ -136,6 +271,36 @@ void print_kernel_profile(const KernelProfile& profile, int64_t steps, int top) 
     const auto& k = profile.kernels[i];
     fmt::print("    | `{}` | {} | {:.1f} | {:.3f} | {:.1f}% |\n", k.name.substr(0, 110), k.kind,
                k.calls / n, k.ms / n, 100.0 * k.ms / profile.device_ms);
+  }
+  fmt::print(
+      "\n    idle device time between the region's first and last device events: {:.3f} ms per "
+      "step; {:.1f} spans over 10 us per step, {:.3f} ms per step\n",
+      profile.idle_ms / n, profile.gaps_over_10us / n, profile.gaps_over_10us_ms / n);
+  fmt::print(
+      "\n    | longest idle spans (us) | after | before | host at its start | host launching "
+      "'before' |\n    |---:|---|---|---|---|\n");
+  for (const auto& g : profile.largest_gaps) {
+    fmt::print("    | {:.1f} | `{}` | `{}` | {} | {} |\n", g.us, g.before.substr(0, 50),
+               g.after.substr(0, 50), g.host_at_start, g.host_launching_after);
+  }
+  fmt::print(
+      "\n    | host synchronization (shampoo scope / ATen op / call) | per step | ms per step "
+      "|\n    |---|---:|---:|\n");
+  for (const auto& k : profile.sync_sites) {
+    fmt::print("    | {} | {:.1f} | {:.3f} |\n", k.name, k.calls / n, k.ms / n);
+  }
+  fmt::print(
+      "\n    | host time in shampoo scope (inclusive) | calls per step | ms per step |\n"
+      "    |---|---:|---:|\n");
+  for (const auto& k : profile.host_scopes) {
+    fmt::print("    | {} | {:.1f} | {:.3f} |\n", k.name, k.calls / n, k.ms / n);
+  }
+  fmt::print(
+      "\n    | host CUDA runtime call | calls per step | ms per step |\n    |---|---:|---:|\n");
+  const auto host_shown = std::min<size_t>(profile.host_calls.size(), 10);
+  for (size_t i = 0; i < host_shown; ++i) {
+    const auto& k = profile.host_calls[i];
+    fmt::print("    | `{}` | {:.1f} | {:.3f} |\n", k.name.substr(0, 60), k.calls / n, k.ms / n);
   }
   std::fflush(stdout);
 }

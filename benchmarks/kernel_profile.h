@@ -20,12 +20,33 @@ struct KernelTime {
   double ms = 0.0;
 };
 
+/// Idle device time between two consecutive device events: how long, and the kernels around it.
+struct DeviceGap {
+  double us = 0.0;
+  std::string before;
+  std::string after;
+  uint64_t start_ns = 0;             ///< when the device went idle
+  uint64_t after_correlation = 0;    ///< the launch of `after` (its host runtime call)
+  std::string host_at_start;         ///< innermost host scope (ours, else an op) at start_ns
+  std::string host_launching_after;  ///< innermost host scope around the launch of `after`
+};
+
 struct KernelProfile {
-  std::vector<KernelTime> kernels;  ///< largest total time first
-  double device_ms = 0.0;           ///< sum of every device event's duration
-  int64_t launches = 0;             ///< device events (kernels, copies, sets)
-  double wall_ms = 0.0;             ///< host time of the region, synchronized at both ends
-  std::string error;                ///< why nothing was recorded ("" = recorded)
+  std::vector<KernelTime> kernels;      ///< largest total time first
+  std::vector<KernelTime> host_calls;   ///< CUDA runtime and driver calls on the host, by name
+  std::vector<DeviceGap> largest_gaps;  ///< the longest idle spans, longest first
+  double idle_ms = 0.0;            ///< idle device time between the first and last device events
+  int64_t gaps_over_10us = 0;      ///< idle spans longer than 10 µs
+  double gaps_over_10us_ms = 0.0;  ///< their sum
+  /// Host synchronizations (cudaStreamSynchronize, cudaDeviceSynchronize) by where they happen:
+  /// the innermost shampoo:: scope and the innermost ATen op around them.
+  std::vector<KernelTime> sync_sites;
+  /// Host time inside each shampoo:: scope (inclusive of the scopes within it).
+  std::vector<KernelTime> host_scopes;
+  double device_ms = 0.0;  ///< sum of every device event's duration
+  int64_t launches = 0;    ///< device events (kernels, copies, sets)
+  double wall_ms = 0.0;    ///< host time of the region, synchronized at both ends
+  std::string error;       ///< why nothing was recorded ("" = recorded)
 };
 
 /// A coarse class of a kernel name: "GEMM" (cuBLAS/CUTLASS matrix products), "elementwise"

@@ -1,6 +1,7 @@
 #include "shampoo/distributed_shampoo.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 
 #include "shampoo/shampoo_engine.h"
@@ -54,6 +55,7 @@ torch::Tensor DistributedShampoo::step(LossClosure closure) {
     loss = closure();
   }
   c10::NoGradGuard no_grad;
+  RECORD_USER_SCOPE("shampoo::step");
   engine_->step(param_groups_);
   return loss;
 }

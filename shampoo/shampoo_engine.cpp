@@ -1,5 +1,6 @@
 #include "shampoo/shampoo_engine.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -394,7 +395,11 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
   TORCH_INTERNAL_ASSERT(transaction_.is_open());
   std::vector<std::vector<at::Tensor>> grad_blocks(registry_.params.size());
   std::vector<double> grad_abs_max(registry_.params.size(), 0.0);
-  collect_gradients(params, grad_blocks, grad_abs_max);
+  {
+    RECORD_USER_SCOPE("shampoo::collect_gradients");
+    collect_gradients(params, grad_blocks, grad_abs_max);
+  }
+  RECORD_USER_SCOPE("shampoo::compute");  // plans, journals, writes back; chunks inside
   std::vector<std::vector<at::Tensor>> param_blocks(registry_.params.size());
   // The parameter, or (bf16, fp16, non-contiguous, with a gradient) a copy written back below.
   std::vector<at::Tensor> work(registry_.params.size());
@@ -413,7 +418,10 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
                           *distributor_,    fault_,           transaction_.computed()};
 
   bool protect = transaction_.protect_all();
-  for (const auto& vg : virtual_groups_) protect = vg->may_raise(inputs) || protect;
+  {
+    RECORD_USER_SCOPE("shampoo::may_raise");
+    for (const auto& vg : virtual_groups_) protect = vg->may_raise(inputs) || protect;
+  }
   if (transaction_.agreement_pending()) protect = agree_before_update(protect);
   const bool any_gradient =
       std::any_of(params.begin(), params.end(), [&](int64_t p) { return !grad_blocks[p].empty(); });

@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
+
 #include "shampoo/config.h"
 #include "update/elementwise_chain_cpu.h"
 
@@ -61,6 +63,7 @@ kernels::ChainBlock<T> to_kernel_block(const ChainBlockTensors& b) {
   k.average_state = ptr<T>(b.average_state);
   k.param_out = ptr<T>(b.param_out);
   k.update_out = ptr<T>(b.update_out);
+  k.graft_ratio_device = b.graft_ratio.defined() ? b.graft_ratio.data_ptr<double>() : nullptr;
   k.s = b.scalars;
   return k;
 }
@@ -119,7 +122,8 @@ void check_cuda_kernels() {
               "elementwise chain: CUDA tensors, but this build has no CUDA kernels");
 }
 
-/// Per work item {Σ P², Σ P_graft²} of the blocks flagged in `needed`.
+/// {Σ P², Σ P_graft²} per part of a work item (one part per item on the CPU, see
+/// launch_chain_norms_cuda on CUDA) of the blocks flagged in `needed`.
 template <typename T>
 std::vector<double> norm_partials(const std::vector<ChainBlockTensors>& blocks,
                                   const std::vector<bool>& needed, const at::Device& device,
@@ -166,6 +170,13 @@ void run_pass(Pass pass, const std::vector<ChainBlockTensors>& blocks, const at:
 
 bool chain_has_cuda_kernels() { return SHAMPOO_WITH_CUDA != 0; }
 
+namespace {
+std::atomic<bool> norms_on_device{true};
+}  // namespace
+
+bool chain_norms_on_device() { return norms_on_device.load(); }
+void set_chain_norms_on_device(bool enabled) { norms_on_device.store(enabled); }
+
 void run_chain_pre(const std::vector<ChainBlockTensors>& blocks) {
   at::ScalarType dtype;
   at::Device device(at::kCPU);
@@ -197,17 +208,33 @@ void run_chain_norms(std::vector<ChainBlockTensors>& blocks) {
   std::vector<double> preconditioned_sq(blocks.size(), 0.0);
   std::vector<double> graft_sq(blocks.size(), 0.0);
   const auto items = make_work(blocks, &needed);
+#if SHAMPOO_WITH_CUDA
+  if (device.is_cuda() && chain_norms_on_device()) {
+    check_cuda_kernels();
+    AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_norms", [&] {
+      const auto ratios =
+          launch_graft_ratios_cuda<scalar_t>(to_kernel_blocks<scalar_t>(blocks), items, device);
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        if (needed[i]) blocks[i].graft_ratio = ratios.narrow(0, static_cast<int64_t>(i), 1);
+      }
+    });
+    return;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES(dtype, "shampoo_chain_norms", [&] {
     const auto partials = norm_partials<scalar_t>(blocks, needed, device, items);
-    // Combine in chunk order: the sum does not depend on the thread count or the device.
-    for (size_t i = 0; i < items.size(); ++i) {
-      preconditioned_sq[items[i].block] += partials[2 * i];
-      graft_sq[items[i].block] += partials[2 * i + 1];
+    // Combine in part order: the sum does not depend on the thread count, and a block's CUDA
+    // ratio on the device adds the same parts in the same order.
+    const size_t parts = items.empty() ? 1 : partials.size() / (2 * items.size());
+    for (size_t e = 0; e < partials.size() / 2; ++e) {
+      preconditioned_sq[items[e / parts].block] += partials[2 * e];
+      graft_sq[items[e / parts].block] += partials[2 * e + 1];
     }
   });
   for (size_t i = 0; i < blocks.size(); ++i) {
     if (needed[i]) {
       blocks[i].scalars.graft_ratio = kernels::graft_ratio(preconditioned_sq[i], graft_sq[i]);
+      blocks[i].graft_ratio = at::Tensor();
     }
   }
 }

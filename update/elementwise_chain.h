@@ -27,13 +27,24 @@ struct ChainBlockTensors {
   at::Tensor average_state;
   at::Tensor param_out;
   at::Tensor update_out;
+  /// CUDA: a one-element double tensor on the device holding the grafting ratio, set by
+  /// run_chain_norms when it keeps the ratio on the device; the post pass reads it there instead
+  /// of scalars.graft_ratio.
+  at::Tensor graft_ratio;
   kernels::ChainScalars scalars;
 };
 
 /// Pre pass (L2 weight decay, diagonal statistics, filtering) for every block.
 void run_chain_pre(const std::vector<ChainBlockTensors>& blocks);
-/// Norm pass: sets scalars.graft_ratio of every block in DirectionMode::kGraftNorm.
+/// Norm pass: the grafting ratio of every block in DirectionMode::kGraftNorm, into
+/// scalars.graft_ratio on the host or, on CUDA while chain_norms_on_device() holds, into
+/// graft_ratio on the device (no synchronization with the host; the same bits).
 void run_chain_norms(std::vector<ChainBlockTensors>& blocks);
+
+/// Whether run_chain_norms keeps CUDA ratios on the device (default true). false brings the norms
+/// to the host as before: for tests and benchmarks that compare the two.
+bool chain_norms_on_device();
+void set_chain_norms_on_device(bool enabled);
 /// Post pass (grafting, decoupled weight decay, momentum, × −lr, iterate averaging, apply or
 /// write) for every block.
 void run_chain_post(const std::vector<ChainBlockTensors>& blocks);

@@ -77,6 +77,9 @@ struct ChainBlock {
   T* average_state = nullptr;         ///< Z (iterate averaging)
   T* param_out = nullptr;             ///< apply W ← W + U in place (single process) ...
   T* update_out = nullptr;            ///< ... or write U (or W + U) here (distributed)
+  /// CUDA: the grafting ratio in device memory, written by the norm pass on the device; the post
+  /// kernel reads it instead of s.graft_ratio (no round trip through the host). Null elsewhere.
+  const double* graft_ratio_device = nullptr;
   ChainScalars s;
 };
 
@@ -114,18 +117,22 @@ SHAMPOO_HOST_DEVICE T sign_of(T x) {
 
 /// The first half of the chain for element i of a block: G' (written to gradient_out when
 /// given), V and M updated; returns Ḡ.
+/// Every load comes before the first store: the compiler must assume the outputs may alias the
+/// inputs, so a load after a store waits for it, and on a GPU each waits a memory round trip.
 template <typename T>
 SHAMPOO_HOST_DEVICE T chain_filter_element(const ChainBlock<T>& b, int64_t i) {
   const ChainScalars& s = b.s;
   T g = b.grad[i];
-  if (s.l2_weight_decay != 0.0) g = g + T(s.l2_weight_decay) * b.param[i];
+  const T w = s.l2_weight_decay != 0.0 ? b.param[i] : T(0);
+  const T v = b.diagonal_state != nullptr ? b.diagonal_state[i] : T(0);
+  const T m_prev = b.filter_state != nullptr ? b.filter_state[i] : T(0);
+  if (s.l2_weight_decay != 0.0) g = g + T(s.l2_weight_decay) * w;
   if (b.gradient_out != nullptr) b.gradient_out[i] = g;
   if (b.diagonal_state != nullptr) {
-    b.diagonal_state[i] = T(s.diagonal_beta2) * b.diagonal_state[i] + T(s.diagonal_weight) * g * g;
+    b.diagonal_state[i] = T(s.diagonal_beta2) * v + T(s.diagonal_weight) * g * g;
   }
   T filtered = g;
   if (b.filter_state != nullptr) {
-    const T m_prev = b.filter_state[i];
     const T m = lerp<T>(m_prev, g, T(1.0 - s.beta1));
     b.filter_state[i] = m;
     filtered = s.separate_beta3 ? lerp<T>(m_prev, g, T(1.0 - s.beta3)) : m;
@@ -200,10 +207,23 @@ SHAMPOO_HOST_DEVICE void chain_apply_element(const ChainBlock<T>& b, int64_t i, 
   }
 }
 
-/// Post pass for element i: reads Ḡ from filtered_out.
+/// Whether chain_direction reads Ḡ: not for a grafted or a matrix-preconditioned direction.
+template <typename T>
+SHAMPOO_HOST_DEVICE bool direction_reads_filtered(const ChainBlock<T>& b) {
+  switch (static_cast<DirectionMode>(b.s.direction_mode)) {
+    case DirectionMode::kGraftNorm:
+      return false;
+    case DirectionMode::kPreconditioned:
+      return b.preconditioned == nullptr;
+    default:
+      return true;
+  }
+}
+
+/// Post pass for element i: reads Ḡ from filtered_out where the direction needs it.
 template <typename T>
 SHAMPOO_HOST_DEVICE void chain_post_element(const ChainBlock<T>& b, int64_t i) {
-  chain_apply_element(b, i, b.filtered_out[i]);
+  chain_apply_element(b, i, direction_reads_filtered(b) ? b.filtered_out[i] : T(0));
 }
 
 /// Fused pass for element i: both halves, Ḡ never stored (filtered_out may be null).
@@ -213,8 +233,9 @@ SHAMPOO_HOST_DEVICE void chain_fused_element(const ChainBlock<T>& b, int64_t i) 
 }
 
 /// Grafting ratio from the two squared norms (docs/math.md step 5).
-inline double graft_ratio(double preconditioned_sq, double graft_sq) {
-  return std::sqrt(graft_sq) / (std::sqrt(preconditioned_sq) + 1e-16);
+SHAMPOO_HOST_DEVICE double graft_ratio(double preconditioned_sq, double graft_sq) {
+  using std::sqrt;
+  return sqrt(graft_sq) / (sqrt(preconditioned_sq) + 1e-16);
 }
 
 /// Loops over a range of one block's elements, one element at a time: the formulas as written

@@ -218,6 +218,32 @@ TEST_P(ElementwiseChain, CudaKernelsMatchCpu) {
   }
 }
 
+// The ratios formed on the device (no host round trip) are the host's bits: the same partials,
+// added in the same order, through the same formula.
+TEST_P(ElementwiseChain, CudaRatiosOnTheDeviceEqualTheHostsBitForBit) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (!shampoo::detail::chain_has_cuda_kernels()) GTEST_SKIP() << "built without CUDA kernels";
+  const auto [dtype, mode] = GetParam();
+  at::manual_seed(6);
+  auto on_device = make_blocks(dtype, mode, at::kCUDA);
+  std::vector<BlockCase> on_host;
+  for (const auto& x : on_device) {
+    on_host.push_back({x.grad.clone(), x.param.clone(), x.filter.clone(), x.diagonal.clone(),
+                       x.momentum.clone(), x.preconditioned.clone(), x.graft_statistics, x.s});
+  }
+  ASSERT_TRUE(shampoo::detail::chain_norms_on_device());
+  std::vector<at::Tensor> updates, filtered;
+  run_chain(on_device, true, updates, filtered);
+  shampoo::detail::set_chain_norms_on_device(false);
+  run_chain(on_host, true, updates, filtered);
+  shampoo::detail::set_chain_norms_on_device(true);
+  for (size_t i = 0; i < on_device.size(); ++i) {
+    EXPECT_TRUE(shampoo::testing::bit_equal(on_device[i].param, on_host[i].param)) << "block " << i;
+    EXPECT_TRUE(shampoo::testing::bit_equal(on_device[i].momentum, on_host[i].momentum))
+        << "block " << i;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, ElementwiseChain,
                          ::testing::Values(ChainCase{at::kFloat, DirectionMode::kPreconditioned},
                                            ChainCase{at::kFloat, DirectionMode::kDiagonal},

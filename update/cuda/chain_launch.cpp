@@ -53,20 +53,56 @@ void launch_chain_pass_cuda(bool pre, const std::vector<kernels::ChainBlock<T>>&
       launch(tables.blocks(), tables.items(), tables.num_items, c10::cuda::getCurrentCUDAStream()));
 }
 
+namespace {
+
+/// The norm pass into device memory: 2 · kItemParts · num_items partials (see launch_chain_norms).
+template <typename T>
+at::Tensor norm_partials_on_device(const DeviceTables<T>& tables, const at::Device& device) {
+  at::Tensor partials = at::empty({2 * kernels::cuda::kItemParts * tables.num_items},
+                                  at::TensorOptions().dtype(at::kDouble).device(device));
+  C10_CUDA_CHECK(kernels::cuda::launch_chain_norms(tables.blocks(), tables.items(),
+                                                   tables.num_items, partials.data_ptr<double>(),
+                                                   c10::cuda::getCurrentCUDAStream()));
+  return partials;
+}
+
+}  // namespace
+
 template <typename T>
 std::vector<double> launch_chain_norms_cuda(const std::vector<kernels::ChainBlock<T>>& blocks,
                                             const std::vector<kernels::ChainWorkItem>& items,
                                             const at::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
   const DeviceTables<T> tables(blocks, items, device);
-  at::Tensor partials =
-      at::empty({2 * tables.num_items}, at::TensorOptions().dtype(at::kDouble).device(device));
-  C10_CUDA_CHECK(kernels::cuda::launch_chain_norms(tables.blocks(), tables.items(),
-                                                   tables.num_items, partials.data_ptr<double>(),
-                                                   c10::cuda::getCurrentCUDAStream()));
-  const at::Tensor host = partials.cpu();
+  const at::Tensor host = norm_partials_on_device(tables, device).cpu();
   const double* data = host.data_ptr<double>();
-  return std::vector<double>(data, data + 2 * tables.num_items);
+  return std::vector<double>(data, data + host.numel());
+}
+
+template <typename T>
+at::Tensor launch_graft_ratios_cuda(const std::vector<kernels::ChainBlock<T>>& blocks,
+                                    const std::vector<kernels::ChainWorkItem>& items,
+                                    const at::Device& device) {
+  const c10::cuda::CUDAGuard guard(device);
+  const auto num_blocks = static_cast<int64_t>(blocks.size());
+  // Each block's parts, in order: items come in block order.
+  std::vector<int64_t> first_part(blocks.size() + 1, 0);
+  for (size_t j = 0; j < items.size(); ++j) {
+    TORCH_INTERNAL_ASSERT(j == 0 || items[j].block >= items[j - 1].block,
+                          "chain norms: work items out of block order");
+    first_part[static_cast<size_t>(items[j].block) + 1] += kernels::cuda::kItemParts;
+  }
+  for (size_t b = 0; b < blocks.size(); ++b) first_part[b + 1] += first_part[b];
+  const DeviceTables<T> tables(blocks, items, device);
+  const at::Tensor partials = norm_partials_on_device(tables, device);
+  const auto first =
+      to_device_bytes(first_part.data(), first_part.size() * sizeof(int64_t), device);
+  // Blocks without parts keep 1, the ratio of a block that is not grafted.
+  auto ratios = at::ones({num_blocks}, at::TensorOptions().dtype(at::kDouble).device(device));
+  C10_CUDA_CHECK(kernels::cuda::launch_graft_ratios(
+      partials.data_ptr<double>(), reinterpret_cast<const int64_t*>(first.data_ptr()), num_blocks,
+      ratios.data_ptr<double>(), c10::cuda::getCurrentCUDAStream()));
+  return ratios;
 }
 
 #define SHAMPOO_INSTANTIATE_CHAIN_LAUNCH(T)                                                   \
@@ -75,7 +111,10 @@ std::vector<double> launch_chain_norms_cuda(const std::vector<kernels::ChainBloc
                                           const at::Device&);                                 \
   template std::vector<double> launch_chain_norms_cuda<T>(                                    \
       const std::vector<kernels::ChainBlock<T>>&, const std::vector<kernels::ChainWorkItem>&, \
-      const at::Device&);
+      const at::Device&);                                                                     \
+  template at::Tensor launch_graft_ratios_cuda<T>(const std::vector<kernels::ChainBlock<T>>&, \
+                                                  const std::vector<kernels::ChainWorkItem>&, \
+                                                  const at::Device&);
 SHAMPOO_INSTANTIATE_CHAIN_LAUNCH(float)
 SHAMPOO_INSTANTIATE_CHAIN_LAUNCH(double)
 #undef SHAMPOO_INSTANTIATE_CHAIN_LAUNCH

@@ -18,10 +18,19 @@ void launch_chain_pass_cuda(bool pre, const std::vector<kernels::ChainBlock<T>>&
                             const std::vector<kernels::ChainWorkItem>& items,
                             const at::Device& device);
 
-/// The norm pass over `items`: per item {Σ P², Σ P_graft²}, on the host.
+/// The norm pass over `items`, on the host: {Σ P², Σ P_graft²} per part of an item, the parts of
+/// item j at [j · parts, (j + 1) · parts) with parts = size / (2 · items.size()).
 template <typename T>
 std::vector<double> launch_chain_norms_cuda(const std::vector<kernels::ChainBlock<T>>& blocks,
                                             const std::vector<kernels::ChainWorkItem>& items,
                                             const at::Device& device);
+
+/// The norm pass and the grafting ratios without leaving the device: a double tensor of
+/// blocks.size() ratios on `device`, the ratio of every block with items (`items` in block order),
+/// 1 for the others; each the bits of the host's graft_ratio of the same partials summed in order.
+template <typename T>
+at::Tensor launch_graft_ratios_cuda(const std::vector<kernels::ChainBlock<T>>& blocks,
+                                    const std::vector<kernels::ChainWorkItem>& items,
+                                    const at::Device& device);
 
 }  // namespace shampoo::detail

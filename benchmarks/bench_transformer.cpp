@@ -28,7 +28,7 @@
 ///                     [--amortize-chunk-mb MB] [--factor-chunk-mb MB]
 ///                     [--cuda-eigh auto|batched-chunks]
 ///                     [--memory] [--dense-storage] [--compact-state none|bf16|int8]
-///                     [--profile-steps N]
+///                     [--profile-steps N] [--graft-norms device|host] [--full-outer-products]
 ///                     [--json PATH] [--label TEXT]
 ///   --memory (CPU): only the state after two steps, packed and unpacked, by kind (issue 26).
 /// Exits 1 when a setting failed (its row says why; the others are still measured).
@@ -55,8 +55,10 @@
 #include "benchmarks/bench_support.h"
 #include "benchmarks/kernel_profile.h"
 #include "benchmarks/tracking_allocator.h"
+#include "preconditioners/kronecker_contractions.h"
 #include "preconditioners/kronecker_factor_list.h"
 #include "preconditioners/kronecker_factors.h"
+#include "update/elementwise_chain.h"
 
 #if SHAMPOO_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -96,6 +98,8 @@ struct Args {
   bool dense_storage = false;
   std::string compact_state = "none";
   int64_t profile_steps = 0;  // 0 = no kernel profile
+  std::string graft_norms = "device";
+  bool full_outer_products = false;
   std::string json;
   std::string label;
 };
@@ -151,6 +155,12 @@ Args parse_args(int argc, char** argv) {
            "after each setting's f=N windows, this many plain steps (no roots) under LibTorch's "
            "Kineto profiler: device time by kernel, and the plain step's matmul floor (CUDA)",
            0)
+      .add_choice("graft-norms", args.graft_norms, {"device", "host"},
+                  "CUDA: where the grafting ratios are formed, on the device (the library's "
+                  "default, no synchronization) or on the host (the norms copied back, as before)")
+      .add_bool("full-outer-products", args.full_outer_products,
+                "CUDA: the factor updates' outer products in full, as before (the library's "
+                "default computes their lower blocks only, 3/4 of the multiplications)")
       .add_bool("memory", args.memory,
                 "only the state: per solver, packed and unpacked, the bytes the tracking "
                 "allocator sees the optimizer keep after two steps (CPU) against "
@@ -689,7 +699,7 @@ void print_header(const Workload& w, const Args& args) {
       "device {}, LibTorch {}\n"
       "  frequency {}: warm-up {} steps, {} window(s) of {} steps; frequency 1: {} timed steps; "
       "{}, epsilon {:g}, step chunks {} MiB, amortize chunks {} MiB, factor update chunks {} MiB, "
-      "eigh {}\n  harness tensors "
+      "eigh {}, grafting norms on the {}, {} outer products\n  harness tensors "
       "(parameters, gradients, {} gradient "
       "sets): {} MB\n",
       args.workload, numel_of(w.params), w.params.size(),
@@ -697,8 +707,8 @@ void print_header(const Workload& w, const Args& args) {
       args.frequency, args.frequency, args.repetitions, args.window, args.steps,
       args.one_group_per_tensor ? "21 param groups" : "one param group", args.epsilon,
       shampoo::detail::step_chunk_bytes() >> 20, shampoo::detail::amortize_chunk_bytes() >> 20,
-      shampoo::detail::factor_update_chunk_bytes() >> 20, args.cuda_eigh, kGradientSets,
-      megabytes(w.harness_bytes));
+      shampoo::detail::factor_update_chunk_bytes(w.device) >> 20, args.cuda_eigh, args.graft_norms,
+      args.full_outer_products ? "full" : "lower-block", kGradientSets, megabytes(w.harness_bytes));
   std::fflush(stdout);
 }
 
@@ -778,7 +788,7 @@ Json results_json(const std::vector<SolverResult>& results, const Workload& w, c
                 {"workload", args.workload},
                 {"step_chunk_bytes", shampoo::detail::step_chunk_bytes()},
                 {"amortize_chunk_bytes", shampoo::detail::amortize_chunk_bytes()},
-                {"factor_update_chunk_bytes", shampoo::detail::factor_update_chunk_bytes()},
+                {"factor_update_chunk_bytes", shampoo::detail::factor_update_chunk_bytes(w.device)},
                 {"cuda_eigh", args.cuda_eigh},
                 {"shapes", shapes},
                 {"shampoo",
@@ -811,6 +821,8 @@ int main(int argc, char** argv) {
   shampoo::detail::set_step_chunk_bytes_for_testing(args.step_chunk_mb << 20);
   shampoo::detail::set_amortize_chunk_bytes_for_benchmarks(args.amortize_chunk_mb << 20);
   shampoo::detail::set_factor_update_chunk_bytes_for_benchmarks(args.factor_chunk_mb << 20);
+  shampoo::detail::set_chain_norms_on_device(args.graft_norms == "device");
+  shampoo::detail::set_lower_outer_products_for_benchmarks(!args.full_outer_products);
   if (args.cuda_eigh != "auto") {
 #if SHAMPOO_WITH_CUDA
     shampoo::detail::set_large_eigh_method_for_benchmarks(

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace shampoo::detail {
@@ -39,6 +40,27 @@ at::Tensor batched_outer_product(const at::Tensor& blocks, int64_t dim) {
   }
   const auto x = blocks.movedim(dim + 1, 1).reshape({n, d, -1});
   return at::bmm(x, x.transpose(1, 2));
+}
+
+/// Block dims from which the lower-only product pays: each of its two products still fills an
+/// H100 with 128×128 tiles for a stack of a few blocks.
+constexpr int64_t kLowerOuterMinDim = 256;
+
+std::atomic<bool> lower_outer_products{true};
+
+/// CUDA: the lower blocks of x·xᵀ for x [n, d, c] (x may be a transposed view): columns [0, h) of
+/// every row, then rows and columns [h, d), each one batched product written in place.
+at::Tensor batched_lower_gram(const at::Tensor& x) {
+  const int64_t n = x.size(0);
+  const int64_t d = x.size(1);
+  const int64_t h = d / 2 / 64 * 64;  // a multiple of 64: the products' operands stay aligned
+  auto out = at::empty({n, d, d}, x.options());
+  auto left = out.narrow(2, 0, h);
+  at::bmm_out(left, x, x.narrow(1, 0, h).transpose(1, 2));
+  const auto bottom = x.narrow(1, h, d - h);
+  auto corner = out.narrow(1, h, d - h).narrow(2, h, d - h);
+  at::bmm_out(corner, bottom, bottom.transpose(1, 2));
+  return out;
 }
 
 at::Tensor batched_multiply_along_dim(const at::Tensor& blocks, const at::Tensor& matrices,
@@ -141,6 +163,22 @@ at::Tensor stacked_outer_product(const at::Tensor& blocks, int64_t dim) {
   for (int64_t i = 0; i < n; ++i) out[i].copy_(block_outer_product(blocks[i], dim));
   return out;
 }
+
+at::Tensor stacked_outer_product_lower(const at::Tensor& blocks, int64_t dim) {
+  const int64_t order = blocks.dim() - 1;
+  TORCH_INTERNAL_ASSERT(dim >= 0 && dim < order, "dim ", dim, " out of range for order ", order);
+  const int64_t n = blocks.size(0);
+  const int64_t d = blocks.size(dim + 1);
+  if (!blocks.is_cuda() || d < kLowerOuterMinDim || !lower_outer_products.load()) {
+    return stacked_outer_product(blocks, dim);
+  }
+  if (order >= 2 && dim == order - 1) {
+    return batched_lower_gram(blocks.reshape({n, -1, d}).transpose(1, 2));
+  }
+  return batched_lower_gram(blocks.movedim(dim + 1, 1).reshape({n, d, -1}));
+}
+
+void set_lower_outer_products_for_benchmarks(bool enabled) { lower_outer_products.store(enabled); }
 
 at::Tensor stacked_multiply_along_dim(const at::Tensor& blocks, const at::Tensor& matrices,
                                       int64_t dim, bool transpose) {

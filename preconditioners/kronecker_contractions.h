@@ -27,6 +27,16 @@ at::Tensor block_multiply_along_dim(const at::Tensor& block, const at::Tensor& m
 /// Gᵀ·G for dim 1; for a vector block: g·gᵀ).
 at::Tensor stacked_outer_product(const at::Tensor& blocks, int64_t dim);
 
+/// stacked_outer_product where only the lower triangle (diagonal included) is read: on CUDA, for
+/// d_dim ≥ 256, two batched products fill the lower blocks only, [0, d)×[0, h) and [h, d)×[h, d)
+/// with h ≈ d/2 (3/4 of the multiplications), and the rest of the upper triangle is left
+/// unwritten; otherwise the full product. Kronecker factor updates keep the lower triangle only.
+at::Tensor stacked_outer_product_lower(const at::Tensor& blocks, int64_t dim);
+
+/// Whether stacked_outer_product_lower skips the upper blocks on CUDA (default true); false
+/// computes full products, for benchmarks that compare the two.
+void set_lower_outer_products_for_benchmarks(bool enabled);
+
 /// Multiplies every block along block dim `dim` by its matrix: with M [n, d_dim, d_dim],
 /// out[..., i, ...] = Σ_j M[i, j] · in[..., j, ...] (or M[j, i] when `transpose`).
 /// For a matrix block: dim 0 gives M·B, dim 1 gives B·Mᵀ.

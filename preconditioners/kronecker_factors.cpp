@@ -56,12 +56,16 @@ at::Tensor contribution_operand(const at::Tensor& g, const std::vector<int64_t>&
 
 namespace {
 ByteBound factor_update_chunk_limit{int64_t{8} << 20};
+ByteBound factor_update_chunk_limit_cuda{int64_t{32} << 20};
 }  // namespace
 
-int64_t factor_update_chunk_bytes() { return factor_update_chunk_limit.get(); }
+int64_t factor_update_chunk_bytes(const at::Device& device) {
+  return device.is_cuda() ? factor_update_chunk_limit_cuda.get() : factor_update_chunk_limit.get();
+}
 
 void set_factor_update_chunk_bytes_for_benchmarks(int64_t bytes) {
   factor_update_chunk_limit.set(bytes);
+  factor_update_chunk_limit_cuda.set(bytes);
 }
 
 void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor& gradients,
@@ -76,7 +80,7 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
   // In chunks of rows, so the outer products of a large stack never all exist at once (the
   // result per block is the same whatever the chunks). The update acts on the stored entries:
   // packed, the lower triangles of the outer products (dense, the products mirrored).
-  const int64_t chunk_bytes = factor_update_chunk_bytes();
+  const int64_t chunk_bytes = factor_update_chunk_bytes(g.device());
   // The rows are a slice of the stack (all of it, or a step chunk's consecutive rows).
   const bool slice = rows.all || rows.consecutive();
   for (const int64_t k : s.dims) {
@@ -89,7 +93,7 @@ void KroneckerFactors::update(int64_t stack, const Rows& rows, const at::Tensor&
       const int64_t count = std::min(chunk, rows.size() - begin);
       const auto operand =
           contribution_operand(g.narrow(0, begin, count), s.dims, k, other_dims, begin, count);
-      auto outer = stacked_outer_product(operand, k);
+      auto outer = stacked_outer_product_lower(operand, k);
       const auto weight_chunk = weight.narrow(0, begin, count);
       const auto beta2_chunk = beta2.narrow(0, begin, count);
       if (slice && factor.packed()) {

@@ -15,12 +15,14 @@
 
 namespace shampoo::detail {
 
-/// Bound of the outer products a factor update holds at once: 8 MiB (two 1024×1024 float32
-/// products per batched product on CUDA). On the CPU every block is computed on its own, so the
-/// bound changes no result; on CUDA the batched products may round differently with the batch
-/// size (within float32 tolerance, as for the step's chunks). Benchmarks set it (≤ 0 = the
-/// default) to weigh launches against memory: `bench_transformer --factor-chunk-mb`.
-int64_t factor_update_chunk_bytes();
+/// Bound of the outer products a factor update holds at once: 8 MiB on the CPU; 32 MiB on CUDA
+/// (eight 1024×1024 float32 products per batched product: on an H100 the plain step of
+/// bench_transformer took 7.90 ms against 8.24 at 8 MiB, 2026-11-26). On the CPU every block is
+/// computed on its own, so the bound changes no result; on CUDA the batched products may round
+/// differently with the batch size (within float32 tolerance, as for the step's chunks).
+/// Benchmarks set it for both devices (≤ 0 = the defaults) to weigh launches against memory:
+/// `bench_transformer --factor-chunk-mb`.
+int64_t factor_update_chunk_bytes(const at::Device& device);
 void set_factor_update_chunk_bytes_for_benchmarks(int64_t bytes);
 
 class KroneckerFactors {

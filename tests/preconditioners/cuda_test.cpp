@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <functional>
 
+#include "preconditioners/kronecker_contractions.h"
 #include "preconditioners/kronecker_factors.h"
 #include "support/test_support.h"
 
@@ -424,6 +425,51 @@ TEST(CudaOptimizer, FactorUpdateChunksAgreeWithinTolerance) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   expect_close_parameters(run_with_factor_chunks(at::kCUDA, 1),
                           run_with_factor_chunks(at::kCUDA, 0));
+}
+
+/// The stacked outer product along `dim` in float64 on the CPU, one block at a time.
+at::Tensor outer_reference(const at::Tensor& blocks, int64_t dim) {
+  const auto x = blocks.to(at::kCPU, at::kDouble);
+  const int64_t n = x.size(0);
+  const int64_t d = x.size(dim + 1);
+  const auto m = x.movedim(dim + 1, 1).reshape({n, d, -1});
+  return at::bmm(m, m.transpose(1, 2));
+}
+
+TEST(CudaContractions, LowerOuterProductsMatchTheFullProductOnAndBelowTheDiagonal) {
+  // Factor updates read the lower triangle only; on CUDA its blocks come from two products (3/4
+  // of the multiplications) for dims of 256 and up, and from the full product below.
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(11);
+  const std::vector<std::vector<int64_t>> shapes{
+      {3, 300, 200}, {2, 1024, 256}, {2, 512, 64}, {2, 260, 3, 300}, {1, 255}};
+  for (const auto& shape : shapes) {
+    for (const auto dtype : {at::kFloat, at::kDouble}) {
+      const auto blocks = at::randn(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA));
+      for (int64_t dim = 0; dim + 1 < static_cast<int64_t>(shape.size()); ++dim) {
+        const auto lower = shampoo::detail::stacked_outer_product_lower(blocks, dim);
+        const auto expected = outer_reference(blocks, dim);
+        const int64_t d = shape[dim + 1];
+        ASSERT_EQ(lower.sizes(), expected.sizes());
+        const auto mask = at::ones({d, d}, at::kBool).tril();
+        const auto ours = at::where(mask, lower.to(at::kCPU, at::kDouble), 0.0);
+        const auto reference = at::where(mask, expected, 0.0);
+        const double scale = reference.abs().max().item<double>();
+        const double error = (ours - reference).abs().max().item<double>();
+        EXPECT_LE(error, (dtype == at::kFloat ? 1e-5 : 1e-12) * scale)
+            << "shape " << at::IntArrayRef(shape) << ", dim " << dim << ", " << dtype;
+      }
+    }
+  }
+}
+
+TEST(CudaContractions, LowerOuterProductsAreTheFullProductOnTheCpu) {
+  const auto blocks = at::randn({2, 300, 260}, at::kFloat);
+  for (int64_t dim = 0; dim < 2; ++dim) {
+    EXPECT_TRUE(bit_equal(shampoo::detail::stacked_outer_product_lower(blocks, dim),
+                          shampoo::detail::stacked_outer_product(blocks, dim)))
+        << "dim " << dim;
+  }
 }
 
 TEST(CudaOptimizer, CheckpointLoadedOntoTheGpuResumesTheRun) {

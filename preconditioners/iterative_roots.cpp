@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "preconditioners/rows.h"
+
 namespace shampoo::detail {
 namespace {
 
@@ -246,8 +248,8 @@ IterativeRootResult iterative_inverse_root(const at::Tensor& A, const std::vecto
   const int64_t n = A.size(0);
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(epsilons.size()) == n);
   const Tf32Mode tf32(settings.tf32 && A.is_cuda());
-  const auto eps =
-      per_member(at::tensor(epsilons, at::TensorOptions().dtype(at::kDouble)).to(A.options()));
+  const auto eps = per_member(host_to_device(
+      at::tensor(epsilons, at::TensorOptions().dtype(at::kDouble)), A.device(), A.scalar_type()));
   IterativeRootResult result{at::empty_like(A), {}, {}};
   std::vector<at::Tensor> converged, iterations;
   const int64_t step = batch_size(A);

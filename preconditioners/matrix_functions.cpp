@@ -2,6 +2,7 @@
 
 #include "preconditioners/decomposition.h"
 #include "preconditioners/kronecker_contractions.h"
+#include "preconditioners/rows.h"
 #include "shampoo/config.h"
 
 #if SHAMPOO_WITH_CUDA
@@ -19,8 +20,8 @@ namespace {
 
 at::Tensor per_matrix_scalars(const std::vector<double>& values, const at::Tensor& like) {
   const auto n = static_cast<int64_t>(values.size());
-  return at::tensor(values, at::TensorOptions().dtype(at::kDouble))
-      .to(like.options().dtype(like.scalar_type()))
+  return host_to_device(at::tensor(values, at::TensorOptions().dtype(at::kDouble)), like.device(),
+                        like.scalar_type())
       .view({n, 1, 1});
 }
 
@@ -186,7 +187,8 @@ std::vector<std::pair<double, std::vector<int64_t>>> rows_by_exponent(
 /// A's rows `rows`, without a copy when they are all of A in order.
 at::Tensor select_matrices(const at::Tensor& A, const std::vector<int64_t>& rows) {
   if (static_cast<int64_t>(rows.size()) == A.size(0)) return A;
-  return A.index_select(0, at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(A.device()));
+  return A.index_select(0, host_to_device(at::tensor(rows, at::TensorOptions().dtype(at::kLong)),
+                                          A.device(), at::kLong));
 }
 
 template <typename T>

@@ -6,8 +6,14 @@
 
 namespace shampoo::detail {
 
+at::Tensor host_to_device(const at::Tensor& host, const at::Device& device, at::ScalarType dtype) {
+  const auto typed = host.to(dtype);
+  if (!device.is_cuda()) return typed.to(device);
+  return typed.pin_memory().to(device, /*non_blocking=*/true);
+}
+
 at::Tensor Rows::index(const at::Device& device) const {
-  return at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
+  return host_to_device(at::tensor(rows, at::TensorOptions().dtype(at::kLong)), device, at::kLong);
 }
 
 Rows Rows::every(int64_t n) {
@@ -69,7 +75,9 @@ at::Tensor row_scalars(const std::vector<double>& values, const at::TensorOption
                        int64_t dims) {
   std::vector<int64_t> shape(dims, 1);
   shape[0] = static_cast<int64_t>(values.size());
-  return at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(options).view(shape);
+  return host_to_device(at::tensor(values, at::TensorOptions().dtype(at::kDouble)),
+                        options.device(), c10::typeMetaToScalarType(options.dtype()))
+      .view(shape);
 }
 
 const at::Tensor& checked_entry(const std::map<std::string, at::Tensor>& in, const std::string& key,

@@ -58,6 +58,12 @@ at::Tensor gather_rows(const at::Tensor& stacked, const Rows& rows);
 /// Writes `values` back into `rows` of a stacked tensor (nothing to copy when `values` is the
 /// view gather_rows gave).
 void scatter_rows(at::Tensor& stacked, const Rows& rows, const at::Tensor& values);
+/// A small host-built tensor (indices, per-row scalars) in `dtype` on `device`. On CUDA through
+/// pinned memory, asynchronously on the current stream: ATen waits for the stream to drain after
+/// a copy from pageable memory, and the GPU then idles while the host prepares the next launches
+/// (10 such waits in a plain step of bench_transformer, 2026-11-26). ATen's caching host
+/// allocator keeps the pinned buffer until the copy has run.
+at::Tensor host_to_device(const at::Tensor& host, const at::Device& device, at::ScalarType dtype);
 /// Per-row scalars as a [rows, 1, ..., 1] tensor broadcasting against [rows, ...] of `dims` dims.
 at::Tensor row_scalars(const std::vector<double>& values, const at::TensorOptions& options,
                        int64_t dims);

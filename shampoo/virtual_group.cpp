@@ -1,5 +1,6 @@
 #include "shampoo/virtual_group.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -7,6 +8,7 @@
 
 #include "preconditioners/byte_bound.h"
 #include "preconditioners/preconditioner_factory.h"
+#include "preconditioners/rows.h"
 #include "shampoo/param_updates.h"
 #include "shampoo/step_scalars.h"
 #include "update/grafting.h"
@@ -234,7 +236,12 @@ void VirtualGroup::step(const StepInputs& in) {
   const bool fused = fused_step();
   for (const auto& chunk : step_chunks(in)) {
     StepUpdates updates(in.distributor);
-    auto chunk_step = prepare_chunk(in, chunk, updates, fused);
+    // Profiler scopes (bench_transformer --profile-steps): which phase the host is in.
+    RECORD_USER_SCOPE("shampoo::chunk");
+    auto chunk_step = [&] {
+      RECORD_USER_SCOPE("shampoo::prepare_chunk");
+      return prepare_chunk(in, chunk, updates, fused);
+    }();
     if (chunk_step.chain.empty()) continue;
     if (fused) {
       // Statistics, direction and update in one pass: nothing changes before it.
@@ -243,12 +250,25 @@ void VirtualGroup::step(const StepInputs& in) {
       run_chain_fused(chunk_step.chain);
       ++fused_chunks;
     } else {
-      run_chain_pre(chunk_step.chain);  // L2 weight decay, grafting statistics, β1/β3 filtering
-      update_statistics(chunk_step);    // Kronecker factors, amortized roots
+      {
+        RECORD_USER_SCOPE("shampoo::chain_pre");
+        run_chain_pre(chunk_step.chain);  // L2 weight decay, grafting statistics, β1/β3 filtering
+      }
+      {
+        RECORD_USER_SCOPE("shampoo::update_statistics");
+        update_statistics(chunk_step);  // Kronecker factors, amortized roots
+      }
       if (in.fault) in.fault(FaultPoint::kStatisticsUpdated);
-      precondition(chunk_step);           // the matrix preconditioner applied to Ḡ
-      run_chain_norms(chunk_step.chain);  // the grafting norms
+      {
+        RECORD_USER_SCOPE("shampoo::precondition");
+        precondition(chunk_step);  // the matrix preconditioner applied to Ḡ
+      }
+      {
+        RECORD_USER_SCOPE("shampoo::chain_norms");
+        run_chain_norms(chunk_step.chain);  // the grafting norms
+      }
       if (in.fault) in.fault(FaultPoint::kBeforeUpdate);
+      RECORD_USER_SCOPE("shampoo::chain_post");
       run_chain_post(chunk_step.chain);  // graft, decoupled weight decay, momentum, × −lr, apply
     }
     elementwise_->commit();  // compact state: the chain's float copies rounded back
@@ -390,7 +410,8 @@ void VirtualGroup::precondition(ChunkStep& chunk_step) {
         st.filtered.is_same(st.gradients) ? at::empty_like(st.gradients) : st.gradients;
     if (rows.size() != st.rows.size()) {
       filtered = st.filtered.index_select(
-          0, at::tensor(local, at::TensorOptions().dtype(at::kLong)).to(filtered.device()));
+          0, host_to_device(at::tensor(local, at::TensorOptions().dtype(at::kLong)),
+                            filtered.device(), at::kLong));
       preconditioned = at::empty_like(filtered);
     }
     preconditioner_->precondition(static_cast<int64_t>(s), rows, filtered, scalars, preconditioned);

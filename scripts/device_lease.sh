@@ -10,7 +10,8 @@
 #   perf        scripts/device_perf.sh stages "ours reference bench_cuda", a short window, the
 #               solvers in LEASE_SOLVERS (eigh and the fastest setting of the last run by default)
 #   experiment  eigh on the transformer workload at f=20 and f=1 under the settings in
-#               LEASE_EXPERIMENTS ("name:bench_transformer flags;..."): time and peak by setting
+#               LEASE_EXPERIMENTS ("name:bench_transformer flags;..."): time and peak by setting;
+#               LEASE_ROUNDS (1) times over the list, alternating, for A/B medians
 #   profile     bench_transformer --profile-steps: the plain step's device time by kernel (LibTorch's
 #               Kineto profiler) and its matmul floor, for the settings in LEASE_PROFILE_SOLVERS
 #               (eigh,eigendecomposed by default), with LEASE_PROFILE_FLAGS added (e.g.
@@ -72,8 +73,9 @@ stage_perf() {
 
 # One bench_transformer run per setting: eigh, f=20 (2 windows of 20 steps) and f=1 (3 steps).
 stage_experiment() {
-  local IFS=';' entry
+  local IFS=';' entry round
   read -r -a entries <<< "$EXPERIMENTS"
+  for ((round = 1; round <= ${LEASE_ROUNDS:-1}; round++)); do
   for entry in "${entries[@]}"; do
     local name="${entry%%:*}" flags="${entry#*:}"
     local budget=$(( $(left) - 30 ))
@@ -85,6 +87,7 @@ stage_experiment() {
       --frequency 20 --window 20 --repetitions 2 --steps 3 --epsilon 1e-8 "${extra[@]}" \
       >> "$OUT/experiments.txt" 2>&1 || status=1
     log "experiment '$name': $(grep -E '^\| eigh' "$OUT/experiments.txt" | tail -n 1)"
+  done
   done
 }
 

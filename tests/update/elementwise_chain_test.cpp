@@ -66,6 +66,19 @@ std::vector<BlockCase> make_blocks(at::ScalarType dtype, DirectionMode mode, at:
   return out;
 }
 
+/// Fresh copies of every block's tensors on `device` (copies on the same device too).
+std::vector<BlockCase> copy_blocks(const std::vector<BlockCase>& blocks, const at::Device& device) {
+  const auto copy = [&](const at::Tensor& t) {
+    return t.to(device, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  };
+  std::vector<BlockCase> out;
+  for (const auto& x : blocks) {
+    out.push_back({copy(x.grad), copy(x.param), copy(x.filter), copy(x.diagonal), copy(x.momentum),
+                   copy(x.preconditioned), x.graft_statistics, x.s});
+  }
+  return out;
+}
+
 at::Tensor lerp_ref(const at::Tensor& a, const at::Tensor& b, double w) { return a + w * (b - a); }
 
 /// docs/math.md in float64; returns {param, filter, diagonal, momentum, filtered} after the step.
@@ -183,11 +196,7 @@ TEST_P(ElementwiseChain, UpdateOutEqualsInPlaceApplyBitForBit) {
   const auto [dtype, mode] = GetParam();
   at::manual_seed(4);
   auto a = make_blocks(dtype, mode, at::kCPU);
-  std::vector<BlockCase> b;
-  for (const auto& x : a) {
-    b.push_back({x.grad.clone(), x.param.clone(), x.filter.clone(), x.diagonal.clone(),
-                 x.momentum.clone(), x.preconditioned.clone(), x.graft_statistics, x.s});
-  }
+  auto b = copy_blocks(a, at::kCPU);
   std::vector<at::Tensor> updates, filtered;
   run_chain(a, /*in_place=*/true, updates, filtered);
   run_chain(b, /*in_place=*/false, updates, filtered);
@@ -202,11 +211,7 @@ TEST_P(ElementwiseChain, CudaKernelsMatchCpu) {
   const auto [dtype, mode] = GetParam();
   at::manual_seed(5);
   auto cpu = make_blocks(dtype, mode, at::kCPU);
-  std::vector<BlockCase> gpu;
-  for (const auto& x : cpu) {
-    gpu.push_back({x.grad.cuda(), x.param.cuda(), x.filter.cuda(), x.diagonal.cuda(),
-                   x.momentum.cuda(), x.preconditioned.cuda(), x.graft_statistics, x.s});
-  }
+  auto gpu = copy_blocks(cpu, at::kCUDA);
   std::vector<at::Tensor> updates, filtered;
   run_chain(cpu, true, updates, filtered);
   run_chain(gpu, true, updates, filtered);
@@ -225,21 +230,18 @@ TEST_P(ElementwiseChain, CudaRatiosOnTheDeviceEqualTheHostsBitForBit) {
   if (!shampoo::detail::chain_has_cuda_kernels()) GTEST_SKIP() << "built without CUDA kernels";
   const auto [dtype, mode] = GetParam();
   at::manual_seed(6);
-  auto on_device = make_blocks(dtype, mode, at::kCUDA);
-  std::vector<BlockCase> on_host;
-  for (const auto& x : on_device) {
-    on_host.push_back({x.grad.clone(), x.param.clone(), x.filter.clone(), x.diagonal.clone(),
-                       x.momentum.clone(), x.preconditioned.clone(), x.graft_statistics, x.s});
-  }
+  auto device_ratios = make_blocks(dtype, mode, at::kCUDA);
+  auto host_ratios = copy_blocks(device_ratios, at::kCUDA);
   ASSERT_TRUE(shampoo::detail::chain_norms_on_device());
   std::vector<at::Tensor> updates, filtered;
-  run_chain(on_device, true, updates, filtered);
+  run_chain(device_ratios, true, updates, filtered);
   shampoo::detail::set_chain_norms_on_device(false);
-  run_chain(on_host, true, updates, filtered);
+  run_chain(host_ratios, true, updates, filtered);
   shampoo::detail::set_chain_norms_on_device(true);
-  for (size_t i = 0; i < on_device.size(); ++i) {
-    EXPECT_TRUE(shampoo::testing::bit_equal(on_device[i].param, on_host[i].param)) << "block " << i;
-    EXPECT_TRUE(shampoo::testing::bit_equal(on_device[i].momentum, on_host[i].momentum))
+  for (size_t i = 0; i < device_ratios.size(); ++i) {
+    EXPECT_TRUE(shampoo::testing::bit_equal(device_ratios[i].param, host_ratios[i].param))
+        << "block " << i;
+    EXPECT_TRUE(shampoo::testing::bit_equal(device_ratios[i].momentum, host_ratios[i].momentum))
         << "block " << i;
   }
 }

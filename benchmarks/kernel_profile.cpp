@@ -144,6 +144,47 @@ void attribute_to_host(const std::vector<HostSpan>& scopes, const std::vector<Ho
   }
 }
 
+/// Sums the profiler's events into `profile`: device work by kernel name, host runtime calls by
+/// name, idle spans and where the host was.
+void summarize_events(const std::vector<torch::autograd::profiler::KinetoEvent>& events,
+                      KernelProfile& profile) {
+  std::map<std::string, KernelTime> by_name;
+  std::map<std::string, KernelTime> host_by_name;
+  std::vector<DeviceSpan> spans;
+  std::vector<HostSpan> scopes;
+  std::vector<HostSpan> calls;
+  std::vector<uint64_t> call_correlations;
+  const auto add = [](std::map<std::string, KernelTime>& to, const auto& event) {
+    auto& k = to[event.name()];
+    k.calls += 1;
+    k.ms += static_cast<double>(event.durationNs()) / 1e6;
+  };
+  for (const auto& event : events) {
+    const auto activity = event.activityType();
+    if (is_host_runtime_call(activity)) {
+      add(host_by_name, event);
+      calls.push_back({event.startNs(), event.endNs(), event.startThreadId(), event.name()});
+      call_correlations.push_back(event.correlationId());
+    } else if (event.deviceType() == c10::DeviceType::CPU) {
+      if (activity == static_cast<uint8_t>(libkineto::ActivityType::CPU_OP) ||
+          activity == static_cast<uint8_t>(libkineto::ActivityType::USER_ANNOTATION)) {
+        scopes.push_back({event.startNs(), event.endNs(), event.startThreadId(), event.name()});
+      }
+    } else if (is_device_work(activity)) {
+      add(by_name, event);
+      spans.push_back({event.startNs(), event.endNs(), event.name(), event.correlationId()});
+    }
+  }
+  profile.kernels = sorted_by_time(by_name);
+  for (const auto& k : profile.kernels) {
+    profile.device_ms += k.ms;
+    profile.launches += k.calls;
+  }
+  profile.host_calls = sorted_by_time(host_by_name);
+  find_gaps(std::move(spans), profile);
+  attribute_to_host(scopes, calls, call_correlations, profile);
+}
+
 void synchronize(const at::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize();
 }
@@ -191,43 +232,7 @@ KernelProfile profile_kernels(const at::Device& device, const std::function<void
     profile.error = std::string("the profiler failed: ") + e.what();
     return profile;
   }
-  std::map<std::string, KernelTime> by_name;
-  std::map<std::string, KernelTime> host_by_name;
-  std::vector<DeviceSpan> spans;
-  std::vector<HostSpan> scopes;
-  std::vector<HostSpan> calls;
-  std::vector<uint64_t> call_correlations;
-  for (const auto& event : result->events()) {
-    const auto activity = event.activityType();
-    if (is_host_runtime_call(activity)) {
-      auto& k = host_by_name[event.name()];
-      k.calls += 1;
-      k.ms += static_cast<double>(event.durationNs()) / 1e6;
-      calls.push_back({event.startNs(), event.endNs(), event.startThreadId(), event.name()});
-      call_correlations.push_back(event.correlationId());
-      continue;
-    }
-    if (event.deviceType() == c10::DeviceType::CPU) {
-      if (activity == static_cast<uint8_t>(libkineto::ActivityType::CPU_OP) ||
-          activity == static_cast<uint8_t>(libkineto::ActivityType::USER_ANNOTATION)) {
-        scopes.push_back({event.startNs(), event.endNs(), event.startThreadId(), event.name()});
-      }
-      continue;
-    }
-    if (!is_device_work(activity)) continue;
-    auto& k = by_name[event.name()];
-    k.calls += 1;
-    k.ms += static_cast<double>(event.durationNs()) / 1e6;
-    spans.push_back({event.startNs(), event.endNs(), event.name(), event.correlationId()});
-  }
-  profile.kernels = sorted_by_time(by_name);
-  for (const auto& k : profile.kernels) {
-    profile.device_ms += k.ms;
-    profile.launches += k.calls;
-  }
-  profile.host_calls = sorted_by_time(host_by_name);
-  find_gaps(std::move(spans), profile);
-  attribute_to_host(scopes, calls, call_correlations, profile);
+  summarize_events(result->events(), profile);
   if (profile.kernels.empty()) {
     profile.error = device.is_cuda() ? "the profiler recorded no device events (no CUPTI?)"
                                      : "a CPU device has no device kernels";
@@ -235,18 +240,10 @@ KernelProfile profile_kernels(const at::Device& device, const std::function<void
   return profile;
 }
 
-void print_kernel_profile(const KernelProfile& profile, int64_t steps, int top) {
-  const double n = static_cast<double>(std::max<int64_t>(steps, 1));
-  fmt::print(
-      "    wall {:.2f} ms per step under the profiler; device busy {:.2f} ms ({:.0f}%), "
-      "{:.0f} device launches per step\n",
-      profile.wall_ms / n, profile.device_ms / n,
-      profile.wall_ms > 0 ? 100.0 * profile.device_ms / profile.wall_ms : 0.0,
-      static_cast<double>(profile.launches) / n);
-  if (!profile.error.empty()) {
-    fmt::print("    ({})\n", profile.error);
-    return;
-  }
+namespace {
+
+/// Device time by kind, then the `top` largest kernels.
+void print_device_time(const KernelProfile& profile, double n, int top) {
   std::map<std::string, std::pair<int64_t, double>> kinds;
   for (const auto& k : profile.kernels) {
     kinds[k.kind].first += k.calls;
@@ -272,6 +269,20 @@ void print_kernel_profile(const KernelProfile& profile, int64_t steps, int top) 
     fmt::print("    | `{}` | {} | {:.1f} | {:.3f} | {:.1f}% |\n", k.name.substr(0, 110), k.kind,
                k.calls / n, k.ms / n, 100.0 * k.ms / profile.device_ms);
   }
+}
+
+/// A table of name, calls per step and ms per step (at most `rows` rows).
+void print_per_step(const char* header, const std::vector<KernelTime>& entries, double n,
+                    size_t rows) {
+  fmt::print("\n    | {} | calls per step | ms per step |\n    |---|---:|---:|\n", header);
+  for (size_t i = 0; i < std::min(entries.size(), rows); ++i) {
+    fmt::print("    | {} | {:.1f} | {:.3f} |\n", entries[i].name.substr(0, 80),
+               entries[i].calls / n, entries[i].ms / n);
+  }
+}
+
+/// The idle spans and the host's side: synchronizations, time per scope, runtime calls.
+void print_host_side(const KernelProfile& profile, double n) {
   fmt::print(
       "\n    idle device time between the region's first and last device events: {:.3f} ms per "
       "step; {:.1f} spans over 10 us per step, {:.3f} ms per step\n",
@@ -283,25 +294,34 @@ void print_kernel_profile(const KernelProfile& profile, int64_t steps, int top) 
     fmt::print("    | {:.1f} | `{}` | `{}` | {} | {} |\n", g.us, g.before.substr(0, 50),
                g.after.substr(0, 50), g.host_at_start, g.host_launching_after);
   }
+  print_per_step("host synchronization (shampoo scope / ATen op / call)", profile.sync_sites, n,
+                 profile.sync_sites.size());
+  print_per_step("host time in shampoo scope (inclusive)", profile.host_scopes, n,
+                 profile.host_scopes.size());
+  print_per_step("host CUDA runtime call", profile.host_calls, n, 10);
+}
+
+}  // namespace
+
+void print_kernel_profile(const KernelProfile& profile, int64_t steps, int top) {
+  const double n = static_cast<double>(std::max<int64_t>(steps, 1));
   fmt::print(
-      "\n    | host synchronization (shampoo scope / ATen op / call) | per step | ms per step "
-      "|\n    |---|---:|---:|\n");
-  for (const auto& k : profile.sync_sites) {
-    fmt::print("    | {} | {:.1f} | {:.3f} |\n", k.name, k.calls / n, k.ms / n);
+      "    wall {:.2f} ms per step under the profiler; device busy {:.2f} ms ({:.0f}%), "
+      "{:.0f} device launches per step\n",
+      profile.wall_ms / n, profile.device_ms / n,
+      profile.wall_ms > 0 ? 100.0 * profile.device_ms / profile.wall_ms : 0.0,
+      static_cast<double>(profile.launches) / n);
+  if (!profile.error.empty()) {
+    fmt::print("    ({})\n", profile.error);
+    // On the CPU the scopes are the step's phases, computation included.
+    if (!profile.host_scopes.empty()) {
+      print_per_step("host time in shampoo scope (inclusive)", profile.host_scopes, n,
+                     profile.host_scopes.size());
+    }
+    return;
   }
-  fmt::print(
-      "\n    | host time in shampoo scope (inclusive) | calls per step | ms per step |\n"
-      "    |---|---:|---:|\n");
-  for (const auto& k : profile.host_scopes) {
-    fmt::print("    | {} | {:.1f} | {:.3f} |\n", k.name, k.calls / n, k.ms / n);
-  }
-  fmt::print(
-      "\n    | host CUDA runtime call | calls per step | ms per step |\n    |---|---:|---:|\n");
-  const auto host_shown = std::min<size_t>(profile.host_calls.size(), 10);
-  for (size_t i = 0; i < host_shown; ++i) {
-    const auto& k = profile.host_calls[i];
-    fmt::print("    | `{}` | {:.1f} | {:.3f} |\n", k.name.substr(0, 60), k.calls / n, k.ms / n);
-  }
+  print_device_time(profile, n, top);
+  print_host_side(profile, n);
   std::fflush(stdout);
 }
 

@@ -2,6 +2,8 @@
 ///   InverseRootEigh/n/d     stacked_inverse_root (eigh, exponent 1/4, ε 1e-12) of n SPD d×d
 ///   ElementwiseChain/n/d    run_chain_pre + _norms + _post over n blocks d×d (Adam grafting,
 ///                           momentum, decoupled weight decay): the per-step elementwise work
+///   ChainNorms/tiled/n/d    the norm pass alone over n blocks d×d (diagonal statistics V > 0):
+///                           tiled 0 = the per-element loop, 1 = the tiled CPU loop (same bits)
 ///   OuterProduct/n/d/dim    stacked_outer_product of n d×d gradient blocks along a dim (the
 ///                           Kronecker factor update)
 ///   MultiplyAlongDim/n/d/dim stacked_multiply_along_dim: n d×d blocks times n d×d matrices (the
@@ -33,6 +35,7 @@
 #include "preconditioners/matrix_functions.h"
 #include "preconditioners/symmetric_matrices.h"
 #include "update/elementwise_chain.h"
+#include "update/elementwise_chain_cpu.h"
 
 namespace {
 
@@ -97,6 +100,36 @@ void UnpackSymmetric(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * n * d * d * static_cast<int64_t>(sizeof(float)));
 }
 
+void ChainNorms(benchmark::State& state) {
+  const bool tiled = state.range(0) != 0;
+  const int64_t n = state.range(1), d = state.range(2);
+  auto chain = shampoo::bench::make_chain(n, {d, d}, at::TensorOptions());
+  std::vector<shampoo::kernels::ChainBlock<float>> blocks;
+  for (auto& c : chain.blocks) {
+    c.diagonal_state.uniform_(0.5, 1.5);
+    shampoo::kernels::ChainBlock<float> b;
+    b.numel = c.grad.numel();
+    b.filtered_out = c.filtered_out.data_ptr<float>();
+    b.diagonal_state = c.diagonal_state.data_ptr<float>();
+    b.preconditioned = c.preconditioned.data_ptr<float>();
+    b.s = c.scalars;
+    blocks.push_back(b);
+  }
+  const auto norms = shampoo::kernels::chain_tiles<float>().norms;
+  for (auto _ : state) {
+    double sums[2] = {0.0, 0.0};
+    for (const auto& b : blocks) {
+      if (tiled) {
+        norms(b, 0, b.numel, sums[0], sums[1]);
+      } else {
+        shampoo::kernels::chain_norm_range(b, 0, b.numel, sums[0], sums[1]);
+      }
+    }
+    benchmark::DoNotOptimize(sums);
+  }
+  state.SetBytesProcessed(state.iterations() * 3 * n * d * d * static_cast<int64_t>(sizeof(float)));
+}
+
 BENCHMARK(InverseRootEigh)
     ->ArgNames({"n", "d"})
     ->Args({8, 128})
@@ -107,6 +140,12 @@ BENCHMARK(ElementwiseChain)
     ->ArgNames({"n", "d"})
     ->Args({64, 64})
     ->Unit(benchmark::kMicrosecond)
+    ->ReportAggregatesOnly(true);
+BENCHMARK(ChainNorms)
+    ->ArgNames({"tiled", "n", "d"})
+    ->Args({0, 16, 512})
+    ->Args({1, 16, 512})
+    ->Unit(benchmark::kMillisecond)
     ->ReportAggregatesOnly(true);
 /// The block stacks of the contractions: 8 blocks 128×128 along either dim, 2 blocks 512×512.
 void contraction_shapes(benchmark::internal::Benchmark* b) {

@@ -136,10 +136,10 @@ std::vector<double> norm_partials(const std::vector<ChainBlockTensors>& blocks,
 #endif
   }
   std::vector<double> partials(2 * items.size(), 0.0);
+  const auto norms = kernels::chain_tiles<T>().norms;
   for_each_item(items, [&](const WorkItem& item) {
     const auto i = static_cast<size_t>(&item - items.data());
-    kernels::chain_norm_range(kblocks[item.block], item.begin, item.end, partials[2 * i],
-                              partials[2 * i + 1]);
+    norms(kblocks[item.block], item.begin, item.end, partials[2 * i], partials[2 * i + 1]);
   });
   return partials;
 }

@@ -21,12 +21,14 @@ namespace shampoo::kernels {
 
 inline constexpr int64_t kChainTile = 256;
 
-/// The three passes over elements [begin, end) of a block, for one instruction set.
+/// The passes over elements [begin, end) of a block, for one instruction set.
 template <typename T>
 struct ChainTiles {
   void (*pre)(const ChainBlock<T>&, int64_t, int64_t);
   void (*post)(const ChainBlock<T>&, int64_t, int64_t);
   void (*fused)(const ChainBlock<T>&, int64_t, int64_t);  ///< pre and post, Ḡ not stored
+  /// The norm pass: adds Σ P² and Σ P_graft² of the range to the last two arguments.
+  void (*norms)(const ChainBlock<T>&, int64_t, int64_t, double&, double&);
 };
 
 /// The instruction sets the loops are compiled for.

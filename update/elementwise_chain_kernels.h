@@ -249,10 +249,25 @@ template <typename T>
 void chain_pre_range(const ChainBlock<T>& b, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) chain_pre_element(b, i);
 }
+/// The norm pass over a range adds its squares in kNormLanes interleaved partial sums (lane k
+/// takes elements begin + k, begin + k + kNormLanes, ...), then adds the lanes to the totals in
+/// lane order: a fixed order, so the CPU loops can add eight elements at once (one chain of
+/// dependent additions per element took ~14 ms for 4.2M elements on one thread).
+inline constexpr int64_t kNormLanes = 8;
+
 template <typename T>
 void chain_norm_range(const ChainBlock<T>& b, int64_t begin, int64_t end, double& p_sq,
                       double& g_sq) {
-  for (int64_t i = begin; i < end; ++i) chain_norm_element(b, i, p_sq, g_sq);
+  double p_lanes[kNormLanes] = {};
+  double g_lanes[kNormLanes] = {};
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t lane = (i - begin) % kNormLanes;
+    chain_norm_element(b, i, p_lanes[lane], g_lanes[lane]);
+  }
+  for (int64_t k = 0; k < kNormLanes; ++k) {
+    p_sq += p_lanes[k];
+    g_sq += g_lanes[k];
+  }
 }
 template <typename T>
 void chain_post_range(const ChainBlock<T>& b, int64_t begin, int64_t end) {

@@ -7,6 +7,7 @@
 #include <ATen/Context.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "support/test_support.h"
@@ -413,7 +414,16 @@ void check_tiles_equal_elements(at::ScalarType dtype, shampoo::kernels::ChainIsa
     k::chain_post_range(post_element.block(false), 0, c.numel);
     tiles.post(post_tiles.block(false), 0, c.numel);
     ASSERT_TRUE(bit_equal(post_tiles.all(), post_element.all())) << "post pass, case " << trial;
-    if (c.preconditioned) continue;  // the fused pass has no matrix preconditioner
+    if (c.preconditioned) {
+      double element_sums[2] = {0.0, 0.0};
+      double tile_sums[2] = {0.0, 0.0};
+      k::chain_norm_range(a.block(false), 0, c.numel, element_sums[0], element_sums[1]);
+      tiles.norms(a.block(false), 0, c.numel, tile_sums[0], tile_sums[1]);
+      ASSERT_EQ(std::memcmp(tile_sums, element_sums, sizeof(tile_sums)), 0)
+          << "norm pass, case " << trial << ": " << tile_sums[0] << ", " << tile_sums[1]
+          << " against " << element_sums[0] << ", " << element_sums[1];
+      continue;  // the fused pass has no matrix preconditioner
+    }
     const auto fused_element = a.copy();
     const auto fused_tiles = a.copy();
     k::chain_fused_range(fused_element.block(true), 0, c.numel);

@@ -9,6 +9,7 @@
 #include "preconditioners/cuda/cuda_eigh.h"
 #endif
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -257,7 +258,37 @@ StackedMatrixResult solver_inverse_root(const at::Tensor& A, const std::vector<d
 
 }  // namespace
 
+namespace {
+
+/// Whether every entry of each row of `rows` [n, m] (contiguous, on the CPU) is finite: x − x is 0
+/// for a finite x and NaN for ±inf and NaN. One read pass, the rows in parallel; at::isfinite's
+/// four passes (==, abs, !=, all) took ~6% of a root step of the MLP workload (issue 28's perf).
+template <typename T>
+std::vector<bool> rows_all_finite_cpu(const at::Tensor& rows) {
+  const int64_t n = rows.size(0);
+  const int64_t m = rows.size(1);
+  const T* data = rows.data_ptr<T>();
+  std::vector<char> ok(static_cast<size_t>(n));
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = data + r * m;
+      int bad = 0;
+      for (int64_t i = 0; i < m; ++i) bad |= static_cast<int>(!(row[i] - row[i] == T(0)));
+      ok[static_cast<size_t>(r)] = static_cast<char>(bad == 0);
+    }
+  });
+  return {ok.begin(), ok.end()};
+}
+
+}  // namespace
+
 std::vector<bool> stacked_all_finite(const at::Tensor& A) {
+  if (A.is_cpu() && A.dim() >= 2 &&
+      (A.scalar_type() == at::kFloat || A.scalar_type() == at::kDouble)) {
+    const auto rows = A.flatten(1).contiguous();
+    return A.scalar_type() == at::kFloat ? rows_all_finite_cpu<float>(rows)
+                                         : rows_all_finite_cpu<double>(rows);
+  }
   const auto finite = at::isfinite(A).flatten(1).all(1).to(at::kCPU);
   std::vector<bool> out(finite.size(0));
   const auto* data = finite.data_ptr<bool>();

@@ -19,6 +19,31 @@ at::Tensor random_spd(int64_t n, int64_t d, uint64_t seed, at::ScalarType dtype 
   return (at::bmm(g, g.transpose(1, 2)) / (2.0 * d)).to(dtype);
 }
 
+TEST(StackedAllFinite, FindsEveryNonFiniteEntryLikeIsfinite) {
+  // The CPU's one-pass check against at::isfinite: ±inf and NaN at the first, last and a middle
+  // entry of a matrix, float and double, contiguous and transposed stacks, and an empty matrix.
+  const double specials[] = {INFINITY, -INFINITY, NAN};
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    for (const bool transposed : {false, true}) {
+      auto A = at::randn({6, 37, 37}, at::TensorOptions().dtype(dtype)) * 1e30;
+      A[1][0][0] = specials[0];
+      A[2][36][36] = specials[1];
+      A[4][18][5] = specials[2];
+      A[5][36][0] = specials[0];
+      const auto input = transposed ? A.transpose(1, 2) : A;
+      const auto expected = at::isfinite(input).flatten(1).all(1);
+      const auto ours = shampoo::detail::stacked_all_finite(input);
+      ASSERT_EQ(ours.size(), 6u);
+      for (int64_t i = 0; i < 6; ++i) {
+        EXPECT_EQ(ours[i], expected[i].item<bool>()) << dtype << ", matrix " << i;
+      }
+      EXPECT_EQ(ours, (std::vector<bool>{true, false, false, true, false, false}));
+    }
+  }
+  EXPECT_EQ(shampoo::detail::stacked_all_finite(at::empty({2, 0, 0})),
+            (std::vector<bool>{true, true}));
+}
+
 TEST(InverseRoot, DiagonalClosedForm) {
   const auto a = at::diag(at::tensor({1.0, 4.0, 9.0, 16.0})).unsqueeze(0).to(at::kFloat);
   const auto r = stacked_inverse_root(a, {1e-12}, {0.5}, true);

@@ -1,5 +1,6 @@
 #include "preconditioners/kronecker_contractions.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -92,10 +93,16 @@ at::Tensor lower_mask(int64_t n, const at::Device& device) {
   return at::ones({n, n}, at::TensorOptions().dtype(at::kBool).device(device)).tril();
 }
 
-/// x·xᵀ for x [d, c] (x may be a transposed view), computed as BLAS's syrk does: one triangle.
-/// Panel i (rows r of kGramPanel) is x[r]·x[0:r_end]ᵀ, the block row of the lower triangle up to
-/// and including the diagonal block, written in place; its part left of the diagonal block is then
-/// mirrored above it, and so is the diagonal block's lower triangle: the result is symmetric.
+/// Whether `t` can be a BLAS output as it is: contiguous, starting on a 64-byte boundary (as a
+/// fresh allocation does, so a result written there rounds as one written to fresh memory).
+bool aligned_output(const at::Tensor& t) {
+  return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 64 == 0;
+}
+
+/// x·xᵀ for x [d, c] (x may be a transposed view) into `out` [d, d] (an aligned output), computed
+/// as BLAS's syrk does: one triangle. Panel i (rows r of kGramPanel) is x[r]·x[0:r_end]ᵀ, the block
+/// row of the lower triangle up to and including the diagonal block, written in place. The part of
+/// the upper triangle outside the diagonal blocks is left unwritten (mirror_gram_panels fills it).
 /// Each panel is one GEMM with the same contraction (length c) as the full product. Where BLAS
 /// sums a panel as it sums the full product (MKL on the CI machine, AMD Zen 5), the lower triangle
 /// is bit for bit the full product's; MKL does not promise it, and on the GPU machine's host CPU
@@ -103,65 +110,133 @@ at::Tensor lower_mask(int64_t n, const at::Device& device) {
 /// only the lower triangle either way. (k+1)/(2k) of the full product's multiplications with k
 /// panels (62.5% at d = 512, 56% at d = 1024; 37-41% less time on one thread, issue 28).
 /// Below two panels, one product (its triangles as that GEMM rounds them).
-at::Tensor symmetric_gram(const at::Tensor& x) {
+void lower_gram_into(at::Tensor& out, const at::Tensor& x) {
   const int64_t d = x.size(0);
-  if (d < 2 * kGramPanel) return at::mm(x, x.t());
-  auto out = at::empty({d, d}, x.options());
+  if (d < 2 * kGramPanel) {
+    at::mm_out(out, x, x.t());
+    return;
+  }
   for (int64_t start = 0; start < d; start += kGramPanel) {
     const int64_t rows = d - start < 2 * kGramPanel ? d - start : kGramPanel;
     auto panel = out.narrow(0, start, rows).narrow(1, 0, start + rows);
     at::mm_out(panel, x.narrow(0, start, rows), x.narrow(0, 0, start + rows).t());
+    if (rows != kGramPanel) break;  // the last panel
+  }
+}
+
+/// Makes lower_gram_into's result symmetric: each panel's part left of its diagonal block is
+/// mirrored above it, and so is each diagonal block's lower triangle (a GEMM need not round (i, j)
+/// and (j, i) alike: MKL on the device machine's host CPU did not). A single product is left as
+/// it is.
+void mirror_gram_panels(at::Tensor& out) {
+  const int64_t d = out.size(0);
+  if (d < 2 * kGramPanel) return;
+  for (int64_t start = 0; start < d; start += kGramPanel) {
+    const int64_t rows = d - start < 2 * kGramPanel ? d - start : kGramPanel;
+    auto panel = out.narrow(0, start, rows).narrow(1, 0, start + rows);
     if (start > 0) {
       out.narrow(0, 0, start).narrow(1, start, rows).copy_(panel.narrow(1, 0, start).t());
     }
-    // The diagonal block's upper triangle from its lower one: a GEMM need not round (i, j) and
-    // (j, i) alike (MKL on the device machine's host CPU did not), and the result is symmetric.
     auto diagonal = panel.narrow(1, start, rows);
-    diagonal.copy_(at::where(lower_mask(rows, x.device()), diagonal, diagonal.t()));
+    diagonal.copy_(at::where(lower_mask(rows, out.device()), diagonal, diagonal.t()));
     if (rows != kGramPanel) break;  // the last panel
+  }
+}
+
+/// One block's contraction with itself along `dim` into `out` [d, d] (an aligned output): its
+/// lower triangle, and the upper one too unless `lower_only`.
+void block_gram_into(at::Tensor& out, const at::Tensor& block_in, int64_t dim, bool lower_only) {
+  const int64_t order = block_in.dim();
+  const int64_t d = block_in.size(dim);
+  const auto block = aligned_matrix_operand(block_in);
+  // Last dim: [rest, d] -> Xᵀ·X without moving data.
+  const auto x = order >= 2 && dim == order - 1 ? block.reshape({-1, d}).t()
+                                                : aligned_matrix_operand(dim_major(block, dim));
+  lower_gram_into(out, x);
+  if (!lower_only) mirror_gram_panels(out);
+}
+
+/// CPU: every block of the stack on its own, written straight into its slot of the result where
+/// that slot is an aligned output (else through a fresh matrix).
+at::Tensor stacked_gram(const at::Tensor& blocks, int64_t dim, bool lower_only) {
+  const int64_t n = blocks.size(0);
+  const int64_t d = blocks.size(dim + 1);
+  auto out = at::empty({n, d, d}, blocks.options());
+  for (int64_t i = 0; i < n; ++i) {
+    auto slot = out[i];
+    if (aligned_output(slot)) {
+      block_gram_into(slot, blocks[i], dim, lower_only);
+      continue;
+    }
+    auto fresh = at::empty({d, d}, blocks.options());
+    block_gram_into(fresh, blocks[i], dim, lower_only);
+    slot.copy_(fresh);
   }
   return out;
 }
 
-}  // namespace
-
-at::Tensor block_outer_product(const at::Tensor& block_in, int64_t dim) {
-  const int64_t order = block_in.dim();
+/// One block multiplied along its first or last dim into `out` (an aligned output, the block's
+/// shape).
+void block_multiply_into(at::Tensor& out, const at::Tensor& block_in, const at::Tensor& matrix_in,
+                         int64_t dim, bool transpose) {
   const int64_t d = block_in.size(dim);
   const auto block = aligned_matrix_operand(block_in);
-  if (order >= 2 && dim == order - 1) {
-    // Last dim: [rest, d] -> Xᵀ·X without moving data.
-    const auto x = block.reshape({-1, d});
-    return symmetric_gram(x.t());
+  const auto matrix = aligned_matrix_operand(matrix_in);
+  const auto m = transpose ? matrix.t() : matrix;
+  if (dim == 0) {
+    auto target = out.view({d, -1});
+    at::mm_out(target, m, block.reshape({d, -1}));
+    return;
   }
-  const auto x = aligned_matrix_operand(dim_major(block, dim));
-  return symmetric_gram(x);
+  auto target = out.view({-1, d});
+  at::mm_out(target, block.reshape({-1, d}), m.t());
+}
+
+}  // namespace
+
+at::Tensor block_outer_product(const at::Tensor& block, int64_t dim) {
+  const int64_t d = block.size(dim);
+  auto out = at::empty({d, d}, block.options());
+  block_gram_into(out, block, dim, /*lower_only=*/false);
+  return out;
 }
 
 at::Tensor block_multiply_along_dim(const at::Tensor& block_in, const at::Tensor& matrix_in,
                                     int64_t dim, bool transpose) {
   const int64_t order = block_in.dim();
-  const int64_t d = block_in.size(dim);
+  if (dim == 0 || dim == order - 1) {
+    auto out = at::empty(block_in.sizes(), block_in.options());
+    block_multiply_into(out, block_in, matrix_in, dim, transpose);
+    return out;
+  }
+  // Middle dim of a block with three or more dims: move it first, multiply, move it back.
   const auto block = aligned_matrix_operand(block_in);
   const auto matrix = aligned_matrix_operand(matrix_in);
   const auto m = transpose ? matrix.t() : matrix;
-  if (dim == 0) return at::mm(m, block.reshape({d, -1})).view(block.sizes());
-  if (dim == order - 1) return at::mm(block.reshape({-1, d}), m.t()).view(block.sizes());
-  // Middle dim of a block with three or more dims: move it first, multiply, move it back.
   const auto moved_sizes = block.movedim(dim, 0).sizes().vec();
   const auto x = aligned_matrix_operand(dim_major(block, dim));
   return at::mm(m, x).view(moved_sizes).movedim(0, dim).contiguous();
+}
+
+void block_multiply_along_dim_out(at::Tensor& out, const at::Tensor& block,
+                                  const at::Tensor& matrix, int64_t dim, bool transpose) {
+  TORCH_INTERNAL_ASSERT(out.sizes() == block.sizes(), "out ", out.sizes(), " for a block ",
+                        block.sizes());
+  const bool outer_dim = dim == 0 || dim == block.dim() - 1;
+  if (outer_dim && aligned_output(out) && out.scalar_type() == block.scalar_type() &&
+      at::get_overlap_status(out, block) == at::MemOverlapStatus::No &&
+      at::get_overlap_status(out, matrix) == at::MemOverlapStatus::No) {
+    block_multiply_into(out, block, matrix, dim, transpose);
+    return;
+  }
+  out.copy_(block_multiply_along_dim(block, matrix, dim, transpose));
 }
 
 at::Tensor stacked_outer_product(const at::Tensor& blocks, int64_t dim) {
   const int64_t order = blocks.dim() - 1;
   TORCH_INTERNAL_ASSERT(dim >= 0 && dim < order, "dim ", dim, " out of range for order ", order);
   if (blocks.is_cuda()) return batched_outer_product(blocks, dim);
-  const int64_t n = blocks.size(0);
-  const int64_t d = blocks.size(dim + 1);
-  auto out = at::empty({n, d, d}, blocks.options());
-  for (int64_t i = 0; i < n; ++i) out[i].copy_(block_outer_product(blocks[i], dim));
-  return out;
+  return stacked_gram(blocks, dim, /*lower_only=*/false);
 }
 
 at::Tensor stacked_outer_product_lower(const at::Tensor& blocks, int64_t dim) {
@@ -169,8 +244,9 @@ at::Tensor stacked_outer_product_lower(const at::Tensor& blocks, int64_t dim) {
   TORCH_INTERNAL_ASSERT(dim >= 0 && dim < order, "dim ", dim, " out of range for order ", order);
   const int64_t n = blocks.size(0);
   const int64_t d = blocks.size(dim + 1);
-  if (!blocks.is_cuda() || d < kLowerOuterMinDim || !lower_outer_products.load()) {
-    return stacked_outer_product(blocks, dim);
+  if (!blocks.is_cuda()) return stacked_gram(blocks, dim, /*lower_only=*/true);
+  if (d < kLowerOuterMinDim || !lower_outer_products.load()) {
+    return batched_outer_product(blocks, dim);
   }
   if (order >= 2 && dim == order - 1) {
     return batched_lower_gram(blocks.reshape({n, -1, d}).transpose(1, 2));
@@ -187,7 +263,8 @@ at::Tensor stacked_multiply_along_dim(const at::Tensor& blocks, const at::Tensor
   if (blocks.is_cuda()) return batched_multiply_along_dim(blocks, matrices, dim, transpose);
   auto out = at::empty_like(blocks, at::MemoryFormat::Contiguous);
   for (int64_t i = 0; i < blocks.size(0); ++i) {
-    out[i].copy_(block_multiply_along_dim(blocks[i], matrices[i], dim, transpose));
+    auto slot = out[i];
+    block_multiply_along_dim_out(slot, blocks[i], matrices[i], dim, transpose);
   }
   return out;
 }

@@ -22,15 +22,23 @@ at::Tensor block_outer_product(const at::Tensor& block, int64_t dim);
 at::Tensor block_multiply_along_dim(const at::Tensor& block, const at::Tensor& matrix, int64_t dim,
                                     bool transpose = false);
 
+/// block_multiply_along_dim written into `out` (the block's shape, contiguous): the product goes
+/// straight into it where it starts on a 64-byte boundary and overlaps neither operand (the same
+/// bits as into fresh memory), else through a fresh result.
+void block_multiply_along_dim_out(at::Tensor& out, const at::Tensor& block,
+                                  const at::Tensor& matrix, int64_t dim, bool transpose = false);
+
 /// The Kronecker factor contribution of every block along block dim `dim`: the block contracted
 /// with itself over every other dim, [n, d_dim, d_dim] (for a matrix block: G·Gᵀ for dim 0,
 /// Gᵀ·G for dim 1; for a vector block: g·gᵀ).
 at::Tensor stacked_outer_product(const at::Tensor& blocks, int64_t dim);
 
-/// stacked_outer_product where only the lower triangle (diagonal included) is read: on CUDA, for
+/// stacked_outer_product where only the lower triangle (diagonal included) is read; the rest of
+/// the upper triangle may be left unwritten. On the CPU, the same panel products as
+/// stacked_outer_product (the lower triangle bit for bit its), without mirroring them. On CUDA, for
 /// d_dim ≥ 256, two batched products fill the lower blocks only, [0, d)×[0, h) and [h, d)×[h, d)
-/// with h ≈ d/2 (3/4 of the multiplications), and the rest of the upper triangle is left
-/// unwritten; otherwise the full product. Kronecker factor updates keep the lower triangle only.
+/// with h ≈ d/2 (3/4 of the multiplications); otherwise the full product. Kronecker factor updates
+/// keep the lower triangle only.
 at::Tensor stacked_outer_product_lower(const at::Tensor& blocks, int64_t dim);
 
 /// Whether stacked_outer_product_lower skips the upper blocks on CUDA (default true); false

@@ -77,12 +77,23 @@ void ShampooPreconditionerList::precondition(int64_t stack, const Rows& rows,
     return;
   }
   // One block at a time: the temporaries are block-sized, never a whole stack.
+  // The last product is written straight into the block's slot of `out`.
   for (int64_t i = 0; i < rows.size(); ++i) {
     auto block = filtered[i];
-    for (const int64_t k : dims) {
-      block = block_multiply_along_dim(block, roots(stack, k).dense_row(rows.rows[i]).to(dtype), k);
+    auto slot = out[i];
+    if (dims.empty()) {
+      if (!block.is_same(slot)) slot.copy_(block);
+      continue;
     }
-    if (!block.is_same(out[i])) out[i].copy_(block);
+    for (size_t j = 0; j < dims.size(); ++j) {
+      const int64_t k = dims[j];
+      const auto root = roots(stack, k).dense_row(rows.rows[i]).to(dtype);
+      if (j + 1 < dims.size()) {
+        block = block_multiply_along_dim(block, root, k);
+      } else {
+        block_multiply_along_dim_out(slot, block, root, k);
+      }
+    }
   }
 }
 

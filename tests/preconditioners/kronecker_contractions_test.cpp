@@ -8,8 +8,11 @@
 
 namespace {
 
+using shampoo::detail::block_multiply_along_dim;
+using shampoo::detail::block_multiply_along_dim_out;
 using shampoo::detail::stacked_multiply_along_dim;
 using shampoo::detail::stacked_outer_product;
+using shampoo::detail::stacked_outer_product_lower;
 using shampoo::testing::all_close;
 using shampoo::testing::bit_equal;
 
@@ -93,6 +96,53 @@ TEST(SymmetricGram, LowerTriangleIsTheFullProductBitForBit) {
       EXPECT_TRUE(bit_equal(ours, ours.t())) << "dim " << dim;
       const auto stacked = at::stack({at::randn(shape), block});
       EXPECT_TRUE(bit_equal(stacked_outer_product(stacked, dim)[1], ours)) << "dim " << dim;
+    }
+  }
+}
+
+// The lower-only products (the factor updates' path) hold the full products' lower triangle bit
+// for bit on the CPU, the same panel products written straight into the stack without their
+// mirror: matrix and 3-D blocks, dims from one panel to several, and stacks whose slots do not
+// start on a 64-byte boundary (d = 257, 385: each slot then goes through a fresh matrix).
+TEST(SymmetricGram, LowerOnlyProductsHoldTheFullProductsLowerTriangle) {
+  at::manual_seed(22);
+  for (const auto& shape : std::vector<std::vector<int64_t>>{
+           {512, 300}, {300, 512}, {257, 64}, {385, 33}, {40, 24}, {3, 260, 4}}) {
+    std::vector<int64_t> stacked{3};
+    stacked.insert(stacked.end(), shape.begin(), shape.end());
+    const auto blocks = at::randn(stacked);
+    for (int64_t dim = 0; dim < static_cast<int64_t>(shape.size()); ++dim) {
+      const auto full = stacked_outer_product(blocks, dim);
+      const auto lower = stacked_outer_product_lower(blocks, dim);
+      ASSERT_EQ(lower.sizes(), full.sizes());
+      for (int64_t i = 0; i < 3; ++i) {
+        EXPECT_TRUE(bit_equal(lower[i].tril(), full[i].tril()))
+            << "shape " << at::IntArrayRef(shape) << " dim " << dim << " block " << i;
+      }
+    }
+  }
+}
+
+// The product written into a given tensor equals the returned one bit for bit: into fresh memory,
+// into the block itself (the product must not read what it has overwritten), into a slot that does
+// not start on a 64-byte boundary, and along a middle dim.
+TEST(BlockMultiplyOut, EqualsTheReturnedProductWhereverItIsWritten) {
+  at::manual_seed(23);
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{64, 48}, {33, 7}, {5, 6, 7}}) {
+    for (int64_t dim = 0; dim < static_cast<int64_t>(shape.size()); ++dim) {
+      const auto block = at::randn(shape);
+      const auto matrix = at::randn({shape[dim], shape[dim]});
+      const auto expected = block_multiply_along_dim(block, matrix, dim);
+      auto fresh = at::empty(shape);
+      block_multiply_along_dim_out(fresh, block, matrix, dim);
+      EXPECT_TRUE(bit_equal(fresh, expected)) << "fresh, dim " << dim;
+      auto in_place = block.clone();
+      block_multiply_along_dim_out(in_place, in_place, matrix, dim);
+      EXPECT_TRUE(bit_equal(in_place, expected)) << "in place, dim " << dim;
+      auto storage = at::empty({block.numel() + 1});
+      auto shifted = storage.narrow(0, 1, block.numel()).view(shape);
+      block_multiply_along_dim_out(shifted, block, matrix, dim);
+      EXPECT_TRUE(bit_equal(shifted, expected)) << "shifted, dim " << dim;
     }
   }
 }

@@ -144,6 +144,33 @@ void attribute_to_host(const std::vector<HostSpan>& scopes, const std::vector<Ho
   }
 }
 
+/// Host time of each outermost ATen op (one inside no other op on its thread), by the innermost
+/// shampoo:: scope around it and the op's name: on the CPU, where each phase's time goes.
+void attribute_outermost_ops(const std::vector<HostSpan>& scopes, KernelProfile& profile) {
+  std::vector<const HostSpan*> ops;
+  for (const auto& s : scopes) {
+    if (s.name.rfind("shampoo::", 0) != 0) ops.push_back(&s);
+  }
+  std::sort(ops.begin(), ops.end(), [](const HostSpan* a, const HostSpan* b) {
+    if (a->thread != b->thread) return a->thread < b->thread;
+    if (a->start != b->start) return a->start < b->start;
+    return a->end > b->end;  // the enclosing op first
+  });
+  std::map<std::string, KernelTime> by_site;
+  uint64_t thread = 0;
+  uint64_t covered_until = 0;
+  for (const auto* op : ops) {
+    if (op->thread == thread && op->start < covered_until) continue;  // inside an earlier op
+    thread = op->thread;
+    covered_until = op->end;
+    auto& site = by_site[fmt::format(
+        "{} / {}", innermost(scopes, op->start, op->end, op->thread, /*ours=*/true), op->name)];
+    site.calls += 1;
+    site.ms += static_cast<double>(op->end - op->start) / 1e6;
+  }
+  profile.host_ops = sorted_by_time(by_site);
+}
+
 /// Sums the profiler's events into `profile`: device work by kernel name, host runtime calls by
 /// name, idle spans and where the host was.
 void summarize_events(const std::vector<torch::autograd::profiler::KinetoEvent>& events,
@@ -183,6 +210,7 @@ void summarize_events(const std::vector<torch::autograd::profiler::KinetoEvent>&
   profile.host_calls = sorted_by_time(host_by_name);
   find_gaps(std::move(spans), profile);
   attribute_to_host(scopes, calls, call_correlations, profile);
+  attribute_outermost_ops(scopes, profile);
 }
 
 void synchronize(const at::Device& device) {
@@ -317,6 +345,8 @@ void print_kernel_profile(const KernelProfile& profile, int64_t steps, int top) 
     if (!profile.host_scopes.empty()) {
       print_per_step("host time in shampoo scope (inclusive)", profile.host_scopes, n,
                      profile.host_scopes.size());
+      print_per_step("host time of outermost ATen ops (shampoo scope / op)", profile.host_ops, n,
+                     static_cast<size_t>(top));
     }
     return;
   }

@@ -43,6 +43,9 @@ struct KernelProfile {
   std::vector<KernelTime> sync_sites;
   /// Host time inside each shampoo:: scope (inclusive of the scopes within it).
   std::vector<KernelTime> host_scopes;
+  /// Host time of the outermost ATen ops (inside no other op), by the innermost shampoo:: scope
+  /// around them and the op's name.
+  std::vector<KernelTime> host_ops;
   double device_ms = 0.0;  ///< sum of every device event's duration
   int64_t launches = 0;    ///< device events (kernels, copies, sets)
   double wall_ms = 0.0;    ///< host time of the region, synchronized at both ends

@@ -153,7 +153,8 @@ Args parse_args(int argc, char** argv) {
                   "compact_state of the timing modes (none, bf16 or int8)")
       .add("profile-steps", args.profile_steps,
            "after each setting's f=N windows, this many plain steps (no roots) under LibTorch's "
-           "Kineto profiler: device time by kernel, and the plain step's matmul floor (CUDA)",
+           "Kineto profiler: device time by kernel, and the plain step's matmul floor (CUDA); "
+           "host time per shampoo:: scope and per outermost ATen op (CPU)",
            0)
       .add_choice("graft-norms", args.graft_norms, {"device", "host"},
                   "CUDA: where the grafting ratios are formed, on the device (the library's "

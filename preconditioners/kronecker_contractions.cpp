@@ -16,14 +16,19 @@ at::Tensor dim_major(const at::Tensor& block, int64_t dim) {
   return block.movedim(dim, 0).reshape({d, -1});
 }
 
+/// Whether `t` is contiguous and starts on a 64-byte boundary, as a fresh allocation does: as a
+/// BLAS operand or output it rounds as fresh memory would.
+bool aligned_output(const at::Tensor& t) {
+  return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 64 == 0;
+}
+
 }  // namespace
 
 at::Tensor aligned_matrix_operand(const at::Tensor& t) {
   // CPU BLAS and LAPACK take alignment-dependent code paths: the same matrix at another address
   // can round differently. Operands start on a 64-byte boundary, as fresh allocations do, so a
   // block's result depends on its values only, not on its position in a stack.
-  const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
-  if (t.is_contiguous() && address % 64 == 0) return t;
+  if (aligned_output(t)) return t;
   return t.clone(at::MemoryFormat::Contiguous);
 }
 
@@ -83,7 +88,7 @@ at::Tensor batched_multiply_along_dim(const at::Tensor& blocks, const at::Tensor
 
 namespace {
 
-/// Rows of a panel of symmetric_gram (a multiple of 16 floats: panels stay 64-byte aligned); the
+/// Rows of a panel of lower_gram_into (a multiple of 16 floats: panels stay 64-byte aligned); the
 /// last panel takes the remainder too (up to twice as many rows): a panel of a few rows would be a
 /// matrix-vector product, which MKL sums in another order.
 constexpr int64_t kGramPanel = 128;
@@ -93,10 +98,15 @@ at::Tensor lower_mask(int64_t n, const at::Device& device) {
   return at::ones({n, n}, at::TensorOptions().dtype(at::kBool).device(device)).tril();
 }
 
-/// Whether `t` can be a BLAS output as it is: contiguous, starting on a 64-byte boundary (as a
-/// fresh allocation does, so a result written there rounds as one written to fresh memory).
-bool aligned_output(const at::Tensor& t) {
-  return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 64 == 0;
+/// Calls fn(start, rows) for each panel of rows of a d×d lower_gram_into product (d ≥ two panels):
+/// kGramPanel rows each, the last one taking the remainder too.
+template <typename Fn>
+void for_each_gram_panel(int64_t d, Fn&& fn) {
+  for (int64_t start = 0; start < d; start += kGramPanel) {
+    const int64_t rows = d - start < 2 * kGramPanel ? d - start : kGramPanel;
+    fn(start, rows);
+    if (rows != kGramPanel) break;  // the last panel
+  }
 }
 
 /// x·xᵀ for x [d, c] (x may be a transposed view) into `out` [d, d] (an aligned output), computed
@@ -116,12 +126,10 @@ void lower_gram_into(at::Tensor& out, const at::Tensor& x) {
     at::mm_out(out, x, x.t());
     return;
   }
-  for (int64_t start = 0; start < d; start += kGramPanel) {
-    const int64_t rows = d - start < 2 * kGramPanel ? d - start : kGramPanel;
+  for_each_gram_panel(d, [&](int64_t start, int64_t rows) {
     auto panel = out.narrow(0, start, rows).narrow(1, 0, start + rows);
     at::mm_out(panel, x.narrow(0, start, rows), x.narrow(0, 0, start + rows).t());
-    if (rows != kGramPanel) break;  // the last panel
-  }
+  });
 }
 
 /// Makes lower_gram_into's result symmetric: each panel's part left of its diagonal block is
@@ -131,16 +139,14 @@ void lower_gram_into(at::Tensor& out, const at::Tensor& x) {
 void mirror_gram_panels(at::Tensor& out) {
   const int64_t d = out.size(0);
   if (d < 2 * kGramPanel) return;
-  for (int64_t start = 0; start < d; start += kGramPanel) {
-    const int64_t rows = d - start < 2 * kGramPanel ? d - start : kGramPanel;
+  for_each_gram_panel(d, [&](int64_t start, int64_t rows) {
     auto panel = out.narrow(0, start, rows).narrow(1, 0, start + rows);
     if (start > 0) {
       out.narrow(0, 0, start).narrow(1, start, rows).copy_(panel.narrow(1, 0, start).t());
     }
     auto diagonal = panel.narrow(1, start, rows);
     diagonal.copy_(at::where(lower_mask(rows, out.device()), diagonal, diagonal.t()));
-    if (rows != kGramPanel) break;  // the last panel
-  }
+  });
 }
 
 /// One block's contraction with itself along `dim` into `out` [d, d] (an aligned output): its

@@ -9,14 +9,14 @@ void StepUpdates::route(int64_t block, const at::Tensor& param_view, const at::T
                         ChainBlockTensors& c) {
   const bool distributed = distributor_.distributed();
   // The parameter is read only for weight decay and to write updated values; a copy only for a
-  // non-contiguous block that needs it.
-  const bool in_place = !distributed && param_view.is_contiguous();
-  if (in_place) {
+  // block the chain cannot take where it lies (a column block of a matrix on CUDA).
+  const bool takes_view = chain_takes_view(param_view);
+  if (!distributed && takes_view) {
     c.param = param_view;
     c.param_out = param_view;
     return;
   }
-  if (chain_reads_param(c.scalars)) c.param = param_view.contiguous();
+  if (chain_reads_param(c.scalars)) c.param = takes_view ? param_view : param_view.contiguous();
   const auto buffer = [&] { return staging.defined() ? staging : at::empty_like(c.grad); };
   if (!distributed) {
     c.update_out = buffer();

@@ -1,8 +1,10 @@
 #pragma once
 /// Where the parameters change. Every write to a parameter is routed or done here:
-///   - one process, contiguous block: the chain's post pass adds the update in place;
-///   - one process, other blocks (a column block of a matrix): the update is staged in a row of
-///     the step's own buffers and added to the parameter after the chain (StepUpdates::finish);
+///   - one process, a block the chain takes where it lies (contiguous, or on the CPU a column
+///     block of a matrix; chain_takes_view): the chain's post pass adds the update in place;
+///   - one process, other blocks (a column block of a matrix on CUDA): the update is staged in a
+///     row of the step's own buffers and added to the parameter after the chain
+///     (StepUpdates::finish);
 ///   - distributed: the owner writes the update (or W + U with communicate_params) into the
 ///     Distributor's slot of the block, cast-copied when the communication dtype differs, and
 ///     after the AllGather every rank applies every received block (apply_received);

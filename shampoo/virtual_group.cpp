@@ -357,7 +357,8 @@ ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int
     c.scalars.direction_mode = static_cast<int32_t>(
         direction.kind == ElementwiseDirection::Kind::kSign ? kernels::DirectionMode::kSign
                                                             : kernels::DirectionMode::kDiagonal);
-    c.grad = grad_view.contiguous();  // a column block of a matrix is copied
+    // A column block of a matrix is read where it lies on the CPU, copied on CUDA.
+    c.grad = chain_takes_view(grad_view) ? grad_view : grad_view.contiguous();
   } else {
     push_statistics_scalars(options, t, st->scalars);
     st->amortize.push_back(amortized_at(structure_, t));
@@ -365,11 +366,11 @@ ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int
         matrix_preconditioned_at(structure_, t, preconditioner_->identity_before_amortization()));
     c.gradient_out = st->gradients[i];
     c.filtered_out = st->filtered[i];
-    if (grad_view.is_contiguous()) {
-      c.grad = grad_view;
+    if (chain_takes_view(grad_view)) {
+      c.grad = grad_view;  // on the CPU also a column block of a matrix, read where it lies
     } else {
-      // A column block of a matrix: copied once, straight into its row (the pre pass then reads
-      // and rewrites it in place).
+      // A column block of a matrix on CUDA: copied once, straight into its row (the pre pass then
+      // reads and rewrites it in place).
       c.gradient_out.copy_(grad_view);
       c.grad = c.gradient_out;
     }

@@ -4,7 +4,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
+#include <utility>
 
 #include "shampoo/config.h"
 #include "update/elementwise_chain_cpu.h"
@@ -20,27 +22,71 @@ using WorkItem = kernels::ChainWorkItem;
 
 void check_block(const ChainBlockTensors& b, at::ScalarType dtype, at::Device device) {
   const int64_t numel = b.grad.numel();
-  auto check = [&](const at::Tensor& t, const char* name) {
+  auto check = [&](const at::Tensor& t, const char* name, bool view) {
     if (!t.defined()) return;
     TORCH_CHECK(t.scalar_type() == dtype, "elementwise chain: ", name, " has dtype ",
                 t.scalar_type(), ", expected ", dtype);
     TORCH_CHECK(t.device() == device, "elementwise chain: ", name, " is on ", t.device(),
                 ", expected ", device);
-    TORCH_CHECK(t.is_contiguous(), "elementwise chain: ", name, " must be contiguous");
+    if (view) {
+      TORCH_CHECK(chain_takes_view(t), "elementwise chain: ", name, " (sizes ", t.sizes(),
+                  ", strides ", t.strides(),
+                  ") must be contiguous, or on the CPU rows of at least ", kChainMinRow,
+                  " contiguous elements that do not overlap");
+    } else {
+      TORCH_CHECK(t.is_contiguous(), "elementwise chain: ", name, " must be contiguous");
+    }
     TORCH_CHECK(t.numel() == numel, "elementwise chain: ", name, " has ", t.numel(),
                 " elements, expected ", numel);
   };
-  check(b.grad, "grad");
-  check(b.param, "param");
-  check(b.gradient_out, "gradient_out");
-  check(b.filtered_out, "filtered_out");
-  check(b.filter_state, "filter_state");
-  check(b.diagonal_state, "diagonal_state");
-  check(b.preconditioned, "preconditioned");
-  check(b.momentum_state, "momentum_state");
-  check(b.average_state, "average_state");
-  check(b.param_out, "param_out");
-  check(b.update_out, "update_out");
+  check(b.grad, "grad", true);
+  check(b.param, "param", true);
+  check(b.gradient_out, "gradient_out", false);
+  check(b.filtered_out, "filtered_out", false);
+  check(b.filter_state, "filter_state", false);
+  check(b.diagonal_state, "diagonal_state", false);
+  check(b.preconditioned, "preconditioned", false);
+  check(b.momentum_state, "momentum_state", false);
+  check(b.average_state, "average_state", false);
+  check(b.param_out, "param_out", true);
+  check(b.update_out, "update_out", false);
+}
+
+/// No two elements of `t` share an address: taken by stride, each dimension steps past every
+/// offset the smaller ones reach.
+bool elements_do_not_overlap(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // {stride, size} of the dimensions that vary
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return false;
+    reach += stride * (size - 1);
+  }
+  return true;
+}
+
+/// The offsets (elements) of the rows of a view the chain takes, its dimensions but the last in
+/// row-major order.
+std::vector<int64_t> row_offsets(const at::Tensor& t) {
+  const int64_t outer = t.dim() - 1;
+  const int64_t rows = t.numel() / t.size(-1);
+  std::vector<int64_t> offsets;
+  offsets.reserve(static_cast<size_t>(rows));
+  std::vector<int64_t> index(static_cast<size_t>(outer), 0);
+  int64_t offset = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    offsets.push_back(offset);
+    for (int64_t d = outer - 1; d >= 0; --d) {  // the next row: the last index that can grow
+      offset += t.stride(d);
+      if (++index[d] < t.size(d)) break;
+      offset -= t.stride(d) * t.size(d);
+      index[d] = 0;
+    }
+  }
+  return offsets;
 }
 
 template <typename T>
@@ -80,15 +126,20 @@ bool check_all(const std::vector<ChainBlockTensors>& blocks, at::ScalarType& dty
   return true;
 }
 
+/// The work items of `blocks` (those flagged in `only` when given): chunks of kChainChunk
+/// elements, or where `rows` gives a block's row length (not 0), whole rows of about as many.
 std::vector<WorkItem> make_work(const std::vector<ChainBlockTensors>& blocks,
-                                const std::vector<bool>* only) {
+                                const std::vector<bool>* only,
+                                const std::vector<int64_t>* rows = nullptr) {
   std::vector<WorkItem> items;
   for (size_t i = 0; i < blocks.size(); ++i) {
     if (only != nullptr && !(*only)[i]) continue;
     const int64_t numel = blocks[i].grad.numel();
-    for (int64_t begin = 0; begin < numel; begin += kernels::kChainChunk) {
-      items.push_back(
-          {static_cast<int64_t>(i), begin, std::min(numel, begin + kernels::kChainChunk)});
+    const int64_t row = rows != nullptr ? (*rows)[i] : 0;
+    const int64_t chunk =
+        row == 0 ? kernels::kChainChunk : std::max<int64_t>(1, kernels::kChainChunk / row) * row;
+    for (int64_t begin = 0; begin < numel; begin += chunk) {
+      items.push_back({static_cast<int64_t>(i), begin, std::min(numel, begin + chunk)});
     }
   }
   return items;
@@ -113,6 +164,55 @@ std::vector<kernels::ChainBlock<T>> to_kernel_blocks(const std::vector<ChainBloc
   out.reserve(blocks.size());
   for (const auto& b : blocks) out.push_back(to_kernel_block<T>(b));
   return out;
+}
+
+/// A block on the CPU. Where grad, param or param_out is a view of rows (chain_takes_view), the
+/// passes run it a row at a time: the views' rows at their offsets, every other tensor's rows one
+/// after the other.
+template <typename T>
+struct CpuBlock {
+  kernels::ChainBlock<T> whole;  ///< pointers at element 0
+  int64_t row = 0;               ///< the row length; 0: every tensor contiguous
+  std::vector<int64_t> grad_rows, param_rows, param_out_rows;  ///< the views' row offsets
+};
+
+template <typename T>
+CpuBlock<T> to_cpu_block(const ChainBlockTensors& b) {
+  CpuBlock<T> out;
+  out.whole = to_kernel_block<T>(b);
+  const std::pair<const at::Tensor*, std::vector<int64_t>*> views[] = {
+      {&b.grad, &out.grad_rows}, {&b.param, &out.param_rows}, {&b.param_out, &out.param_out_rows}};
+  for (const auto& [view, rows] : views) {
+    if (!view->defined() || view->is_contiguous()) continue;
+    const int64_t row = view->size(-1);
+    TORCH_CHECK(out.row == 0 || out.row == row, "elementwise chain: views with rows of ", out.row,
+                " and of ", row, " elements in one block");
+    out.row = row;
+    *rows = row_offsets(*view);
+  }
+  return out;
+}
+
+/// Row r of a block of rows: every pointer at the row's first element, numel = the row length.
+template <typename T>
+kernels::ChainBlock<T> row_of(const CpuBlock<T>& b, int64_t r) {
+  auto k = b.whole;
+  k.numel = b.row;
+  const auto shift = [&](auto& pointer, const std::vector<int64_t>* rows) {
+    if (pointer != nullptr) pointer += rows == nullptr || rows->empty() ? r * b.row : (*rows)[r];
+  };
+  shift(k.grad, &b.grad_rows);
+  shift(k.param, &b.param_rows);
+  shift(k.param_out, &b.param_out_rows);
+  shift(k.gradient_out, nullptr);
+  shift(k.filtered_out, nullptr);
+  shift(k.filter_state, nullptr);
+  shift(k.diagonal_state, nullptr);
+  shift(k.preconditioned, nullptr);
+  shift(k.momentum_state, nullptr);
+  shift(k.average_state, nullptr);
+  shift(k.update_out, nullptr);
+  return k;
 }
 
 enum class Pass { kPre, kPost, kFused };
@@ -148,27 +248,54 @@ std::vector<double> norm_partials(const std::vector<ChainBlockTensors>& blocks,
 /// work items in parallel on the CPU.
 template <typename T>
 void run_pass(Pass pass, const std::vector<ChainBlockTensors>& blocks, const at::Device& device) {
-  const auto kblocks = to_kernel_blocks<T>(blocks);
-  const auto items = make_work(blocks, nullptr);
   if (device.is_cuda()) {
     check_cuda_kernels();
     TORCH_CHECK(pass != Pass::kFused, "elementwise chain: the fused pass runs on the CPU only");
 #if SHAMPOO_WITH_CUDA
-    launch_chain_pass_cuda<T>(pass == Pass::kPre, kblocks, items, device);
+    launch_chain_pass_cuda<T>(pass == Pass::kPre, to_kernel_blocks<T>(blocks),
+                              make_work(blocks, nullptr), device);
 #endif
     return;
   }
+  std::vector<CpuBlock<T>> cpu_blocks;
+  std::vector<int64_t> rows;
+  for (const auto& b : blocks) {
+    cpu_blocks.push_back(to_cpu_block<T>(b));
+    rows.push_back(cpu_blocks.back().row);
+  }
+  const auto items = make_work(blocks, nullptr, &rows);
   const auto& tiles = kernels::chain_tiles<T>();
   const auto range = pass == Pass::kPre    ? tiles.pre
                      : pass == Pass::kPost ? tiles.post
                                            : tiles.fused;
-  for_each_item(items,
-                [&](const WorkItem& item) { range(kblocks[item.block], item.begin, item.end); });
+  for_each_item(items, [&](const WorkItem& item) {
+    const auto& b = cpu_blocks[item.block];
+    if (b.row == 0) {
+      range(b.whole, item.begin, item.end);
+      return;
+    }
+    for (int64_t r = item.begin / b.row; r < item.end / b.row; ++r) {
+      range(row_of(b, r), 0, b.row);
+    }
+  });
 }
 
 }  // namespace
 
 bool chain_has_cuda_kernels() { return SHAMPOO_WITH_CUDA != 0; }
+
+namespace {
+std::atomic<bool> views_enabled{true};
+}  // namespace
+
+bool chain_views_enabled() { return views_enabled.load(); }
+void set_chain_views(bool enabled) { views_enabled.store(enabled); }
+
+bool chain_takes_view(const at::Tensor& t) {
+  if (t.is_contiguous()) return true;
+  return chain_views_enabled() && t.device().is_cpu() && t.dim() >= 2 && t.stride(-1) == 1 &&
+         t.size(-1) >= kChainMinRow && elements_do_not_overlap(t);
+}
 
 namespace {
 std::atomic<bool> norms_on_device{true};

@@ -13,8 +13,9 @@
 namespace shampoo::detail {
 
 /// Tensors of one block in the chain; undefined = not used (same meaning as the null pointers of
-/// kernels::ChainBlock). All defined tensors must be contiguous, of one dtype and device, and of
-/// the same numel.
+/// kernels::ChainBlock). All defined tensors must be of one dtype and device and of the same numel,
+/// and contiguous, except that on the CPU grad, param and param_out may be views the chain takes
+/// where they lie (chain_takes_view: a column block of a matrix).
 struct ChainBlockTensors {
   at::Tensor grad;
   at::Tensor param;
@@ -33,6 +34,21 @@ struct ChainBlockTensors {
   at::Tensor graft_ratio;
   kernels::ChainScalars scalars;
 };
+
+/// Whether the chain reads or writes `t` where it lies, as grad, param or param_out: a contiguous
+/// tensor, or on the CPU a view made of rows of its last dimension, each row contiguous and at
+/// least kChainMinRow long, no two elements at one address (a column block of a matrix, whose
+/// gradient and parameter would otherwise be copied before the chain and the update added back
+/// after it). The CPU passes then run such a block a row at a time: the same formulas per element,
+/// so the same bits as over contiguous copies.
+bool chain_takes_view(const at::Tensor& t);
+inline constexpr int64_t kChainMinRow = 64;
+
+/// Whether chain_takes_view accepts views that are not contiguous (default true). false makes the
+/// step copy them in and stage their updates, as it does on CUDA: for tests and benchmarks that
+/// compare the two.
+bool chain_views_enabled();
+void set_chain_views(bool enabled);
 
 /// Pre pass (L2 weight decay, diagonal statistics, filtering) for every block.
 void run_chain_pre(const std::vector<ChainBlockTensors>& blocks);

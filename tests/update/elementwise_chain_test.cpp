@@ -473,6 +473,106 @@ TEST(ElementwiseChainTiles, FusedPassEqualsPreThenPostBitForBit) {
   }
 }
 
+// ----------------------------------------------------------------------------------------------
+// Views of rows (a column block of a matrix), read and written where they lie on the CPU.
+// ----------------------------------------------------------------------------------------------
+
+TEST(ElementwiseChainViews, TakesRowsOfContiguousElementsThatDoNotOverlap) {
+  using shampoo::detail::chain_takes_view;
+  using shampoo::detail::kChainMinRow;
+  const auto m = at::randn({8, 200});
+  EXPECT_TRUE(chain_takes_view(m));
+  EXPECT_TRUE(chain_takes_view(m.narrow(1, 10, 100)));  // a column block
+  EXPECT_TRUE(chain_takes_view(at::randn({4, 30, 150}).narrow(1, 5, 20).narrow(2, 10, 100)));
+  EXPECT_FALSE(chain_takes_view(m.narrow(1, 0, kChainMinRow - 1)));      // rows too short
+  EXPECT_FALSE(chain_takes_view(m.t()));                                 // a transpose
+  EXPECT_FALSE(chain_takes_view(at::randn({1, 100}).expand({5, 100})));  // one row five times
+  EXPECT_FALSE(chain_takes_view(m.as_strided({8, 100}, {50, 1})));       // rows overlap
+  shampoo::detail::set_chain_views(false);
+  EXPECT_FALSE(chain_takes_view(m.narrow(1, 10, 100)));
+  EXPECT_TRUE(chain_takes_view(m));
+  shampoo::detail::set_chain_views(true);
+}
+
+/// A parameter or gradient block cut from a larger tensor: the view and what it is cut from.
+struct CutBlock {
+  at::Tensor whole, view;
+};
+
+/// Block i's view in `whole`: a column block of a 300×260 matrix (rows of 200, several work items
+/// of whole rows, the last one short) or a 3-D block with two sliced dimensions.
+at::Tensor cut_block_view(const at::Tensor& whole, int i) {
+  return i % 2 == 0 ? whole.narrow(1, 30, 200) : whole.narrow(1, 5, 20).narrow(2, 10, 100);
+}
+
+CutBlock cut_block(int i, at::ScalarType dtype) {
+  const auto o = at::TensorOptions().dtype(dtype);
+  auto whole = i % 2 == 0 ? at::randn({300, 260}, o) : at::randn({4, 30, 150}, o);
+  return {whole, cut_block_view(whole, i)};
+}
+
+TEST(ElementwiseChainViews, ViewsGiveTheBitsOfContiguousCopiesAndTouchNothingElse) {
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    for (const auto mode : {DirectionMode::kPreconditioned, DirectionMode::kDiagonal,
+                            DirectionMode::kGraftNorm, DirectionMode::kSign}) {
+      for (const int pass : {0, 1, 2}) {  // pre + norms + post in place; with update_out; fused
+        const bool fused = pass == 2;
+        if (fused && mode == DirectionMode::kGraftNorm) continue;
+        const auto where = std::string(dtype == at::kFloat ? "float" : "double") + ", mode " +
+                           std::to_string(static_cast<int>(mode)) + ", pass " +
+                           std::to_string(pass);
+        at::manual_seed(20 + pass);
+        std::vector<BlockCase> views, copies;
+        std::vector<CutBlock> params, grads;
+        std::vector<at::Tensor> params_before;
+        for (int i = 0; i < 6; ++i) {
+          params.push_back(cut_block(i, dtype));
+          // Blocks 0-3 read the gradient in place too; 4 and 5 only the parameter.
+          grads.push_back(i < 4 ? cut_block(i, dtype) : CutBlock{});
+          params_before.push_back(params.back().whole.clone());
+          const auto& view = params.back().view;
+          const auto o = view.options();
+          BlockCase b;
+          b.grad = i < 4 ? grads.back().view : at::randn(view.sizes(), o);
+          b.param = view;
+          b.filter = at::randn(view.sizes(), o) * 0.1;
+          b.diagonal = at::rand(view.sizes(), o);
+          b.momentum = at::randn(view.sizes(), o) * 0.1;
+          if (!fused) b.preconditioned = at::randn(view.sizes(), o);
+          b.graft_statistics = i % 3 != 2;
+          b.s = scalars_for(i, mode);
+          views.push_back(b);
+        }
+        for (const auto& b : views) {
+          const auto dup = [](const at::Tensor& t) {
+            return t.defined() ? t.clone(at::MemoryFormat::Contiguous) : t;
+          };
+          copies.push_back({dup(b.grad), dup(b.param), dup(b.filter), dup(b.diagonal),
+                            dup(b.momentum), dup(b.preconditioned), b.graft_statistics, b.s});
+        }
+        std::vector<at::Tensor> view_updates, view_filtered, copy_updates, copy_filtered;
+        run_chain(views, pass != 1, view_updates, view_filtered, fused);
+        run_chain(copies, pass != 1, copy_updates, copy_filtered, fused);
+        for (size_t i = 0; i < views.size(); ++i) {
+          const auto block = where + ", block " + std::to_string(i);
+          // The whole tensor: the view holds the copy's result, every other element its own.
+          auto expected = params_before[i].clone();
+          if (pass != 1) {
+            cut_block_view(expected, static_cast<int>(i)).copy_(copies[i].param);
+          }
+          EXPECT_TRUE(bit_equal(params[i].whole, expected)) << block;
+          EXPECT_TRUE(bit_equal(views[i].filter, copies[i].filter)) << block;
+          EXPECT_TRUE(bit_equal(views[i].diagonal, copies[i].diagonal)) << block;
+          EXPECT_TRUE(bit_equal(views[i].momentum, copies[i].momentum)) << block;
+          if (!fused) EXPECT_TRUE(bit_equal(view_filtered[i], copy_filtered[i])) << block;
+          if (pass == 1) EXPECT_TRUE(bit_equal(view_updates[i], copy_updates[i])) << block;
+          if (i < 4) EXPECT_TRUE(bit_equal(views[i].grad, copies[i].grad)) << block;  // read only
+        }
+      }
+    }
+  }
+}
+
 TEST(ElementwiseChainChecks, RejectsMismatchedTensors) {
   ChainBlockTensors c;
   c.grad = at::randn({4});
@@ -484,6 +584,16 @@ TEST(ElementwiseChainChecks, RejectsMismatchedTensors) {
   c.param = at::randn({8}).narrow(0, 0, 8).view({2, 4}).t().reshape({8}).narrow(0, 0, 4);
   c.grad = at::randn({8}).view({4, 2}).select(1, 0);  // not contiguous
   EXPECT_THROW(shampoo::detail::run_chain_pre({c}), c10::Error);
+  // Rows shorter than the chain takes, and a view where only grad, param and param_out may be.
+  c.param = at::Tensor();
+  c.grad = at::randn({4, 20}).narrow(1, 0, 10);
+  c.filtered_out = at::empty({4, 10});
+  EXPECT_THROW(shampoo::detail::run_chain_pre({c}), c10::Error);
+  c.grad = at::randn({2, 80}).narrow(1, 0, 70);
+  c.filtered_out = at::empty({2, 90}).narrow(1, 0, 70);
+  EXPECT_THROW(shampoo::detail::run_chain_pre({c}), c10::Error);
+  c.filtered_out = at::empty({2, 70});
+  EXPECT_NO_THROW(shampoo::detail::run_chain_pre({c}));
 }
 
 }  // namespace

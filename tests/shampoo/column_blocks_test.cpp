@@ -1,0 +1,118 @@
+// Column blocks (a block that is a slice of a matrix's columns, not contiguous) on the CPU: the
+// chain reads their gradient and parameter and adds the update where they lie
+// (update/elementwise_chain.h, chain_takes_view). Checked bit for bit
+// - against the route CUDA takes (gradient copied in, update staged and added after the chain;
+//   set_chain_views(false)), over root-inverse Shampoo with grafting and L2 weight decay,
+//   eigendecomposed Shampoo with Nesterov momentum, Adam as the main preconditioner (the fused
+//   pass) and SGD with iterate averaging;
+// - against the same blocks given as parameters of their own.
+#include <shampoo/shampoo.h>
+
+#include "support/test_support.h"
+#include "update/elementwise_chain.h"
+
+namespace {
+
+using shampoo::DistributedShampoo;
+using shampoo::ShampooOptions;
+using shampoo::testing::bit_equal;
+using shampoo::testing::clone_params;
+using shampoo::testing::snapshot;
+
+constexpr int64_t kMaxDim = 80;
+
+/// A 40×200 matrix (blocks of 80, 80 and 40 columns: rows long enough for the chain to take the
+/// first two where they lie, the third copied), a 3×50×100 weight merged to 150×100 (blocks of 80
+/// and 20 columns) and a vector in two blocks.
+std::vector<at::Tensor> make_params(uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::vector<at::Tensor> params;
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{40, 200}, {3, 50, 100}, {100}}) {
+    params.push_back(at::randn(shape, gen).requires_grad_());
+  }
+  return params;
+}
+
+struct ColumnCase {
+  std::string name;
+  ShampooOptions options;
+};
+
+void PrintTo(const ColumnCase& c, std::ostream* os) { *os << c.name; }
+
+std::vector<ColumnCase> cases() {
+  const auto base =
+      ShampooOptions(0.05).betas({0.9, 0.99}).epsilon(1e-3).max_preconditioner_dim(kMaxDim);
+  return {
+      {"root_inverse_graft_l2", ShampooOptions(base)
+                                    .grafting(shampoo::AdamGraftingConfig{0.99, 1e-8, false})
+                                    .weight_decay(0.1)
+                                    .weight_decay_type(shampoo::WeightDecayType::kL2)
+                                    .momentum(0.5)},
+      {"eigendecomposed_nesterov", ShampooOptions(base)
+                                       .preconditioner(shampoo::EigendecomposedShampooConfig{})
+                                       .weight_decay(0.01)
+                                       .momentum(0.9)
+                                       .use_nesterov(true)},
+      {"adam_main_fused", ShampooOptions(base)
+                              .preconditioner(shampoo::AdamPreconditionerConfig{0.95, 1e-4, false})
+                              .weight_decay(0.1)
+                              .momentum(0.5)},
+      {"sgd_main_averaging", ShampooOptions(base)
+                                 .preconditioner(shampoo::SGDPreconditionerConfig{})
+                                 .weight_decay(0.01)
+                                 .iterate_averaging(shampoo::GeneralizedPrimalAveragingConfig{})},
+  };
+}
+
+class ColumnBlocks : public ::testing::TestWithParam<ColumnCase> {};
+
+TEST_P(ColumnBlocks, InPlaceEqualsCopiedAndStagedBitForBit) {
+  const auto& c = GetParam();
+  auto in_place = make_params(3);
+  auto copied = clone_params(in_place);
+  DistributedShampoo a(in_place, c.options);
+  DistributedShampoo b(copied, c.options);
+  for (int t = 1; t <= 4; ++t) {
+    shampoo::testing::set_random_grads(in_place, 40 + t);
+    shampoo::testing::set_random_grads(copied, 40 + t);
+    const auto grads = snapshot({in_place[0].grad(), in_place[1].grad()});
+    a.step();
+    shampoo::detail::set_chain_views(false);
+    b.step();
+    shampoo::detail::set_chain_views(true);
+    ASSERT_TRUE(bit_equal(snapshot(in_place), snapshot(copied))) << c.name << ", step " << t;
+    // The gradients the chain read where they lie are unchanged.
+    ASSERT_TRUE(bit_equal(snapshot({in_place[0].grad(), in_place[1].grad()}), grads));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, ColumnBlocks, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(ColumnBlocks, EqualTheirBlocksAsParametersBitForBit) {
+  // The 40×200 matrix against its three column blocks as parameters: the same stacks, the same
+  // blocks in the same order, so the same bits.
+  const auto options = cases().front().options;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto matrix = at::randn({40, 200}, gen).requires_grad_();
+  std::vector<at::Tensor> parts;
+  for (const int64_t start : {0, 80, 160}) {
+    parts.push_back(matrix.detach().narrow(1, start, std::min<int64_t>(80, 200 - start)).clone());
+    parts.back().requires_grad_();
+  }
+  DistributedShampoo whole({matrix}, options);
+  DistributedShampoo split(parts, options);
+  for (int t = 1; t <= 4; ++t) {
+    shampoo::testing::set_random_grads({matrix}, 60 + t);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      parts[i].mutable_grad() =
+          matrix.grad().narrow(1, static_cast<int64_t>(80 * i), parts[i].size(1)).clone();
+    }
+    whole.step();
+    split.step();
+    ASSERT_TRUE(bit_equal(matrix.detach(), at::cat(snapshot(parts), 1))) << "step " << t;
+  }
+}
+
+}  // namespace

@@ -10,6 +10,12 @@
 ///                           preconditioner product)
 ///   UnpackSymmetric/n/d     unpack_symmetric of n packed d×d matrices (the packed roots, before
 ///                           each preconditioner product)
+///   ColumnBlockStep/views/fused  DistributedShampoo::step of two 512×2048 matrices in column
+///                           blocks of 512 (Adam as the main preconditioner, β1, momentum, weight
+///                           decay): views 1 = the chain takes the blocks where they lie, 0 = their
+///                           gradients copied in and updates staged (set_chain_views(false), the
+///                           CUDA route); fused 1 = the fused pass, 0 = Adam grafting (three
+///                           passes)
 /// Each runs --repetitions (5) repetitions and reports mean, median, stddev and cv (Google
 /// Benchmark's aggregates); --json PATH writes Google Benchmark's JSON (it becomes
 /// --benchmark_out=PATH
@@ -24,6 +30,7 @@
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
+#include <shampoo/shampoo.h>
 
 #include <cstdint>
 #include <string>
@@ -130,6 +137,29 @@ void ChainNorms(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * 3 * n * d * d * static_cast<int64_t>(sizeof(float)));
 }
 
+void ColumnBlockStep(benchmark::State& state) {
+  const bool views = state.range(0) != 0, fused = state.range(1) != 0;
+  std::vector<at::Tensor> params;
+  for (int i = 0; i < 2; ++i) {
+    params.push_back(at::randn({512, 2048}).requires_grad_());
+    params.back().mutable_grad() = at::randn({512, 2048});
+  }
+  auto options = shampoo::ShampooOptions(1e-3)
+                     .betas({0.9, 0.999})
+                     .epsilon(1e-8)
+                     .momentum(0.5)
+                     .weight_decay(1e-2)
+                     .max_preconditioner_dim(512)
+                     .preconditioner(shampoo::AdamPreconditionerConfig{0.999, 1e-8, false});
+  if (!fused) options.grafting(shampoo::AdamGraftingConfig{0.999, 1e-8, false});
+  shampoo::DistributedShampoo optimizer(params, options);
+  shampoo::detail::set_chain_views(views);
+  for (auto _ : state) optimizer.step();
+  shampoo::detail::set_chain_views(true);
+  state.SetBytesProcessed(state.iterations() * 2 * 512 * 2048 *
+                          static_cast<int64_t>(sizeof(float)));
+}
+
 BENCHMARK(InverseRootEigh)
     ->ArgNames({"n", "d"})
     ->Args({8, 128})
@@ -156,6 +186,14 @@ void contraction_shapes(benchmark::internal::Benchmark* b) {
       ->Unit(benchmark::kMicrosecond)
       ->ReportAggregatesOnly(true);
 }
+BENCHMARK(ColumnBlockStep)
+    ->ArgNames({"views", "fused"})
+    ->Args({0, 1})
+    ->Args({1, 1})
+    ->Args({0, 0})
+    ->Args({1, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->ReportAggregatesOnly(true);
 BENCHMARK(OuterProduct)->Apply(contraction_shapes);
 BENCHMARK(MultiplyAlongDim)->Apply(contraction_shapes);
 BENCHMARK(UnpackSymmetric)

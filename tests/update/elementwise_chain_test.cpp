@@ -564,9 +564,15 @@ TEST(ElementwiseChainViews, ViewsGiveTheBitsOfContiguousCopiesAndTouchNothingEls
           EXPECT_TRUE(bit_equal(views[i].filter, copies[i].filter)) << block;
           EXPECT_TRUE(bit_equal(views[i].diagonal, copies[i].diagonal)) << block;
           EXPECT_TRUE(bit_equal(views[i].momentum, copies[i].momentum)) << block;
-          if (!fused) EXPECT_TRUE(bit_equal(view_filtered[i], copy_filtered[i])) << block;
-          if (pass == 1) EXPECT_TRUE(bit_equal(view_updates[i], copy_updates[i])) << block;
-          if (i < 4) EXPECT_TRUE(bit_equal(views[i].grad, copies[i].grad)) << block;  // read only
+          if (!fused) {
+            EXPECT_TRUE(bit_equal(view_filtered[i], copy_filtered[i])) << block;
+          }
+          if (pass == 1) {
+            EXPECT_TRUE(bit_equal(view_updates[i], copy_updates[i])) << block;
+          }
+          if (i < 4) {  // read only
+            EXPECT_TRUE(bit_equal(views[i].grad, copies[i].grad)) << block;
+          }
         }
       }
     }

@@ -286,6 +286,7 @@ bool chain_has_cuda_kernels() { return SHAMPOO_WITH_CUDA != 0; }
 
 namespace {
 std::atomic<bool> views_enabled{true};
+std::atomic<bool> norms_on_device{true};
 }  // namespace
 
 bool chain_views_enabled() { return views_enabled.load(); }
@@ -296,10 +297,6 @@ bool chain_takes_view(const at::Tensor& t) {
   return chain_views_enabled() && t.device().is_cpu() && t.dim() >= 2 && t.stride(-1) == 1 &&
          t.size(-1) >= kChainMinRow && elements_do_not_overlap(t);
 }
-
-namespace {
-std::atomic<bool> norms_on_device{true};
-}  // namespace
 
 bool chain_norms_on_device() { return norms_on_device.load(); }
 void set_chain_norms_on_device(bool enabled) { norms_on_device.store(enabled); }

@@ -8,8 +8,9 @@
 ///                           Kronecker factor update)
 ///   MultiplyAlongDim/n/d/dim stacked_multiply_along_dim: n d×d blocks times n d×d matrices (the
 ///                           preconditioner product)
-///   UnpackSymmetric/n/d     unpack_symmetric of n packed d×d matrices (the packed roots, before
-///                           each preconditioner product)
+///   UnpackSymmetric/n/d/into unpack_symmetric of n packed d×d matrices (the packed roots, before
+///                           each preconditioner product): into a fresh tensor (0) or into a
+///                           reused one (1, unpack_symmetric_into)
 ///   ColumnBlockStep/views/fused  DistributedShampoo::step of two 512×2048 matrices in column
 ///                           blocks of 512 (Adam as the main preconditioner, β1, momentum, weight
 ///                           decay): views 1 = the chain takes the blocks where they lie, 0 = their
@@ -99,8 +100,15 @@ void MultiplyAlongDim(benchmark::State& state) {
 
 void UnpackSymmetric(benchmark::State& state) {
   const int64_t n = state.range(0), d = state.range(1);
+  const bool into = state.range(2) != 0;
   const auto packed = at::randn({n, shampoo::detail::packed_size(d)});
+  auto scratch = at::empty({n, d, d});
   for (auto _ : state) {
+    if (into) {
+      shampoo::detail::unpack_symmetric_into(scratch, packed);
+      benchmark::DoNotOptimize(scratch.data_ptr());
+      continue;
+    }
     auto dense = shampoo::detail::unpack_symmetric(packed, d);
     benchmark::DoNotOptimize(dense.data_ptr());
   }
@@ -197,10 +205,8 @@ BENCHMARK(ColumnBlockStep)
 BENCHMARK(OuterProduct)->Apply(contraction_shapes);
 BENCHMARK(MultiplyAlongDim)->Apply(contraction_shapes);
 BENCHMARK(UnpackSymmetric)
-    ->ArgNames({"n", "d"})
-    ->Args({8, 128})
-    ->Args({4, 512})
-    ->Args({2, 1024})
+    ->ArgNames({"n", "d", "into"})
+    ->ArgsProduct({{4}, {128, 512, 1024}, {0, 1}})
     ->Unit(benchmark::kMicrosecond)
     ->ReportAggregatesOnly(true);
 

@@ -16,13 +16,11 @@ at::Tensor dim_major(const at::Tensor& block, int64_t dim) {
   return block.movedim(dim, 0).reshape({d, -1});
 }
 
-/// Whether `t` is contiguous and starts on a 64-byte boundary, as a fresh allocation does: as a
-/// BLAS operand or output it rounds as fresh memory would.
+}  // namespace
+
 bool aligned_output(const at::Tensor& t) {
   return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 64 == 0;
 }
-
-}  // namespace
 
 at::Tensor aligned_matrix_operand(const at::Tensor& t) {
   // CPU BLAS and LAPACK take alignment-dependent code paths: the same matrix at another address

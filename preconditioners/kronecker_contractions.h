@@ -12,6 +12,9 @@
 
 namespace shampoo::detail {
 
+/// Whether `t` is contiguous and starts on a 64-byte boundary, as a fresh allocation does: as a
+/// BLAS operand or output it rounds as fresh memory would.
+bool aligned_output(const at::Tensor& t);
 /// `t` itself when it is contiguous and starts on a 64-byte boundary, else a fresh (aligned) copy.
 at::Tensor aligned_matrix_operand(const at::Tensor& t);
 

@@ -33,8 +33,10 @@ bool try_eigh(const at::Tensor& matrix, at::Tensor& eigenvalues, at::Tensor& eig
   } catch (const c10::Error&) {
     return false;
   }
-  return at::isfinite(eigenvalues).all().item<bool>() &&
-         at::isfinite(eigenvectors).all().item<bool>();
+  // stacked_all_finite's one pass on the CPU (at::isfinite(...).all() took 0.85 ms for a 512×512
+  // float32 matrix, a twentieth of its eigh).
+  return stacked_all_finite(eigenvalues.reshape({1, -1}))[0] &&
+         stacked_all_finite(eigenvectors.reshape({1, -1}))[0];
 }
 
 /// Decomposes every matrix of `stack` one at a time (LAPACK's batched results depend on the
@@ -76,6 +78,18 @@ at::Tensor reconstruct(const at::Tensor& eigenvectors, const at::Tensor& powers)
   const auto scaled = (eigenvectors * powers.unsqueeze(0)).contiguous();
   const auto q = aligned_matrix_operand(eigenvectors);
   return at::mm(scaled, q.t());
+}
+
+/// reconstruct() written into `out` [d, d], straight where `out` is an aligned output of the
+/// product's dtype (a slot of a fresh stack is: the product rounds as into a fresh matrix).
+void reconstruct_into(at::Tensor out, const at::Tensor& eigenvectors, const at::Tensor& powers) {
+  if (!aligned_output(out) || out.scalar_type() != eigenvectors.scalar_type()) {
+    out.copy_(reconstruct(eigenvectors, powers));
+    return;
+  }
+  const auto scaled = (eigenvectors * powers.unsqueeze(0)).contiguous();
+  const auto q = aligned_matrix_operand(eigenvectors);
+  at::mm_out(out, scaled, q.t());
 }
 
 /// Q·diag(f(λ))·Qᵀ of every matrix of a stack; `powers` [n, d].
@@ -133,7 +147,10 @@ StackedMatrixResult eigh_inverse_root(const at::Tensor& A, const std::vector<dou
   StackedMatrixResult result;
   const auto eps = per_matrix_scalars(epsilons, A);  // [n, 1, 1]
   const auto eye = at::eye(d, A.options());
-  const auto regularized = A + eye * eps;
+  // A + ε·I as A + 0 (the sum's rounding: −0 becomes +0, as in A + ε·I off the diagonal), then ε
+  // added on the diagonal: the bits of A + eye·ε without its two stack-sized temporaries.
+  auto regularized = at::add(A, 0.0);
+  regularized.diagonal(0, 1, 2).add_(eps.view({n, 1}));
   auto decomposition = decompose(regularized, retry_double_precision);
   result.failed = decomposition.failed;
   result.retried_in_double = decomposition.retried;
@@ -166,7 +183,7 @@ StackedMatrixResult eigh_inverse_root(const at::Tensor& A, const std::vector<dou
       // matrix must not depend on where its eigenvalues sit in a larger tensor.
       const auto powers = root_powers(decomposition.eigenvalues[i].clone(), eps_row[i],
                                       exponent_row[i], pseudo_inverse, A.scalar_type());
-      result.values[i].copy_(reconstruct(decomposition.eigenvectors[i], powers));
+      reconstruct_into(result.values[i], decomposition.eigenvectors[i], powers);
     }
   }
   return result;

@@ -1,9 +1,11 @@
 #include "preconditioners/shampoo_preconditioner_list.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "preconditioners/kronecker_contractions.h"
 #include "preconditioners/matrix_functions.h"
+#include "preconditioners/symmetric_matrices.h"
 
 namespace shampoo::detail {
 
@@ -46,7 +48,7 @@ KroneckerFactorList::DimResult ShampooPreconditionerList::compute_dim(int64_t st
   // Newton iterations), and averaging the triangles halves the asymmetric part of that error:
   // in training_test the Newton iterations then end within 0.2% of eigh's loss, where the lower
   // triangle alone ended 3–5% away.
-  result.values = (result.values + result.values.transpose(1, 2)) * 0.5;
+  result.values = symmetric_part(result.values);
   return {{result.values}, std::move(result.failed)};
 }
 
@@ -76,8 +78,11 @@ void ShampooPreconditionerList::precondition(int64_t stack, const Rows& rows,
     }
     return;
   }
-  // One block at a time: the temporaries are block-sized, never a whole stack.
-  // The last product is written straight into the block's slot of `out`.
+  // One block at a time: the temporaries are block-sized, never a whole stack, and allocated once
+  // per call: per dim a matrix the packed root is unpacked into and a block for the product
+  // before the last (fresh 1 MB tensors per block cost their page faults, bench_micro
+  // UnpackSymmetric). The last product is written straight into the block's slot of `out`.
+  std::vector<at::Tensor> root_scratch(dims.size()), product_scratch(dims.size());
   for (int64_t i = 0; i < rows.size(); ++i) {
     auto block = filtered[i];
     auto slot = out[i];
@@ -87,9 +92,12 @@ void ShampooPreconditionerList::precondition(int64_t stack, const Rows& rows,
     }
     for (size_t j = 0; j < dims.size(); ++j) {
       const int64_t k = dims[j];
-      const auto root = roots(stack, k).dense_row(rows.rows[i]).to(dtype);
+      const auto root = roots(stack, k).dense_row(rows.rows[i], root_scratch[j]).to(dtype);
       if (j + 1 < dims.size()) {
-        block = block_multiply_along_dim(block, root, k);
+        if (!product_scratch[j].defined())
+          product_scratch[j] = at::empty(block.sizes(), block.options());
+        block_multiply_along_dim_out(product_scratch[j], block, root, k);
+        block = product_scratch[j];
       } else {
         block_multiply_along_dim_out(slot, block, root, k);
       }

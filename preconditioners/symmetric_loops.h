@@ -15,4 +15,15 @@ template <typename T>
 void decay_add_packed_rows(T* stored, const T* outer, const T* beta2, const T* weight, int64_t d,
                            int64_t begin, int64_t end);
 
+/// Rows per band of the CPU's tiled loops over symmetric matrices.
+inline constexpr int64_t kSymmetricBand = 32;
+
+/// The symmetric part of one d×d matrix in place, for the band of rows [i0, i1) (i1 − i0 ≤
+/// kSymmetricBand):
+/// x(i, j) and x(j, i) ← (x(i, j) + x(j, i))·0.5 for i ∈ [i0, i1) and j ≥ i, so the diagonal is
+/// (x + x)·0.5. The sum and the product round once each, as ATen's (X + Xᵀ) * 0.5 does. Bands
+/// touch disjoint entries: a matrix's bands may run in parallel.
+template <typename T>
+void symmetric_part_band(T* x, int64_t d, int64_t i0, int64_t i1);
+
 }  // namespace shampoo::detail

@@ -30,6 +30,10 @@ constexpr int64_t packed_size(int64_t d) { return d * (d + 1) / 2; }
 at::Tensor pack_lower(const at::Tensor& dense);
 /// The symmetric matrices [..., d, d] whose lower triangles `packed` [..., d(d+1)/2] holds.
 at::Tensor unpack_symmetric(const at::Tensor& packed, int64_t d);
+/// unpack_symmetric into `out` [..., d, d] (as many matrices as `packed` holds): no allocation on
+/// the CPU where `out` is contiguous and of packed's dtype (a scratch matrix reused block after
+/// block: a fresh 1 MB matrix costs its page faults, more than the copy), else through a copy.
+void unpack_symmetric_into(at::Tensor& out, const at::Tensor& packed);
 /// The packed factor update in one pass over memory: for `stored` [n, d(d+1)/2] (packed rows,
 /// contiguous, float or double), `outer` [n, d, d], and `beta2` and `weight` of n entries each
 /// (contiguous, one per row), stored ← beta2·stored + pack(weight·outer), each product and the sum
@@ -40,6 +44,9 @@ bool decay_add_packed_(at::Tensor& stored, const at::Tensor& outer, const at::Te
                        const at::Tensor& weight);
 /// Copies the lower triangle of each matrix of `dense` [..., d, d] onto its upper triangle.
 void mirror_lower_(at::Tensor& dense);
+/// (X + Xᵀ) * 0.5 of each matrix of `dense` [..., d, d], with ATen's bits: in place and returned
+/// on the CPU for contiguous float and double stacks (one tiled pass), else a new tensor.
+at::Tensor symmetric_part(at::Tensor dense);
 
 /// Stored entries per int8 scale of a CompactState::kInt8 stack.
 inline constexpr int64_t kCompactGroup = 64;
@@ -71,6 +78,10 @@ class SymmetricMatrices {
   at::Tensor dense(const Rows& rows) const;
   /// Matrix `row` as [d, d] (read-only, as dense()).
   at::Tensor dense_row(int64_t row) const;
+  /// Matrix `row` as dense_row(row), unpacked into `scratch` where the stack is packed and not
+  /// compact (then `scratch` is returned; it is allocated [d, d] here when undefined), so a loop
+  /// over rows reuses one matrix. Dense and compact stacks ignore `scratch`.
+  at::Tensor dense_row(int64_t row, at::Tensor& scratch) const;
   /// Writes the lower triangle of `value` [d, d] into matrix `row` (mirrored when dense).
   void assign_row(int64_t row, const at::Tensor& value);
 

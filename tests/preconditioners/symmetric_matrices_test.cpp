@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 #include <string>
 
@@ -56,16 +57,61 @@ TEST_P(SymmetricRoundTrip, UnpackOfPackIsTheMirroredUpperTriangle) {
   EXPECT_TRUE(bit_equal(in_place, mirrored(a)));
   // A symmetric matrix survives pack and unpack unchanged.
   EXPECT_TRUE(bit_equal(unpack_symmetric(pack_lower(unpacked), d), unpacked));
+  // Into a reused tensor: the same bits, every entry written (it starts as NaN).
+  auto into = at::full({3, 2, d, d}, std::numeric_limits<double>::quiet_NaN(), a.options());
+  shampoo::detail::unpack_symmetric_into(into, packed);
+  EXPECT_TRUE(bit_equal(into, mirrored(a)));
+}
+
+TEST(SymmetricLayout, UnpackKeepsTheBitsOfNaNsAndSubnormals) {
+  // A copy, no arithmetic: NaN payloads, −0 and subnormals come out as they went in.
+  const int64_t d = 40;
+  auto bits = at::randint(0, 1 << 30, {d, d}, at::kInt);
+  bits[3][1] = 0x7fc01234;                            // a quiet NaN with a payload
+  bits[20][7] = std::numeric_limits<int32_t>::min();  // −0: the sign bit alone
+  bits[39][38] = 0x00000001;                          // the smallest subnormal
+  bits[35][2] = 0x7fa00001;                           // a signalling NaN
+  const auto a = bits.view(at::kFloat);
+  const auto unpacked = unpack_symmetric(pack_lower(a), d);
+  EXPECT_TRUE(at::equal(unpacked.view(at::kInt), mirrored(bits)));
+  auto in_place = a.clone();
+  mirror_lower_(in_place);
+  EXPECT_TRUE(at::equal(in_place.view(at::kInt), mirrored(bits)));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     DtypesAndSizes, SymmetricRoundTrip,
     ::testing::Combine(::testing::Values(at::kFloat, at::kDouble, at::kBFloat16, at::kHalf),
-                       ::testing::Values(1, 2, 5, 64, 129)),
+                       // Around the CPU copies' 8×8 register blocks and 32-row bands:
+                       // partial blocks on the diagonal and at the right edge, short bands.
+                       ::testing::Values(1, 2, 5, 8, 9, 31, 33, 64, 129, 200)),
     [](const auto& info) {
       return shampoo::testing::test_name(std::string(c10::toString(std::get<0>(info.param))) + "_" +
                                          std::to_string(std::get<1>(info.param)));
     });
+
+TEST(SymmetricLayout, SymmetricPartHasTheBitsOfTheAtenExpression) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    for (const int64_t d : {1, 2, 5, 31, 32, 33, 100, 130}) {
+      auto a = at::randn({3, d, d}, gen).to(dtype) * 1e3;
+      // Entries whose sum overflows (the diagonal's x + x too), a NaN and infinities.
+      const double big = dtype == at::kFloat ? 3e38 : 1.7e308;
+      a[0][0][0] = big;
+      a[1][d - 1][0] = big;
+      a[1][0][d - 1] = big;
+      a[2][d / 2][d / 3] = std::numeric_limits<double>::quiet_NaN();
+      a[2][d - 1][d - 1] = -std::numeric_limits<double>::infinity();
+      const auto expected = (a + a.transpose(-2, -1)) * 0.5;
+      auto in_place = a.clone();
+      const auto out = shampoo::detail::symmetric_part(in_place);
+      EXPECT_TRUE(out.is_same(in_place)) << "a contiguous CPU stack is changed in place";
+      EXPECT_TRUE(bit_equal(out, expected)) << c10::toString(dtype) << " d " << d;
+      // A transposed view goes through ATen.
+      EXPECT_TRUE(bit_equal(shampoo::detail::symmetric_part(a.transpose(-2, -1)), expected));
+    }
+  }
+}
 
 class SymmetricStack : public ::testing::TestWithParam<bool /*packed*/> {};
 

@@ -251,10 +251,6 @@ void ShampooEngine::check_groups(
 
 namespace {
 
-/// max |entry| of each tensor, in double; NaN when a tensor holds a NaN. On CUDA one
-/// _foreach_norm(inf); on the CPU one aminmax pass per tensor (max(−min, max), exact like the
-/// norm): the CPU inf-norm reduction took ~20× as long for 4.2M entries on one thread (11.5 ms
-/// against 0.55, issue 28's profile), as long as a whole torch::optim::Adam step.
 /// The error of the ranks whose step did not fail: which failed, and why nothing changed.
 std::string failed_ranks_message(const std::vector<int>& failed, const char* why_unchanged) {
   return fmt::format(
@@ -263,6 +259,10 @@ std::string failed_ranks_message(const std::vector<int>& failed, const char* why
       fmt::join(failed, ", "), why_unchanged);
 }
 
+/// max |entry| of each tensor, in double; NaN when a tensor holds a NaN. On CUDA one
+/// _foreach_norm(inf); on the CPU one aminmax pass per tensor (max(−min, max), exact like the
+/// norm): the CPU inf-norm reduction took ~20× as long for 4.2M entries on one thread (11.5 ms
+/// against 0.55, issue 28's profile), as long as a whole torch::optim::Adam step.
 std::vector<double> max_abs_entries(const std::vector<at::Tensor>& tensors) {
   const bool on_cpu = std::all_of(tensors.begin(), tensors.end(),
                                   [](const at::Tensor& t) { return t.device().is_cpu(); });

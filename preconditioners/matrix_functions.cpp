@@ -73,23 +73,17 @@ Decomposition decompose(const at::Tensor& stack, bool retry_double_precision) {
   return out;
 }
 
-/// Q·diag(f(λ))·Qᵀ of one matrix; `powers` [d].
-at::Tensor reconstruct(const at::Tensor& eigenvectors, const at::Tensor& powers) {
+/// Q·diag(f(λ))·Qᵀ of one matrix (`powers` [d]) written into `out` [d, d]: straight where `out` is
+/// an aligned output of the product's dtype (a slot of a fresh stack is: the product rounds as
+/// into a fresh matrix), else through a copy (e.g. a float64 retry into a float32 stack).
+void reconstruct_into(at::Tensor out, const at::Tensor& eigenvectors, const at::Tensor& powers) {
   const auto scaled = (eigenvectors * powers.unsqueeze(0)).contiguous();
   const auto q = aligned_matrix_operand(eigenvectors);
-  return at::mm(scaled, q.t());
-}
-
-/// reconstruct() written into `out` [d, d], straight where `out` is an aligned output of the
-/// product's dtype (a slot of a fresh stack is: the product rounds as into a fresh matrix).
-void reconstruct_into(at::Tensor out, const at::Tensor& eigenvectors, const at::Tensor& powers) {
-  if (!aligned_output(out) || out.scalar_type() != eigenvectors.scalar_type()) {
-    out.copy_(reconstruct(eigenvectors, powers));
+  if (aligned_output(out) && out.scalar_type() == scaled.scalar_type()) {
+    at::mm_out(out, scaled, q.t());
     return;
   }
-  const auto scaled = (eigenvectors * powers.unsqueeze(0)).contiguous();
-  const auto q = aligned_matrix_operand(eigenvectors);
-  at::mm_out(out, scaled, q.t());
+  out.copy_(at::mm(scaled, q.t()));
 }
 
 /// Q·diag(f(λ))·Qᵀ of every matrix of a stack; `powers` [n, d].
@@ -177,7 +171,7 @@ StackedMatrixResult eigh_inverse_root(const at::Tensor& A, const std::vector<dou
       const auto exp_d = exponent_row[i].to(at::kDouble);
       const auto powers_d = root_powers(decomposition.eigenvalues_double[i], eps_d, exp_d,
                                         pseudo_inverse, A.scalar_type());
-      result.values[i].copy_(reconstruct(decomposition.eigenvectors_double[i], powers_d));
+      reconstruct_into(result.values[i], decomposition.eigenvectors_double[i], powers_d);
     } else {
       // Per matrix: vectorized pow and its scalar tail round differently, so the powers of a
       // matrix must not depend on where its eigenvalues sit in a larger tensor.
@@ -457,7 +451,7 @@ at::Tensor stacked_inverse_root_from_eigendecomposition(const at::Tensor& eigenv
     } else if (!batched) {
       const auto powers =
           root_powers(eigenvalues[i].clone(), eps_row[i], exponent_row[i], pseudo_inverse, dtype);
-      out[i].copy_(reconstruct(eigenvectors[i], powers));
+      reconstruct_into(out[i], eigenvectors[i], powers);
     }
   }
   return out;

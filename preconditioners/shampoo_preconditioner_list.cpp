@@ -79,9 +79,9 @@ void ShampooPreconditionerList::precondition(int64_t stack, const Rows& rows,
     return;
   }
   // One block at a time: the temporaries are block-sized, never a whole stack, and allocated once
-  // per call: per dim a matrix the packed root is unpacked into and a block for the product
-  // before the last (fresh 1 MB tensors per block cost their page faults, bench_micro
-  // UnpackSymmetric). The last product is written straight into the block's slot of `out`.
+  // per call rather than per block: per dim a matrix the packed root is unpacked into and a block
+  // for the product before the last. The last product is written straight into the block's slot
+  // of `out`.
   std::vector<at::Tensor> root_scratch(dims.size()), product_scratch(dims.size());
   for (int64_t i = 0; i < rows.size(); ++i) {
     auto block = filtered[i];

@@ -32,7 +32,7 @@ at::Tensor pack_lower(const at::Tensor& dense);
 at::Tensor unpack_symmetric(const at::Tensor& packed, int64_t d);
 /// unpack_symmetric into `out` [..., d, d] (as many matrices as `packed` holds): no allocation on
 /// the CPU where `out` is contiguous and of packed's dtype (a scratch matrix reused block after
-/// block: a fresh 1 MB matrix costs its page faults, more than the copy), else through a copy.
+/// block), else through a copy.
 void unpack_symmetric_into(at::Tensor& out, const at::Tensor& packed);
 /// The packed factor update in one pass over memory: for `stored` [n, d(d+1)/2] (packed rows,
 /// contiguous, float or double), `outer` [n, d, d], and `beta2` and `weight` of n entries each

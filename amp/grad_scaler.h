@@ -68,6 +68,10 @@ struct GradScalerOptions {
   TORCH_ARG(bool, enabled) = true;
   /// Ranks whose found-inf flags are combined (null: this process alone).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group) = {};
+
+ public:
+  /// Every field equal (the process group by identity).
+  bool operator==(const GradScalerOptions&) const = default;
 };
 
 class GradScaler : public BackwardUnscaler {

@@ -330,7 +330,7 @@ void build_data_parallel(Trainer& t) {
   if (config.lr_schedule == LrSchedule::kCosine) {
     // Made before a checkpoint is loaded: its base rates are the configured ones.
     t.scheduler = std::make_unique<CosineAnnealingLr>(
-        lr_optimizer(*t.optimizer), t.sampler.batches_per_epoch() * config.epochs);
+        *t.optimizer, t.sampler.batches_per_epoch() * config.epochs);
   }
 }
 
@@ -371,7 +371,7 @@ void build_fully_sharded(Trainer& t) {
   if (config.lr_schedule == LrSchedule::kCosine) {
     for (auto* optimizer : t.fsdp->optimizers()) {
       t.sharded_schedulers.push_back(std::make_unique<CosineAnnealingLr>(
-          lr_optimizer(*optimizer), t.sampler.batches_per_epoch() * config.epochs));
+          *optimizer, t.sampler.batches_per_epoch() * config.epochs));
     }
   }
 }
@@ -426,10 +426,10 @@ Evaluation evaluate_model(Trainer& t) {
 
 /// The learning rate of the first param group this rank steps (for the metrics).
 double current_lr(Trainer& t) {
-  if (t.optimizer) return lr_optimizer(*t.optimizer).param_groups()[0].options().get_lr();
+  if (t.optimizer) return t.optimizer->param_groups()[0].options().get_lr();
   const auto optimizers = t.fsdp->optimizers();
   if (optimizers.empty()) return t.plans.at(0).lr;  // a rank that owns no parameter
-  return lr_optimizer(*optimizers[0]).param_groups()[0].options().get_lr();
+  return optimizers[0]->param_groups()[0].options().get_lr();
 }
 
 /// The first output line: where this run trains.

@@ -7,7 +7,6 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include <unordered_set>
 #include <utility>
 
 #include "shampoo/shampoo.h"
@@ -77,9 +76,9 @@ bool shards_gradients(const TrainerConfig& config,
   return config.sharding == ShardingMode::kGradients && group && group->getSize() > 1;
 }
 
-/// A torch::optim optimizer over the plans; with gradient sharding a ShardedOptimizer over all
-/// parameters whose local optimizer keeps a group per plan with the parameters this rank owns
-/// (possibly none), so that the groups line up on every rank and in checkpoints.
+/// A torch::optim optimizer over the plans; with gradient sharding a ShardedOptimizer over the
+/// same param groups, whose local optimizer (made by the factory over this rank's share of each
+/// group) gets the groups' options before each step.
 template <typename Optimizer, typename Options>
 std::unique_ptr<torch::optim::Optimizer> make_libtorch_optimizer(
     const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans, const Options& defaults,
@@ -87,32 +86,13 @@ std::unique_ptr<torch::optim::Optimizer> make_libtorch_optimizer(
   if (!shards_gradients(config, group)) {
     return std::make_unique<Optimizer>(make_groups(plans, defaults), defaults);
   }
-  std::vector<at::Tensor> all;
-  for (const auto& plan : plans) all.insert(all.end(), plan.params.begin(), plan.params.end());
-  auto local = [plans, defaults](std::vector<at::Tensor> own) {
-    std::unordered_set<const void*> mine;
-    for (const auto& p : own) mine.insert(p.unsafeGetTensorImpl());
-    auto restricted = plans;
-    for (auto& plan : restricted) {
-      std::vector<at::Tensor> kept;
-      for (const auto& p : plan.params) {
-        if (mine.count(p.unsafeGetTensorImpl()) != 0) kept.push_back(p);
-      }
-      plan.params = std::move(kept);
-    }
-    return std::make_unique<Optimizer>(make_groups(restricted, defaults), defaults);
+  auto local = [defaults](std::vector<at::Tensor> own) {
+    return std::make_unique<Optimizer>(std::move(own), defaults);
   };
-  return std::make_unique<ShardedOptimizer>(all, local, group);
+  return std::make_unique<ShardedOptimizer>(make_groups(plans, defaults), local, group);
 }
 
 }  // namespace
-
-torch::optim::Optimizer& lr_optimizer(torch::optim::Optimizer& optimizer) {
-  if (auto* sharded = dynamic_cast<ShardedOptimizer*>(&optimizer)) {
-    return sharded->local_optimizer();
-  }
-  return optimizer;
-}
 
 std::vector<ParamGroupPlan> plan_param_groups(
     const torch::OrderedDict<std::string, at::Tensor>& named_parameters,

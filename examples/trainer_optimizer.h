@@ -40,10 +40,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
     const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans,
     const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
-/// The optimizer whose param groups hold the learning rates (schedulers, logs): the local one
-/// of a ShardedOptimizer, else `optimizer` itself.
-torch::optim::Optimizer& lr_optimizer(torch::optim::Optimizer& optimizer);
-
 /// One line per group ("conv.weight: lr 0.01, weight decay 0.0001") for the log.
 std::string describe_param_groups(const std::vector<ParamGroupPlan>& plans);
 

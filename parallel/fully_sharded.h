@@ -91,6 +91,10 @@ struct FullyShardedOptions {
   /// The optimizer state and the step on the CPU while the model trains on a GPU: not supported
   /// yet (true is an error that says so).
   TORCH_ARG(bool, offload_state_to_cpu) = false;
+
+ public:
+  /// Every field equal.
+  bool operator==(const FullyShardedOptions&) const = default;
 };
 
 class FullyShardedDataParallel : public DistributedCheckpointable {

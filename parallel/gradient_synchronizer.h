@@ -38,6 +38,10 @@ struct GradientSynchronizerOptions {
   TORCH_ARG(int64_t, bucket_cap_bytes) = 25 * 1024 * 1024;
   /// Copy rank 0's parameter values to every rank at construction.
   TORCH_ARG(bool, broadcast_parameters) = true;
+
+ public:
+  /// Every field equal (as LibTorch's options compare).
+  bool operator==(const GradientSynchronizerOptions&) const = default;
 };
 
 class GradientSynchronizer {

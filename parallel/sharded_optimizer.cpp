@@ -5,6 +5,8 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <algorithm>
+#include <typeinfo>
 #include <unordered_set>
 
 #include "parallel/block_assignment.h"
@@ -14,8 +16,7 @@
 namespace shampoo {
 namespace {
 
-/// Options of the wrapper's own (single) param group; hyperparameters live in the local
-/// optimizer.
+/// A placeholder for the base class's defaults until the local optimizer's are known.
 struct WrapperOptions : torch::optim::OptimizerCloneableOptions<WrapperOptions> {};
 
 /// The local optimizer's type name; an error when its per-parameter state type is unknown.
@@ -33,69 +34,245 @@ int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key
   return detail::read_int_entry(archive, key, "ShardedOptimizer checkpoint");
 }
 
+std::optional<double> lr_of(const torch::optim::OptimizerOptions& options) {
+  // OptimizerOptions::get_lr throws unless the options type overrides it (LibTorch's do).
+  try {
+    return options.get_lr();
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
+}
+
 }  // namespace
+
+void ShardedParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  archive.write("step", c10::IValue(step()));
+  archive.write("owner", c10::IValue(owner()));
+}
+
+void ShardedParamState::serialize(torch::serialize::InputArchive& archive) {
+  step(read_int(archive, "step"));
+  owner(read_int(archive, "owner"));
+}
 
 ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
                                    const OptimizerFactory& factory,
                                    c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : torch::optim::Optimizer(
-          std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(params)},
-          std::make_unique<WrapperOptions>()),
-      params_(std::move(params)),
+    : ShardedOptimizer(
+          std::vector<torch::optim::OptimizerParamGroup>{
+              torch::optim::OptimizerParamGroup(std::move(params))},
+          factory, std::move(group)) {}
+
+ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                                   const OptimizerFactory& factory,
+                                   c10::intrusive_ptr<c10d::ProcessGroup> group)
+    // The base gets no groups: they are registered here, group 0 before the local optimizer
+    // exists (the factory makes it over this rank's share of group 0).
+    : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
+                              std::make_unique<WrapperOptions>()),
       group_(std::move(group)) {
   TORCH_CHECK(group_, "ShardedOptimizer: process group is null");
   TORCH_CHECK(factory, "ShardedOptimizer: the optimizer factory is empty");
-  TORCH_CHECK(!params_.empty(),
-              "ShardedOptimizer: got an empty parameter list (nothing would be trained; pass the "
-              "model's parameters)");
-  const auto dtype = params_.front().scalar_type();
-  const auto device = params_.front().device();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    TORCH_CHECK(params_[i].scalar_type() == dtype && params_[i].device() == device,
-                "ShardedOptimizer: parameter ", i, " is ", params_[i].scalar_type(), " on ",
-                params_[i].device(), ", parameter 0 is ", dtype, " on ", device,
-                "; all parameters must share one dtype and device (one AllGather buffer)");
-    TORCH_CHECK(params_[i].layout() == at::kStrided && params_[i].is_floating_point(),
-                "ShardedOptimizer: parameter ", i, " must be a dense floating-point tensor, got ",
-                params_[i].scalar_type(), " ", params_[i].layout());
-    index_of_[params_[i].unsafeGetTensorImpl()] = i;
+  TORCH_CHECK(!param_groups.empty(),
+              "ShardedOptimizer: no param groups; pass at least one (it may have no parameters)");
+  used_.assign(group_->getSize(), 0);
+  loads_.assign(group_->getSize(), 0);
+  param_groups_.emplace_back(param_groups[0].params());
+  group_sizes_.push_back(0);
+  local_ = factory(register_params(0, 0));
+  TORCH_CHECK(local_ != nullptr, "ShardedOptimizer: the factory returned null");
+  TORCH_CHECK(local_->param_groups().size() == 1, "ShardedOptimizer: the factory made an "
+              "optimizer with ", local_->param_groups().size(),
+              " param groups from one group's parameters; make it build one group, and pass "
+              "your param groups (each with its options) to the ShardedOptimizer constructor");
+  defaults_ = local_->defaults().clone();
+  if (param_groups[0].has_options()) {
+    local_->param_groups()[0].set_options(checked_options(param_groups[0].options(), 0));
   }
+  param_groups_[0].set_options(local_->param_groups()[0].options().clone());
+  pushed_lrs_.push_back(lr_of(param_groups_[0].options()).value_or(0.0));
+  for (size_t g = 1; g < param_groups.size(); ++g) add_param_group(param_groups[g]);
+  write_state_entries();
+}
+
+std::unique_ptr<torch::optim::OptimizerOptions> ShardedOptimizer::checked_options(
+    const torch::optim::OptimizerOptions& options, size_t group) const {
+  TORCH_CHECK(typeid(options) == typeid(*defaults_), "ShardedOptimizer: param group ", group,
+              ": its options are a ", c10::demangle(typeid(options).name()),
+              ", but the factory's optimizer takes ", c10::demangle(typeid(*defaults_).name()),
+              " (give the group options of that type, or none for the factory's defaults)");
+  return options.clone();
+}
+
+std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_t first) {
+  const auto& params = param_groups_[group].params();
   const int world = group_->getSize();
   const int rank = group_->getRank();
-  // Whole parameters, balanced by size (greedy longest-processing-time, the same on every rank).
-  std::vector<int64_t> costs;
-  for (const auto& p : params_) {
-    costs.push_back(detail::block_cost(p.numel(), static_cast<int64_t>(p.element_size())));
+  // Checked here first, then agreed on: a mistake on one rank is an error on every rank.
+  std::string error;
+  const auto fail = [&](size_t i, const std::string& what) {
+    if (error.empty()) {
+      error = "param group " + std::to_string(group) + ": parameter " + std::to_string(i) + " " +
+              what;
+    }
+  };
+  std::unordered_set<const void*> fresh;
+  int64_t numel = 0;
+  for (size_t i = first; i < params.size(); ++i) {
+    const auto& p = params[i];
+    if (!p.defined()) {
+      fail(i, "is undefined");
+      continue;
+    }
+    const auto& model = params_.empty() ? params[first] : params_.front();
+    if (p.layout() != at::kStrided || !p.is_floating_point()) {
+      fail(i, "must be a dense floating-point tensor, got " +
+                  std::string(c10::toString(p.scalar_type())) + " " + c10::str(p.layout()));
+    } else if (!p.is_leaf()) {
+      fail(i, "is not a leaf tensor (can't optimize a non-leaf Tensor)");
+    } else if (model.defined() &&
+               (p.scalar_type() != model.scalar_type() || p.device() != model.device())) {
+      fail(i, "is " + std::string(c10::toString(p.scalar_type())) + " on " + p.device().str() +
+                  ", the first parameter is " + c10::toString(model.scalar_type()) + " on " +
+                  model.device().str() +
+                  "; all parameters must share one dtype and device (one AllGather buffer)");
+    } else if (index_of_.count(p.unsafeGetTensorImpl()) != 0 ||
+               !fresh.insert(p.unsafeGetTensorImpl()).second) {
+      fail(i, "is already one of this optimizer's parameters (a tensor may be added once)");
+    }
+    numel += p.numel();
   }
-  std::vector<int64_t> loads(world, 0);
-  owners_ = detail::assign_owners(costs, world, loads);
-  std::vector<int64_t> used(world, 0);
-  offsets_.resize(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    offsets_[i] = used[owners_[i]];
-    used[owners_[i]] += params_[i].numel();
-  }
-  segment_size_ = *std::max_element(used.begin(), used.end());
-  const auto options = params_.front().options().requires_grad(false);
-  send_ = at::empty({segment_size_}, options);
-  receive_ = at::empty({world * segment_size_}, options);
-
-  // Every rank must shard the same parameters: compare (count, elements) across ranks.
-  std::vector<int64_t> mine{static_cast<int64_t>(params_.size()), 0};
-  for (const auto& p : params_) mine[1] += p.numel();
+  const std::vector<int64_t> mine{error.empty() ? 0 : 1,
+                                  static_cast<int64_t>(params.size() - first), numel};
   const auto all = detail::gather_int64(*group_, mine);
+  TORCH_CHECK(error.empty(), "ShardedOptimizer: ", error);
   for (int r = 0; r < world; ++r) {
-    TORCH_CHECK(all[r] == mine, "ShardedOptimizer: rank ", r, " has ", all[r][0],
-                " parameters with ", all[r][1], " elements, rank ", rank, " has ", mine[0],
-                " with ", mine[1], "; every rank must pass the same parameters");
+    TORCH_CHECK(all[r][0] == 0, "ShardedOptimizer: adding the parameters of param group ", group,
+                " failed on rank ", r, " (its error says why)");
+    TORCH_CHECK(all[r][1] == mine[1] && all[r][2] == mine[2], "ShardedOptimizer: param group ",
+                group, ": rank ", r, " adds ", all[r][1], " parameters with ", all[r][2],
+                " elements, rank ", rank, " adds ", mine[1], " with ", mine[2],
+                "; every rank must pass the same parameters");
   }
-
+  // Whole parameters, balanced by size (greedy longest-processing-time, the same on every rank,
+  // going on from the loads of the parameters registered before).
+  std::vector<int64_t> costs;
+  for (size_t i = first; i < params.size(); ++i) {
+    costs.push_back(
+        detail::block_cost(params[i].numel(), static_cast<int64_t>(params[i].element_size())));
+  }
+  const auto owners = detail::assign_owners(costs, world, loads_);
   std::vector<torch::Tensor> own;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (owners_[i] == rank) own.push_back(params_[i]);
+  for (size_t i = first; i < params.size(); ++i) {
+    const int owner = owners[i - first];
+    index_of_[params[i].unsafeGetTensorImpl()] = params_.size();
+    params_.push_back(params[i]);
+    owners_.push_back(owner);
+    offsets_.push_back(used_[owner]);
+    used_[owner] += params[i].numel();
+    added_at_.push_back(steps_);
+    if (owner == rank) own.push_back(params[i]);
   }
-  local_ = factory(own);
-  TORCH_CHECK(local_ != nullptr, "ShardedOptimizer: the factory returned null");
+  group_sizes_[group] += static_cast<int64_t>(params.size() - first);
+  const int64_t segment = *std::max_element(used_.begin(), used_.end());
+  if (!params_.empty() && (segment != segment_size_ || !send_.defined())) {
+    segment_size_ = segment;
+    const auto options = params_.front().options().requires_grad(false);
+    send_ = at::empty({segment_size_}, options);
+    receive_ = at::empty({world * segment_size_}, options);
+  }
+  return own;
+}
+
+void ShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  TORCH_CHECK(!open_, "ShardedOptimizer::add_param_group: a step is in progress (in backward); "
+              "add groups between steps");
+  register_added_params();
+  const size_t g = param_groups_.size();
+  auto options = param_group.has_options() ? checked_options(param_group.options(), g)
+                                           : defaults_->clone();
+  param_groups_.emplace_back(param_group.params(), std::move(options));
+  try {
+    register_group(g);
+  } catch (...) {  // checked before anything was registered, on every rank alike
+    param_groups_.pop_back();
+    group_sizes_.resize(g);
+    throw;
+  }
+  write_state_entries();
+}
+
+void ShardedOptimizer::register_group(size_t g) {
+  group_sizes_.push_back(0);
+  auto own = register_params(g, 0);
+  local_->add_param_group(
+      torch::optim::OptimizerParamGroup(std::move(own), param_groups_[g].options().clone()));
+  pushed_lrs_.push_back(lr_of(param_groups_[g].options()).value_or(0.0));
+}
+
+void ShardedOptimizer::register_added_params() {
+  // torch::optim::Optimizer::add_param_group and add_parameters are not virtual: through a
+  // base-class reference they append a group (with a copy of its options, or of the defaults)
+  // or parameters (to group 0) without telling this optimizer.
+  bool added = false;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    if (g >= group_sizes_.size()) {
+      param_groups_[g].set_options(checked_options(param_groups_[g].options(), g));
+      register_group(g);
+      added = true;
+    } else if (static_cast<int64_t>(param_groups_[g].params().size()) > group_sizes_[g]) {
+      auto own = register_params(g, static_cast<size_t>(group_sizes_[g]));
+      auto& local_params = local_->param_groups()[g].params();
+      local_params.insert(local_params.end(), own.begin(), own.end());
+      added = true;
+    }
+  }
+  if (added) write_state_entries();
+}
+
+void ShardedOptimizer::push_options_to_local() {
+  auto& local_groups = local_->param_groups();
+  TORCH_INTERNAL_ASSERT(local_groups.size() == param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto local_lr = lr_of(local_groups[g].options());
+    const auto lr = lr_of(param_groups_[g].options());
+    if (local_lr && lr && *local_lr != pushed_lrs_[g]) {
+      // Set on the local optimizer since the last step (the way before param_groups() were the
+      // user's groups): taken over, unless param_groups() changed too.
+      TORCH_CHECK(*lr == pushed_lrs_[g], "ShardedOptimizer: the lr of param group ", g,
+                  " was set both on param_groups() (", *lr, ") and on local_optimizer() (",
+                  *local_lr, ") since the last step; set it on param_groups() alone");
+      param_groups_[g].options().set_lr(*local_lr);
+    }
+    local_groups[g].set_options(param_groups_[g].options().clone());
+    pushed_lrs_[g] = lr_of(param_groups_[g].options()).value_or(0.0);
+  }
+}
+
+void ShardedOptimizer::pull_options_from_local() {
+  const auto& local_groups = local_->param_groups();
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    param_groups_[g].set_options(local_groups[g].options().clone());
+    pushed_lrs_[g] = lr_of(param_groups_[g].options()).value_or(0.0);
+  }
+}
+
+void ShardedOptimizer::write_state_entries() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& entry = state_[params_[i].unsafeGetTensorImpl()];
+    auto* mine = dynamic_cast<ShardedParamState*>(entry.get());
+    if (mine == nullptr) {
+      entry = std::make_unique<ShardedParamState>();
+      mine = static_cast<ShardedParamState*>(entry.get());
+    }
+    mine->step(steps_ - added_at_[i]).owner(owners_[i]);
+  }
+}
+
+void ShardedOptimizer::check_has_params(const char* function) const {
+  TORCH_CHECK(!params_.empty(), "ShardedOptimizer::", function,
+              ": the optimizer has no parameters (it was built with an empty parameter list and "
+              "none were added since); add them with add_param_group first");
 }
 
 std::optional<int> ShardedOptimizer::owner_of(const at::Tensor& param) const {
@@ -113,8 +290,13 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
     c10::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  register_added_params();
+  check_has_params("step()");
+  push_options_to_local();
   local_->step();
   all_gather();
+  ++steps_;
+  write_state_entries();
   return loss;
 }
 
@@ -145,6 +327,9 @@ void ShardedOptimizer::set_in_backward(bool in_backward) {
 
 void ShardedOptimizer::begin_backward_step() {
   TORCH_CHECK(!open_, "ShardedOptimizer: a backward step is already open");
+  register_added_params();
+  check_has_params("step (in backward)");
+  push_options_to_local();
   open_ = true;
   journal_.clear();
 }
@@ -184,6 +369,8 @@ void ShardedOptimizer::finish_backward_step() {
   open_ = false;
   journal_.clear();
   all_gather();
+  ++steps_;
+  write_state_entries();
 }
 
 void ShardedOptimizer::abort_backward_step() {
@@ -199,10 +386,20 @@ void ShardedOptimizer::abort_backward_step() {
   open_ = false;
 }
 
+void ShardedOptimizer::sync_before_save() const {
+  // What was appended through the base class and options set since the last step are saved too.
+  auto& self = const_cast<ShardedOptimizer&>(*this);
+  self.register_added_params();
+  self.push_options_to_local();
+}
+
 void ShardedOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  sync_before_save();
   archive.write("world_size", c10::IValue(static_cast<int64_t>(group_->getSize())));
   archive.write("rank", c10::IValue(static_cast<int64_t>(group_->getRank())));
   archive.write("num_params", c10::IValue(static_cast<int64_t>(params_.size())));
+  archive.write("steps", c10::IValue(steps_));
+  archive.write("param_steps", param_steps(), /*is_buffer=*/true);
   torch::serialize::OutputArchive inner;
   local_->save(inner);
   archive.write("local", inner);
@@ -222,14 +419,51 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(value.toInt() == static_cast<int64_t>(params_.size()),
               "ShardedOptimizer::load: written for ", value.toInt(), " parameters, this one has ",
               params_.size());
+  const auto counts = read_param_steps(archive, "ShardedOptimizer::load");
   torch::serialize::InputArchive inner;
   archive.read("local", inner);
   local_->load(inner);
+  pull_options_from_local();
+  restore_param_steps(counts);
+}
+
+at::Tensor ShardedOptimizer::param_steps() const {
+  std::vector<int64_t> counts;
+  for (const auto added : added_at_) counts.push_back(steps_ - added);
+  return at::tensor(counts, at::TensorOptions().dtype(at::kLong));
+}
+
+std::optional<std::pair<int64_t, std::vector<int64_t>>> ShardedOptimizer::read_param_steps(
+    torch::serialize::InputArchive& archive, const char* who) const {
+  c10::IValue steps;
+  if (!archive.try_read("steps", steps)) return std::nullopt;  // written before they were kept
+  at::Tensor counts;
+  TORCH_CHECK(steps.isInt() && archive.try_read("param_steps", counts, /*is_buffer=*/true) &&
+                  counts.numel() == static_cast<int64_t>(params_.size()),
+              who, ": the entries 'steps' and 'param_steps' are damaged");
+  const auto flat = counts.to(at::kLong).contiguous();
+  return std::make_pair(
+      steps.toInt(),
+      std::vector<int64_t>(flat.data_ptr<int64_t>(), flat.data_ptr<int64_t>() + flat.numel()));
+}
+
+void ShardedOptimizer::restore_param_steps(
+    const std::optional<std::pair<int64_t, std::vector<int64_t>>>& saved) {
+  if (saved) {
+    steps_ = saved->first;
+    for (size_t i = 0; i < params_.size(); ++i) added_at_[i] = steps_ - saved->second[i];
+  }
+  write_state_entries();
 }
 
 void ShardedOptimizer::save_common(torch::serialize::OutputArchive& common) const {
+  sync_before_save();
   common.write("local_type", c10::IValue(local_type(*local_)));
   detail::write_param_shapes(common, params_);
+  common.write("group_sizes", at::tensor(group_sizes_, at::TensorOptions().dtype(at::kLong)),
+               /*is_buffer=*/true);
+  common.write("steps", c10::IValue(steps_));
+  common.write("param_steps", param_steps(), /*is_buffer=*/true);
   const auto& groups = local_->param_groups();
   common.write("num_local_groups", c10::IValue(static_cast<int64_t>(groups.size())));
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -260,11 +494,21 @@ std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArch
               "ShardedOptimizer checkpoint: entry 'local_type' is missing");
   TORCH_CHECK(saved_type.toStringRef() == type, "ShardedOptimizer checkpoint: written for a ",
               saved_type.toStringRef(), " on every shard, this one shards a ", type);
+  register_added_params();
   detail::check_param_shapes(common, params_, "ShardedOptimizer checkpoint");
   const auto& groups = local_->param_groups();
   TORCH_CHECK(read_int(common, "num_local_groups") == static_cast<int64_t>(groups.size()),
-              "ShardedOptimizer checkpoint: the local optimizer had ",
-              read_int(common, "num_local_groups"), " param groups, this one has ", groups.size());
+              "ShardedOptimizer checkpoint: it has ", read_int(common, "num_local_groups"),
+              " param groups, this optimizer has ", groups.size());
+  at::Tensor sizes;
+  if (common.try_read("group_sizes", sizes, /*is_buffer=*/true)) {
+    TORCH_CHECK(at::equal(sizes.to(at::kLong),
+                          at::tensor(group_sizes_, at::TensorOptions().dtype(at::kLong))),
+                "ShardedOptimizer checkpoint: its param groups hold ", sizes,
+                " parameters, this optimizer's hold ", group_sizes_);
+  }
+  auto counts = std::make_shared<std::optional<std::pair<int64_t, std::vector<int64_t>>>>(
+      read_param_steps(common, "ShardedOptimizer checkpoint"));
   // Shared by the installer (std::function needs a copyable callable).
   auto options = std::make_shared<std::vector<std::unique_ptr<torch::optim::OptimizerOptions>>>();
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -290,7 +534,7 @@ std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArch
     }
     states->emplace_back(params_[i].unsafeGetTensorImpl(), std::move(state));
   }
-  return [this, options, states] {
+  return [this, options, states, counts] {
     auto& local_groups = local_->param_groups();
     for (size_t g = 0; g < local_groups.size(); ++g) {
       local_groups[g].set_options(std::move((*options)[g]));
@@ -299,6 +543,8 @@ std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArch
       local_->state().erase(key);
       if (state) local_->state()[key] = std::move(state);
     }
+    pull_options_from_local();
+    restore_param_steps(*counts);
   };
 }
 

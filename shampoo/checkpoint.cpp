@@ -320,6 +320,7 @@ void ShampooEngine::install(PreparedLoad& prepared,
 
 void ShampooEngine::load(torch::serialize::InputArchive& archive,
                          std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  register_added_params(groups);
   check_groups(groups);
   check_header(archive, *distributor_);
   torch::serialize::InputArchive all_blocks;
@@ -340,6 +341,7 @@ void ShampooEngine::load(torch::serialize::InputArchive& archive,
 std::function<void()> ShampooEngine::prepare_load(
     torch::serialize::InputArchive& common, PieceReader& pieces,
     std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  register_added_params(groups);
   check_groups(groups);
   TORCH_CHECK(!transaction_.is_open(),
               "checkpoint: cannot load while a step is open (in backward)");

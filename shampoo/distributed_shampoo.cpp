@@ -24,14 +24,43 @@ DistributedShampoo::DistributedShampoo(std::vector<torch::optim::OptimizerParamG
       engine_(std::make_unique<detail::ShampooEngine>(defaults, std::move(distributed))) {
   // Once per optimizer, over all groups (a group of biases alone has a large ratio), before the
   // groups are registered and their state allocated.
-  size_t num_params = 0;
-  for (const auto& group : param_groups) num_params += group.params().size();
-  TORCH_CHECK(num_params > 0, "DistributedShampoo: got an empty parameter list (",
-              param_groups.size(),
-              " param groups, no parameters), so nothing would be trained; pass the model's "
-              "parameters (model->parameters())");
   detail::warn_if_state_is_large(param_groups, defaults);
   for (const auto& group : param_groups) add_param_group(group);
+}
+
+void ShampooParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  archive.write("step", c10::IValue(step()));
+  archive.write("param_group", c10::IValue(param_group()));
+  archive.write("num_blocks", c10::IValue(num_blocks()));
+}
+
+void ShampooParamState::serialize(torch::serialize::InputArchive& archive) {
+  for (auto [name, field] : {std::pair{"step", &step_}, std::pair{"param_group", &param_group_},
+                             std::pair{"num_blocks", &num_blocks_}}) {
+    c10::IValue value;
+    TORCH_CHECK(archive.try_read(name, value) && value.isInt(), "ShampooParamState: entry '", name,
+                "' is missing or not an int");
+    *field = value.toInt();
+  }
+}
+
+void DistributedShampoo::sync_groups_and_state() {
+  engine_->register_added_params(param_groups_);
+  write_state_entries();
+}
+
+void DistributedShampoo::write_state_entries() {
+  for (const auto& summary : engine_->param_summaries()) {
+    auto& entry = state_[summary.param.unsafeGetTensorImpl()];
+    auto* mine = dynamic_cast<ShampooParamState*>(entry.get());
+    if (mine == nullptr) {
+      entry = std::make_unique<ShampooParamState>();
+      mine = static_cast<ShampooParamState*>(entry.get());
+    }
+    mine->step(engine_->group_step(static_cast<size_t>(summary.group)))
+        .param_group(summary.group)
+        .num_blocks(summary.num_blocks);
+  }
 }
 
 DistributedShampoo::~DistributedShampoo() = default;
@@ -43,6 +72,7 @@ void DistributedShampoo::add_param_group(const torch::optim::OptimizerParamGroup
               "DistributedShampoo::add_param_group: a step is in progress (optimizer-in-backward "
               "during loss.backward()); add groups between steps");
   engine_->add_group(param_group, param_groups_);
+  write_state_entries();
 }
 
 torch::Tensor DistributedShampoo::step(LossClosure closure) {
@@ -56,7 +86,14 @@ torch::Tensor DistributedShampoo::step(LossClosure closure) {
   }
   c10::NoGradGuard no_grad;
   RECORD_USER_SCOPE("shampoo::step");
-  engine_->step(param_groups_);
+  sync_groups_and_state();
+  try {
+    engine_->step(param_groups_);
+  } catch (...) {
+    write_state_entries();
+    throw;
+  }
+  write_state_entries();
   return loss;
 }
 
@@ -64,6 +101,7 @@ bool DistributedShampoo::backward_step_open() const { return engine_->step_open(
 
 void DistributedShampoo::begin_backward_step() {
   c10::NoGradGuard no_grad;
+  sync_groups_and_state();
   engine_->begin_step(param_groups_, /*incremental=*/true);
 }
 
@@ -82,20 +120,33 @@ void DistributedShampoo::step_parameters(const std::vector<torch::Tensor>& param
 
 void DistributedShampoo::finish_backward_step() {
   c10::NoGradGuard no_grad;
-  engine_->finish_step();
+  try {
+    engine_->finish_step();
+  } catch (...) {
+    write_state_entries();
+    throw;
+  }
+  write_state_entries();
 }
 
 void DistributedShampoo::abort_backward_step() {
   c10::NoGradGuard no_grad;
   engine_->abort_step();
+  write_state_entries();
 }
 
+// Saving registers what the base class appended first (a collective in distributed mode, as the
+// save itself is), so that the checkpoint holds every group; state() is the optimizer's own
+// bookkeeping, written through the one place that writes it.
 void DistributedShampoo::save(torch::serialize::OutputArchive& archive) const {
+  const_cast<DistributedShampoo&>(*this).sync_groups_and_state();
   engine_->save(archive, param_groups_);
 }
 
 void DistributedShampoo::load(torch::serialize::InputArchive& archive) {
+  sync_groups_and_state();
   engine_->load(archive, param_groups_);
+  write_state_entries();
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> DistributedShampoo::checkpoint_group() const {
@@ -103,6 +154,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> DistributedShampoo::checkpoint_group() co
 }
 
 void DistributedShampoo::save_common(torch::serialize::OutputArchive& common) const {
+  const_cast<DistributedShampoo&>(*this).sync_groups_and_state();
   engine_->save_common(common, param_groups_);
 }
 
@@ -110,16 +162,23 @@ void DistributedShampoo::save_pieces(PieceWriter& pieces) const { engine_->save_
 
 std::function<void()> DistributedShampoo::prepare_load(torch::serialize::InputArchive& common,
                                                        PieceReader& pieces) {
-  return engine_->prepare_load(common, pieces, param_groups_);
+  sync_groups_and_state();
+  auto install = engine_->prepare_load(common, pieces, param_groups_);
+  return [this, install = std::move(install)] {
+    install();
+    write_state_entries();
+  };
 }
 
 void DistributedShampoo::train() {
   c10::NoGradGuard no_grad;
+  sync_groups_and_state();
   engine_->set_eval_mode(false, param_groups_);
 }
 
 void DistributedShampoo::eval() {
   c10::NoGradGuard no_grad;
+  sync_groups_and_state();
   engine_->set_eval_mode(true, param_groups_);
 }
 

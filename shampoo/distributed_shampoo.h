@@ -63,6 +63,31 @@ struct ShampooStats {
   int64_t bytes_received_per_step = 0;
 };
 
+/// The entry of a parameter in DistributedShampoo::state(), LibTorch's per-parameter state map
+/// (keyed by the parameter's TensorImpl): every registered parameter has one, from its
+/// registration on, kept true across steps, loads and added groups. It is a summary: the state
+/// itself (factors, roots, grafting, momentum, by block) stays in the optimizer's virtual
+/// groups, which memory_summary() describes. Replacing or erasing entries changes nothing in the
+/// optimizer (they are written again after the next step).
+struct ShampooParamState : torch::optim::OptimizerCloneableParamState<ShampooParamState> {
+  /// Completed steps of the parameter's param group: the t of its bias corrections and
+  /// amortized computations (Shampoo counts steps per param group; a group's step counts when
+  /// any of its parameters had a gradient).
+  TORCH_ARG(int64_t, step) = 0;
+  /// Index of its param group in param_groups().
+  TORCH_ARG(int64_t, param_group) = 0;
+  /// Blocks the parameter was split into (docs/math.md, "Blocking").
+  TORCH_ARG(int64_t, num_blocks) = 0;
+
+ public:
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+  bool operator==(const ShampooParamState& other) const {
+    return step_ == other.step_ && param_group_ == other.param_group_ &&
+           num_blocks_ == other.num_blocks_;
+  }
+};
+
 class DistributedShampoo : public torch::optim::Optimizer,
                            public PhasedBackwardStep,
                            public DistributedCheckpointable,
@@ -71,7 +96,8 @@ class DistributedShampoo : public torch::optim::Optimizer,
   /// Parameters may be Float, Double, BFloat16 or Half, in any strided layout (a channels_last
   /// conv weight is blocked by its logical shape and updated in its layout); bf16 and fp16
   /// parameters are stepped in float32 (their state and the update are float32, the result is
-  /// rounded into the parameter). An empty parameter list is an error.
+  /// rounded into the parameter). An empty parameter list is accepted, as LibTorch's optimizers
+  /// accept one (add groups later with add_param_group); step() without parameters is an error.
   explicit DistributedShampoo(std::vector<torch::Tensor> params, ShampooOptions defaults = {},
                               DistributedOptions distributed = {});
   explicit DistributedShampoo(std::vector<torch::optim::OptimizerParamGroup> param_groups,
@@ -85,10 +111,12 @@ class DistributedShampoo : public torch::optim::Optimizer,
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   /// Adds a group with its own ShampooOptions (the defaults when it has none). Groups added later
-  /// keep their own step count. Its parameters must share one dtype (Float or Double). Hides
-  /// torch::optim::Optimizer::add_param_group, which is not virtual: called through a base-class
-  /// reference it appends the group (LibTorch 2.11 keeps the group's options) without
-  /// registering its parameters, and the next step() is an error naming the group.
+  /// keep their own step count and merge into a virtual group where their structural options
+  /// allow. Its parameters must share one dtype. Hides torch::optim::Optimizer::add_param_group,
+  /// which is not virtual; a group appended through a base-class reference (or parameters
+  /// appended with the base class's add_parameters, which LibTorch puts into group 0) is
+  /// registered the same way at the next step(), save, load, train() or eval(), and is stepped
+  /// like a group given to the constructor. Collective in distributed mode.
   void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
 
   /// Checkpoints: torch::save(optimizer, path) / torch::load(optimizer, path). Each rank writes
@@ -159,6 +187,11 @@ class DistributedShampoo : public torch::optim::Optimizer,
   void finish_backward_step() override;
   /// Undoes the open backward step (after an error during backward).
   void abort_backward_step() override;
+
+  /// Registers groups and parameters appended through the base class, then writes state()'s
+  /// entries (ShampooParamState) for every registered parameter.
+  void sync_groups_and_state();
+  void write_state_entries();
 
   std::unique_ptr<detail::ShampooEngine> engine_;
   bool in_backward_ = false;

@@ -6,13 +6,13 @@
 
 namespace shampoo::detail {
 
-void ParamRegistry::check_new_params(const std::vector<at::Tensor>& new_params,
-                                     size_t index) const {
+void ParamRegistry::check_new_params(const std::vector<at::Tensor>& new_params, size_t index,
+                                     size_t first) const {
   std::unordered_map<const void*, size_t> seen;
   for (size_t i = 0; i < params.size(); ++i) {
     seen.emplace(params[i].param.unsafeGetTensorImpl(), static_cast<size_t>(params[i].group));
   }
-  for (size_t i = 0; i < new_params.size(); ++i) {
+  for (size_t i = first; i < new_params.size(); ++i) {
     const auto& p = new_params[i];
     TORCH_CHECK(p.defined(), "param group ", index, ": parameter ", i, " is undefined");
     TORCH_CHECK(p.is_floating_point(), "param group ", index, ": parameter ", i, " has dtype ",
@@ -47,7 +47,12 @@ void ParamRegistry::check_new_params(const std::vector<at::Tensor>& new_params,
 
 void ParamRegistry::add(const std::vector<at::Tensor>& new_params, int64_t group,
                         std::vector<BlockPlan> plans) {
-  group_sizes.push_back(static_cast<int64_t>(new_params.size()));
+  if (group == static_cast<int64_t>(group_sizes.size())) {
+    group_sizes.push_back(static_cast<int64_t>(new_params.size()));
+  } else {
+    TORCH_INTERNAL_ASSERT(group >= 0 && group < static_cast<int64_t>(group_sizes.size()));
+    group_sizes[group] += static_cast<int64_t>(new_params.size());
+  }
   for (size_t i = 0; i < new_params.size(); ++i) {
     ParamEntry entry;
     entry.param = new_params[i];

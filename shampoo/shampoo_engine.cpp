@@ -21,16 +21,16 @@
 namespace shampoo::detail {
 
 ShampooOptions& options_of(torch::optim::OptimizerParamGroup& group, size_t index) {
-  auto* options = dynamic_cast<ShampooOptions*>(&group.options());
-  TORCH_CHECK(options != nullptr, "param group ", index,
-              ": options must be shampoo::ShampooOptions");
-  return *options;
+  return const_cast<ShampooOptions&>(
+      options_of(static_cast<const torch::optim::OptimizerParamGroup&>(group), index));
 }
 
 const ShampooOptions& options_of(const torch::optim::OptimizerParamGroup& group, size_t index) {
   const auto* options = dynamic_cast<const ShampooOptions*>(&group.options());
   TORCH_CHECK(options != nullptr, "param group ", index,
-              ": options must be shampoo::ShampooOptions");
+              ": options must be shampoo::ShampooOptions (a group added with another "
+              "optimizer's options, e.g. torch::optim::AdamOptions, cannot be stepped by "
+              "DistributedShampoo)");
   return *options;
 }
 
@@ -89,6 +89,8 @@ ShampooEngine::ShampooEngine(const ShampooOptions& defaults, DistributedOptions 
 
 void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
                               std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  // Groups appended through the base class first, so that this one keeps its index.
+  register_added_params(groups);
   const size_t index = groups.size();
   std::unique_ptr<torch::optim::OptimizerOptions> options;
   if (group.has_options()) {
@@ -99,22 +101,70 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
   } else {
     options = std::make_unique<ShampooOptions>(defaults_);
   }
-  const auto& shampoo_options = static_cast<const ShampooOptions&>(*options);
   try {
-    shampoo_options.validate();
+    static_cast<const ShampooOptions&>(*options).validate();
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "param group ", index, ": ", e.msg());
   }
+  registry_.check_new_params(group.params(), index);
+  block_plans(static_cast<const ShampooOptions&>(*options), group.params(), index,
+              registry_.params.size());
+  groups.emplace_back(group.params(), std::move(options));
+  register_added_params(groups);
+}
 
-  const auto& params = group.params();
-  registry_.check_new_params(params, index);
-  auto plans = block_plans(shampoo_options, params, index, registry_.params.size());
-  groups.emplace_back(params, std::move(options));
-  group_steps_.push_back(0);
-  group_lr_sums_.push_back(0.0);
-  registry_.add(params, static_cast<int64_t>(index), std::move(plans));
+bool ShampooEngine::register_added_params(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  // torch::optim::Optimizer::add_param_group and add_parameters are not virtual: through a
+  // base-class reference they append a group (with a copy of its options, or of the defaults) or
+  // parameters (to group 0) to param_groups() without telling this engine. Whatever was appended
+  // since the last call is registered here, as DistributedShampoo::add_param_group registers it:
+  // checked in full first, then blocks, owners and virtual groups (merged where it can be).
+  const size_t registered = group_steps_.size();
+  struct Added {
+    size_t group;
+    size_t first;  // of the group's parameters, the first not registered
+    std::vector<BlockPlan> plans;
+  };
+  std::vector<Added> added;
+  std::unordered_map<const void*, size_t> claimed;  // among the parameters being added
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& params = groups[g].params();
+    const size_t first = g < registered ? static_cast<size_t>(registry_.group_sizes[g]) : 0;
+    if (g < registered && params.size() <= first) continue;  // fewer: check_groups says so
+    const auto& options = options_of(groups[g], g);
+    if (g >= registered) {
+      try {
+        options.validate();
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "param group ", g, " (added through torch::optim::Optimizer): ",
+                    e.msg());
+      }
+    }
+    registry_.check_new_params(params, g, first);
+    for (size_t i = first; i < params.size(); ++i) {
+      const auto [it, fresh] = claimed.emplace(params[i].unsafeGetTensorImpl(), g);
+      TORCH_CHECK(fresh, "param group ", g, ": parameter ", i, " is also in param group ",
+                  it->second, " (a tensor may belong to one group only)");
+    }
+    const std::vector<at::Tensor> fresh_params(params.begin() + static_cast<int64_t>(first),
+                                               params.end());
+    added.push_back({g, first, block_plans(options, fresh_params, g, registry_.params.size())});
+  }
+  if (added.empty()) return false;
+  for (auto& a : added) {
+    const auto& params = groups[a.group].params();
+    registry_.add(std::vector<at::Tensor>(params.begin() + static_cast<int64_t>(a.first),
+                                          params.end()),
+                  static_cast<int64_t>(a.group), std::move(a.plans));
+    if (a.group >= registered) {
+      group_steps_.push_back(0);
+      group_lr_sums_.push_back(0.0);
+    }
+  }
   check_ranks_agree(*distributor_, groups, registry_);
   rebuild(groups, /*require_all=*/false);
+  return true;
 }
 
 void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -215,15 +265,8 @@ std::map<BlockId, BlockState> ShampooEngine::export_states() const {
 
 void ShampooEngine::check_groups(
     const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
-  // torch::optim::Optimizer::add_param_group (LibTorch 2.11) appends the group with a copy of its
-  // options (or of the defaults), but it is not virtual: the engine never hears of the group.
-  TORCH_CHECK(groups.size() <= group_steps_.size(), "DistributedShampoo: param group ",
-              group_steps_.size(), " is not registered with DistributedShampoo (", groups.size(),
-              " param groups, ", group_steps_.size(),
-              " registered): it was added with torch::optim::Optimizer::add_param_group "
-              "(through a base-class reference) or to param_groups() directly, which keeps its "
-              "options but gives its parameters no blocks and no state; add param groups with "
-              "DistributedShampoo::add_param_group");
+  // Groups and parameters appended through the base class are registered before this check
+  // (register_added_params); what is left is a removal.
   TORCH_CHECK(groups.size() == group_steps_.size(), "DistributedShampoo: ", groups.size(),
               " param groups, but ", group_steps_.size(),
               " were registered; param groups cannot be removed, build a new optimizer instead");
@@ -231,8 +274,8 @@ void ShampooEngine::check_groups(
     TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == registry_.group_sizes[g],
                 "DistributedShampoo: param group ", g, " has ", groups[g].params().size(),
                 " parameters, but ", registry_.group_sizes[g],
-                " were registered; use add_param_group "
-                "to add parameters");
+                " were registered; parameters cannot be removed from a group, build a new "
+                "optimizer instead");
     const auto& options = options_of(groups[g], g);
     const auto& structure = virtual_groups_[group_virtual_[g]]->structural_options();
     const auto* changed = structural_difference(options, structure);
@@ -326,6 +369,11 @@ void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
 void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups,
                                bool incremental) {
   TORCH_CHECK(broken_.empty(), broken_);
+  register_added_params(groups);
+  TORCH_CHECK(!registry_.params.empty(),
+              "DistributedShampoo::step(): the optimizer has no parameters (it was built with an "
+              "empty parameter list and none were added since); add them with add_param_group "
+              "before the first step");
   // A later phase can throw after blocks changed: a later compute call in backward, or in a
   // distributed step that does not agree first, the AllGather (another rank's failure). Then
   // every compute call saves what it changes first. An agreeing step learns every rank's
@@ -363,6 +411,7 @@ void ShampooEngine::set_eval_mode(bool eval,
   TORCH_CHECK(!transaction_.is_open(), "DistributedShampoo: ", eval ? "eval()" : "train()",
               " while a step is open (in backward); switch between steps");
   if (eval == eval_mode_) return;
+  register_added_params(groups);
   check_groups(groups);
   if (!any_averaging()) {
     eval_mode_ = eval;
@@ -592,6 +641,15 @@ std::optional<int> ShampooEngine::param_owner(const at::Tensor& param) const {
                 "optimizer with DistributedOptions().shard_by_parameter(true)");
   }
   return owner;
+}
+
+std::vector<ShampooEngine::ParamSummary> ShampooEngine::param_summaries() const {
+  std::vector<ParamSummary> out;
+  out.reserve(registry_.params.size());
+  for (const auto& entry : registry_.params) {
+    out.push_back({entry.param, entry.group, static_cast<int64_t>(entry.plan.blocks.size())});
+  }
+  return out;
 }
 
 ShampooStats ShampooEngine::stats() const {

@@ -27,6 +27,10 @@ class ShampooEngine {
   /// and rebuilds the virtual groups, keeping the state of existing blocks.
   void add_group(const torch::optim::OptimizerParamGroup& group,
                  std::vector<torch::optim::OptimizerParamGroup>& groups);
+  /// Registers what was appended to `groups` behind the engine's back (through the base class's
+  /// add_param_group or add_parameters) as add_group does; returns whether anything was.
+  /// Collective in distributed mode when it registers something (the ranks' agreement).
+  bool register_added_params(const std::vector<torch::optim::OptimizerParamGroup>& groups);
 
   void step(std::vector<torch::optim::OptimizerParamGroup>& groups);
 
@@ -78,6 +82,14 @@ class ShampooEngine {
   ShampooStats stats() const;
   MemorySummary memory_summary() const;
   int64_t group_step(size_t group) const { return group_steps_.at(group); }
+  /// Per registered parameter, in registration order: (the parameter, its param group, its
+  /// number of blocks).
+  struct ParamSummary {
+    at::Tensor param;
+    int64_t group = 0;
+    int64_t num_blocks = 0;
+  };
+  std::vector<ParamSummary> param_summaries() const;
   const DistributedOptions& distributed_options() const { return distributed_; }
   void set_failure_injector(FailureInjector fn,
                             std::vector<torch::optim::OptimizerParamGroup>& groups);

@@ -142,6 +142,15 @@ bool structurally_equal(const ShampooOptions& a, const ShampooOptions& b) {
   return detail::structural_difference(a, b) == nullptr;
 }
 
+// The table's codes are canonical (two values agree exactly when their codes do), so a field
+// added to the table is compared here without another line.
+bool ShampooOptions::operator==(const ShampooOptions& other) const {
+  for (const auto& field : detail::option_fields()) {
+    if (field.code(*this) != field.code(other)) return false;
+  }
+  return true;
+}
+
 // Every field is written (shampoo/option_fields.cpp): the float ones so a checkpoint restores
 // what a scheduler changed, the structural ones so a load into an optimizer of other structure
 // is refused naming the field.

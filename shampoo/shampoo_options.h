@@ -132,6 +132,10 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
 
   /// Throws c10::Error naming the field, the value and what is allowed.
   void validate() const;
+
+  /// Every field equal, as LibTorch's options compare (e.g. after a load): the fields of the
+  /// options table (shampoo/option_fields.cpp), floats by value (−0 equals 0, a NaN its own bits).
+  bool operator==(const ShampooOptions& other) const;
 };
 
 /// True when `a` and `b` can live in one virtual group: every structural field is equal (they may
@@ -176,6 +180,8 @@ struct DistributedOptions {
 
  public:
   void validate() const;
+  /// Every field equal (the process group by identity).
+  bool operator==(const DistributedOptions&) const = default;
 };
 
 }  // namespace shampoo

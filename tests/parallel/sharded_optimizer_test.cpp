@@ -4,6 +4,8 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/lbfgs.h>
+#include <torch/optim/schedulers/reduce_on_plateau_scheduler.h>
+#include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
@@ -245,6 +247,201 @@ TEST(ShardedErrors, DifferentParametersOnRanks) {
   });
   for (const auto& m : messages)
     EXPECT_NE(m.find("every rank must pass the same"), std::string::npos) << m;
+}
+
+// ----- the user's param groups, through the base class (LibTorch habits) -----
+
+OptimizerFactory adam_factory() {
+  return [](std::vector<torch::Tensor> p) {
+    return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
+  };
+}
+
+/// Two groups over make_params(): the matrices (lr 0.01, weight decay 0.1) and the vectors
+/// (lr 0.03, no weight decay), with AdamOptions.
+std::vector<torch::optim::OptimizerParamGroup> user_groups(const std::vector<at::Tensor>& p) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{p[0], p[2], p[4], p[6]},
+                      std::make_unique<torch::optim::AdamOptions>(
+                          torch::optim::AdamOptions(0.01).weight_decay(0.1)));
+  groups.emplace_back(std::vector<at::Tensor>{p[1], p[3], p[5]},
+                      std::make_unique<torch::optim::AdamOptions>(0.03));
+  return groups;
+}
+
+/// The reference: LibTorch's Adam over the user's groups, 6 steps with StepLR (step 2, γ 0.5)
+/// acting through the base class, in one process.
+std::vector<at::Tensor> reference_with_groups() {
+  auto params = make_params();
+  torch::optim::Adam adam(user_groups(params), torch::optim::AdamOptions(0.01));
+  torch::optim::StepLR scheduler(adam, 2, 0.5);
+  for (int step = 1; step <= 6; ++step) {
+    set_grads(params, step);
+    adam.step();
+    scheduler.step();
+  }
+  return snapshot(params);
+}
+
+TEST(ShardedGroups, UserGroupsAndASchedulerEqualLibTorchsAdamBitForBit) {
+  const auto expected = reference_with_groups();
+  for (const int world : {1, 2, 3}) {
+    run_ranks(world, [&](int rank, const Group& group) {
+      auto params = make_params();
+      ShardedOptimizer sharded(user_groups(params), adam_factory(), group);
+      auto& base = static_cast<torch::optim::Optimizer&>(sharded);
+      ASSERT_EQ(base.param_groups().size(), 2u);
+      EXPECT_EQ(base.param_groups()[1].options().get_lr(), 0.03);
+      EXPECT_EQ(
+          static_cast<torch::optim::AdamOptions&>(base.param_groups()[0].options()).weight_decay(),
+          0.1);
+      torch::optim::StepLR scheduler(base, 2, 0.5);
+      for (int step = 1; step <= 6; ++step) {
+        set_grads(params, step);
+        base.step();
+        scheduler.step();
+      }
+      EXPECT_TRUE(bit_equal(snapshot(params), expected)) << "world " << world << " rank " << rank;
+      EXPECT_DOUBLE_EQ(base.param_groups()[1].options().get_lr(), 0.03 / 4);  // halved at 2 and 4
+    });
+  }
+}
+
+TEST(ShardedGroups, GroupsAddedThroughTheBaseClassAreTrained) {
+  const auto expected = reference_with_groups();
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params();
+    auto groups = user_groups(params);
+    // An empty list first, as LibTorch's own tests build optimizers, then the groups through
+    // the base class.
+    ShardedOptimizer sharded(std::vector<at::Tensor>{}, adam_factory(), group);
+    auto& base = static_cast<torch::optim::Optimizer&>(sharded);
+    base.param_groups()[0].options().set_lr(0.01);
+    base.add_param_group(groups[0]);
+    base.add_param_group(groups[1]);
+    torch::optim::StepLR scheduler(base, 2, 0.5);
+    for (int step = 1; step <= 6; ++step) {
+      set_grads(params, step);
+      base.step();
+      scheduler.step();
+    }
+    EXPECT_TRUE(bit_equal(snapshot(params), expected)) << "rank " << rank;
+  });
+}
+
+TEST(ShardedGroups, AddParametersAndLateGroupsEqualTheConstructorsGroups) {
+  // add_parameters (into group 0, as LibTorch does) and a group added after two steps, through
+  // the base class and through ShardedOptimizer's own add_param_group, equal LibTorch's Adam
+  // given the same calls.
+  const auto late = [](torch::optim::Optimizer& opt, const std::vector<at::Tensor>& p) {
+    for (int step = 1; step <= 5; ++step) {
+      if (step == 3) {
+        opt.add_parameters({p[5]});
+        opt.add_param_group(torch::optim::OptimizerParamGroup(
+            {p[6], p[1]}, std::make_unique<torch::optim::AdamOptions>(0.02)));
+      }
+      set_grads(p, step);
+      opt.step();
+    }
+  };
+  auto reference = make_params();
+  torch::optim::Adam adam(std::vector<at::Tensor>{reference[0], reference[2]},
+                          torch::optim::AdamOptions(0.01));
+  late(adam, reference);
+  for (const bool own_method : {false, true}) {
+    run_ranks(3, [&](int rank, const Group& group) {
+      auto params = make_params();
+      ShardedOptimizer sharded(std::vector<at::Tensor>{params[0], params[2]}, adam_factory(),
+                               group);
+      if (own_method) {
+        for (int step = 1; step <= 5; ++step) {
+          if (step == 3) {
+            static_cast<torch::optim::Optimizer&>(sharded).add_parameters({params[5]});
+            sharded.add_param_group(torch::optim::OptimizerParamGroup(
+                {params[6], params[1]}, std::make_unique<torch::optim::AdamOptions>(0.02)));
+          }
+          set_grads(params, step);
+          sharded.step();
+        }
+      } else {
+        late(sharded, params);
+      }
+      EXPECT_TRUE(bit_equal(snapshot(params), snapshot(reference)))
+          << "own_method " << own_method << " rank " << rank;
+    });
+  }
+}
+
+TEST(ShardedGroups, ReduceLROnPlateauActsOnTheShardedOptimizer) {
+  run_ranks(2, [&](int, const Group& group) {
+    auto params = make_params();
+    ShardedOptimizer sharded(user_groups(params), adam_factory(), group);
+    torch::optim::ReduceLROnPlateauScheduler plateau(
+        sharded, torch::optim::ReduceLROnPlateauScheduler::SchedulerMode::min, 0.5, 1);
+    for (int step = 1; step <= 4; ++step) {
+      set_grads(params, step);
+      sharded.step();
+      plateau.step(1.0f);  // no improvement: the rates halve after the patience runs out
+    }
+    EXPECT_LT(sharded.param_groups()[0].options().get_lr(), 0.01);
+    EXPECT_LT(sharded.local_optimizer().param_groups()[0].options().get_lr(), 0.01)
+        << "the next step copies the rates into the local optimizer";
+  });
+}
+
+TEST(ShardedGroups, StateHasAnEntryPerParameterWithItsStepCount) {
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params();
+    ShardedOptimizer sharded(std::vector<at::Tensor>{params[0], params[1]}, adam_factory(), group);
+    auto& base = static_cast<torch::optim::Optimizer&>(sharded);
+    const auto step_of = [&](const at::Tensor& p) {
+      return dynamic_cast<const shampoo::ShardedParamState&>(
+                 *base.state().at(p.unsafeGetTensorImpl()))
+          .step();
+    };
+    EXPECT_EQ(base.state().size(), 2u);
+    for (int step = 1; step <= 3; ++step) {
+      set_grads(params, step);
+      base.step();
+    }
+    sharded.add_param_group(torch::optim::OptimizerParamGroup({params[2]}));
+    set_grads(params, 4);
+    base.step();
+    EXPECT_EQ(base.state().size(), 3u) << "rank " << rank;
+    EXPECT_EQ(step_of(params[0]), 4);
+    EXPECT_EQ(step_of(params[2]), 1);
+    const auto& entry = dynamic_cast<const shampoo::ShardedParamState&>(
+        *base.state().at(params[2].unsafeGetTensorImpl()));
+    EXPECT_EQ(entry.owner(), *sharded.owner_of(params[2]));
+  });
+}
+
+TEST(ShardedGroups, AnLrSetOnTheLocalOptimizerIsTakenOverOrAClearError) {
+  run_ranks(2, [&](int, const Group& group) {
+    auto params = make_params();
+    ShardedOptimizer sharded(user_groups(params), adam_factory(), group);
+    set_grads(params, 1);
+    sharded.local_optimizer().param_groups()[1].options().set_lr(0.5);  // the old way
+    sharded.step();
+    EXPECT_EQ(sharded.param_groups()[1].options().get_lr(), 0.5);
+    sharded.local_optimizer().param_groups()[1].options().set_lr(0.25);
+    sharded.param_groups()[1].options().set_lr(0.125);
+    shampoo::testing::expect_error([&] { sharded.step(); },
+                                   {"param group 1", "both on param_groups()", "local_optimizer()"});
+  });
+}
+
+TEST(ShardedGroups, StepWithoutParametersAndOptionsOfAnotherTypeAreClearErrors) {
+  run_ranks(1, [&](int, const Group& group) {
+    ShardedOptimizer empty(std::vector<at::Tensor>{}, adam_factory(), group);
+    shampoo::testing::expect_error([&] { empty.step(); }, {"no parameters", "add_param_group"});
+    auto params = make_params();
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(params, std::make_unique<torch::optim::SGDOptions>(0.1));
+    shampoo::testing::expect_error(
+        [&] { ShardedOptimizer wrong(std::move(groups), adam_factory(), group); },
+        {"param group 0", "SGDOptions", "AdamOptions"});
+  });
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// Construction-time checks (field, value, allowed range), per-group options kept (the
-// add_param_group pitfall of LibTorch's base class), lr()/set_lr() and LibTorch's LR schedulers.
+// Construction-time checks (field, value, allowed range), per-group options kept, lr()/set_lr()
+// and LibTorch's LR schedulers. The base class's add_param_group: base_class_api_test.
 #include <ATen/CPUGeneratorImpl.h>
 #include <shampoo/shampoo.h>
 #include <torch/optim/schedulers/step_lr.h>
@@ -111,16 +111,8 @@ TEST(OptionsValidation, BadParameters) {
         DistributedShampoo opt({p, p});
       },
       {"already in param group 0"});
-  // An empty list trains nothing: an error, as in PyTorch's optimizers. (Non-contiguous
-  // parameters, such as channels_last weights, are accepted: mixed_precision_test.)
-  expect_error([] { DistributedShampoo opt(std::vector<at::Tensor>{}); }, {"empty parameter list"});
-  expect_error(
-      [] {
-        std::vector<torch::optim::OptimizerParamGroup> groups;
-        groups.emplace_back(std::vector<at::Tensor>{});
-        DistributedShampoo opt(groups);
-      },
-      {"empty parameter list", "1 param groups"});
+  // An empty list is accepted, as LibTorch's optimizers accept one (base_class_api_test).
+  // Non-contiguous parameters, such as channels_last weights, are accepted: mixed_precision_test.
 }
 
 TEST(MixedDtypes, OneGroupWithFloatAndDoubleIsRefusedAtConstruction) {
@@ -216,32 +208,6 @@ TEST(GroupOptions, EachGroupKeepsItsOwnOptions) {
   EXPECT_EQ(opt.group_options(2).lr(), 0.25);
   EXPECT_EQ(opt.group_options(2).momentum(), 0.5);
   EXPECT_EQ(opt.param_groups()[2].options().get_lr(), 0.25);
-}
-
-TEST(GroupOptions, GroupsAddedThroughTheBaseClassAreReported) {
-  DistributedShampoo opt(params());
-  auto& base = static_cast<torch::optim::Optimizer&>(opt);
-  base.add_param_group(torch::optim::OptimizerParamGroup({at::randn({2}).requires_grad_()}));
-  expect_error([&] { opt.step(); }, {"DistributedShampoo::add_param_group"});
-}
-
-TEST(GroupOptions, BaseClassAddParamGroupKeepsOptionsButRegistersNoParameters) {
-  // What LibTorch 2.11's torch::optim::Optimizer::add_param_group does for a non-builtin options
-  // type: a group with options keeps a copy of them, a group without gets a copy of the
-  // defaults; nothing reaches DistributedShampoo's engine, so the next step() is refused.
-  DistributedShampoo opt(params(), ShampooOptions(0.01));
-  auto& base = static_cast<torch::optim::Optimizer&>(opt);
-  base.add_param_group(torch::optim::OptimizerParamGroup(
-      {at::randn({2}).requires_grad_()},
-      std::make_unique<ShampooOptions>(ShampooOptions(0.5).momentum(0.25))));
-  base.add_param_group(torch::optim::OptimizerParamGroup({at::randn({2}).requires_grad_()}));
-  ASSERT_EQ(opt.param_groups().size(), 3u);
-  EXPECT_EQ(opt.group_options(1).lr(), 0.5);
-  EXPECT_EQ(opt.group_options(1).momentum(), 0.25);
-  EXPECT_EQ(opt.group_options(2).lr(), 0.01);
-  expect_error([&] { opt.step(); },
-               {"param group 1", "torch::optim::Optimizer::add_param_group",
-                "not registered with DistributedShampoo", "DistributedShampoo::add_param_group"});
 }
 
 TEST(GroupOptions, SetLrChangesTheStep) {

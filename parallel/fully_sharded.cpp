@@ -154,6 +154,9 @@ struct ParamSlot {
   int64_t valid_rows(int rank) const {
     return std::clamp<int64_t>(rows - rank * chunk_rows, 0, chunk_rows);
   }
+  /// The first row of `rank`'s chunk, or `rows` for a rank past the last row (a parameter with
+  /// fewer rows than ranks: its chunk is empty, and narrow() wants a start within the rows).
+  int64_t first_row(int rank) const { return std::min(rows, rank * chunk_rows); }
   std::vector<int64_t> shard_sizes(int rank) const {
     auto out = sizes.empty() ? std::vector<int64_t>{1} : sizes;
     out[0] = valid_rows(rank);
@@ -362,7 +365,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
         const int64_t valid = slot.valid_rows(rank);
         slot.shard = slot.param.detach()
                          .reshape({slot.rows, slot.row_numel})
-                         .narrow(0, rank * slot.chunk_rows, valid)
+                         .narrow(0, slot.first_row(rank), valid)
                          .clone()
                          .view(slot.shard_sizes(rank));
         if (lossless() && slot.owner == rank) slot.optimizer = factory({slot.param});
@@ -526,7 +529,13 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     pass_open = false;
     ++passes;
     ++passes_since_step;
-    if (stepping && options.overlap_step()) finish_step();  // the steps are on the worker
+    if (stepping && options.overlap_step()) {
+      finish_step();
+      // The one point where an iteration's steps end: before backward() returns. What the user
+      // does next (a scheduler's step, set_lr, zero_grad, a checkpoint) then never races with a
+      // step on the worker, and options changed between iterations apply to the next one.
+      wait_all();
+    }
   }
 
   // ----- reduction -----

@@ -118,8 +118,29 @@ void GradScaler::unscale_for(const void* key, const std::vector<at::Tensor>& gra
   state.stage = Stage::kUnscaled;
 }
 
+namespace {
+
+/// The wrapper of `optimizer` when it is a fully sharded model's optimizer(), else null.
+FullyShardedDataParallel* fully_sharded(torch::optim::Optimizer& optimizer) {
+  auto* facade = dynamic_cast<FullyShardedOptimizer*>(&optimizer);
+  return facade != nullptr ? &facade->wrapper() : nullptr;
+}
+
+void check_steps_after_backward(const FullyShardedDataParallel& fsdp, const char* function) {
+  TORCH_CHECK(!fsdp.options().overlap_step(), "GradScaler::", function,
+              ": this FullyShardedDataParallel steps each unit during backward (overlap_step, the "
+              "default), before every gradient is known to be finite, so the scaler cannot skip "
+              "a step; construct it with FullyShardedOptions().overlap_step(false)");
+}
+
+}  // namespace
+
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
+  if (auto* fsdp = fully_sharded(optimizer)) {
+    unscale_(*fsdp);
+    return;
+  }
   std::vector<at::Tensor> grads;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
@@ -129,8 +150,10 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   unscale_for(&optimizer, grads);
 }
 
+
 void GradScaler::unscale_(FullyShardedDataParallel& fsdp) {
   if (!options_.enabled()) return;
+  check_steps_after_backward(fsdp, "unscale_");
   unscale_for(&fsdp, fsdp.reduced_gradients());
 }
 
@@ -157,6 +180,12 @@ bool GradScaler::step_unless_inf(const void* key, const std::function<void()>& u
 at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer,
                             torch::optim::Optimizer::LossClosure closure) {
   if (!options_.enabled()) return optimizer.step(std::move(closure));
+  if (auto* fsdp = fully_sharded(optimizer)) {
+    TORCH_CHECK(!closure, "GradScaler::step: a closure is not supported while the scaler is "
+                "enabled (as in PyTorch): run forward and backward before step()");
+    step(*fsdp);
+    return {};
+  }
   TORCH_CHECK(!closure,
               "GradScaler::step: a closure is not supported while the scaler is "
               "enabled (as in PyTorch): run forward and backward before step()");
@@ -167,10 +196,11 @@ at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer,
 }
 
 void GradScaler::step(FullyShardedDataParallel& fsdp) {
-  if (!options_.enabled()) {
-    fsdp.step();
+  if (!options_.enabled()) {  // a no-op scaler: the step as without it
+    if (!fsdp.options().overlap_step()) fsdp.step();  // with overlap it ran in backward
     return;
   }
+  check_steps_after_backward(fsdp, "step");
   step_unless_inf(
       &fsdp, [&] { unscale_(fsdp); }, [&] { fsdp.step(); }, [&] { fsdp.skip_step(); });
 }

@@ -206,9 +206,19 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   bool holding = false;  // between gather_all() and release_all()
   std::recursive_mutex mutex;
   std::unique_ptr<StepWorker> worker;
+  // optimizer(): the user's param groups over unit parameters. Per group: the parameters
+  // registered, and the serialized options last copied into their optimizers; per parameter in
+  // a group: its group and the step count when it joined.
+  std::unique_ptr<FullyShardedOptimizer> facade;
+  bool user_groups = false;  // built with param groups (else one group of every parameter)
+  std::vector<size_t> group_sizes;
+  std::vector<std::string> pushed;
+  std::unordered_map<const c10::TensorImpl*, size_t> group_of;
+  std::unordered_map<const c10::TensorImpl*, int64_t> joined_at;
 
   bool lossless() const { return options.step_mode() == ShardedStepMode::kLossless; }
   Unit& unit(size_t index) { return *units[index]; }
+  static const c10::TensorImpl* impl_of(const at::Tensor& t) { return t.unsafeGetTensorImpl(); }
 
   // ----- construction -----
 
@@ -368,7 +378,10 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
                          .narrow(0, slot.first_row(rank), valid)
                          .clone()
                          .view(slot.shard_sizes(rank));
-        if (lossless() && slot.owner == rank) slot.optimizer = factory({slot.param});
+        if (lossless() && slot.owner == rank && group_of.count(impl_of(slot.param)) != 0) {
+          slot.optimizer = factory({slot.param});
+          TORCH_CHECK(slot.optimizer != nullptr, kWho, "the optimizer factory returned null");
+        }
         if (!lossless() && valid > 0) {
           slot.shard.set_requires_grad(true);
           stepped.push_back(slot.shard);
@@ -447,6 +460,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     if (unit.pending.valid()) wait_for(unit);
     {
       std::lock_guard<std::recursive_mutex> lock(mutex);
+      // The first forward of an iteration: no unit is gathered, groups added since join here.
+      if (!pass_open && forward_order.empty()) sync_groups();
       gather(unit, *group);
     }
     auto out = fn();
@@ -476,6 +491,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     pass_open = true;
     pass_task = task;
     stepping = (passes_since_step + 1) % options.accumulation_steps() == 0;
+    // With overlap the steps run during this pass: the options in effect are those at its start.
+    if (stepping && options.overlap_step()) push_group_options();
     std::weak_ptr<State> weak = shared_from_this();
     torch::autograd::Engine::get_default_engine().queue_callback([weak] {
       if (auto self = weak.lock()) self->close_pass();
@@ -535,6 +552,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       // does next (a scheduler's step, set_lr, zero_grad, a checkpoint) then never races with a
       // step on the worker, and options changed between iterations apply to the next one.
       wait_all();
+      write_state_entries();
     }
   }
 
@@ -768,13 +786,16 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
                 passes_since_step, " backward pass(es) ran since the last step");
   }
 
-  void step_all() {
-    check_step_after_backward("step()");
+  void step_all(const char* function) {
+    check_step_after_backward(function);
     std::lock_guard<std::recursive_mutex> lock(mutex);
+    sync_groups();
+    push_group_options();
     for (auto& unit : units) {
       if (unit->to_step) step_unit(*unit, *group);
     }
     finish_step();
+    write_state_entries();
   }
 
   void skip_all() {
@@ -787,11 +808,14 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     passes_since_step = 0;
   }
 
-  std::vector<at::Tensor> reduced_gradients() {
-    TORCH_CHECK(!options.overlap_step(), kWho,
-                "reduced_gradients(): with overlap_step the steps run during backward, before "
-                "every gradient is known (a GradScaler needs FullyShardedOptions()"
-                ".overlap_step(false))");
+  /// `function`: what the user called, for the error with overlap_step.
+  std::vector<at::Tensor> reduced_gradients(const char* function) {
+    TORCH_CHECK(!options.overlap_step(), kWho, function,
+                ": with overlap_step (the default) each unit steps during backward as soon as its "
+                "gradients are reduced, before the other units' gradients exist, so there is "
+                "nothing left to work on after backward; construct the wrapper with "
+                "FullyShardedOptions().overlap_step(false) and call it between backward and "
+                "step()");
     std::vector<at::Tensor> out;
     for (auto& unit : units) {
       for (auto& slot : unit->params) {
@@ -822,6 +846,211 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       }
     }
     if (first) std::rethrow_exception(first);
+  }
+
+  // ----- optimizer(): the user's param groups -----
+
+  /// The options as bytes, to notice a change (OptimizerOptions has no operator==).
+  static std::string options_bytes(const torch::optim::OptimizerOptions& options) {
+    torch::serialize::OutputArchive archive;
+    options.serialize(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    return out.str();
+  }
+
+  /// Every group of `to` gets a copy of `from` (group g's options).
+  static void copy_options(const torch::optim::OptimizerOptions& from,
+                           torch::optim::Optimizer& to, size_t g) {
+    for (auto& group : to.param_groups()) {
+      TORCH_CHECK(typeid(from) == typeid(group.options()), kWho, "param group ", g,
+                  ": its options are a ", c10::demangle(typeid(from).name()),
+                  ", but the factory's optimizers take ", c10::demangle(typeid(group.options()).name()),
+                  " (give the group options of that type, or none for the factory's)");
+      group.set_options(from.clone());
+    }
+  }
+
+  /// The optimizers on this rank that step parameters of param group `g`.
+  std::vector<torch::optim::Optimizer*> group_optimizers(size_t g) {
+    std::vector<torch::optim::Optimizer*> out;
+    for (auto& unit : units) {
+      for (auto& slot : unit->params) {
+        const auto it = group_of.find(impl_of(slot.param));
+        if (it == group_of.end() || it->second != g) continue;
+        auto* optimizer = lossless() ? slot.optimizer.get() : unit->optimizer.get();
+        if (optimizer != nullptr && std::find(out.begin(), out.end(), optimizer) == out.end()) {
+          out.push_back(optimizer);
+        }
+      }
+    }
+    return out;
+  }
+
+  /// Copies each group's options into its parameters' optimizers where they changed since the
+  /// last copy: the one point per iteration where options take effect (the start of backward
+  /// with overlap, of step() without). Options set on one of optimizers() directly stay until
+  /// then.
+  void push_group_options() {
+    auto& groups = facade->param_groups();
+    for (size_t g = 0; g < group_sizes.size(); ++g) {
+      auto bytes = options_bytes(groups[g].options());
+      if (bytes == pushed[g]) continue;
+      for (auto* optimizer : group_optimizers(g)) copy_options(groups[g].options(), *optimizer, g);
+      pushed[g] = std::move(bytes);
+    }
+  }
+
+  /// Registers the parameters of param group `g` from position `first` on: unit parameters in
+  /// no other group, the same on every rank (checked before anything changes, then agreed on).
+  /// Returns the registered parameters. Collective.
+  std::vector<at::Tensor> register_group_params(size_t g, size_t first) {
+    const auto& params = facade->param_groups()[g].params();
+    std::string error;
+    std::vector<int64_t> positions;
+    std::unordered_map<const c10::TensorImpl*, size_t> fresh;
+    for (size_t i = first; i < params.size() && error.empty(); ++i) {
+      const auto where = "param group " + std::to_string(g) + ": parameter " + std::to_string(i);
+      const auto slot = params[i].defined() ? slot_of.find(impl_of(params[i])) : slot_of.end();
+      if (slot == slot_of.end()) {
+        error = where + " is no unit's parameter (optimizer() steps the units' parameters)";
+      } else if (group_of.count(impl_of(params[i])) != 0 ||
+                 !fresh.emplace(impl_of(params[i]), i).second) {
+        error = where + " is already in a param group (a parameter belongs to one group)";
+      } else {
+        positions.push_back(static_cast<int64_t>(slot->second.first));
+        positions.push_back(static_cast<int64_t>(slot->second.second));
+      }
+    }
+    int64_t print = 1469598103934665603LL;  // the positions, as every rank must have them
+    for (const auto v : positions) print = print * 1099511628211LL + v;
+    const auto all = detail::gather_int64(*group, {error.empty() ? 0 : 1, print});
+    TORCH_CHECK(error.empty(), kWho, error);
+    for (int r = 0; r < world; ++r) {
+      TORCH_CHECK(all[r][0] == 0, kWho, "adding param group ", g, " failed on rank ", r,
+                  " (its error says why)");
+      TORCH_CHECK(all[r][1] == all[0][1], kWho, "param group ", g,
+                  " holds other parameters on rank ", r, " than on rank 0; every rank must pass "
+                  "the same groups");
+    }
+    std::vector<at::Tensor> added(params.begin() + static_cast<int64_t>(first), params.end());
+    for (const auto& p : added) {
+      group_of[impl_of(p)] = g;
+      joined_at[impl_of(p)] = steps;
+    }
+    group_sizes[g] += added.size();
+    return added;
+  }
+
+  /// The optimizers of parameters that joined a group after construction (lossless): every
+  /// rank gathers each one's full value (collective), its owner makes its optimizer over it.
+  /// Only between iterations, when no unit is gathered.
+  void make_later_optimizers(const std::vector<at::Tensor>& added, size_t g) {
+    TORCH_CHECK(lossless(), kWho, "param groups added after construction need step_mode kLossless");
+    at::NoGradGuard no_grad;
+    for (const auto& p : added) {
+      const auto [u, i] = position_of(p);
+      auto& unit = this->unit(u);
+      auto& slot = unit.params[i];
+      TORCH_CHECK(!unit.gathered, kWho, "param group ", g,
+                  ": add param groups between iterations (unit '", unit.name, "' is gathered)");
+      allocate_full(slot.param, slot.sizes, unit.dtype);
+      auto input = at::empty({slot.chunk_numel()}, unit.options);
+      write_shard(input, slot);
+      auto gathered = at::empty({world * slot.chunk_numel()}, unit.options);
+      wait_one(group->_allgather_base(gathered, input), "the all-gather of a parameter joining "
+               "param group " + std::to_string(g), rank);
+      slot.param.variable_data().view({-1}).copy_(gathered.narrow(0, 0, slot.numel()));
+      if (slot.owner == rank) {
+        slot.optimizer = factory({slot.param});
+        TORCH_CHECK(slot.optimizer != nullptr, kWho, "the optimizer factory returned null");
+        copy_options(facade->param_groups()[g].options(), *slot.optimizer, g);
+      }
+      release_full(slot.param, unit.dtype);
+    }
+  }
+
+  /// Registers what was appended to optimizer()'s param groups since the last call (through its
+  /// add_param_group, or the base class's add_param_group or add_parameters). Collective when
+  /// something was; only between iterations.
+  void sync_groups() {
+    if (!facade) return;
+    auto& groups = facade->param_groups();
+    bool added = false;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (g >= group_sizes.size()) {
+        TORCH_CHECK(typeid(groups[g].options()) == typeid(facade->defaults()), kWho,
+                    "param group ", g, ": its options are a ",
+                    c10::demangle(typeid(groups[g].options()).name()),
+                    ", but the factory's optimizers take ",
+                    c10::demangle(typeid(facade->defaults()).name()));
+        group_sizes.push_back(0);
+        pushed.push_back(options_bytes(groups[g].options()));
+      }
+      if (groups[g].params().size() > group_sizes[g]) {
+        make_later_optimizers(register_group_params(g, group_sizes[g]), g);
+        added = true;
+      }
+    }
+    if (added) write_state_entries();
+  }
+
+  /// state() of optimizer(): per parameter of a group, its steps since it joined and its owner.
+  void write_state_entries() {
+    if (!facade) return;
+    auto& state = facade->state();
+    for (const auto& [impl, g] : group_of) {
+      auto& entry = state[const_cast<c10::TensorImpl*>(impl)];
+      auto* mine = dynamic_cast<ShardedParamState*>(entry.get());
+      if (mine == nullptr) {
+        entry = std::make_unique<ShardedParamState>();
+        mine = static_cast<ShardedParamState*>(entry.get());
+      }
+      const auto [u, i] = slot_of.at(impl);
+      mine->step(steps - joined_at.at(impl)).owner(unit(u).params[i].owner);
+    }
+  }
+
+  /// optimizer(): its defaults and, without the user's groups, its one group's options are the
+  /// factory's, read off an optimizer the factory makes over the smallest parameter (while the
+  /// parameters are still whole) and then drops. Then the groups' parameters are registered.
+  void make_facade(FullyShardedDataParallel& owner,
+                   std::optional<std::vector<torch::optim::OptimizerParamGroup>> given) {
+    const ParamSlot* smallest = nullptr;
+    for (const auto& unit : units) {
+      for (const auto& slot : unit->params) {
+        if (smallest == nullptr || slot.numel() < smallest->numel()) smallest = &slot;
+      }
+    }
+    std::unique_ptr<torch::optim::OptimizerOptions> defaults;
+    std::unique_ptr<torch::optim::OptimizerOptions> first_options;
+    {
+      auto probe = factory({smallest->param});
+      TORCH_CHECK(probe != nullptr, kWho, "the optimizer factory returned null");
+      defaults = probe->defaults().clone();
+      first_options = probe->param_groups().at(0).options().clone();
+    }
+    user_groups = given.has_value();
+    if (!given) {
+      std::vector<at::Tensor> all;
+      for (const auto& unit : units) {
+        for (const auto& slot : unit->params) all.push_back(slot.param);
+      }
+      given.emplace();
+      given->emplace_back(std::move(all), std::move(first_options));
+    }
+    facade.reset(new FullyShardedOptimizer(owner, {}, std::move(defaults)));
+    for (size_t g = 0; g < given->size(); ++g) {
+      facade->torch::optim::Optimizer::add_param_group((*given)[g]);
+      const auto& options = facade->param_groups()[g].options();
+      TORCH_CHECK(typeid(options) == typeid(facade->defaults()), kWho, "param group ", g,
+                  ": its options are a ", c10::demangle(typeid(options).name()),
+                  ", but the factory's optimizers take ",
+                  c10::demangle(typeid(facade->defaults()).name()));
+      group_sizes.push_back(0);
+      pushed.push_back(options_bytes(options));
+      register_group_params(g, 0);
+    }
   }
 
   // ----- checkpoints -----
@@ -858,6 +1087,84 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       detail::write_param_shapes(archive, shapes_of(*units[u]));
       common.write("unit_" + std::to_string(u), archive);
     }
+    save_groups(common);
+  }
+
+  /// optimizer()'s param groups: per group its options (what a scheduler set), its parameters
+  /// as (unit, index) and their step counts since they joined.
+  void save_groups(torch::serialize::OutputArchive& common) {
+    torch::serialize::OutputArchive all;
+    const auto& groups = facade->param_groups();
+    all.write("num_groups", c10::IValue(static_cast<int64_t>(groups.size())));
+    for (size_t g = 0; g < groups.size(); ++g) {
+      torch::serialize::OutputArchive archive;
+      torch::serialize::OutputArchive options;
+      groups[g].options().serialize(options);
+      archive.write("options", options);
+      std::vector<int64_t> positions;
+      std::vector<int64_t> counts;
+      for (const auto& p : groups[g].params()) {
+        const auto [u, i] = position_of(p);
+        positions.push_back(static_cast<int64_t>(u));
+        positions.push_back(static_cast<int64_t>(i));
+        counts.push_back(steps - joined_at.at(impl_of(p)));
+      }
+      archive.write("positions", at::tensor(positions, at::kLong), /*is_buffer=*/true);
+      archive.write("steps", at::tensor(counts, at::kLong), /*is_buffer=*/true);
+      all.write("group_" + std::to_string(g), archive);
+    }
+    common.write("optimizer_groups", all);
+  }
+
+  /// What loading the groups installs (checked against this wrapper's groups first); nothing
+  /// for a checkpoint written before they were saved.
+  std::function<void()> prepare_groups(torch::serialize::InputArchive& common) {
+    torch::serialize::InputArchive all;
+    if (!common.try_read("optimizer_groups", all)) return [] {};
+    const auto& groups = facade->param_groups();
+    const int64_t saved = read_int(all, "num_groups");
+    TORCH_CHECK(saved == static_cast<int64_t>(groups.size()), kWho, "checkpoint: optimizer() had ",
+                saved, " param groups there, ", groups.size(), " here");
+    auto options = std::make_shared<std::vector<std::unique_ptr<torch::optim::OptimizerOptions>>>();
+    auto joined = std::make_shared<std::vector<std::pair<const c10::TensorImpl*, int64_t>>>();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      torch::serialize::InputArchive archive;
+      torch::serialize::InputArchive saved_options;
+      at::Tensor positions;
+      at::Tensor counts;
+      TORCH_CHECK(all.try_read("group_" + std::to_string(g), archive) &&
+                      archive.try_read("options", saved_options) &&
+                      archive.try_read("positions", positions, /*is_buffer=*/true) &&
+                      archive.try_read("steps", counts, /*is_buffer=*/true),
+                  kWho, "checkpoint: param group ", g, " of optimizer() is damaged");
+      std::vector<int64_t> here;
+      for (const auto& p : groups[g].params()) {
+        const auto [u, i] = position_of(p);
+        here.push_back(static_cast<int64_t>(u));
+        here.push_back(static_cast<int64_t>(i));
+      }
+      TORCH_CHECK(at::equal(positions, at::tensor(here, at::kLong)), kWho, "checkpoint: param group ",
+                  g, " of optimizer() holds other parameters there than here (build the groups "
+                  "as the saving run did)");
+      options->push_back(groups[g].options().clone());
+      options->back()->serialize(saved_options);
+      for (size_t k = 0; k < groups[g].params().size(); ++k) {
+        joined->emplace_back(impl_of(groups[g].params()[k]), counts[k].item<int64_t>());
+      }
+    }
+    std::weak_ptr<State> weak = shared_from_this();
+    return [weak, options, joined] {
+      auto self = weak.lock();
+      if (!self) return;
+      auto& groups = self->facade->param_groups();
+      for (size_t g = 0; g < groups.size(); ++g) {
+        groups[g].set_options(std::move((*options)[g]));
+        // The parameters' optimizers loaded their own options: nothing to copy until a change.
+        self->pushed[g] = options_bytes(groups[g].options());
+      }
+      for (const auto& [impl, count] : *joined) self->joined_at[impl] = self->steps - count;
+      self->write_state_entries();
+    };
   }
 
   void save_pieces(PieceWriter& pieces) {
@@ -872,6 +1179,13 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
           pieces.add(param_key(u, i) + "/rows_" + std::to_string(rank), std::move(rows));
         }
         if (slot.optimizer) save_optimizer(*slot.optimizer, pieces, param_key(u, i) + "/optimizer");
+        if (slot.reduced.defined() && slot.owner == rank) {
+          // In the middle of a gradient accumulation: what was accumulated, so that the
+          // resumed run steps on the same sum.
+          torch::serialize::OutputArchive reduced;
+          reduced.write("gradient", slot.reduced.detach(), /*is_buffer=*/true);
+          pieces.add(param_key(u, i) + "/accumulated", std::move(reduced));
+        }
       }
     }
   }
@@ -993,15 +1307,27 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     const int64_t saved_since = read_int(common, "passes_since_step");
     std::vector<std::pair<at::Tensor, at::Tensor>> shards;  // (this rank's shard, its rows)
     std::vector<std::function<void()>> installs;
+    std::vector<std::pair<ParamSlot*, at::Tensor>> accumulated;  // mid-accumulation gradients
     for (size_t u = 0; u < units.size(); ++u) {
       for (size_t i = 0; i < unit(u).params.size(); ++i) {
         auto& slot = unit(u).params[i];
         shards.emplace_back(slot.shard, read_rows(u, i, saved_world, pieces));
         if (slot.optimizer) installs.push_back(prepare_optimizer(u, i, pieces));
+        const auto key = param_key(u, i) + "/accumulated";
+        if (saved_since > 0 && slot.owner == rank && pieces.contains(key)) {
+          auto piece = pieces.read(key);
+          at::Tensor gradient;
+          TORCH_CHECK(piece.try_read("gradient", gradient, /*is_buffer=*/true) &&
+                          gradient.sizes() == at::IntArrayRef(slot.sizes),
+                      kWho, "checkpoint: piece ", key, " is damaged");
+          accumulated.emplace_back(&slot, gradient.to(unit(u).options));
+        }
       }
     }
+    auto install_groups = prepare_groups(common);
     std::weak_ptr<State> weak = shared_from_this();
-    return [weak, shards, installs, saved_passes, saved_steps, saved_since] {
+    return [weak, shards, installs, saved_passes, saved_steps, saved_since, accumulated,
+            install_groups] {
       at::NoGradGuard no_grad;
       for (const auto& [shard, rows] : shards) shard.copy_(rows);
       for (const auto& install : installs) install();
@@ -1012,7 +1338,9 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
         for (auto& unit : self->units) {
           for (auto& slot : unit->params) slot.reduced = at::Tensor();
         }
+        for (const auto& [slot, gradient] : accumulated) slot->reduced = gradient;
       }
+      install_groups();
     };
   }
 
@@ -1034,6 +1362,25 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> unit
                                                    c10::intrusive_ptr<c10d::ProcessGroup> group,
                                                    FullyShardedOptions options)
     : state_(std::make_shared<State>()) {
+  init(std::move(units), std::nullopt, std::move(factory), std::move(group), options);
+}
+
+FullyShardedDataParallel::FullyShardedDataParallel(
+    std::vector<ShardedUnit> units, std::vector<torch::optim::OptimizerParamGroup> param_groups,
+    OptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
+    FullyShardedOptions options)
+    : state_(std::make_shared<State>()) {
+  TORCH_CHECK(options.step_mode() == ShardedStepMode::kLossless, kWho,
+              "param groups need step_mode kLossless (local shards step a unit's rows with one "
+              "optimizer)");
+  init(std::move(units), std::move(param_groups), std::move(factory), std::move(group), options);
+}
+
+void FullyShardedDataParallel::init(
+    std::vector<ShardedUnit> units,
+    std::optional<std::vector<torch::optim::OptimizerParamGroup>> param_groups,
+    OptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
+    FullyShardedOptions options) {
   TORCH_CHECK(group, kWho, "the process group is null");
   TORCH_CHECK(factory, kWho, "the optimizer factory is empty");
   TORCH_CHECK(!options.offload_state_to_cpu(), kWho,
@@ -1056,7 +1403,16 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> unit
   s.broadcast_values();
   if (s.lossless()) s.assign_owners();
   s.factory = std::move(factory);
+  s.make_facade(*this, std::move(param_groups));
   s.make_shards_and_optimizers();
+  if (s.user_groups) {
+    for (size_t g = 0; g < s.group_sizes.size(); ++g) {
+      for (auto* optimizer : s.group_optimizers(g)) {
+        State::copy_options(s.facade->param_groups()[g].options(), *optimizer, g);
+      }
+    }
+  }
+  s.write_state_entries();
   for (auto& unit : s.units) s.reshard(*unit);
   s.add_hooks();
   if (options.overlap_step()) s.worker = std::make_unique<StepWorker>();
@@ -1098,19 +1454,19 @@ at::Tensor FullyShardedDataParallel::forward(size_t unit, const std::function<at
   return state_->forward(unit, fn);
 }
 
-void FullyShardedDataParallel::step() { state_->step_all(); }
+void FullyShardedDataParallel::step() { state_->step_all("step()"); }
 
 void FullyShardedDataParallel::wait() { state_->wait_all(); }
 
 std::vector<at::Tensor> FullyShardedDataParallel::reduced_gradients() {
-  return state_->reduced_gradients();
+  return state_->reduced_gradients("reduced_gradients()");
 }
 
 void FullyShardedDataParallel::skip_step() { state_->skip_all(); }
 
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type) {
   auto& s = *state_;
-  s.reduced_gradients();  // only for its check: an error with overlap_step
+  s.reduced_gradients("clip_grad_norm_");  // for its check: an error with overlap_step
   TORCH_CHECK(s.lossless(), kWho,
               "clip_grad_norm_: needs step_mode kLossless (local shards hold row chunks, whose "
               "norms do not add up to a whole parameter's bit for bit)");
@@ -1182,6 +1538,8 @@ std::optional<at::ScalarType> FullyShardedDataParallel::param_dtype() const {
   return state_->options.param_dtype();
 }
 
+const FullyShardedOptions& FullyShardedDataParallel::options() const { return state_->options; }
+
 int64_t FullyShardedDataParallel::backward_passes() const { return state_->passes; }
 int64_t FullyShardedDataParallel::steps_taken() const { return state_->steps; }
 
@@ -1232,6 +1590,74 @@ void FullyShardedDataParallel::save_pieces(PieceWriter& pieces) const {
 std::function<void()> FullyShardedDataParallel::prepare_load(torch::serialize::InputArchive& common,
                                                              PieceReader& pieces) {
   return state_->prepare_load(common, pieces);
+}
+
+torch::optim::Optimizer& FullyShardedDataParallel::optimizer() { return *state_->facade; }
+
+FullyShardedOptimizer::FullyShardedOptimizer(FullyShardedDataParallel& owner,
+                                             std::vector<torch::optim::OptimizerParamGroup> groups,
+                                             std::unique_ptr<torch::optim::OptimizerOptions> defaults)
+    : torch::optim::Optimizer(std::move(groups), std::move(defaults)), owner_(owner) {}
+
+torch::Tensor FullyShardedOptimizer::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    c10::AutoGradMode enable_grad(true);
+    loss = closure();  // its backward steps the units, with overlap_step
+  }
+  auto& s = *owner_.state_;
+  if (!s.options.overlap_step()) s.step_all("optimizer().step()");
+  return loss;
+}
+
+void FullyShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  auto& s = *owner_.state_;
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  s.sync_groups();  // groups appended through the base class before this one
+  const size_t before = param_groups_.size();
+  torch::optim::Optimizer::add_param_group(param_group);
+  try {
+    s.sync_groups();
+  } catch (...) {  // checked on every rank before anything was registered
+    if (s.group_sizes.size() > before && s.group_sizes.back() == 0) {
+      s.group_sizes.pop_back();
+      s.pushed.pop_back();
+    }
+    param_groups_.erase(param_groups_.begin() + static_cast<int64_t>(before), param_groups_.end());
+    throw;
+  }
+}
+
+void FullyShardedOptimizer::save(torch::serialize::OutputArchive&) const {
+  TORCH_CHECK(false, kWho,
+              "torch::save(optimizer) cannot hold a fully sharded model's state (each rank has "
+              "its rows and its parameters' optimizers); save with "
+              "shampoo::save_distributed_checkpoint(optimizer, dir) (or "
+              "save_distributed_state(fsdp, dir)), which also holds the parameters");
+}
+
+void FullyShardedOptimizer::load(torch::serialize::InputArchive&) {
+  TORCH_CHECK(false, kWho,
+              "torch::load(optimizer) cannot restore a fully sharded model; load with "
+              "shampoo::load_distributed_checkpoint(optimizer, dir) (or "
+              "load_distributed_state(fsdp, dir))");
+}
+
+std::string FullyShardedOptimizer::checkpoint_kind() const { return owner_.checkpoint_kind(); }
+
+c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedOptimizer::checkpoint_group() const {
+  return owner_.checkpoint_group();
+}
+
+void FullyShardedOptimizer::save_common(torch::serialize::OutputArchive& common) const {
+  owner_.save_common(common);
+}
+
+void FullyShardedOptimizer::save_pieces(PieceWriter& pieces) const { owner_.save_pieces(pieces); }
+
+std::function<void()> FullyShardedOptimizer::prepare_load(torch::serialize::InputArchive& common,
+                                                          PieceReader& pieces) {
+  return owner_.prepare_load(common, pieces);
 }
 
 std::vector<ShardedUnit> sequential_units(const torch::nn::Sequential& model) {

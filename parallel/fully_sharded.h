@@ -52,6 +52,7 @@
 
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/optimizer_factory.h"
+#include "parallel/sharded_optimizer.h"
 
 namespace shampoo {
 
@@ -97,6 +98,48 @@ struct FullyShardedOptions {
   bool operator==(const FullyShardedOptions&) const = default;
 };
 
+class FullyShardedDataParallel;
+
+/// The optimizer of a fully sharded model as LibTorch code holds one (a torch::optim::Optimizer&):
+/// FullyShardedDataParallel::optimizer(). Its param groups are the user's (or one group of every
+/// unit parameter); their options reach the optimizers that step the parameters (see
+/// optimizer()). It does not step by itself:
+/// - step(): with overlap_step the parameters were stepped during backward, so it only runs the
+///   closure when given one; without overlap it is fsdp.step();
+/// - zero_grad(): LibTorch's (the gradients live inside the wrapper, so there is nothing to
+///   clear);
+/// - add_param_group(): the parameters must be unit parameters in no other group; their
+///   optimizers are made (on their owners) at the start of the next backward or step;
+/// - state(): an entry per parameter of the groups (ShardedParamState: steps since added, owner);
+/// - checkpoints: save_distributed_checkpoint(optimizer, dir) saves the whole wrapper (parameter
+///   rows and every optimizer), as save_distributed_state(fsdp, dir); torch::save(optimizer)
+///   is an error that says so.
+class FullyShardedOptimizer final : public torch::optim::Optimizer,
+                                    public DistributedCheckpointable {
+ public:
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  /// Hides torch::optim::Optimizer::add_param_group (not virtual; a group added through a
+  /// base-class reference is registered the same way, at the next backward or step).
+  void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+  FullyShardedDataParallel& wrapper() { return owner_; }
+
+  std::string checkpoint_kind() const override;
+  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
+  void save_common(torch::serialize::OutputArchive& common) const override;
+  void save_pieces(PieceWriter& pieces) const override;
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
+                                     PieceReader& pieces) override;
+
+ private:
+  friend class FullyShardedDataParallel;
+  FullyShardedOptimizer(FullyShardedDataParallel& owner,
+                        std::vector<torch::optim::OptimizerParamGroup> groups,
+                        std::unique_ptr<torch::optim::OptimizerOptions> defaults);
+  FullyShardedDataParallel& owner_;
+};
+
 class FullyShardedDataParallel : public DistributedCheckpointable {
  public:
   /// Shards `units` (the same units, in the same order, on every rank) over `group` and builds
@@ -106,6 +149,23 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   /// so a mismatch is an error on every rank, not a hang). Collective.
   FullyShardedDataParallel(std::vector<ShardedUnit> units, OptimizerFactory factory,
                            c10::intrusive_ptr<c10d::ProcessGroup> group,
+                           FullyShardedOptions options = {});
+  /// With the user's param groups, as for any torch::optim optimizer (lossless mode): each group
+  /// holds unit parameters, with options of the factory's optimizer type (e.g.
+  /// torch::optim::AdamOptions, shampoo::ShampooOptions) or none (the factory's). The factory
+  /// still makes the optimizer of each parameter on its owner; the group's options are copied
+  /// into it. Unit parameters in no group are not stepped (frozen), as with a LibTorch optimizer
+  /// that was not given them; add_param_group on optimizer() adds them later.
+  ///
+  ///   std::vector<torch::optim::OptimizerParamGroup> groups;
+  ///   groups.emplace_back(weights, std::make_unique<shampoo::ShampooOptions>(options));
+  ///   groups.emplace_back(biases, std::make_unique<shampoo::ShampooOptions>(
+  ///                                   shampoo::ShampooOptions(options).weight_decay(0.0)));
+  ///   shampoo::FullyShardedDataParallel fsdp(units, std::move(groups), factory, group);
+  ///   torch::optim::StepLR schedule(fsdp.optimizer(), 100, 0.5);
+  FullyShardedDataParallel(std::vector<ShardedUnit> units,
+                           std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                           OptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
                            FullyShardedOptions options = {});
   ~FullyShardedDataParallel() override;
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
@@ -150,8 +210,15 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   /// factory with this one parameter), null on a rank that does not own it; local shards, the
   /// unit's (over this rank's rows of its parameters), null when the rank holds none of them.
   torch::optim::Optimizer* optimizer_of(const at::Tensor& param);
-  /// Every optimizer on this rank (to change learning rates, attach schedulers).
+  /// Every optimizer on this rank. Options set on one of them directly stay until its group's
+  /// options in optimizer() change; schedulers and generic code act on optimizer().
   std::vector<torch::optim::Optimizer*> optimizers();
+  /// The model's optimizer as LibTorch code holds one (FullyShardedOptimizer): its param groups'
+  /// options (lr, weight decay, ...) are copied into the parameters' optimizers when they changed,
+  /// at one defined point per iteration: the start of backward with overlap_step, the start of
+  /// step() without. Every step of an iteration has ended when backward() (overlap) or step()
+  /// returns, so a scheduler's step() or set_lr() between iterations applies to the next one.
+  torch::optim::Optimizer& optimizer();
   /// The rank that steps `param` in lossless mode (-1 in local-shard mode); an error for a
   /// tensor that is no unit's parameter.
   int owner_of(const at::Tensor& param) const;
@@ -162,6 +229,8 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   at::Tensor full_value(const at::Tensor& param);
   /// FullyShardedOptions::param_dtype: the dtype units compute in (unset: the parameters' own).
   std::optional<at::ScalarType> param_dtype() const;
+  /// The options it was built with.
+  const FullyShardedOptions& options() const;
 
   /// Backward passes seen, and steps taken.
   int64_t backward_passes() const;
@@ -188,6 +257,11 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
                                      PieceReader& pieces) override;
 
  private:
+  friend class FullyShardedOptimizer;
+  void init(std::vector<ShardedUnit> units,
+            std::optional<std::vector<torch::optim::OptimizerParamGroup>> param_groups,
+            OptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
+            FullyShardedOptions options);
   struct State;
   std::shared_ptr<State> state_;
 };

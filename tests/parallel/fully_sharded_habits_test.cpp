@@ -7,8 +7,11 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/schedulers/step_lr.h>
+#include <torch/serialize.h>
 
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "parallel/sharding_runs.h"
@@ -193,6 +196,211 @@ TEST(FullyShardedSmallParameters, AnyRowCountTrainsAtAnyWorldSize) {
           kTimeout);
     }
   }
+}
+
+// ----- optimizer(): the model's optimizer as LibTorch code holds one -----
+
+/// Weights (lr 0.01, weight decay 0.1) and biases (lr 0.03) of make_mlp's model, with
+/// AdamOptions; `biases` false leaves the biases out (added later).
+std::vector<torch::optim::OptimizerParamGroup> mlp_groups(torch::nn::Sequential& model,
+                                                          bool biases = true) {
+  std::vector<at::Tensor> weights;
+  std::vector<at::Tensor> bias_params;
+  for (const auto& item : model->named_parameters()) {
+    (item.key().find("bias") != std::string::npos ? bias_params : weights).push_back(item.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(weights, std::make_unique<torch::optim::AdamOptions>(
+                                   torch::optim::AdamOptions(0.01).weight_decay(0.1)));
+  if (biases) {
+    groups.emplace_back(bias_params, std::make_unique<torch::optim::AdamOptions>(0.03));
+  }
+  return groups;
+}
+
+std::vector<at::Tensor> bias_params(torch::nn::Sequential& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& item : model->named_parameters()) {
+    if (item.key().find("bias") != std::string::npos) out.push_back(item.value());
+  }
+  return out;
+}
+
+/// Data parallelism with LibTorch's Adam over the same groups, a StepLR through the base class,
+/// the biases added at iteration 3 when `late_biases`.
+std::vector<at::Tensor> data_parallel_reference(const Group& group, const Dataset& data,
+                                                bool late_biases, int steps) {
+  auto model = make_mlp(6, 10, 3, /*seed=*/5);
+  shampoo::GradientSynchronizer sync(model->parameters(), group);
+  torch::optim::Adam adam(mlp_groups(model, !late_biases), torch::optim::AdamOptions(0.01));
+  torch::optim::Optimizer& base = adam;
+  torch::optim::StepLR scheduler(base, 2, 0.5);
+  for (int step = 0; step < steps; ++step) {
+    if (late_biases && step == 3) {
+      base.add_param_group(torch::optim::OptimizerParamGroup(
+          bias_params(model), std::make_unique<torch::optim::AdamOptions>(0.03)));
+    }
+    base.zero_grad();
+    loss_of(model->forward(data.inputs), data).backward();
+    sync.synchronize();
+    base.step();
+    scheduler.step();
+  }
+  return shampoo::testing::snapshot(model->parameters());
+}
+
+TEST(FullyShardedOptimizer, UserGroupsAndASchedulerEqualDataParallelismBitForBit) {
+  for (const bool overlap : {true, false}) {
+    for (const bool late_biases : {false, true}) {
+      run_ranks(
+          2,
+          [&](int rank, const Group& group) {
+            const auto data = sharding_batch(rank, 2);
+            const auto expected = data_parallel_reference(group, data, late_biases, 6);
+            auto model = make_mlp(6, 10, 3, /*seed=*/5);
+            FullyShardedDataParallel fsdp(shampoo::sequential_units(model),
+                                          mlp_groups(model, !late_biases), adam_factory(), group,
+                                          FullyShardedOptions().overlap_step(overlap));
+            torch::optim::Optimizer& base = fsdp.optimizer();
+            torch::optim::StepLR scheduler(base, 2, 0.5);
+            for (int step = 0; step < 6; ++step) {
+              if (late_biases && step == 3) {  // through the base class, as generic code adds
+                base.add_param_group(torch::optim::OptimizerParamGroup(
+                    bias_params(model), std::make_unique<torch::optim::AdamOptions>(0.03)));
+              }
+              base.zero_grad();
+              loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data).backward();
+              base.step();
+              scheduler.step();
+            }
+            std::vector<at::Tensor> values;
+            for (const auto& p : model->parameters()) values.push_back(fsdp.full_value(p));
+            EXPECT_TRUE(bit_equal(values, expected))
+                << "overlap " << overlap << " late biases " << late_biases << " rank " << rank;
+            EXPECT_EQ(base.state().size(), model->parameters().size());
+            const auto& entry = dynamic_cast<const shampoo::ShardedParamState&>(
+                *base.state().at(model->parameters()[0].unsafeGetTensorImpl()));
+            EXPECT_EQ(entry.step(), 6);
+            EXPECT_EQ(entry.owner(), fsdp.owner_of(model->parameters()[0]));
+          },
+          kTimeout);
+    }
+  }
+}
+
+TEST(FullyShardedOptimizer, ErrorsNameWhatTheUserCalledAndWhatToDo) {
+  run_ranks(
+      1,
+      [&](int, const Group& group) {
+        auto model = make_mlp(6, 10, 3, /*seed=*/5);
+        FullyShardedDataParallel fsdp(shampoo::sequential_units(model), adam_factory(), group);
+        const auto clip = [&] { fsdp.clip_grad_norm_(1.0); };
+        shampoo::testing::expect_error(clip, {"clip_grad_norm_", "overlap_step(false)"});
+        try {
+          clip();
+        } catch (const c10::Error& e) {
+          const std::string message = e.what_without_backtrace();
+          EXPECT_EQ(message.find("reduced_gradients"), std::string::npos) << message;
+          EXPECT_EQ(message.find("GradScaler"), std::string::npos) << message;
+        }
+        shampoo::GradScaler scaler(shampoo::GradScalerOptions().process_group(group));
+        shampoo::testing::expect_error([&] { scaler.unscale_(fsdp.optimizer()); },
+                                       {"GradScaler::unscale_", "overlap_step(false)"});
+        shampoo::testing::expect_error(
+            [&] { torch::save(fsdp.optimizer(), shampoo::testing::temp_path("x.pt")); },
+            {"torch::save(optimizer)", "save_distributed_checkpoint"});
+        shampoo::testing::expect_error(
+            [&] {
+              fsdp.optimizer().add_param_group(
+                  torch::optim::OptimizerParamGroup({at::ones({2}).requires_grad_()}));
+              fsdp.optimizer().step();
+              loss_of(shampoo::forward_sequential(fsdp, model, sharding_batch(0, 1).inputs),
+                      sharding_batch(0, 1));
+            },
+            {"param group 1", "no unit's parameter"});
+      },
+      kTimeout);
+}
+
+// A disabled GradScaler is a no-op in every mode (torch.amp's is): with the step overlapped in
+// backward, scaler.step() does nothing, and the run equals the same run without a scaler.
+TEST(FullyShardedOptimizer, ADisabledGradScalerIsANoOp) {
+  for (const bool overlap : {true, false}) {
+    run_ranks(
+        2,
+        [&](int rank, const Group& group) {
+          const auto data = sharding_batch(rank, 2);
+          std::vector<std::vector<at::Tensor>> results;
+          for (const bool with_scaler : {false, true}) {
+            auto model = make_mlp(6, 10, 3, /*seed=*/5);
+            FullyShardedDataParallel fsdp(shampoo::sequential_units(model), adam_factory(), group,
+                                          FullyShardedOptions().overlap_step(overlap));
+            shampoo::GradScaler scaler(
+                shampoo::GradScalerOptions().enabled(false).process_group(group));
+            for (int step = 0; step < 4; ++step) {
+              auto loss = loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data);
+              if (with_scaler) {
+                scaler.scale(loss).backward();
+                scaler.unscale_(fsdp);
+                scaler.step(fsdp);
+                scaler.unscale_(fsdp.optimizer());
+                scaler.update();
+              } else {
+                loss.backward();
+                if (!overlap) fsdp.step();
+              }
+            }
+            std::vector<at::Tensor> values;
+            for (const auto& p : model->parameters()) values.push_back(fsdp.full_value(p));
+            results.push_back(values);
+          }
+          EXPECT_TRUE(bit_equal(results[1], results[0])) << "overlap " << overlap;
+        },
+        kTimeout);
+  }
+}
+
+// A checkpoint saved in the middle of a gradient accumulation (after an odd number of backward
+// passes with accumulation_steps 2) resumes to the uninterrupted run, at the same and at another
+// world size.
+TEST(FullyShardedMidAccumulation, ACheckpointResumesAsUninterrupted) {
+  const auto dir = shampoo::testing::temp_path("fsdp_mid_accumulation");
+  const auto run = [&](int world, int passes, bool load, bool save, std::vector<at::Tensor>& out) {
+    std::mutex mutex;
+    run_ranks(
+        world,
+        [&](int rank, const Group& group) {
+          const auto all = sharding_batch(0, 1);
+          auto model = make_mlp(6, 10, 3, /*seed=*/5);
+          FullyShardedDataParallel fsdp(shampoo::sequential_units(model), shampoo_factory(), group,
+                                        FullyShardedOptions().accumulation_steps(2));
+          if (load) shampoo::load_distributed_checkpoint(fsdp.optimizer(), dir);
+          for (int pass = fsdp.backward_passes(); pass < passes; ++pass) {
+            // The same micro-batches whatever the world: pass p's 24 points, split by rank.
+            const int per_rank = 24 / world;
+            const auto begin = (pass % 4) * 24 + rank * per_rank;
+            const Dataset micro{all.inputs.narrow(0, begin, per_rank),
+                                all.labels.narrow(0, begin, per_rank)};
+            loss_of(shampoo::forward_sequential(fsdp, model, micro.inputs), micro).backward();
+          }
+          if (save) shampoo::save_distributed_checkpoint(fsdp.optimizer(), dir);
+          std::vector<at::Tensor> values;
+          for (const auto& p : model->parameters()) values.push_back(fsdp.full_value(p));
+          std::lock_guard<std::mutex> lock(mutex);
+          if (rank == 0) out = values;
+        },
+        kTimeout);
+  };
+  std::vector<at::Tensor> uninterrupted, saved, resumed;
+  run(2, 8, false, false, uninterrupted);
+  run(2, 5, false, true, saved);  // 5 passes: the third step's first micro-batch accumulated
+  run(2, 8, true, false, resumed);
+  EXPECT_TRUE(bit_equal(resumed, uninterrupted)) << "resumed at world 2";
+  run(1, 8, true, false, resumed);
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    EXPECT_TRUE(all_close(resumed[i], uninterrupted[i], {1e-3, 1e-4})) << "world 1, " << i;
+  }
+  shampoo::testing::remove_tree(dir);
 }
 
 }  // namespace

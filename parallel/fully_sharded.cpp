@@ -23,6 +23,8 @@
 #include "parallel/block_assignment.h"
 #include "parallel/grad_norm_clipping.h"
 #include "parallel/grad_ready_hooks.h"
+#include "parallel/libtorch_optimizers.h"
+#include "parallel/phased_backward_step.h"
 #include "parallel/process_group.h"
 
 namespace shampoo {
@@ -181,6 +183,58 @@ struct Unit {
   std::shared_future<void> pending;                    // its step on the worker
 };
 
+/// What undoes one unit's step on this rank, kept until its backward pass ends (overlap): the
+/// rows the rank had before, the optimizers' steps in phases (finished or aborted at the end),
+/// and LibTorch optimizers' states before the step.
+struct UnitUndo {
+  std::vector<std::pair<at::Tensor, at::Tensor>> shards;  // (shard, its rows before the step)
+  std::vector<PhasedBackwardStep*> phased;
+  struct Saved {
+    torch::optim::Optimizer* optimizer;
+    void* key;
+    std::unique_ptr<torch::optim::OptimizerParamState> state;  // null: none before
+  };
+  std::vector<Saved> states;
+  bool complete = true;  // false: an optimizer stepped whose step cannot be undone
+  // The parameters the phased steps stepped, with their full shapes and dtype: an abort puts
+  // their old values back, so they need storage then (released again after; the rows come
+  // back from `shards`).
+  struct Stepped {
+    at::Tensor param;
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype;
+  };
+  std::vector<Stepped> stepped;
+
+  void revert() {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> allocated;
+    for (auto& s : stepped) {
+      if (s.param.numel() == 0) {
+        allocate_full(s.param, s.sizes, s.dtype);
+        allocated.push_back(s.param);
+      }
+    }
+    for (auto* p : phased) p->abort_backward_step();
+    for (size_t k = 0; k < allocated.size(); ++k) {
+      release_full(allocated[k], allocated[k].scalar_type());
+    }
+    for (auto& saved : states) {
+      saved.optimizer->state().erase(saved.key);
+      if (saved.state) saved.optimizer->state()[saved.key] = std::move(saved.state);
+    }
+    for (auto& [shard, before] : shards) shard.copy_(before);
+    phased.clear();
+    states.clear();
+    shards.clear();
+  }
+
+  void commit() {
+    for (auto* p : phased) p->finish_backward_step();
+    phased.clear();
+  }
+};
+
 }  // namespace
 
 struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
@@ -215,6 +269,13 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   std::vector<std::string> pushed;
   std::unordered_map<const c10::TensorImpl*, size_t> group_of;
   std::unordered_map<const c10::TensorImpl*, int64_t> joined_at;
+  // The open pass (overlap): what undoes the units stepped so far, and the first unit's failure
+  // (set on the worker, the same unit on every rank; read after the worker is waited on).
+  std::vector<UnitUndo> pass_undo;
+  std::string pass_failure;
+
+  /// Units stepped during backward keep what undoes their step until the pass ends.
+  bool journal() const { return options.overlap_step() && options.undo_failed_steps(); }
 
   bool lossless() const { return options.step_mode() == ShardedStepMode::kLossless; }
   Unit& unit(size_t index) { return *units[index]; }
@@ -547,11 +608,19 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     ++passes;
     ++passes_since_step;
     if (stepping && options.overlap_step()) {
-      finish_step();
       // The one point where an iteration's steps end: before backward() returns. What the user
       // does next (a scheduler's step, set_lr, zero_grad, a checkpoint) then never races with a
       // step on the worker, and options changed between iterations apply to the next one.
       wait_all();
+      if (!pass_failure.empty()) {
+        const bool undone = undo_pass();
+        const auto message = std::exchange(pass_failure, std::string());
+        passes_since_step = 0;
+        write_state_entries();
+        TORCH_CHECK(false, message, failure_outcome(undone));
+      }
+      commit_pass();
+      finish_step();
       write_state_entries();
     }
   }
@@ -710,22 +779,168 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   /// rank its rows back, and release them.
   void step_unit(Unit& unit, c10d::ProcessGroup& via) {
     at::NoGradGuard no_grad;
-    if (lossless() && !std::exchange(unit.owned_kept, false)) collect_rows(unit, via);
-    for (auto& slot : unit.params) {
-      if (slot.reduced.defined())
-        (lossless() ? slot.param : slot.shard).mutable_grad() = slot.reduced;
-      if (slot.optimizer && slot.reduced.defined()) slot.optimizer->step();
+    if (!pass_failure.empty()) {  // an earlier unit of this pass failed, on every rank alike
+      drop_unit_step(unit);
+      return;
     }
-    if (unit.optimizer) unit.optimizer->step();
+    if (lossless() && !std::exchange(unit.owned_kept, false)) collect_rows(unit, via);
+    // What this rank steps: (optimizer, its parameters with their gradients set).
+    std::vector<std::pair<torch::optim::Optimizer*, std::vector<at::Tensor>>> work;
+    std::string failure = non_finite_gradient(unit);
+    for (auto& slot : unit.params) {
+      if (!slot.reduced.defined()) continue;
+      auto& target = lossless() ? slot.param : slot.shard;
+      target.mutable_grad() = slot.reduced;
+      if (slot.optimizer) work.push_back({slot.optimizer.get(), {slot.param}});
+    }
+    if (unit.optimizer) {
+      std::vector<at::Tensor> rows;
+      for (auto& slot : unit.params) {
+        if (slot.shard.grad().defined()) rows.push_back(slot.shard);
+      }
+      work.push_back({unit.optimizer.get(), rows});
+    }
+    UnitUndo undo;
+    if (failure.empty()) {
+      try {
+        for (auto& [optimizer, params] : work) step_optimizer(*optimizer, params, undo);
+      } catch (const std::exception& e) {
+        failure = std::string("the step of unit '") + unit.name + "' failed: " + e.what();
+      }
+    }
     for (auto& slot : unit.params) {
       (lossless() ? slot.param : slot.shard).mutable_grad() = at::Tensor();
       slot.reduced = at::Tensor();
+    }
+    // Every rank learns whether any failed before any rank's rows change, so that all of them
+    // go on (or stop) together instead of one waiting in the all-to-all.
+    const auto flags = detail::gather_int64(via, {failure.empty() ? 0 : 1});
+    std::vector<int> failed;
+    for (int r = 0; r < world; ++r) {
+      if (flags[r][0] != 0) failed.push_back(r);
+    }
+    if (!failed.empty()) {
+      undo.revert();  // this rank's rows never changed; its optimizers' state goes back
+      if (lossless()) {
+        for (auto& slot : unit.params) release_full(slot.param, unit.dtype);
+      }
+      unit.to_step = false;
+      pass_failure = failure_message(unit, failed, failure);
+      return;
+    }
+    if (journal()) {
+      for (auto& slot : unit.params) undo.shards.emplace_back(slot.shard, slot.shard.clone());
     }
     if (lossless()) {
       scatter_rows(unit, via);
       for (auto& slot : unit.params) release_full(slot.param, unit.dtype);
     }
+    if (journal()) pass_undo.push_back(std::move(undo));
     unit.to_step = false;
+  }
+
+  /// A unit of a pass whose earlier unit failed: its gradients are dropped, nothing steps.
+  void drop_unit_step(Unit& unit) {
+    for (auto& slot : unit.params) {
+      slot.reduced = at::Tensor();
+      if (lossless()) release_full(slot.param, unit.dtype);  // kept from backward, if it was
+    }
+    unit.owned_kept = false;
+    unit.to_step = false;
+  }
+
+  /// Steps `params` with `optimizer`, first saving in `undo` what undoes it (with the journal).
+  void step_optimizer(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& params,
+                      UnitUndo& undo) const {
+    if (!journal()) {
+      optimizer.step();
+      return;
+    }
+    if (auto* phased = dynamic_cast<PhasedBackwardStep*>(&optimizer)) {
+      // DistributedShampoo: its step in phases keeps its own journal until finished or aborted.
+      if (!phased->backward_step_open()) {
+        phased->begin_backward_step();
+        undo.phased.push_back(phased);
+      }
+      for (const auto& p : params) {
+        undo.stepped.push_back({p, p.sizes().vec(), p.scalar_type()});
+      }
+      phased->step_parameters(params);
+      return;
+    }
+    if (!detail::libtorch_optimizer_name(optimizer).empty()) {
+      for (const auto& p : params) {
+        void* key = p.unsafeGetTensorImpl();
+        const auto it = optimizer.state().find(key);
+        undo.states.push_back({&optimizer, key,
+                               it == optimizer.state().end()
+                                   ? nullptr
+                                   : detail::copy_param_state(optimizer, *it->second)});
+      }
+      optimizer.step();
+      return;
+    }
+    undo.complete = false;  // an optimizer of another type: its step cannot be undone
+    optimizer.step();
+  }
+
+  /// Undoes the steps of the units stepped in the failed pass; false when one of them cannot be.
+  bool undo_pass() {
+    bool complete = true;
+    for (auto it = pass_undo.rbegin(); it != pass_undo.rend(); ++it) {
+      complete = complete && it->complete;
+      it->revert();
+    }
+    pass_undo.clear();
+    return complete;
+  }
+
+  void commit_pass() {
+    for (auto& undo : pass_undo) undo.commit();
+    pass_undo.clear();
+  }
+
+  /// "parameter i ... holds inf or NaN" for the first owned averaged gradient that does, else "".
+  std::string non_finite_gradient(const Unit& unit) const {
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      const auto& slot = unit.params[i];
+      if (slot.reduced.defined() && !at::isfinite(slot.reduced).all().item<bool>()) {
+        return "the averaged gradient of parameter " + std::to_string(i) + " of unit '" +
+               unit.name + "' (shape " + shape_text(slot.sizes) +
+               ") holds inf or NaN (a rank's gradient did, or the average overflowed)";
+      }
+    }
+    return "";
+  }
+
+  /// Every rank's message for a unit whose step failed on the ranks `failed`; `here` is this
+  /// rank's own reason (empty when it did not fail).
+  std::string failure_message(const Unit& unit, const std::vector<int>& failed,
+                              const std::string& here) const {
+    std::ostringstream ranks;
+    for (size_t k = 0; k < failed.size(); ++k) ranks << (k ? ", " : "") << failed[k];
+    std::ostringstream out;
+    out << kWho << "the step of unit '" << unit.name << "' failed on rank(s) " << ranks.str();
+    if (here.empty()) {
+      out << " (the error there says why)";
+    } else {
+      out << ": on rank " << rank << ", " << here;
+    }
+    return out.str();
+  }
+
+  /// The end of a failure's message: what the failed iteration left.
+  static std::string failure_outcome(bool undone) {
+    if (!undone) {
+      return "; units stepped earlier in this backward pass by an optimizer that cannot undo a "
+             "step (not DistributedShampoo or one of LibTorch's SGD, Adam, AdamW, Adagrad, "
+             "RMSprop), or with FullyShardedOptions().undo_failed_steps(false), keep their step: "
+             "load a checkpoint to go on from a known state";
+    }
+    return "; no unit was stepped in this iteration: parameters and optimizer state are as "
+           "before it and the next iteration can run, as with data parallelism. A non-finite "
+           "gradient comes from a non-finite loss or an overflow: skip the batch, lower the "
+           "learning rate, or for fp16 use a GradScaler (with overlap_step(false))";
   }
 
   /// Lossless: every rank sends each owner its rows of the owner's parameters; the owners'
@@ -791,11 +1006,47 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     std::lock_guard<std::recursive_mutex> lock(mutex);
     sync_groups();
     push_group_options();
+    check_finite_before_steps();
+    bool stepped_any = false;
     for (auto& unit : units) {
-      if (unit->to_step) step_unit(*unit, *group);
+      if (!unit->to_step) continue;
+      step_unit(*unit, *group);
+      if (!pass_failure.empty()) {
+        for (auto& rest : units) {
+          if (rest->to_step) drop_unit_step(*rest);
+        }
+        passes_since_step = 0;
+        const auto message = std::exchange(pass_failure, std::string());
+        TORCH_CHECK(false, message, failure_outcome(!stepped_any));
+      }
+      stepped_any = true;
     }
     finish_step();
     write_state_entries();
+  }
+
+  /// Without overlap: every unit's averaged gradients are checked on their owners, and the
+  /// ranks agree, before any unit steps; a non-finite one fails the step on every rank with
+  /// nothing changed (the reduced gradients are dropped, as a skipped step drops them).
+  void check_finite_before_steps() {
+    std::vector<int64_t> flags;
+    std::string here;
+    for (const auto& unit : units) {
+      auto found = unit->to_step ? non_finite_gradient(*unit) : std::string();
+      if (here.empty()) here = found;
+      flags.push_back(found.empty() ? 0 : 1);
+    }
+    const auto all = detail::gather_int64(*group, flags);
+    for (size_t u = 0; u < units.size(); ++u) {
+      std::vector<int> failed;
+      for (int r = 0; r < world; ++r) {
+        if (all[r][u] != 0) failed.push_back(r);
+      }
+      if (failed.empty()) continue;
+      for (auto& unit : units) drop_unit_step(*unit);
+      passes_since_step = 0;
+      TORCH_CHECK(false, failure_message(*units[u], failed, here), failure_outcome(true));
+    }
   }
 
   void skip_all() {

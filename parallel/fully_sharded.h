@@ -92,6 +92,14 @@ struct FullyShardedOptions {
   /// The optimizer state and the step on the CPU while the model trains on a GPU: not supported
   /// yet (true is an error that says so).
   TORCH_ARG(bool, offload_state_to_cpu) = false;
+  /// With overlap_step: each unit's step during backward keeps what undoes it until the pass
+  /// ends (the optimizer's state before the step, this rank's rows), so that a unit failing later
+  /// in the pass (a non-finite averaged gradient on some rank, an optimizer's error) undoes the
+  /// whole iteration on every rank, as data parallelism's failed step changes nothing. It costs a
+  /// copy of the state each step changes (DistributedShampoo's journal in backward; LibTorch
+  /// optimizers' per-parameter state). false: no copies; a failure then leaves the units stepped
+  /// before it stepped, and the error says so.
+  TORCH_ARG(bool, undo_failed_steps) = true;
 
  public:
   /// Every field equal.

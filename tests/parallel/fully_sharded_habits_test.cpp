@@ -9,7 +9,9 @@
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/serialize.h>
 
+#include <limits>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -401,6 +403,84 @@ TEST(FullyShardedMidAccumulation, ACheckpointResumesAsUninterrupted) {
     EXPECT_TRUE(all_close(resumed[i], uninterrupted[i], {1e-3, 1e-4})) << "world 1, " << i;
   }
   shampoo::testing::remove_tree(dir);
+}
+
+// A non-finite gradient on one rank, without a GradScaler: every rank fails the iteration with
+// a clear error, nothing changes (the units stepped earlier in the same backward are undone),
+// and the next iteration works, as with data parallelism. Poisoned either in the loss (every
+// gradient of rank 1) or in the middle layer's weight alone (after the last layer stepped).
+TEST(FullyShardedNonFinite, OneRanksBadGradientFailsEveryRankAndChangesNothing) {
+  for (const bool overlap : {true, false}) {
+    for (const bool middle_only : {false, true}) {
+      std::vector<std::vector<at::Tensor>> finals(2);
+      for (const bool poison : {false, true}) {
+        std::mutex mutex;
+        run_ranks(
+            2,
+            [&](int rank, const Group& group) {
+              const auto data = sharding_batch(rank, 2);
+              auto model = make_mlp(6, 10, 3, /*seed=*/5);
+              FullyShardedDataParallel fsdp(shampoo::sequential_units(model), shampoo_factory(),
+                                            group, FullyShardedOptions().overlap_step(overlap));
+              const auto values = [&] {
+                std::vector<at::Tensor> out;
+                for (const auto& p : model->parameters()) out.push_back(fsdp.full_value(p));
+                return out;
+              };
+              for (int step = 0; step < 6; ++step) {
+                const bool bad = step == 3;
+                if (bad && !poison) continue;  // the reference skips that batch
+                const auto before = bad ? values() : std::vector<at::Tensor>{};
+                // The model's forward unit by unit; the middle layer's weight gets a hook that
+                // makes its gradient NaN (registered while the unit is gathered).
+                at::Tensor x = data.inputs;
+                auto middle = model->ptr(2)->as<torch::nn::Linear>()->weight;
+                int64_t handle = -1;
+                size_t i = 0;
+                for (auto& module : *model) {
+                  const size_t index = i++;
+                  if (module.ptr()->parameters().empty()) {
+                    x = module.forward(x);
+                    continue;
+                  }
+                  x = fsdp.forward(fsdp.unit_index(std::to_string(index)), [&]() -> at::Tensor {
+                    if (index == 2 && bad && rank == 1 && middle_only) {
+                      handle = middle.register_hook([](const at::Tensor& g) {
+                        return g * std::numeric_limits<float>::quiet_NaN();
+                      });
+                    }
+                    return module.forward(x);
+                  });
+                }
+                auto loss = loss_of(x, data);
+                if (bad && rank == 1 && !middle_only) {
+                  loss = loss * std::numeric_limits<float>::infinity();
+                }
+                const auto iteration = [&] {
+                  loss.backward();
+                  if (!overlap) fsdp.optimizer().step();
+                };
+                if (!bad) {
+                  iteration();
+                  continue;
+                }
+                shampoo::testing::expect_error(
+                    iteration, {"failed on rank(s)", "no unit was stepped in this iteration"});
+                if (handle >= 0) middle.remove_hook(handle);
+                EXPECT_TRUE(bit_equal(values(), before))
+                    << "overlap " << overlap << " middle " << middle_only << " rank " << rank;
+              }
+              auto out = values();
+              std::lock_guard<std::mutex> lock(mutex);
+              if (rank == 0) finals[poison ? 1 : 0] = out;
+            },
+            kTimeout);
+      }
+      EXPECT_TRUE(bit_equal(finals[1], finals[0]))
+          << "overlap " << overlap << " middle " << middle_only
+          << ": the iteration after the failure trains as if the bad batch was skipped";
+    }
+  }
 }
 
 }  // namespace

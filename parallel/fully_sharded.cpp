@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -1205,13 +1206,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       auto& slot = unit.params[i];
       TORCH_CHECK(!unit.gathered, kWho, "param group ", g,
                   ": add param groups between iterations (unit '", unit.name, "' is gathered)");
-      allocate_full(slot.param, slot.sizes, unit.dtype);
-      auto input = at::empty({slot.chunk_numel()}, unit.options);
-      write_shard(input, slot);
-      auto gathered = at::empty({world * slot.chunk_numel()}, unit.options);
-      wait_one(group->_allgather_base(gathered, input), "the all-gather of a parameter joining "
-               "param group " + std::to_string(g), rank);
-      slot.param.variable_data().view({-1}).copy_(gathered.narrow(0, 0, slot.numel()));
+      materialize(unit, slot, "the all-gather of a parameter joining param group " +
+                                  std::to_string(g));
       if (slot.owner == rank) {
         slot.optimizer = factory({slot.param});
         TORCH_CHECK(slot.optimizer != nullptr, kWho, "the optimizer factory returned null");
@@ -1219,6 +1215,18 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       }
       release_full(slot.param, unit.dtype);
     }
+  }
+
+  /// Gives the (released) parameter its full value in its own dtype: every rank's rows,
+  /// all-gathered. Collective.
+  void materialize(Unit& unit, ParamSlot& slot, const std::string& what) {
+    at::NoGradGuard no_grad;
+    allocate_full(slot.param, slot.sizes, unit.dtype);
+    auto input = at::empty({slot.chunk_numel()}, unit.options);
+    write_shard(input, slot);
+    auto gathered = at::empty({world * slot.chunk_numel()}, unit.options);
+    wait_one(group->_allgather_base(gathered, input), what, rank);
+    slot.param.variable_data().view({-1}).copy_(gathered.narrow(0, 0, slot.numel()));
   }
 
   /// Registers what was appended to optimizer()'s param groups since the last call (through its
@@ -1909,6 +1917,39 @@ void FullyShardedOptimizer::save_pieces(PieceWriter& pieces) const { owner_.save
 std::function<void()> FullyShardedOptimizer::prepare_load(torch::serialize::InputArchive& common,
                                                           PieceReader& pieces) {
   return owner_.prepare_load(common, pieces);
+}
+
+void save_full_model(FullyShardedDataParallel& fsdp, const torch::nn::Module& model,
+                     const std::filesystem::path& path) {
+  auto& s = *fsdp.state_;
+  s.wait_all();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  TORCH_CHECK(!s.holding, kWho, "save_full_model: call it outside gather_all() / release_all()");
+  std::string error;
+  for (auto& unit : s.units) {
+    TORCH_CHECK(!unit->gathered, kWho, "save_full_model: unit '", unit->name,
+                "' is gathered; call it between iterations");
+    for (auto& slot : unit->params) s.materialize(*unit, slot, "save_full_model's all-gather");
+  }
+  if (s.rank == 0) {
+    try {
+      torch::serialize::OutputArchive archive;
+      model.save(archive);
+      const auto temporary = path.string() + ".tmp";
+      archive.save_to(temporary);
+      std::filesystem::rename(temporary, path);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  for (auto& unit : s.units) {
+    for (auto& slot : unit->params) release_full(slot.param, unit->dtype);
+  }
+  // Every rank returns once the file is there, or with rank 0's error.
+  const auto flags = detail::gather_int64(*s.group, {error.empty() ? 0 : 1});
+  TORCH_CHECK(error.empty(), kWho, "save_full_model: writing ", path.string(), " failed: ", error);
+  TORCH_CHECK(flags[0][0] == 0, kWho, "save_full_model: rank 0 failed to write ", path.string(),
+              " (its error says why)");
 }
 
 std::vector<ShardedUnit> sequential_units(const torch::nn::Sequential& model) {

@@ -39,10 +39,12 @@
 
 #include <ATen/ATen.h>
 #include <torch/arg.h>
+#include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -266,6 +268,8 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
 
  private:
   friend class FullyShardedOptimizer;
+  friend void save_full_model(FullyShardedDataParallel& fsdp, const torch::nn::Module& model,
+                              const std::filesystem::path& path);
   void init(std::vector<ShardedUnit> units,
             std::optional<std::vector<torch::optim::OptimizerParamGroup>> param_groups,
             OptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
@@ -273,6 +277,16 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   struct State;
   std::shared_ptr<State> state_;
 };
+
+/// Saves the whole model as the same model without sharding saves it (torch::save(model, path)),
+/// so that the unsharded model loads it with torch::load(model, path): every parameter is
+/// gathered in its own dtype (not param_dtype's), rank 0 writes the file (to a temporary name,
+/// then renamed), and the parameters are released again. `model` is the module whose
+/// parameters the units hold; its buffers are saved as they are. Collective; between
+/// iterations. (torch::save(model) itself would write the empty [0]-shaped tensors the module
+/// holds while sharded.)
+void save_full_model(FullyShardedDataParallel& fsdp, const torch::nn::Module& model,
+                     const std::filesystem::path& path);
 
 /// One unit per module of `model` that has parameters, named by its index in the Sequential.
 std::vector<ShardedUnit> sequential_units(const torch::nn::Sequential& model);

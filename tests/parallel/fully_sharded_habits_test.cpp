@@ -483,4 +483,42 @@ TEST(FullyShardedNonFinite, OneRanksBadGradientFailsEveryRankAndChangesNothing) 
   }
 }
 
+// torch::save(model) under full sharding writes the [0]-shaped tensors the module holds between
+// iterations; save_full_model writes the whole model, which the unsharded model loads with
+// torch::load, in the parameters' own dtype also when the units compute in bfloat16.
+TEST(FullyShardedExport, SaveFullModelIsLoadableByTheUnshardedModel) {
+  for (const bool mixed : {false, true}) {
+    const auto path = shampoo::testing::temp_path("fsdp_full_model.pt");
+    std::mutex mutex;
+    std::vector<at::Tensor> expected;
+    run_ranks(
+        2,
+        [&](int rank, const Group& group) {
+          const auto data = sharding_batch(rank, 2);
+          auto model = make_mlp(6, 10, 3, /*seed=*/5);
+          auto options = FullyShardedOptions();
+          if (mixed) options.param_dtype(at::kBFloat16).reduce_dtype(at::kFloat);
+          FullyShardedDataParallel fsdp(shampoo::sequential_units(model), adam_factory(), group,
+                                        options);
+          for (int step = 0; step < 3; ++step) {
+            loss_of(shampoo::forward_sequential(fsdp, model, data.inputs).to(at::kFloat), data)
+                .backward();
+          }
+          shampoo::save_full_model(fsdp, *model, path);
+          for (const auto& p : model->parameters()) EXPECT_EQ(p.numel(), 0);  // released again
+          std::vector<at::Tensor> values;
+          for (const auto& p : model->parameters()) values.push_back(fsdp.full_value(p));
+          std::lock_guard<std::mutex> lock(mutex);
+          if (rank == 0) expected = values;
+        },
+        kTimeout);
+    auto plain = make_mlp(6, 10, 3, /*seed=*/77);
+    torch::load(plain, path);
+    EXPECT_TRUE(bit_equal(shampoo::testing::snapshot(plain->parameters()), expected))
+        << "mixed " << mixed;
+    for (const auto& p : plain->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);
+    std::remove(path.c_str());
+  }
+}
+
 }  // namespace

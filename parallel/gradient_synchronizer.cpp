@@ -136,6 +136,7 @@ GradientSynchronizer::GradientSynchronizer(std::vector<at::Tensor> params,
   if (options_.broadcast_parameters()) broadcast_from_rank_zero(params, *group_);
 
   synchronized_of_.assign(params.size(), -1);
+  given_ = params;
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].requires_grad()) continue;
     synchronized_of_[i] = static_cast<int64_t>(params_.size());
@@ -146,10 +147,12 @@ GradientSynchronizer::GradientSynchronizer(std::vector<at::Tensor> params,
   build_buckets();
   arrived_.assign(params_.size(), false);
   accumulated_.assign(params_.size(), false);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    hook_handles_.push_back(detail::add_grad_ready_callback(
-        params_[i], [this, i](const at::Tensor&) { on_grad_ready(static_cast<int64_t>(i)); }));
-  }
+  for (size_t i = 0; i < params_.size(); ++i) add_hook(i);
+}
+
+void GradientSynchronizer::add_hook(size_t i) {
+  hook_handles_.push_back(detail::add_grad_ready_callback(
+      params_[i], [this, i](const at::Tensor&) { on_grad_ready(static_cast<int64_t>(i)); }));
 }
 
 GradientSynchronizer::~GradientSynchronizer() {
@@ -232,6 +235,7 @@ void GradientSynchronizer::shard_gradients(const ParameterOwners& owners) {
   }
   owners_ = std::move(owners_now);
   sharded_ = true;
+  owners_source_ = &owners;
   build_buckets();
 }
 
@@ -358,6 +362,7 @@ void GradientSynchronizer::synchronize() {
   for (auto& bucket : buckets_) bucket.ready = static_cast<int64_t>(bucket.params.size());
   launch_ready_buckets(/*from_hook=*/false);
   while (next_to_finish_ < num_buckets()) finish(buckets_[next_to_finish_++]);
+  adopt_unfrozen();
   started_in_backward_ = started_this_iteration_;
   started_this_iteration_ = 0;
   for (auto& bucket : buckets_) {
@@ -368,6 +373,53 @@ void GradientSynchronizer::synchronize() {
   accumulated_.assign(params_.size(), false);
   next_to_launch_ = 0;
   next_to_finish_ = 0;
+}
+
+void GradientSynchronizer::adopt_unfrozen() {
+  // A parameter frozen when the synchronizer was built that has a gradient now: a layer
+  // unfrozen later (requires_grad on, then added to the optimizer). Its gradient of this pass is
+  // averaged here, and it is synchronized like the others from the next pass on.
+  std::vector<int64_t> positions;
+  for (size_t pos = 0; pos < given_.size(); ++pos) {
+    if (synchronized_of_[pos] < 0 && given_[pos].grad().defined()) {
+      positions.push_back(static_cast<int64_t>(pos));
+    }
+  }
+  if (positions.empty()) return;
+  const auto all = detail::gather_int64(
+      *group_, {static_cast<int64_t>(positions.size()), positions.front(), fingerprint(positions)});
+  for (int r = 0; r < group_->getSize(); ++r) {
+    TORCH_CHECK(all[r] == all[0], "GradientSynchronizer: parameters frozen at construction have "
+                "gradients now (a layer was unfrozen): rank ", r, " has ", all[r][0],
+                " such (the first is parameter ", all[r][1], "), rank 0 has ", all[0][0],
+                " (the first is parameter ", all[0][1],
+                "); every rank must unfreeze the same parameters");
+  }
+  at::NoGradGuard no_grad;
+  const auto world = static_cast<double>(group_->getSize());
+  std::vector<at::Tensor> ready;
+  for (const int64_t pos : positions) {
+    auto& p = given_[pos];
+    std::vector<at::Tensor> sum{p.grad().detach().clone()};
+    group_->getBackend(sum[0].device().type())->allreduce(sum)->wait();
+    p.mutable_grad().copy_(sum[0] / world);
+    const auto index = params_.size();
+    synchronized_of_[pos] = static_cast<int64_t>(index);
+    given_index_.push_back(pos);
+    params_.push_back(p);
+    // An optimizer that does not know the parameter yet (a group added through the base
+    // class is registered at its next step) gets it all-reduced on every rank.
+    std::optional<int> owner;
+    if (owners_source_ != nullptr) owner = owners_source_->owner_of(p);
+    owners_.push_back(owner.value_or(ParameterOwners::kEveryRank));
+    add_hook(index);
+    if (!holds(static_cast<int64_t>(index))) p.mutable_grad() = at::Tensor();
+    ready.push_back(p);
+  }
+  arrived_.assign(params_.size(), false);
+  accumulated_.assign(params_.size(), false);
+  build_buckets();
+  if (bucket_ready_) bucket_ready_(ready);
 }
 
 double GradientSynchronizer::clip_grad_norm_(double max_norm, double norm_type) {

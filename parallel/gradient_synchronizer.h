@@ -48,7 +48,10 @@ class GradientSynchronizer {
  public:
   /// `params`: the model's parameters, the same on every rank. Those that require no gradient on
   /// every rank (frozen) are broadcast but not synchronized; one that requires a gradient on
-  /// some ranks only is an error on every rank. Collective.
+  /// some ranks only is an error on every rank. A frozen one unfrozen later (requires_grad on,
+  /// its layer added to the optimizer) is averaged from the first synchronize() in which it has
+  /// a gradient on, with the others (with gradient sharding, reduced to the owner the optimizer
+  /// names for it then; all-reduced when the optimizer does not know it yet). Collective.
   GradientSynchronizer(std::vector<at::Tensor> params, c10::intrusive_ptr<c10d::ProcessGroup> group,
                        GradientSynchronizerOptions options = {});
   ~GradientSynchronizer();
@@ -137,7 +140,12 @@ class GradientSynchronizer {
   /// Builds buckets_ from owners_ (one owner, dtype and device per bucket).
   void build_buckets();
   bool holds(int64_t param) const;
+  void add_hook(size_t param);
+  /// Frozen parameters that have a gradient now (unfrozen): averaged and synchronized from now.
+  void adopt_unfrozen();
 
+  std::vector<at::Tensor> given_;         // every parameter given, frozen ones included
+  const ParameterOwners* owners_source_ = nullptr;  // shard_gradients' optimizer
   std::vector<at::Tensor> params_;        // the synchronized (gradient-requiring) parameters
   std::vector<int64_t> given_index_;      // their positions in the list given
   std::vector<int64_t> synchronized_of_;  // per given position: index into params_, or -1

@@ -3,6 +3,7 @@
 // gradient accumulation.
 #include <shampoo/shampoo.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
 
 #include <mutex>
 
@@ -141,6 +142,51 @@ TEST(GradientSynchronizer, DataParallelShampooTrainsLikeFullBatch) {
       EXPECT_TRUE(all_close(actual[i], expected[i], {1e-4, 1e-5})) << "parameter " << i;
     }
   });
+}
+
+// A layer frozen when the synchronizer was built, unfrozen at iteration 3 and added to the
+// optimizer: its gradients are averaged from then on, so the run equals the one whose
+// synchronizer saw the layer trainable from the start (bit for bit at world 2), with and without
+// gradient sharding. Before, each rank stepped it with its own gradient.
+TEST(GradientSynchronizer, ALayerUnfrozenLaterIsAveraged) {
+  for (const bool sharded : {false, true}) {
+    std::vector<std::vector<at::Tensor>> results(2);
+    for (const bool frozen_at_start : {false, true}) {
+      std::mutex mutex;
+      run_ranks(2, [&](int rank, const Group& group) {
+        const auto data = shard(rank, 2);
+        auto model = shampoo::testing::make_mlp(6, 8, 3, /*seed=*/3);
+        auto first = model->ptr(0)->parameters();  // the layer unfrozen at iteration 3
+        std::vector<at::Tensor> rest;
+        for (size_t m = 1; m < model->size(); ++m) {
+          for (const auto& p : model->ptr(m)->parameters()) rest.push_back(p);
+        }
+        if (frozen_at_start) {
+          for (auto& p : first) p.set_requires_grad(false);
+        }
+        GradientSynchronizer sync(model->parameters(), group);
+        const shampoo::OptimizerFactory adam = [](std::vector<at::Tensor> p) {
+          return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
+        };
+        shampoo::ShardedOptimizer optimizer(rest, adam, group);
+        if (sharded) sync.shard_gradients(optimizer);
+        for (int step = 0; step < 6; ++step) {
+          if (step == 3) {
+            for (auto& p : first) p.set_requires_grad(true);
+            optimizer.add_param_group(torch::optim::OptimizerParamGroup(first));
+          }
+          model->zero_grad();
+          shampoo::testing::classification_loss(model, data, /*backward=*/true);
+          sync.synchronize();
+          optimizer.step();
+        }
+        auto values = shampoo::testing::snapshot(model->parameters());
+        std::lock_guard<std::mutex> lock(mutex);
+        if (rank == 0) results[frozen_at_start ? 1 : 0] = values;
+      });
+    }
+    EXPECT_TRUE(bit_equal(results[1], results[0])) << "sharded " << sharded;
+  }
 }
 
 }  // namespace

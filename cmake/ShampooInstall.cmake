@@ -17,6 +17,7 @@ install(TARGETS ${shampoo_components}
 set(SHAMPOO_PUBLIC_HEADERS
   amp/autocast_guard.h
   amp/grad_scaler.h
+  parallel/clip_grad_norm.h
   parallel/distributed_checkpoint.h
   parallel/fully_sharded.h
   parallel/gradient_synchronizer.h

@@ -5,6 +5,7 @@
 
 #include "amp/autocast_guard.h"
 #include "amp/grad_scaler.h"
+#include "parallel/clip_grad_norm.h"
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/fully_sharded.h"
 #include "parallel/gradient_synchronizer.h"

@@ -152,7 +152,7 @@ void ColumnBlockStep(benchmark::State& state) {
     params.push_back(at::randn({512, 2048}).requires_grad_());
     params.back().mutable_grad() = at::randn({512, 2048});
   }
-  auto options = shampoo::ShampooOptions(1e-3)
+  auto options = shampoo::ShampooOptions::reference_defaults(1e-3)
                      .betas({0.9, 0.999})
                      .epsilon(1e-8)
                      .momentum(0.5)

@@ -215,7 +215,7 @@ int64_t numel_of(const std::vector<at::Tensor>& tensors) {
 }
 
 shampoo::ShampooOptions shampoo_options(int64_t frequency, int64_t start) {
-  return shampoo::ShampooOptions(1e-3)
+  return shampoo::ShampooOptions::reference_defaults(1e-3)
       .betas(std::make_tuple(0.9, 0.999))
       .epsilon(1e-12)
       .max_preconditioner_dim(1024)

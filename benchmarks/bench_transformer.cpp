@@ -362,7 +362,7 @@ Workload make_workload(const at::Device& device, const Args& args) {
 shampoo::ShampooOptions transformer_options(int64_t frequency,
                                             const shampoo::PreconditionerConfig& solver,
                                             const Args& args) {
-  return shampoo::ShampooOptions(1e-3)
+  return shampoo::ShampooOptions::reference_defaults(1e-3)
       .betas(std::make_tuple(0.9, 0.999))
       .epsilon(args.epsilon)
       .weight_decay(1e-5)

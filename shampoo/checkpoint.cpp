@@ -249,11 +249,22 @@ void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t nu
   }
   // The state of a checkpoint loads into either storage layout (use_symmetric_packing).
   const auto* differing = structural_difference(saved, current, /*for_checkpoint=*/true);
+  // The defaults changed (2026-11-28): a checkpoint of an optimizer built with the defaults of
+  // before differs from one built with today's in these fields.
+  const bool old_defaults =
+      differing != nullptr &&
+      (differing->name == "precondition_frequency" || differing->name == "grafting kind") &&
+      differing->code(saved) == differing->code(ShampooOptions::reference_defaults());
   TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name, ": got ",
               differing->describe(saved), " in the checkpoint, expected ",
               differing->describe(current),
               " as in this optimizer (a structural option; build the optimizer with the "
-              "checkpoint's value)");
+              "checkpoint's value",
+              old_defaults ? "; a checkpoint of an optimizer built with ShampooOptions() before "
+                             "2026-11-28, whose defaults were the reference implementation's, "
+                             "loads into one built with ShampooOptions::reference_defaults(lr)"
+                           : "",
+              ")");
   step = read_int(group, "step");
   const auto sum = read_optional(group, "lr_sum", c10::IValue(0.0));
   TORCH_CHECK(sum.isDouble() && std::isfinite(sum.toDouble()) && sum.toDouble() >= 0.0,

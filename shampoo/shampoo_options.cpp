@@ -138,6 +138,13 @@ void ShampooOptions::validate() const {
   }
 }
 
+ShampooOptions ShampooOptions::reference_defaults(double lr) {
+  return ShampooOptions(lr)
+      .betas({0.9, 1.0})
+      .precondition_frequency(1)
+      .grafting(std::monostate{});
+}
+
 bool structurally_equal(const ShampooOptions& a, const ShampooOptions& b) {
   return detail::structural_difference(a, b) == nullptr;
 }

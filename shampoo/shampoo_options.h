@@ -73,15 +73,28 @@ using Betas = std::tuple<double, double>;
 /// merged into one virtual group; the other fields are structural. Which is which, and how each
 /// field is compared and serialized, is the table of shampoo/option_fields.cpp: a new option is
 /// its TORCH_ARG here and one row there.
+///
+/// The defaults are settings that train well as they are, written as one writes
+/// torch::optim::AdamOptions(1e-3): lr 1e-3, betas (0.9, 0.999), inverse roots every 50 steps
+/// (from step 50 on), Adam grafting (β2 0.999, ε 1e-8), ε 1e-12 for the factors, blocks of at
+/// most 1024. The reference implementation's defaults (lr 1e-2, betas (0.9, 1.0), roots every
+/// step, no grafting), for parity work and for recipes written for it, are
+/// ShampooOptions::reference_defaults().
 struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOptions> {
   ShampooOptions() = default;
   explicit ShampooOptions(double lr) : lr_(lr) {}
+  /// The reference implementation's defaults (facebookresearch/optimizers, DistributedShampoo's
+  /// constructor): lr `lr` (its default 1e-2), betas (0.9, 1.0), roots every step, no grafting;
+  /// every other field as ShampooOptions(). Checkpoints written by optimizers built with
+  /// ShampooOptions() before version 2026-11-28 (when these were the defaults) load into an
+  /// optimizer built with these.
+  static ShampooOptions reference_defaults(double lr = 1e-2);
 
   /// Learning rate (≥ 0).
-  TORCH_ARG(double, lr) = 1e-2;
+  TORCH_ARG(double, lr) = 1e-3;
   /// (beta1, beta2): beta1 filters the gradient (0 = off), beta2 the Kronecker factors
   /// (1 = AdaGrad-style sum).
-  TORCH_ARG(Betas, betas) = std::make_tuple(0.9, 1.0);
+  TORCH_ARG(Betas, betas) = std::make_tuple(0.9, 0.999);
   /// Filter coefficient of the gradient used in the step; −1 means beta1.
   TORCH_ARG(double, beta3) = -1.0;
   /// Added to the factors before the root (> 0; exactly 0 with PseudoInverseConfig).
@@ -96,11 +109,13 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   /// Merge small trailing dims while their product stays ≤ max_preconditioner_dim.
   TORCH_ARG(bool, use_merge_dims) = true;
   /// Recompute roots every this many steps (≥ 1).
-  TORCH_ARG(int64_t, precondition_frequency) = 1;
+  TORCH_ARG(int64_t, precondition_frequency) = 50;
   /// First step that preconditions; −1 = precondition_frequency; kNeverStartPreconditioning.
   TORCH_ARG(int64_t, start_preconditioning_step) = -1;
   TORCH_ARG(bool, use_bias_correction) = true;
-  TORCH_ARG(GraftingConfig, grafting) = std::monostate{};
+  /// The first-order method whose per-block step size the preconditioned direction takes
+  /// (and which steps alone before preconditioning starts); std::monostate = none.
+  TORCH_ARG(GraftingConfig, grafting) = AdamGraftingConfig{0.999, 1e-8};
   /// dtype of the Kronecker factors and roots (Float or Double).
   TORCH_ARG(c10::ScalarType, factor_matrix_dtype) = c10::ScalarType::Float;
   /// Keep the symmetric matrices of the state (Kronecker factors, inverse roots) as packed lower

@@ -279,7 +279,7 @@ TEST(GradScalerCheckpoint, DistributedDirectoryWithAndWithoutScaler) {
   const auto dir = std::filesystem::path(shampoo::testing::temp_path("scaler_ckpt"));
   shampoo::testing::remove_tree(dir);
   auto params = shampoo::testing::make_mlp(6, 8, 3, 2)->parameters();
-  shampoo::DistributedShampoo optimizer(params, shampoo::ShampooOptions(0.01));
+  shampoo::DistributedShampoo optimizer(params, shampoo::ShampooOptions::reference_defaults(0.01));
   Tiny tiny;
   GradScaler scaler(GradScalerOptions().init_scale(512.0));
   advance(scaler, tiny, 3, 0);  // 256 after the overflow
@@ -342,7 +342,7 @@ std::unique_ptr<torch::optim::Optimizer> make_sharded(ShardedKind kind,
   if (kind == ShardedKind::kShampoo) {
     return std::make_unique<shampoo::DistributedShampoo>(
         params,
-        shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
+        shampoo::ShampooOptions::reference_defaults(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
             shampoo::AdamGraftingConfig{}),
         shampoo::DistributedOptions().process_group(group).shard_by_parameter(true));
   }
@@ -473,7 +473,7 @@ TEST(GradScalerInBackward, RefusedForOptimizersThatCannotUndoAStep) {
   expect_error([&] { scaler.attach(in_backward); }, {"optimizer 0", "cannot undo"});
   auto shampoo_backward =
       shampoo::apply_optimizer_in_backward({params[0]}, [](std::vector<at::Tensor> p) {
-        return std::make_unique<shampoo::DistributedShampoo>(p, shampoo::ShampooOptions(0.01));
+        return std::make_unique<shampoo::DistributedShampoo>(p, shampoo::ShampooOptions::reference_defaults(0.01));
       });
   scaler.attach(shampoo_backward);
   expect_error(

@@ -17,7 +17,7 @@ struct Model {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
     for (int i = 0; i < 6; ++i) params.push_back(at::randn({256, 256}, gen).requires_grad_());
     optimizer = std::make_unique<shampoo::DistributedShampoo>(
-        params, shampoo::ShampooOptions(0.01)
+        params, shampoo::ShampooOptions::reference_defaults(0.01)
                     .epsilon(1e-6)
                     .precondition_frequency(50)
                     .max_preconditioner_dim(128)

@@ -57,7 +57,7 @@ std::vector<torch::optim::OptimizerParamGroup> make_groups(const std::vector<at:
 }
 
 ShampooOptions options_for(bool eigenvalue_corrected) {
-  auto options = ShampooOptions(0.02)
+  auto options = ShampooOptions::reference_defaults(0.02)
                      .betas({0.9, 0.99})
                      .epsilon(1e-6)
                      .precondition_frequency(2)

@@ -65,11 +65,11 @@ std::vector<std::vector<at::Tensor>> single_process(const ShampooOptions& base, 
 
 struct DistributedCase {
   std::string name;
-  ShampooOptions options;
+  ShampooOptions options = ShampooOptions::reference_defaults();
 };
 
 std::vector<DistributedCase> cases() {
-  const auto base = ShampooOptions(0.02)
+  const auto base = ShampooOptions::reference_defaults(0.02)
                         .betas({0.9, 0.99})
                         .epsilon(1e-6)
                         .precondition_frequency(2)
@@ -249,7 +249,7 @@ TEST(Distributed, CommunicateParamsEqualsSingle) {
 }
 
 TEST(Distributed, MoreRanksThanBlocks) {
-  const auto options = ShampooOptions(0.05).epsilon(1e-6).grafting(shampoo::AdamGraftingConfig{});
+  const auto options = ShampooOptions::reference_defaults(0.05).epsilon(1e-6).grafting(shampoo::AdamGraftingConfig{});
   auto reference = at::randn({3, 4}).requires_grad_();
   const auto initial = reference.detach().clone();
   DistributedShampoo single({reference}, options);
@@ -271,7 +271,7 @@ TEST(Distributed, MoreRanksThanBlocks) {
 }
 
 TEST(Distributed, RankWithoutGradientsNeverHangs) {
-  const auto options = ShampooOptions(0.05).epsilon(1e-6);
+  const auto options = ShampooOptions::reference_defaults(0.05).epsilon(1e-6);
   std::mutex mutex;
   std::vector<std::vector<at::Tensor>> finals(2);
   std::vector<std::vector<int64_t>> owned(2);
@@ -305,9 +305,9 @@ TEST(Distributed, OneCollectivePerStepMergedOnePerVirtualGroupUnmerged) {
       for (int g = 0; g < 64; ++g) {
         params.push_back(at::randn({4, 3}, gen).requires_grad_());
         groups.emplace_back(std::vector<at::Tensor>{params.back()},
-                            std::make_unique<ShampooOptions>(ShampooOptions(0.001 * (g + 1))));
+                            std::make_unique<ShampooOptions>(ShampooOptions::reference_defaults(0.001 * (g + 1))));
       }
-      DistributedShampoo opt(groups, ShampooOptions(),
+      DistributedShampoo opt(groups, ShampooOptions::reference_defaults(),
                              DistributedOptions().process_group(group).merge_param_groups(merge));
       set_grads(params, 1);
       opt.step();
@@ -326,7 +326,7 @@ TEST(Distributed, DifferentParametersOnRanksAreAnErrorNotAHang) {
   run_ranks(2, [&](int rank, const Group& group) {
     std::vector<at::Tensor> params{at::randn({4, rank == 0 ? 3 : 5}).requires_grad_()};
     try {
-      DistributedShampoo opt(params, ShampooOptions(), DistributedOptions().process_group(group));
+      DistributedShampoo opt(params, ShampooOptions::reference_defaults(), DistributedOptions().process_group(group));
     } catch (const c10::Error& e) {
       std::lock_guard<std::mutex> lock(mutex);
       messages[rank] = e.what_without_backtrace();
@@ -357,7 +357,7 @@ TEST(Distributed, EveryStructuralOptionIsInTheRanksFingerprint) {
     std::vector<std::string> messages(2);
     run_ranks(2, [&](int rank, const Group& group) {
       std::vector<at::Tensor> params{at::randn({4, 3}).requires_grad_()};
-      const auto options = rank == 0 ? ShampooOptions() : changes[c](ShampooOptions());
+      const auto options = rank == 0 ? ShampooOptions::reference_defaults() : changes[c](ShampooOptions::reference_defaults());
       try {
         DistributedShampoo opt(params, options, DistributedOptions().process_group(group));
       } catch (const c10::Error& e) {
@@ -386,7 +386,7 @@ void expect_live_rank_fails(bool hang, std::chrono::milliseconds timeout, const 
       2,
       [&](int rank, const Group& group) {
         auto params = make_params(1);
-        DistributedShampoo opt(params, ShampooOptions(), DistributedOptions().process_group(group));
+        DistributedShampoo opt(params, ShampooOptions::reference_defaults(), DistributedOptions().process_group(group));
         if (rank == 1) {
           // Hung: alive until rank 0 has failed (bounded, so a broken test cannot hang forever).
           if (hang) answer.wait_for(4 * at_most);

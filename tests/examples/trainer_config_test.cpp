@@ -73,8 +73,8 @@ TEST(TrainerDefaults, ReachTheOptimizer) {
   EXPECT_EQ(std::get<shampoo::AdamGraftingConfig>(options.grafting()),
             (shampoo::AdamGraftingConfig{0.999, 1e-8}));
   // The library keeps the reference's defaults; the trainer chooses its own.
-  EXPECT_EQ(shampoo::ShampooOptions().precondition_frequency(), 1);
-  EXPECT_TRUE(std::holds_alternative<std::monostate>(shampoo::ShampooOptions().grafting()));
+  EXPECT_EQ(shampoo::ShampooOptions::reference_defaults().precondition_frequency(), 1);
+  EXPECT_TRUE(std::holds_alternative<std::monostate>(shampoo::ShampooOptions::reference_defaults().grafting()));
 }
 
 TEST(TrainerFlags, ReachTheConfig) {

@@ -59,7 +59,7 @@ struct Training {
     if (shampoo) {
       optimizer = std::make_unique<shampoo::DistributedShampoo>(
           model->parameters(),
-          shampoo::ShampooOptions(0.05).precondition_frequency(1).grafting(
+          shampoo::ShampooOptions::reference_defaults(0.05).precondition_frequency(1).grafting(
               shampoo::AdamGraftingConfig{}),
           shampoo::DistributedOptions().process_group(group));
     } else {

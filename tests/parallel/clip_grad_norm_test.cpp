@@ -75,7 +75,7 @@ TEST(ClipGradNorm, UnderGradientShardingEqualsLibTorchsOnTheFullGradients) {
 TEST(ClipGradNorm, OneProcessIsLibTorchsAndInBackwardIsAClearError) {
   auto model = shampoo::testing::make_mlp(6, 10, 3, /*seed=*/5);
   auto copy = shampoo::testing::make_mlp(6, 10, 3, /*seed=*/5);
-  shampoo::DistributedShampoo shampoo_opt(model->parameters(), shampoo::ShampooOptions(0.01));
+  shampoo::DistributedShampoo shampoo_opt(model->parameters(), shampoo::ShampooOptions::reference_defaults(0.01));
   const auto data = shampoo::testing::make_blobs(32, 6, 3, /*seed=*/1);
   classification_loss(model, data, true);
   classification_loss(copy, data, true);

@@ -242,11 +242,11 @@ TEST(ShardedGradientsErrors, ClearMessages) {
   run_ranks(2, [&](int rank, const Group& group) {
     auto w = at::randn({40, 30}).requires_grad_();  // blocks of 16 columns: 2 x 2 blocks
     GradientSynchronizer sync({w}, group);
-    DistributedShampoo split({w}, ShampooOptions(0.01).max_preconditioner_dim(16),
+    DistributedShampoo split({w}, ShampooOptions::reference_defaults(0.01).max_preconditioner_dim(16),
                              DistributedOptions().process_group(group));
     expect_error([&] { sync.shard_gradients(split); },
                  {"blocks of parameter 0", "owned by ranks", "shard_by_parameter(true)"});
-    DistributedShampoo whole({w}, ShampooOptions(0.01).max_preconditioner_dim(16),
+    DistributedShampoo whole({w}, ShampooOptions::reference_defaults(0.01).max_preconditioner_dim(16),
                              DistributedOptions().process_group(group).shard_by_parameter(true));
     sync.shard_gradients(whole);
     EXPECT_TRUE(sync.sharded());
@@ -255,7 +255,7 @@ TEST(ShardedGradientsErrors, ClearMessages) {
   run_ranks(2, [&](int, const Group& group) {
     auto w = at::randn({4, 3}).requires_grad_();
     GradientSynchronizer sync({w}, group);
-    DistributedShampoo local({w}, ShampooOptions(0.01));
+    DistributedShampoo local({w}, ShampooOptions::reference_defaults(0.01));
     expect_error([&] { sync.shard_gradients(local); }, {"no process group"});
   });
   // Trainer subgroups.

@@ -113,7 +113,7 @@ TEST(GradientSynchronizer, DataParallelShampooTrainsLikeFullBatch) {
   // mathematical step (up to the rounding of the average).
   auto reference = shampoo::testing::make_mlp(6, 8, 3, 9);
   const auto options =
-      shampoo::ShampooOptions(0.02).epsilon(1e-3).precondition_frequency(2).grafting(
+      shampoo::ShampooOptions::reference_defaults(0.02).epsilon(1e-3).precondition_frequency(2).grafting(
           shampoo::AdamGraftingConfig{});
   shampoo::DistributedShampoo single(reference->parameters(), options);
   const auto full = shampoo::testing::make_blobs(64, 6, 3, 4);

@@ -27,7 +27,7 @@ struct FactoryCase {
 };
 
 shampoo::ShampooOptions shampoo_options() {
-  return shampoo::ShampooOptions(0.02)
+  return shampoo::ShampooOptions::reference_defaults(0.02)
       .epsilon(1e-6)
       .precondition_frequency(2)
       .grafting(shampoo::AdamGraftingConfig{})
@@ -70,7 +70,7 @@ std::vector<FactoryCase> factories() {
       {"eigendecomposed_shampoo",
        [](std::vector<torch::Tensor> p) {
          return std::make_unique<shampoo::DistributedShampoo>(
-             p, shampoo::ShampooOptions(0.02)
+             p, shampoo::ShampooOptions::reference_defaults(0.02)
                     .epsilon(1e-6)
                     .precondition_frequency(2)
                     .preconditioner(shampoo::EigendecomposedShampooConfig{})
@@ -247,7 +247,7 @@ struct DataParallelRun {
     opt.add({params[0], params[1]}, [group](std::vector<torch::Tensor> p) {
       return std::make_unique<shampoo::DistributedShampoo>(
           p,
-          shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
+          shampoo::ShampooOptions::reference_defaults(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
               shampoo::AdamGraftingConfig{}),
           shampoo::DistributedOptions().process_group(group));
     });
@@ -338,7 +338,7 @@ TEST(InBackwardDistributed, EqualsDistributedOrdinaryStep) {
         if (shampoo_optimizer) {
           return std::make_unique<shampoo::DistributedShampoo>(
               p,
-              shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
+              shampoo::ShampooOptions::reference_defaults(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
                   shampoo::AdamGraftingConfig{}),
               shampoo::DistributedOptions().process_group(group));
         }

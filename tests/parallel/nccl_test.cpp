@@ -54,7 +54,7 @@ std::vector<at::Tensor> make_params(const at::Device& device) {
 }
 
 ShampooOptions options() {
-  return ShampooOptions(0.02)
+  return ShampooOptions::reference_defaults(0.02)
       .betas({0.9, 0.99})
       .epsilon(1e-6)
       .precondition_frequency(2)

@@ -224,7 +224,7 @@ TEST(ShardedCheckpoint, UnknownLocalOptimizerAndOtherKindAreClearErrors) {
                                    {"SGD, Adam, AdamW, Adagrad or RMSprop"});
     ShardedOptimizer adam(params, cases()[0].factory, group);
     shampoo::save_distributed_checkpoint(adam, dir);
-    shampoo::DistributedShampoo shampoo_opt(params, shampoo::ShampooOptions(0.01),
+    shampoo::DistributedShampoo shampoo_opt(params, shampoo::ShampooOptions::reference_defaults(0.01),
                                             shampoo::DistributedOptions().process_group(group));
     shampoo::testing::expect_error(
         [&] { shampoo::load_distributed_checkpoint(shampoo_opt, dir); },

@@ -34,7 +34,7 @@ bool in_backward(ShardingKind kind) {
 }
 
 ShampooOptions sharding_shampoo_options(bool eigenvalue_corrected) {
-  auto options = ShampooOptions(0.02)
+  auto options = ShampooOptions::reference_defaults(0.02)
                      .betas({0.9, 0.999})
                      .epsilon(1e-6)
                      .precondition_frequency(3)

@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
     shampoo::GradientSynchronizer sync(model->parameters(), group);
     shampoo::DistributedShampoo optimizer(
         model->parameters(),
-        shampoo::ShampooOptions(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
+        shampoo::ShampooOptions::reference_defaults(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
             shampoo::AdamGraftingConfig{}),
         shampoo::DistributedOptions().process_group(group));
 

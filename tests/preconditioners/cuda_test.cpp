@@ -322,7 +322,7 @@ TEST(CudaOptimizer, MatchesCpuWithinTolerance) {
   auto cpu_model = shampoo::testing::make_mlp(6, 16, 3, 1);
   auto gpu_model = shampoo::testing::make_mlp(6, 16, 3, 1);
   gpu_model->to(torch::kCUDA);
-  const auto options = shampoo::ShampooOptions(0.01)
+  const auto options = shampoo::ShampooOptions::reference_defaults(0.01)
                            .epsilon(1e-4)
                            .precondition_frequency(2)
                            .grafting(shampoo::AdamGraftingConfig{})
@@ -364,7 +364,7 @@ std::vector<at::Tensor> train_small_mlp(
     const std::function<void(shampoo::ShampooOptions&)>& extra = [](shampoo::ShampooOptions&) {}) {
   auto model = shampoo::testing::make_mlp(6, 16, 3, 1);
   model->to(device);
-  auto options = shampoo::ShampooOptions(0.01)
+  auto options = shampoo::ShampooOptions::reference_defaults(0.01)
                      .epsilon(1e-4)
                      .precondition_frequency(2)
                      .max_preconditioner_dim(8)
@@ -497,7 +497,7 @@ TEST(CudaOptimizer, PlainStepSynchronizesWithTheHostOnce) {
   model->to(torch::kCUDA);
   shampoo::DistributedShampoo opt(
       model->parameters(),
-      shampoo::ShampooOptions(0.01).epsilon(1e-4).momentum(0.5).precondition_frequency(50));
+      shampoo::ShampooOptions::reference_defaults(0.01).epsilon(1e-4).momentum(0.5).precondition_frequency(50));
   const auto data = shampoo::testing::make_blobs(64, 6, 3, 2);
   const shampoo::testing::Dataset gpu_data{data.inputs.cuda(), data.labels.cuda()};
   int plain_steps = 0;
@@ -526,7 +526,7 @@ TEST(CudaOptimizer, CheckpointLoadedOntoTheGpuResumesTheRun) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   auto model = shampoo::testing::make_mlp(6, 16, 3, 1);
   model->to(torch::kCUDA);
-  const auto options = shampoo::ShampooOptions(0.01).epsilon(1e-4).precondition_frequency(2);
+  const auto options = shampoo::ShampooOptions::reference_defaults(0.01).epsilon(1e-4).precondition_frequency(2);
   shampoo::DistributedShampoo opt(model->parameters(), options);
   const auto data = shampoo::testing::make_blobs(64, 6, 3, 2);
   const shampoo::testing::Dataset gpu_data{data.inputs.cuda(), data.labels.cuda()};

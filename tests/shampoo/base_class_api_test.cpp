@@ -20,7 +20,7 @@ using shampoo::testing::expect_error;
 using shampoo::testing::snapshot;
 
 ShampooOptions options(double lr = 0.05) {
-  return ShampooOptions(lr)
+  return ShampooOptions::reference_defaults(lr)
       .betas({0.9, 0.99})
       .epsilon(1e-8)
       .precondition_frequency(2)
@@ -226,7 +226,7 @@ TEST(OptionsEquality, EqualWhenEveryFieldIsAndAfterARoundTrip) {
   EXPECT_FALSE(a == ShampooOptions(a).preconditioner(shampoo::RootInvShampooConfig{}));
   EXPECT_FALSE(a == ShampooOptions(a).precondition_frequency(3));
   EXPECT_FALSE(a == ShampooOptions(a).inverse_exponent_override({{2, {{0, 0.0}}}}));
-  EXPECT_EQ(ShampooOptions().weight_decay(0.0), ShampooOptions().weight_decay(-0.0));
+  EXPECT_EQ(ShampooOptions::reference_defaults().weight_decay(0.0), ShampooOptions::reference_defaults().weight_decay(-0.0));
 }
 
 TEST(OptionsEquality, OptionsCompareAfterALoadAsLibTorchsDo) {

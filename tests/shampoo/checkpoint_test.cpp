@@ -53,7 +53,7 @@ std::vector<at::Tensor> values(const Run& run) {
 }
 
 ShampooOptions base_options() {
-  return ShampooOptions(0.01)
+  return ShampooOptions::reference_defaults(0.01)
       .betas({0.9, 0.99})
       .epsilon(1e-8)
       .precondition_frequency(3)
@@ -142,6 +142,22 @@ void expect_load_error(DistributedShampoo& optimizer, const std::string& path,
   }
 }
 
+// A checkpoint of an optimizer built with ShampooOptions() before the defaults changed (the
+// reference's then) loads into one built with reference_defaults(); today's defaults refuse it,
+// saying how to load it.
+TEST(CheckpointErrors, CheckpointsOfTheFormerDefaultsLoadWithTheReferencePreset) {
+  auto source = make_run(ShampooOptions::reference_defaults(), 1);
+  for (int t = 1; t <= 3; ++t) step(source, t);
+  const auto path = shampoo::testing::temp_path("former_defaults.pt");
+  torch::save(*source.optimizer, path);
+  auto today = make_run(ShampooOptions(), 1);
+  expect_load_error(*today.optimizer, path, "ShampooOptions::reference_defaults(lr)");
+  auto preset = make_run(ShampooOptions::reference_defaults(), 1);
+  torch::load(*preset.optimizer, path);
+  EXPECT_EQ(preset.optimizer->group_step(0), 3);
+  std::remove(path.c_str());
+}
+
 TEST(CheckpointErrors, OtherModelOrStructureIsRefusedAndNothingChanges) {
   auto source = make_run(base_options(), 1);
   for (int t = 1; t <= 3; ++t) step(source, t);
@@ -184,7 +200,7 @@ TEST(CheckpointErrors, OtherModelOrStructureIsRefusedAndNothingChanges) {
 
 /// Every field of ShampooOptions away from its default (structural ones included).
 ShampooOptions every_field_changed() {
-  return ShampooOptions(0.125)
+  return ShampooOptions::reference_defaults(0.125)
       .betas({0.5, 0.75})
       .beta3(0.25)
       .epsilon(1e-7)
@@ -238,7 +254,7 @@ TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
 }
 
 TEST(OptionsArchive, RootSolverRoundTripsThroughAFile) {
-  const auto written = ShampooOptions().preconditioner(
+  const auto written = ShampooOptions::reference_defaults().preconditioner(
       shampoo::RootInvShampooConfig{.retry_double_precision = false,
                                     .solver = shampoo::RootSolver::kNewtonDB,
                                     .max_iterations = 37,

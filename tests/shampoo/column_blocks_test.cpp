@@ -35,14 +35,14 @@ std::vector<at::Tensor> make_params(uint64_t seed) {
 
 struct ColumnCase {
   std::string name;
-  ShampooOptions options;
+  ShampooOptions options = ShampooOptions::reference_defaults();
 };
 
 void PrintTo(const ColumnCase& c, std::ostream* os) { *os << c.name; }
 
 std::vector<ColumnCase> cases() {
   const auto base =
-      ShampooOptions(0.05).betas({0.9, 0.99}).epsilon(1e-3).max_preconditioner_dim(kMaxDim);
+      ShampooOptions::reference_defaults(0.05).betas({0.9, 0.99}).epsilon(1e-3).max_preconditioner_dim(kMaxDim);
   return {
       {"root_inverse_graft_l2", ShampooOptions(base)
                                     .grafting(shampoo::AdamGraftingConfig{0.99, 1e-8, false})

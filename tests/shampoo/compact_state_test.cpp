@@ -31,7 +31,7 @@ using Case = shampoo::testing::storage::NamedOptions;
 // deficient; at ε 1e-6 the compact runs moved 37–49% of the travel away from float32, at 1e-3
 // 2–6%, at 1e-2 0.8–1.3% (docs/math.md#compact-state).
 ShampooOptions base_options() {
-  return ShampooOptions(0.02)
+  return ShampooOptions::reference_defaults(0.02)
       .betas({0.9, 0.99})
       .epsilon(1e-2)
       .momentum(0.5)
@@ -203,8 +203,8 @@ INSTANTIATE_TEST_SUITE_P(Settings, CompactStates, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
 TEST(CompactStateOption, StructuralNamedInMessagesAndArchived) {
-  const auto compact = ShampooOptions().compact_state(CompactState::kInt8);
-  EXPECT_FALSE(shampoo::structurally_equal(ShampooOptions(), compact));
+  const auto compact = ShampooOptions::reference_defaults().compact_state(CompactState::kInt8);
+  EXPECT_FALSE(shampoo::structurally_equal(ShampooOptions::reference_defaults(), compact));
   // Saved and read back with the options.
   torch::serialize::OutputArchive out;
   compact.serialize(out);
@@ -212,7 +212,7 @@ TEST(CompactStateOption, StructuralNamedInMessagesAndArchived) {
   out.save_to(buffer);
   torch::serialize::InputArchive in;
   in.load_from(buffer);
-  ShampooOptions read;
+  ShampooOptions read = ShampooOptions::reference_defaults();
   read.serialize(in);
   EXPECT_EQ(read.compact_state(), CompactState::kInt8);
 }

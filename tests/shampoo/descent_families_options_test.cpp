@@ -34,7 +34,7 @@ std::vector<at::Tensor> matrices() {
 }
 
 ShampooOptions with(shampoo::PreconditionerConfig config) {
-  return ShampooOptions().preconditioner(std::move(config));
+  return ShampooOptions::reference_defaults().preconditioner(std::move(config));
 }
 
 /// The preconditioner as messages show it.
@@ -178,7 +178,7 @@ ShampooOptions read_archive_without_family_entries(const ShampooOptions& options
 
 TEST(DescentOptions, ArchivesWithoutTheNewEntriesStillLoad) {
   // A checkpoint of root-inverse Shampoo written before this change.
-  const auto old = read_archive_without_family_entries(ShampooOptions().lr(0.3), 0);
+  const auto old = read_archive_without_family_entries(ShampooOptions::reference_defaults().lr(0.3), 0);
   EXPECT_EQ(old.lr(), 0.3);
   EXPECT_TRUE(old.preconditioner() ==
               shampoo::PreconditionerConfig{shampoo::RootInvShampooConfig{}});

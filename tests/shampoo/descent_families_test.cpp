@@ -87,7 +87,7 @@ std::vector<at::Tensor> make_params(const FamilyCase& c, uint64_t seed,
 /// Options under which every part of the step matters: β1 filtering with bias correction,
 /// momentum, decoupled weight decay; the group's ε and β2 differ from the families' own.
 ShampooOptions family_options(const FamilyCase& c) {
-  return ShampooOptions(0.05)
+  return ShampooOptions::reference_defaults(0.05)
       .betas({0.9, 0.5})
       .epsilon(1e-3)
       .momentum(0.5)
@@ -248,7 +248,7 @@ INSTANTIATE_TEST_SUITE_P(Families, FamilyReference, ::testing::ValuesIn(families
 at::Tensor one_plain_step(const shampoo::PreconditionerConfig& config, const at::Tensor& w0,
                           const at::Tensor& grad) {
   auto w = w0.clone().requires_grad_();
-  DistributedShampoo optimizer({w}, ShampooOptions(0.5).betas({0.0, 1.0}).preconditioner(config));
+  DistributedShampoo optimizer({w}, ShampooOptions::reference_defaults(0.5).betas({0.0, 1.0}).preconditioner(config));
   w.mutable_grad() = grad;
   optimizer.step();
   return (w0 - w.detach()) / 0.5;  // the direction P
@@ -287,7 +287,7 @@ TEST(DescentClosedForm, SpectralDescentOfADiagonalBlockIsItsSign) {
 
 struct TorchCase {
   std::string name;
-  ShampooOptions options;
+  ShampooOptions options = ShampooOptions::reference_defaults();
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> make;
 };
 
@@ -295,7 +295,7 @@ void PrintTo(const TorchCase& c, std::ostream* os) { *os << c.name; }
 
 std::vector<TorchCase> torch_cases() {
   // ε and β2 of the group differ from the configs': they must not enter.
-  const auto base = ShampooOptions(0.01).epsilon(0.5).betas({0.0, 0.3});
+  const auto base = ShampooOptions::reference_defaults(0.01).epsilon(0.5).betas({0.0, 0.3});
   return {
       {"adam",
        ShampooOptions(base)
@@ -560,10 +560,10 @@ TEST(FamilyEquivalence, InBackwardEqualsOrdinaryStepWithMixedFamilies) {
     groups.emplace_back(
         matrices,
         std::make_unique<ShampooOptions>(
-            ShampooOptions(0.02).momentum(0.5).preconditioner(shampoo::SpectralDescentConfig{})));
+            ShampooOptions::reference_defaults(0.02).momentum(0.5).preconditioner(shampoo::SpectralDescentConfig{})));
     groups.emplace_back(
         others, std::make_unique<ShampooOptions>(
-                    ShampooOptions(0.01).preconditioner(shampoo::AdamPreconditionerConfig{})));
+                    ShampooOptions::reference_defaults(0.01).preconditioner(shampoo::AdamPreconditionerConfig{})));
     return std::make_unique<DistributedShampoo>(groups);
   };
   auto ordinary_model = shampoo::testing::make_mlp(6, 12, 3, 1);

@@ -201,7 +201,7 @@ std::vector<at::Tensor> mixed_params(uint64_t seed) {
 // Root-inverse Shampoo with eigh keeps X_k = Q·diag(f(λ))·Qᵀ of A + ε·I; eigendecomposed Shampoo
 // keeps Q and λ of the same matrix and forms the same X_k at every step.
 TEST(EigendecomposedClosedForm, EqualsRootInverseWithEighRoots) {
-  const auto options = ShampooOptions(0.02)
+  const auto options = ShampooOptions::reference_defaults(0.02)
                            .betas({0.9, 0.99})
                            .epsilon(1e-6)
                            .precondition_frequency(2)
@@ -239,7 +239,7 @@ TEST(PseudoInverseClosedForm, RankOneFactorGivesTheUnitDirection) {
       EigendecomposedShampooConfig{.rank_deficient_stability = pinv}};
   for (const auto& config : configs) {
     auto w = at::zeros({5}).requires_grad_();
-    DistributedShampoo opt({w}, ShampooOptions(0.1)
+    DistributedShampoo opt({w}, ShampooOptions::reference_defaults(0.1)
                                     .betas({0.0, 1.0})
                                     .epsilon(0.0)
                                     .start_preconditioning_step(1)
@@ -291,7 +291,7 @@ TEST(PseudoInverseClosedForm, InverseRootOnTheRangeZeroOnTheNullSpace) {
 TEST(EigendecomposedClosedForm, BeforeTheFirstDecompositionItIsFOfOneTimesIdentity) {
   for (const double epsilon : {1e-6, 4.0}) {
     auto w = at::zeros({3, 2}).requires_grad_();
-    DistributedShampoo opt({w}, ShampooOptions(0.1)
+    DistributedShampoo opt({w}, ShampooOptions::reference_defaults(0.1)
                                     .betas({0.0, 1.0})
                                     .epsilon(epsilon)
                                     .use_merge_dims(false)
@@ -316,7 +316,7 @@ TEST(EigendecomposedClosedForm, BeforeTheFirstDecompositionItIsFOfOneTimesIdenti
 TEST(EigendecomposedFailurePolicy, FailedDecompositionsKeepThePreviousOnes) {
   for (const auto method : {EigenbasisMethod::kEigh, EigenbasisMethod::kQR}) {
     const auto options =
-        ShampooOptions(0.05)
+        ShampooOptions::reference_defaults(0.05)
             .betas({0.0, 1.0})
             .epsilon(1e-6)
             .start_preconditioning_step(1)
@@ -356,16 +356,16 @@ TEST(EigendecomposedOptions, BadValuesNameFieldValueAndRange) {
   const auto pinv = PseudoInverseConfig{};
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .preconditioner(EigendecomposedShampooConfig{.rank_deficient_stability = pinv})
             .validate();
       },
       {"ShampooOptions.epsilon: got 1e-12", "expected 0 with PseudoInverseConfig"});
-  expect_error([&] { ShampooOptions().epsilon(0.0).validate(); },
+  expect_error([&] { ShampooOptions::reference_defaults().epsilon(0.0).validate(); },
                {"ShampooOptions.epsilon: got 0", "expected epsilon > 0"});
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .epsilon(0.0)
             .preconditioner(EigendecomposedShampooConfig{
                 .rank_deficient_stability = PseudoInverseConfig{.rank_atol = -1.0}})
@@ -374,7 +374,7 @@ TEST(EigendecomposedOptions, BadValuesNameFieldValueAndRange) {
       {"rank_deficient_stability.rank_atol: got -1", "expected rank_atol >= 0"});
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .epsilon(0.0)
             .preconditioner(RootInvShampooConfig{.rank_deficient_stability =
                                                      PseudoInverseConfig{.rank_rtol = -0.5}})
@@ -383,7 +383,7 @@ TEST(EigendecomposedOptions, BadValuesNameFieldValueAndRange) {
       {"rank_deficient_stability.rank_rtol: got -0.5", "kDtypeRankRtol"});
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .epsilon(0.0)
             .preconditioner(RootInvShampooConfig{.solver = shampoo::RootSolver::kCoupledNewton,
                                                  .rank_deficient_stability = pinv})
@@ -392,14 +392,14 @@ TEST(EigendecomposedOptions, BadValuesNameFieldValueAndRange) {
       {"PseudoInverseConfig needs solver kEigh, got kCoupledNewton"});
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .preconditioner(
                 EigendecomposedShampooConfig{.eigenbasis_method = static_cast<EigenbasisMethod>(7)})
             .validate();
       },
       {"ShampooOptions.preconditioner.eigenbasis_method: got 7", "expected kEigh or kQR"});
   // Valid: the pseudo-inverse with ε = 0 and the dtype-relative threshold.
-  EXPECT_NO_THROW(ShampooOptions()
+  EXPECT_NO_THROW(ShampooOptions::reference_defaults()
                       .epsilon(0.0)
                       .preconditioner(EigendecomposedShampooConfig{
                           .rank_deficient_stability =
@@ -408,19 +408,19 @@ TEST(EigendecomposedOptions, BadValuesNameFieldValueAndRange) {
 }
 
 TEST(EigendecomposedOptions, FamiliesAndTheirFieldsAreStructural) {
-  const auto eigendecomposed = ShampooOptions().preconditioner(EigendecomposedShampooConfig{});
-  const auto pinv = ShampooOptions().epsilon(0.0).preconditioner(
+  const auto eigendecomposed = ShampooOptions::reference_defaults().preconditioner(EigendecomposedShampooConfig{});
+  const auto pinv = ShampooOptions::reference_defaults().epsilon(0.0).preconditioner(
       EigendecomposedShampooConfig{.rank_deficient_stability = PseudoInverseConfig{}});
   EXPECT_TRUE(shampoo::structurally_equal(eigendecomposed, ShampooOptions(eigendecomposed).lr(1)));
-  EXPECT_FALSE(shampoo::structurally_equal(eigendecomposed, ShampooOptions()));
+  EXPECT_FALSE(shampoo::structurally_equal(eigendecomposed, ShampooOptions::reference_defaults()));
   EXPECT_FALSE(shampoo::structurally_equal(
       eigendecomposed,
-      ShampooOptions().preconditioner(shampoo::EigenvalueCorrectedShampooConfig{})));
+      ShampooOptions::reference_defaults().preconditioner(shampoo::EigenvalueCorrectedShampooConfig{})));
   EXPECT_FALSE(shampoo::structurally_equal(
-      eigendecomposed, ShampooOptions().preconditioner(EigendecomposedShampooConfig{
+      eigendecomposed, ShampooOptions::reference_defaults().preconditioner(EigendecomposedShampooConfig{
                            .eigenbasis_method = EigenbasisMethod::kQR})));
   EXPECT_FALSE(shampoo::structurally_equal(
-      eigendecomposed, ShampooOptions().preconditioner(
+      eigendecomposed, ShampooOptions::reference_defaults().preconditioner(
                            EigendecomposedShampooConfig{.retry_double_precision = false})));
   EXPECT_FALSE(shampoo::structurally_equal(eigendecomposed, pinv));
   EXPECT_FALSE(shampoo::structurally_equal(
@@ -430,7 +430,7 @@ TEST(EigendecomposedOptions, FamiliesAndTheirFieldsAreStructural) {
       pinv, ShampooOptions(pinv).preconditioner(EigendecomposedShampooConfig{
                 .rank_deficient_stability = PseudoInverseConfig{.rank_rtol = 1e-9}})));
   EXPECT_FALSE(shampoo::structurally_equal(
-      ShampooOptions(), ShampooOptions().epsilon(0.0).preconditioner(RootInvShampooConfig{
+      ShampooOptions::reference_defaults(), ShampooOptions::reference_defaults().epsilon(0.0).preconditioner(RootInvShampooConfig{
                             .rank_deficient_stability = PseudoInverseConfig{}})));
   // Groups of different families are separate virtual groups.
   auto a = at::randn({4, 3}).requires_grad_();
@@ -464,7 +464,7 @@ TEST(EigendecomposedOptions, ArchivesRoundTripEveryConfig) {
       shampoo::EigenvalueCorrectedShampooConfig{EigenbasisMethod::kQR, false},
       RootInvShampooConfig{.solver = shampoo::RootSolver::kNewtonDB}};
   for (const auto& config : configs) {
-    const auto written = ShampooOptions().epsilon(0.0).preconditioner(config);
+    const auto written = ShampooOptions::reference_defaults().epsilon(0.0).preconditioner(config);
     const auto read = shampoo::testing::options_round_trip(written);
     EXPECT_TRUE(read.preconditioner() == config) << "config kind " << config.index();
   }
@@ -476,7 +476,7 @@ TEST(EigendecomposedOptions, ArchiveWithoutTheNewEntriesStillLoads) {
   for (const auto& config : std::vector<shampoo::PreconditionerConfig>{
            RootInvShampooConfig{.solver = shampoo::RootSolver::kCoupledNewton, .max_iterations = 7},
            shampoo::EigenvalueCorrectedShampooConfig{EigenbasisMethod::kQR, true}}) {
-    const auto read = without_stability_entries(ShampooOptions().lr(0.3).preconditioner(config),
+    const auto read = without_stability_entries(ShampooOptions::reference_defaults().lr(0.3).preconditioner(config),
                                                 EigendecomposedShampooConfig{});
     EXPECT_TRUE(read.preconditioner() == config) << "config kind " << config.index();
     EXPECT_EQ(read.lr(), 0.3);

@@ -29,7 +29,7 @@ using shampoo::ShampooOptions;
 struct Problem {
   std::string name;
   std::vector<std::vector<int64_t>> shapes;  // one param group per shape
-  ShampooOptions options;
+  ShampooOptions options = ShampooOptions::reference_defaults();
   int steps;
   double reference_loss;  // root-inverse Shampoo, final loss in the reference
 };
@@ -49,7 +49,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 
 // The README's recommended options.
 ShampooOptions recommended() {
-  return ShampooOptions(1e-3)
+  return ShampooOptions::reference_defaults(1e-3)
       .betas({0.9, 0.999})
       .epsilon(1e-12)
       .precondition_frequency(50)
@@ -58,13 +58,13 @@ ShampooOptions recommended() {
 
 std::vector<Problem> problems() {
   return {
-      {"matrix_8x8", {{8, 8}}, ShampooOptions(), 20, 761.208984},
-      {"vector_64", {{64}}, ShampooOptions(), 20, 761.208984},
-      {"matrix_8x27", {{8, 27}}, ShampooOptions(), 20, 1909.767944},
-      {"conv_8x3x3x3", {{8, 3, 3, 3}}, ShampooOptions().max_preconditioner_dim(8), 20, 1868.722412},
+      {"matrix_8x8", {{8, 8}}, ShampooOptions::reference_defaults(), 20, 761.208984},
+      {"vector_64", {{64}}, ShampooOptions::reference_defaults(), 20, 761.208984},
+      {"matrix_8x27", {{8, 27}}, ShampooOptions::reference_defaults(), 20, 1909.767944},
+      {"conv_8x3x3x3", {{8, 3, 3, 3}}, ShampooOptions::reference_defaults().max_preconditioner_dim(8), 20, 1868.722412},
       {"recommended_8x8", {{8, 8}}, recommended(), 120, 734.136108},
       {"merged_16_groups_8x5", std::vector<std::vector<int64_t>>(16, {8, 5}),
-       ShampooOptions().epsilon(1e-10), 20, 5603.813477},
+       ShampooOptions::reference_defaults().epsilon(1e-10), 20, 5603.813477},
   };
 }
 

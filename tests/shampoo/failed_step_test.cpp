@@ -27,7 +27,7 @@ using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 // Every kind of state: filter, grafting (Adam), momentum, factors, roots recomputed every other
 // step.
 ShampooOptions base_options(bool eigenvalue_corrected) {
-  auto options = ShampooOptions(0.02)
+  auto options = ShampooOptions::reference_defaults(0.02)
                      .betas({0.9, 0.99})
                      .epsilon(1e-8)
                      .momentum(0.5)
@@ -257,7 +257,7 @@ INSTANTIATE_TEST_SUITE_P(Phases, FailedStep, ::testing::ValuesIn(cases()),
                          });
 
 ShampooOptions failing_root_options() {
-  return ShampooOptions(0.05)
+  return ShampooOptions::reference_defaults(0.05)
       .betas({0.9, 0.999})
       .epsilon(1e-6)
       .momentum(0.3)

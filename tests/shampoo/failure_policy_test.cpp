@@ -22,7 +22,7 @@ class WarningCollector : public c10::WarningHandler {
 };
 
 ShampooOptions options() {
-  return ShampooOptions(0.05)
+  return ShampooOptions::reference_defaults(0.05)
       .betas({0.0, 1.0})
       .epsilon(1e-6)
       .precondition_frequency(1)

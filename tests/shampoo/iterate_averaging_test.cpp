@@ -54,7 +54,7 @@ void set_grads(const std::vector<at::Tensor>& params, int step) {
 /// Shampoo with roots every step, β1 filtering, Adam grafting and decoupled weight decay: every
 /// part of the step runs before averaging.
 ShampooOptions shampoo_options(shampoo::IterateAveragingConfig averaging) {
-  return ShampooOptions(0.05)
+  return ShampooOptions::reference_defaults(0.05)
       .betas({0.9, 0.99})
       .epsilon(1e-3)
       .weight_decay(0.1)
@@ -107,7 +107,7 @@ TEST_P(GpaEqualsSgd, EveryStep) {
   torch::optim::SGD sgd(sgd_params,
                         torch::optim::SGDOptions(kLr).momentum(kMomentum).nesterov(c.nesterov));
   // SGD(lr, μ) is GPA with μx = μ, μy = 1 (heavy ball) or μ (Nesterov), at lr / (1 − μ).
-  auto options = ShampooOptions(kLr / (1.0 - kMomentum))
+  auto options = ShampooOptions::reference_defaults(kLr / (1.0 - kMomentum))
                      .betas({0.0, 1.0})
                      .max_preconditioner_dim(kMaxDim)
                      .iterate_averaging(
@@ -185,7 +185,7 @@ TEST_P(ScheduleFreeReference, StepsEvalAndTrain) {
     const auto w = p.detach().clone();
     refs.push_back({w.clone(), w.clone(), at::zeros_like(w), w.clone()});
   }
-  DistributedShampoo opt(params, ShampooOptions(lr_at(1))
+  DistributedShampoo opt(params, ShampooOptions::reference_defaults(lr_at(1))
                                      .betas({0.0, 1.0})
                                      .weight_decay(s.wd)
                                      .max_preconditioner_dim(kMaxDim)
@@ -394,7 +394,7 @@ INSTANTIATE_TEST_SUITE_P(Averaging, AveragingEquivalence, ::testing::ValuesIn(av
 TEST(IterateAveraging, InBackwardEqualsOrdinaryStep) {
   auto factory = [](std::vector<at::Tensor> params) {
     return std::make_unique<DistributedShampoo>(
-        params, ShampooOptions(0.05).iterate_averaging(ScheduleFreeConfig{}));
+        params, ShampooOptions::reference_defaults(0.05).iterate_averaging(ScheduleFreeConfig{}));
   };
   auto ordinary_model = shampoo::testing::make_mlp(6, 12, 3, 1);
   auto model = shampoo::testing::make_mlp(6, 12, 3, 1);
@@ -462,7 +462,7 @@ TEST(IterateAveraging, ValidationMessages) {
   const auto check = [](shampoo::IterateAveragingConfig averaging,
                         const std::vector<std::string>& fragments, double momentum = 0.0) {
     expect_error(
-        [&] { ShampooOptions().momentum(momentum).iterate_averaging(averaging).validate(); },
+        [&] { ShampooOptions::reference_defaults().momentum(momentum).iterate_averaging(averaging).validate(); },
         fragments);
   };
   check(GeneralizedPrimalAveragingConfig{1.0, 0.5},
@@ -475,17 +475,17 @@ TEST(IterateAveraging, ValidationMessages) {
   check(GeneralizedPrimalAveragingConfig{}, {"ShampooOptions.momentum", "got 0.5", "expected 0"},
         0.5);
   EXPECT_NO_THROW(
-      ShampooOptions().iterate_averaging(GeneralizedPrimalAveragingConfig{0.0, 1.0}).validate());
-  EXPECT_NO_THROW(ShampooOptions().iterate_averaging(ScheduleFreeConfig{}).validate());
+      ShampooOptions::reference_defaults().iterate_averaging(GeneralizedPrimalAveragingConfig{0.0, 1.0}).validate());
+  EXPECT_NO_THROW(ShampooOptions::reference_defaults().iterate_averaging(ScheduleFreeConfig{}).validate());
 }
 
 TEST(IterateAveraging, StructuralMerging) {
-  const auto gpa = ShampooOptions().iterate_averaging(GeneralizedPrimalAveragingConfig{});
-  EXPECT_FALSE(shampoo::structurally_equal(gpa, ShampooOptions()));
+  const auto gpa = ShampooOptions::reference_defaults().iterate_averaging(GeneralizedPrimalAveragingConfig{});
+  EXPECT_FALSE(shampoo::structurally_equal(gpa, ShampooOptions::reference_defaults()));
   EXPECT_FALSE(shampoo::structurally_equal(
-      gpa, ShampooOptions().iterate_averaging(GeneralizedPrimalAveragingConfig{0.9, 0.7})));
+      gpa, ShampooOptions::reference_defaults().iterate_averaging(GeneralizedPrimalAveragingConfig{0.9, 0.7})));
   EXPECT_FALSE(
-      shampoo::structurally_equal(gpa, ShampooOptions().iterate_averaging(ScheduleFreeConfig{})));
+      shampoo::structurally_equal(gpa, ShampooOptions::reference_defaults().iterate_averaging(ScheduleFreeConfig{})));
   EXPECT_TRUE(shampoo::structurally_equal(gpa, ShampooOptions(gpa).lr(0.5)));
   auto params = make_params(11);
   std::vector<torch::optim::OptimizerParamGroup> groups;
@@ -506,7 +506,7 @@ ShampooOptions through_archive(const ShampooOptions& written, bool drop_averagin
     if (!drop_averaging || field.name != "iterate_averaging") field.write(written, out);
   }
   return shampoo::testing::read_options(out,
-                                        ShampooOptions().iterate_averaging(ScheduleFreeConfig{}));
+                                        ShampooOptions::reference_defaults().iterate_averaging(ScheduleFreeConfig{}));
 }
 
 TEST(IterateAveraging, ArchivesRoundTripAndOldArchivesLoad) {
@@ -514,11 +514,11 @@ TEST(IterateAveraging, ArchivesRoundTripAndOldArchivesLoad) {
        {shampoo::IterateAveragingConfig{std::monostate{}},
         shampoo::IterateAveragingConfig{GeneralizedPrimalAveragingConfig{0.3, 0.4}},
         shampoo::IterateAveragingConfig{ScheduleFreeConfig{0.6, 1.5}}}) {
-    const auto written = ShampooOptions(0.2).iterate_averaging(config);
+    const auto written = ShampooOptions::reference_defaults(0.2).iterate_averaging(config);
     EXPECT_TRUE(through_archive(written, false).iterate_averaging() == config);
   }
   // Written before iterate averaging existed: no averaging.
-  const auto old = through_archive(ShampooOptions(0.3), true);
+  const auto old = through_archive(ShampooOptions::reference_defaults(0.3), true);
   EXPECT_TRUE(std::holds_alternative<std::monostate>(old.iterate_averaging()));
   EXPECT_EQ(old.lr(), 0.3);
 }

@@ -247,7 +247,7 @@ std::vector<bool> same_as_shampoo(const std::vector<at::Tensor>& params,
 TEST_P(KLVariant, OnePreconditionedDimEqualsShampoo) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   const std::vector<at::Tensor> params{at::randn({13}, gen), at::randn({6, 5}, gen)};
-  const auto options = ShampooOptions(0.05)
+  const auto options = ShampooOptions::reference_defaults(0.05)
                            .betas({0.9, 0.99})
                            .epsilon(1e-6)
                            .use_merge_dims(false)
@@ -263,7 +263,7 @@ TEST_P(KLVariant, OnePreconditionedDimEqualsShampoo) {
 TEST_P(KLVariant, EqualsShampooUntilRootsExistThenDiffers) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
   const std::vector<at::Tensor> params{at::randn({6, 5}, gen), at::randn({3, 4, 2}, gen)};
-  const auto options = ShampooOptions(0.05)
+  const auto options = ShampooOptions::reference_defaults(0.05)
                            .betas({0.0, 0.95})
                            .epsilon(1e-4)
                            .precondition_frequency(2)
@@ -281,7 +281,7 @@ TEST(KLSolvers, CoupledNewtonRootsTrackEighRoots) {
   const std::vector<at::Tensor> params{at::randn({6, 5}, gen), at::randn({3, 4, 2}, gen)};
   auto eigh_params = clone_params(params);
   auto newton_params = clone_params(params);
-  const auto options = ShampooOptions(0.01).betas({0.0, 0.95}).epsilon(1e-3).use_merge_dims(false);
+  const auto options = ShampooOptions::reference_defaults(0.01).betas({0.0, 0.95}).epsilon(1e-3).use_merge_dims(false);
   DistributedShampoo eigh(eigh_params,
                           ShampooOptions(options).preconditioner(RootInvKLShampooConfig{}));
   DistributedShampoo newton(
@@ -323,7 +323,7 @@ void set_grads(const std::vector<at::Tensor>& params, int step) {
 }
 
 ShampooOptions equivalence_options(const Variant& v) {
-  return ShampooOptions(0.05)
+  return ShampooOptions::reference_defaults(0.05)
       .betas({0.9, 0.99})
       .epsilon(1e-6)
       .momentum(0.5)
@@ -428,7 +428,7 @@ TEST_P(KLEquivalence, ResumedEqualsUninterrupted) {
 // with every computation after step 1 failing, the run equals one whose roots are never
 // recomputed after step 1 (bit for bit), and the fourth failure in a row raises.
 TEST_P(KLEquivalence, FailedComputationsKeepThePreviousRoots) {
-  const auto options = ShampooOptions(0.05)
+  const auto options = ShampooOptions::reference_defaults(0.05)
                            .betas({0.0, 1.0})
                            .epsilon(1e-6)
                            .start_preconditioning_step(1)
@@ -469,18 +469,18 @@ TEST(KLOptions, BadValuesNameFieldValueAndRange) {
   const auto pinv = PseudoInverseConfig{};
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .preconditioner(
                 RootInvKLShampooConfig{RootInvShampooConfig{.rank_deficient_stability = pinv}})
             .validate();
       },
       {"ShampooOptions.epsilon: got 1e-12", "expected 0 with PseudoInverseConfig"});
   expect_error(
-      [&] { ShampooOptions().epsilon(0.0).preconditioner(RootInvKLShampooConfig{}).validate(); },
+      [&] { ShampooOptions::reference_defaults().epsilon(0.0).preconditioner(RootInvKLShampooConfig{}).validate(); },
       {"ShampooOptions.epsilon: got 0", "expected epsilon > 0"});
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .epsilon(0.0)
             .preconditioner(RootInvKLShampooConfig{RootInvShampooConfig{
                 .solver = shampoo::RootSolver::kNewtonDB, .rank_deficient_stability = pinv}})
@@ -489,7 +489,7 @@ TEST(KLOptions, BadValuesNameFieldValueAndRange) {
       {"PseudoInverseConfig needs solver kEigh, got kNewtonDB"});
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .preconditioner(RootInvKLShampooConfig{RootInvShampooConfig{
                 .solver = shampoo::RootSolver::kCoupledNewton, .tolerance = -1.0}})
             .validate();
@@ -497,14 +497,14 @@ TEST(KLOptions, BadValuesNameFieldValueAndRange) {
       {"ShampooOptions.preconditioner.tolerance: got -1", "expected > 0"});
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .preconditioner(RootInvKLShampooConfig{
                 RootInvShampooConfig{.solver = shampoo::RootSolver::kCoupledNewton}})
             .inverse_exponent_override({{2, {{0, 0.3}}}})
             .validate();
       },
       {"inverse_exponent_override[2][0]: exponent 0.3", "integer roots"});
-  EXPECT_NO_THROW(ShampooOptions()
+  EXPECT_NO_THROW(ShampooOptions::reference_defaults()
                       .epsilon(0.0)
                       .preconditioner(RootInvKLShampooConfig{
                           RootInvShampooConfig{.rank_deficient_stability = pinv}})
@@ -516,7 +516,7 @@ TEST(KLOptions, EigendecomposedBadValuesNameFieldValueAndRange) {
   const auto pinv = PseudoInverseConfig{};
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .preconditioner(EigendecomposedKLShampooConfig{
                 EigendecomposedShampooConfig{.rank_deficient_stability = pinv}})
             .validate();
@@ -524,13 +524,13 @@ TEST(KLOptions, EigendecomposedBadValuesNameFieldValueAndRange) {
       {"ShampooOptions.epsilon: got 1e-12", "expected 0 with PseudoInverseConfig"});
   expect_error(
       [&] {
-        ShampooOptions()
+        ShampooOptions::reference_defaults()
             .preconditioner(EigendecomposedKLShampooConfig{EigendecomposedShampooConfig{
                 .eigenbasis_method = static_cast<EigenbasisMethod>(7)}})
             .validate();
       },
       {"ShampooOptions.preconditioner.eigenbasis_method: got 7", "expected kEigh or kQR"});
-  EXPECT_NO_THROW(ShampooOptions()
+  EXPECT_NO_THROW(ShampooOptions::reference_defaults()
                       .epsilon(0.0)
                       .preconditioner(EigendecomposedKLShampooConfig{
                           EigendecomposedShampooConfig{.rank_deficient_stability = pinv}})
@@ -538,14 +538,14 @@ TEST(KLOptions, EigendecomposedBadValuesNameFieldValueAndRange) {
 }
 
 TEST(KLOptions, TheFamilyAndItsFieldsAreStructural) {
-  const auto kl = ShampooOptions().preconditioner(RootInvKLShampooConfig{});
+  const auto kl = ShampooOptions::reference_defaults().preconditioner(RootInvKLShampooConfig{});
   EXPECT_TRUE(shampoo::structurally_equal(kl, ShampooOptions(kl).lr(1).epsilon(1e-3)));
-  EXPECT_FALSE(shampoo::structurally_equal(kl, ShampooOptions()));
+  EXPECT_FALSE(shampoo::structurally_equal(kl, ShampooOptions::reference_defaults()));
   EXPECT_FALSE(shampoo::structurally_equal(
-      kl, ShampooOptions().preconditioner(
+      kl, ShampooOptions::reference_defaults().preconditioner(
               RootInvKLShampooConfig{RootInvShampooConfig{.retry_double_precision = false}})));
   EXPECT_FALSE(shampoo::structurally_equal(
-      kl, ShampooOptions().preconditioner(RootInvKLShampooConfig{
+      kl, ShampooOptions::reference_defaults().preconditioner(RootInvKLShampooConfig{
               RootInvShampooConfig{.solver = shampoo::RootSolver::kCoupledNewton}})));
   // Groups of KL-Shampoo and of Shampoo are separate virtual groups.
   auto a = at::randn({4, 3}).requires_grad_();
@@ -555,7 +555,7 @@ TEST(KLOptions, TheFamilyAndItsFieldsAreStructural) {
   groups.emplace_back(std::vector<at::Tensor>{b}, std::make_unique<ShampooOptions>());
   DistributedShampoo opt(std::move(groups));
   EXPECT_EQ(opt.stats().virtual_groups, 2);
-  const auto* field = shampoo::detail::structural_difference(kl, ShampooOptions());
+  const auto* field = shampoo::detail::structural_difference(kl, ShampooOptions::reference_defaults());
   ASSERT_NE(field, nullptr);
   EXPECT_EQ(field->name, "preconditioner");
   EXPECT_NE(field->describe(kl).find("root-inverse KL-Shampoo (retry_double_precision true"),
@@ -563,13 +563,13 @@ TEST(KLOptions, TheFamilyAndItsFieldsAreStructural) {
       << field->describe(kl);
   // Eigendecomposed KL-Shampoo: another family than eigendecomposed Shampoo and than
   // root-inverse KL-Shampoo; its eigenbasis method is structural.
-  const auto eigen_kl = ShampooOptions().preconditioner(EigendecomposedKLShampooConfig{});
+  const auto eigen_kl = ShampooOptions::reference_defaults().preconditioner(EigendecomposedKLShampooConfig{});
   EXPECT_TRUE(shampoo::structurally_equal(eigen_kl, ShampooOptions(eigen_kl).lr(1)));
   EXPECT_FALSE(shampoo::structurally_equal(eigen_kl, kl));
   EXPECT_FALSE(shampoo::structurally_equal(
-      eigen_kl, ShampooOptions().preconditioner(EigendecomposedShampooConfig{})));
+      eigen_kl, ShampooOptions::reference_defaults().preconditioner(EigendecomposedShampooConfig{})));
   EXPECT_FALSE(shampoo::structurally_equal(
-      eigen_kl, ShampooOptions().preconditioner(EigendecomposedKLShampooConfig{
+      eigen_kl, ShampooOptions::reference_defaults().preconditioner(EigendecomposedKLShampooConfig{
                     EigendecomposedShampooConfig{.eigenbasis_method = EigenbasisMethod::kQR}})));
   EXPECT_NE(field->describe(eigen_kl).find("eigendecomposed KL-Shampoo (eigenbasis_method kEigh"),
             std::string::npos)
@@ -592,7 +592,7 @@ TEST(KLOptions, ArchivesRoundTripEveryConfig) {
       EigendecomposedKLShampooConfig{EigendecomposedShampooConfig{
           .rank_deficient_stability = PseudoInverseConfig{.rank_rtol = shampoo::kDtypeRankRtol}}}};
   for (const auto& config : configs) {
-    const auto written = ShampooOptions().epsilon(0.0).lr(0.3).preconditioner(config);
+    const auto written = ShampooOptions::reference_defaults().epsilon(0.0).lr(0.3).preconditioner(config);
     const auto read = shampoo::testing::options_round_trip(written);
     EXPECT_TRUE(read.preconditioner() == config) << "config kind " << config.index();
     EXPECT_EQ(read.lr(), 0.3);
@@ -607,7 +607,7 @@ TEST(KLOptions, ArchiveWithoutTheNewerEntriesStillLoads) {
                .solver = shampoo::RootSolver::kCoupledNewton, .max_iterations = 7}},
            EigendecomposedKLShampooConfig{
                EigendecomposedShampooConfig{.eigenbasis_method = EigenbasisMethod::kQR}}}) {
-    const auto read = without_stability_entries(ShampooOptions().lr(0.3).preconditioner(config),
+    const auto read = without_stability_entries(ShampooOptions::reference_defaults().lr(0.3).preconditioner(config),
                                                 shampoo::EigenvalueCorrectedShampooConfig{});
     EXPECT_TRUE(read.preconditioner() == config) << "config kind " << config.index();
     EXPECT_EQ(read.lr(), 0.3);

@@ -109,14 +109,14 @@ struct ReferenceConfig {
 /// One reference run: the optimizer's options and the dtype of its parameters.
 struct ReferenceCase {
   std::string name;
-  ShampooOptions options;
+  ShampooOptions options = ShampooOptions::reference_defaults();
   at::ScalarType dtype;
 };
 inline void PrintTo(const ReferenceCase& c, std::ostream* os) { *os << c.name; }
 
 /// The reference cases' common options: one block per parameter, no filtering.
 inline ShampooOptions reference_base() {
-  return ShampooOptions(0.05)
+  return ShampooOptions::reference_defaults(0.05)
       .betas({0.0, 0.95})
       .epsilon(1e-3)
       .max_preconditioner_dim(8)
@@ -183,7 +183,7 @@ inline ShampooOptions without_stability_entries(const ShampooOptions& written,
       out.write(key, value);
     }
   }
-  return read_options(out, ShampooOptions().preconditioner(start));
+  return read_options(out, ShampooOptions::reference_defaults().preconditioner(start));
 }
 
 }  // namespace shampoo::testing::kronecker

@@ -19,7 +19,7 @@ using shampoo::ShampooOptions;
 using Case = shampoo::testing::storage::NamedOptions;
 
 std::vector<Case> cases() {
-  const auto base = ShampooOptions(0.01)
+  const auto base = ShampooOptions::reference_defaults(0.01)
                         .betas({0.9, 0.999})
                         .epsilon(1e-8)
                         .momentum(0.5)
@@ -96,9 +96,9 @@ INSTANTIATE_TEST_SUITE_P(Families, MemorySummaryTest, ::testing::ValuesIn(cases(
 // The packed factors of a d×d dim take d(d+1)/2 floats: 64×48 blocks (dims 64 and 48).
 TEST(MemorySummaryPacking, FactorsArePackedTriangles) {
   auto param = at::randn({64, 48}).requires_grad_();
-  DistributedShampoo packed({param}, ShampooOptions().max_preconditioner_dim(64));
+  DistributedShampoo packed({param}, ShampooOptions::reference_defaults().max_preconditioner_dim(64));
   DistributedShampoo dense(
-      {param}, ShampooOptions().max_preconditioner_dim(64).use_symmetric_packing(false));
+      {param}, ShampooOptions::reference_defaults().max_preconditioner_dim(64).use_symmetric_packing(false));
   using shampoo::detail::packed_size;
   EXPECT_EQ(packed.memory_summary().factors, (packed_size(64) + packed_size(48)) * 4);
   EXPECT_EQ(dense.memory_summary().factors, (64 * 64 + 48 * 48) * 4);
@@ -114,7 +114,7 @@ namespace {
 // factors and the elementwise state of the blocks it steps, and the inverse roots only at a step
 // that recomputes them (root-inverse Shampoo, world 2, roots every 3 steps).
 TEST(MemorySummaryJournal, HoldsTheRootsOnlyWhenTheStepRecomputesThem) {
-  const auto options = ShampooOptions(0.01)
+  const auto options = ShampooOptions::reference_defaults(0.01)
                            .betas({0.9, 0.999})
                            .precondition_frequency(3)
                            .max_preconditioner_dim(16)

@@ -120,7 +120,7 @@ at::Tensor loss_of(const Net& net, const Batch& batch) {
 /// Two param groups, weights and the bias, that differ in lr only (one virtual group when
 /// merged); spectral descent takes matrices only, so its bias gets the Adam preconditioner.
 std::vector<torch::optim::OptimizerParamGroup> groups_for(const Net& net, const Family& family) {
-  const auto base = ShampooOptions(family.lr)
+  const auto base = ShampooOptions::reference_defaults(family.lr)
                         .betas({0.9, 0.999})
                         .epsilon(1e-8)
                         .precondition_frequency(5)
@@ -152,7 +152,7 @@ TEST_P(MixedPrecision, LossFallsOver30Steps) {
       sync = std::make_unique<shampoo::GradientSynchronizer>(net.params(), group);
       distributed.process_group(group);
     }
-    DistributedShampoo optimizer(groups_for(net, family), ShampooOptions(), distributed);
+    DistributedShampoo optimizer(groups_for(net, family), ShampooOptions::reference_defaults(), distributed);
     EXPECT_EQ(optimizer.stats().virtual_groups,
               std::holds_alternative<shampoo::SpectralDescentConfig>(family.config) ? 2 : 1);
     const double first = loss_of(net, make_batch(0, 1)).item<double>();
@@ -209,8 +209,8 @@ TEST(ChannelsLast, StepsBitForBitLikeContiguousParameters) {
         if (world > 1) distributed.process_group(group);
         const Net a{strided[0], strided[1], strided[2]};
         const Net b{dense[0], dense[1], dense[2]};
-        DistributedShampoo opt_a(groups_for(a, family), ShampooOptions(), distributed);
-        DistributedShampoo opt_b(groups_for(b, family), ShampooOptions(), distributed);
+        DistributedShampoo opt_a(groups_for(a, family), ShampooOptions::reference_defaults(), distributed);
+        DistributedShampoo opt_b(groups_for(b, family), ShampooOptions::reference_defaults(), distributed);
         for (int step = 0; step < 6; ++step) {
           shampoo::testing::set_random_grads(dense, 90 + step);
           for (size_t i = 0; i < dense.size(); ++i) {
@@ -238,7 +238,7 @@ TEST(LowPrecisionParameters, OneStepIsTheFloat32StepRounded) {
         low.push_back(v.to(dtype).requires_grad_());
         high.push_back(v.to(dtype).to(at::kFloat).requires_grad_());
       }
-      auto options = ShampooOptions(family.lr).epsilon(1e-8).preconditioner(family.config);
+      auto options = ShampooOptions::reference_defaults(family.lr).epsilon(1e-8).preconditioner(family.config);
       if (std::holds_alternative<shampoo::SpectralDescentConfig>(family.config)) {
         low.pop_back();  // matrices only
         high.pop_back();

@@ -22,28 +22,28 @@ std::vector<at::Tensor> params() {
 
 TEST(OptionsValidation, BadValuesNameFieldValueAndRange) {
   auto build = [](ShampooOptions o) { return [o] { DistributedShampoo opt(params(), o); }; };
-  expect_error(build(ShampooOptions(-0.1)), {"lr", "-0.1", ">= 0"});
-  expect_error(build(ShampooOptions().betas({1.0, 0.9})), {"betas[0]", "1", "[0, 1)"});
-  expect_error(build(ShampooOptions().betas({0.9, 0.0})), {"betas[1]", "0", "(0, 1]"});
-  expect_error(build(ShampooOptions().betas({0.9, 1.5})), {"betas[1]", "1.5"});
-  expect_error(build(ShampooOptions().beta3(1.2)), {"beta3", "1.2"});
-  expect_error(build(ShampooOptions().epsilon(0.0)), {"epsilon", "0", "> 0"});
-  expect_error(build(ShampooOptions().epsilon(-1e-12)), {"epsilon", "> 0"});
-  expect_error(build(ShampooOptions().max_preconditioner_dim(0)),
+  expect_error(build(ShampooOptions::reference_defaults(-0.1)), {"lr", "-0.1", ">= 0"});
+  expect_error(build(ShampooOptions::reference_defaults().betas({1.0, 0.9})), {"betas[0]", "1", "[0, 1)"});
+  expect_error(build(ShampooOptions::reference_defaults().betas({0.9, 0.0})), {"betas[1]", "0", "(0, 1]"});
+  expect_error(build(ShampooOptions::reference_defaults().betas({0.9, 1.5})), {"betas[1]", "1.5"});
+  expect_error(build(ShampooOptions::reference_defaults().beta3(1.2)), {"beta3", "1.2"});
+  expect_error(build(ShampooOptions::reference_defaults().epsilon(0.0)), {"epsilon", "0", "> 0"});
+  expect_error(build(ShampooOptions::reference_defaults().epsilon(-1e-12)), {"epsilon", "> 0"});
+  expect_error(build(ShampooOptions::reference_defaults().max_preconditioner_dim(0)),
                {"max_preconditioner_dim", "0", ">= 1"});
-  expect_error(build(ShampooOptions().precondition_frequency(0)),
+  expect_error(build(ShampooOptions::reference_defaults().precondition_frequency(0)),
                {"precondition_frequency", "0", ">= 1"});
-  expect_error(build(ShampooOptions().start_preconditioning_step(-2)),
+  expect_error(build(ShampooOptions::reference_defaults().start_preconditioning_step(-2)),
                {"start_preconditioning_step", "-2"});
-  expect_error(build(ShampooOptions().weight_decay(-1.0)), {"weight_decay", "-1"});
-  expect_error(build(ShampooOptions().momentum(1.0)), {"momentum", "1"});
-  expect_error(build(ShampooOptions().factor_matrix_dtype(at::kHalf)),
+  expect_error(build(ShampooOptions::reference_defaults().weight_decay(-1.0)), {"weight_decay", "-1"});
+  expect_error(build(ShampooOptions::reference_defaults().momentum(1.0)), {"momentum", "1"});
+  expect_error(build(ShampooOptions::reference_defaults().factor_matrix_dtype(at::kHalf)),
                {"factor_matrix_dtype", "Half", "Float or Double"});
-  expect_error(build(ShampooOptions().grafting(shampoo::AdamGraftingConfig{0.999, 0.0})),
+  expect_error(build(ShampooOptions::reference_defaults().grafting(shampoo::AdamGraftingConfig{0.999, 0.0})),
                {"grafting (Adam).epsilon", "> 0"});
-  expect_error(build(ShampooOptions().inverse_exponent_override({{2, {{5, 0.5}}}})),
+  expect_error(build(ShampooOptions::reference_defaults().inverse_exponent_override({{2, {{5, 0.5}}}})),
                {"inverse_exponent_override", "dim 5"});
-  expect_error(build(ShampooOptions().num_tolerated_failed_amortized_computations(-1)),
+  expect_error(build(ShampooOptions::reference_defaults().num_tolerated_failed_amortized_computations(-1)),
                {"num_tolerated_failed_amortized_computations", "-1"});
 }
 
@@ -51,21 +51,21 @@ TEST(OptionsValidation, BadRootSolverSettingsNameFieldValueAndRange) {
   auto build = [](ShampooOptions o) { return [o] { DistributedShampoo opt(params(), o); }; };
   using shampoo::RootInvShampooConfig;
   using shampoo::RootSolver;
-  expect_error(build(ShampooOptions().preconditioner(RootInvShampooConfig{
+  expect_error(build(ShampooOptions::reference_defaults().preconditioner(RootInvShampooConfig{
                    .solver = RootSolver::kCoupledNewton, .max_iterations = 0})),
                {"preconditioner.max_iterations", "0", ">= 1"});
-  expect_error(build(ShampooOptions().preconditioner(
+  expect_error(build(ShampooOptions::reference_defaults().preconditioner(
                    RootInvShampooConfig{.solver = RootSolver::kNewtonDB, .tolerance = 0.0})),
                {"preconditioner.tolerance", "0", "> 0"});
-  expect_error(build(ShampooOptions()
+  expect_error(build(ShampooOptions::reference_defaults()
                          .preconditioner(RootInvShampooConfig{.solver = RootSolver::kNewtonDB})
                          .inverse_exponent_override({{2, {{1, 0.3}}}})),
                {"inverse_exponent_override[2][1]", "0.3", "integer"});
   expect_error(
-      build(ShampooOptions().preconditioner(RootInvShampooConfig{.solver = RootSolver(7)})),
+      build(ShampooOptions::reference_defaults().preconditioner(RootInvShampooConfig{.solver = RootSolver(7)})),
       {"preconditioner.solver", "7"});
   // eigh takes any exponent and ignores the iteration settings.
-  DistributedShampoo fine(params(), ShampooOptions()
+  DistributedShampoo fine(params(), ShampooOptions::reference_defaults()
                                         .preconditioner(RootInvShampooConfig{.max_iterations = 0})
                                         .inverse_exponent_override({{2, {{1, 0.3}}}}));
 }
@@ -145,7 +145,7 @@ TEST(MixedDtypes, GroupsOfDifferentDtypesStepLikeSeparateOptimizers) {
   // Different dtypes in different groups are allowed: each dtype is a virtual group of its own
   // (the chain runs one dtype), even when the groups' options are equal.
   const auto options =
-      ShampooOptions(0.05).betas({0.9, 0.99}).grafting(shampoo::AdamGraftingConfig{0.99, 1e-8});
+      ShampooOptions::reference_defaults(0.05).betas({0.9, 0.99}).grafting(shampoo::AdamGraftingConfig{0.99, 1e-8});
   for (const bool merge : {true, false}) {
     SCOPED_TRACE(merge ? "merged" : "unmerged");
     auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -195,12 +195,12 @@ TEST(OptionsValidation, GroupsOfAnotherOptimizerAreRejected) {
 TEST(GroupOptions, EachGroupKeepsItsOwnOptions) {
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<at::Tensor>{at::randn({3}).requires_grad_()},
-                      std::make_unique<ShampooOptions>(ShampooOptions(0.5).epsilon(1e-6)));
+                      std::make_unique<ShampooOptions>(ShampooOptions::reference_defaults(0.5).epsilon(1e-6)));
   groups.emplace_back(std::vector<at::Tensor>{at::randn({3}).requires_grad_()});
-  DistributedShampoo opt(groups, ShampooOptions(0.01));
+  DistributedShampoo opt(groups, ShampooOptions::reference_defaults(0.01));
   opt.add_param_group(torch::optim::OptimizerParamGroup(
       {at::randn({2}).requires_grad_()},
-      std::make_unique<ShampooOptions>(ShampooOptions(0.25).momentum(0.5))));
+      std::make_unique<ShampooOptions>(ShampooOptions::reference_defaults(0.25).momentum(0.5))));
   ASSERT_EQ(opt.param_groups().size(), 3u);
   EXPECT_EQ(opt.group_options(0).lr(), 0.5);
   EXPECT_EQ(opt.group_options(0).epsilon(), 1e-6);
@@ -213,7 +213,7 @@ TEST(GroupOptions, EachGroupKeepsItsOwnOptions) {
 TEST(GroupOptions, SetLrChangesTheStep) {
   // One SGD-grafted step never preconditioned: p -= lr * g exactly.
   auto p = at::ones({3}).requires_grad_();
-  DistributedShampoo opt({p}, ShampooOptions(0.1)
+  DistributedShampoo opt({p}, ShampooOptions::reference_defaults(0.1)
                                   .betas({0.0, 1.0})
                                   .start_preconditioning_step(shampoo::kNeverStartPreconditioning)
                                   .grafting(shampoo::SGDGraftingConfig{}));
@@ -228,7 +228,7 @@ TEST(GroupOptions, SetLrChangesTheStep) {
 
 TEST(GroupOptions, StepLRSchedulerDrivesTheLearningRate) {
   auto p = at::ones({2}).requires_grad_();
-  DistributedShampoo opt({p}, ShampooOptions(1.0)
+  DistributedShampoo opt({p}, ShampooOptions::reference_defaults(1.0)
                                   .betas({0.0, 1.0})
                                   .start_preconditioning_step(shampoo::kNeverStartPreconditioning)
                                   .grafting(shampoo::SGDGraftingConfig{}));

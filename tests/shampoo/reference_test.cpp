@@ -384,7 +384,7 @@ const Precision kFloat32{"f32", at::kFloat, at::kFloat, 1e-2};
 struct ReferenceCase {
   std::string name;
   std::vector<std::vector<int64_t>> shapes;
-  shampoo::ShampooOptions options;
+  shampoo::ShampooOptions options = shampoo::ShampooOptions::reference_defaults();
   at::ScalarType param_dtype = at::kFloat;
   int steps = 10;
 };
@@ -441,7 +441,7 @@ struct OptionCombo {
 };
 
 shampoo::ShampooOptions base_options(const ShapeSet& s, const Precision& precision) {
-  return shampoo::ShampooOptions(0.05)
+  return shampoo::ShampooOptions::reference_defaults(0.05)
       .epsilon(precision.epsilon)
       .factor_matrix_dtype(precision.factor_dtype)
       .max_preconditioner_dim(s.max_preconditioner_dim)
@@ -632,7 +632,7 @@ class ClosedForm : public ::testing::TestWithParam<at::ScalarType> {
   /// tolerance.
   /// Root-inverse options of the closed forms: start = frequency = 1, betas (0, 1).
   shampoo::ShampooOptions one_step_options(double lr, double epsilon, int64_t max_dim) const {
-    return shampoo::ShampooOptions(lr)
+    return shampoo::ShampooOptions::reference_defaults(lr)
         .betas({0.0, 1.0})
         .epsilon(epsilon)
         .precondition_frequency(1)
@@ -702,7 +702,7 @@ TEST_P(ClosedForm, EigenvalueCorrectedBeforeFirstBasisIsAdaGrad) {
   const auto w0 = randn({6, 6}, gen);
   const auto g = dyadic({6, 6}, gen) + 1.0 / 32;  // no exact zeros
   const double lr = 0.1, epsilon = 1e-3;
-  const auto options = shampoo::ShampooOptions(lr)
+  const auto options = shampoo::ShampooOptions::reference_defaults(lr)
                            .betas({0.0, 1.0})
                            .epsilon(epsilon)
                            .precondition_frequency(2)

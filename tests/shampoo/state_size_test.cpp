@@ -33,7 +33,7 @@ class WarningCollector : public c10::WarningHandler {
 
 /// The settings README.md recommends (its first snippet) and the trainer's defaults.
 ShampooOptions recommended_options() {
-  return ShampooOptions(1e-3)
+  return ShampooOptions::reference_defaults(1e-3)
       .betas({0.9, 0.999})
       .epsilon(1e-12)
       .precondition_frequency(50)
@@ -48,7 +48,7 @@ std::vector<torch::Tensor> leaves(const std::vector<std::vector<int64_t>>& shape
 
 struct EstimateCase {
   std::string name;
-  ShampooOptions options;
+  ShampooOptions options = ShampooOptions::reference_defaults();
 };
 
 class StateSizeEstimateTest : public ::testing::TestWithParam<EstimateCase> {};
@@ -72,20 +72,20 @@ TEST_P(StateSizeEstimateTest, EqualsTheStateAllocatedAtConstruction) {
 INSTANTIATE_TEST_SUITE_P(
     Options, StateSizeEstimateTest,
     ::testing::Values(
-        EstimateCase{"root_inverse", ShampooOptions().max_preconditioner_dim(32)},
-        EstimateCase{"adam_grafting_double_factors", ShampooOptions()
+        EstimateCase{"root_inverse", ShampooOptions::reference_defaults().max_preconditioner_dim(32)},
+        EstimateCase{"adam_grafting_double_factors", ShampooOptions::reference_defaults()
                                                          .max_preconditioner_dim(32)
                                                          .grafting(AdamGraftingConfig{})
                                                          .factor_matrix_dtype(torch::kDouble)},
         EstimateCase{"eigenvalue_corrected_adagrad",
-                     ShampooOptions()
+                     ShampooOptions::reference_defaults()
                          .max_preconditioner_dim(16)
                          .preconditioner(EigenvalueCorrectedShampooConfig{})
                          .grafting(AdaGradGraftingConfig{})},
-        EstimateCase{"eigendecomposed", ShampooOptions().max_preconditioner_dim(16).preconditioner(
+        EstimateCase{"eigendecomposed", ShampooOptions::reference_defaults().max_preconditioner_dim(16).preconditioner(
                                             shampoo::EigendecomposedShampooConfig{})},
         EstimateCase{"exponent_overrides_no_merge",
-                     ShampooOptions().use_merge_dims(false).inverse_exponent_override(
+                     ShampooOptions::reference_defaults().use_merge_dims(false).inverse_exponent_override(
                          {{1, {{0, 0.0}}}, {3, {{1, 0.0}, {2, 0.0}}}})},
         EstimateCase{"recommended", recommended_options()}),
     [](const auto& info) { return info.param.name; });
@@ -105,9 +105,11 @@ TEST(StateSizeWarning, FiresOnceForAThinParameterWithDefaultOptions) {
     EXPECT_NE(message.find(expected), std::string::npos) << "missing '" << expected << "' in\n"
                                                          << message;
   }
-  // 97 blocks of 1024 and one of 672, a float factor and root each, packed upper triangles.
+  // 97 blocks of 1024 and one of 672, a float factor and root each, packed upper triangles;
+  // and the default Adam grafting's second moment, one float per element.
   using shampoo::detail::packed_size;
-  EXPECT_EQ(optimizer.stats().state_bytes, 2 * 4 * (97 * packed_size(1024) + packed_size(672)));
+  EXPECT_EQ(optimizer.stats().state_bytes,
+            2 * 4 * (97 * packed_size(1024) + packed_size(672)) + 4 * 100000);
 
   // Once per optimizer: groups added later are not estimated again.
   optimizer.add_param_group(torch::optim::OptimizerParamGroup(leaves({{1, 20000}})));
@@ -151,7 +153,7 @@ class UnpreconditionedDimTest : public ::testing::TestWithParam<bool> {};
 TEST_P(UnpreconditionedDimTest, HoldsNoFactorOrRoot) {
   const bool eigenvalue_corrected = GetParam();
   // epsilon regularizes the rank-deficient factors of a gradient with fewer rows than columns.
-  auto options = ShampooOptions(1e-2).betas({0.0, 0.999}).epsilon(1e-4).precondition_frequency(1);
+  auto options = ShampooOptions::reference_defaults(1e-2).betas({0.0, 0.999}).epsilon(1e-4).precondition_frequency(1);
   if (eigenvalue_corrected) options.preconditioner(EigenvalueCorrectedShampooConfig{});
   // [48, 64]: 3072 elements, not merged; dim 1 is left unpreconditioned.
   const int64_t rows = 48, cols = 64;

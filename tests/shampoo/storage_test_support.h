@@ -15,7 +15,7 @@ namespace shampoo::testing::storage {
 /// A named set of options: one case of a parametrized storage test.
 struct NamedOptions {
   std::string name;
-  ShampooOptions options;
+  ShampooOptions options = ShampooOptions::reference_defaults();
 };
 
 inline std::vector<at::Tensor> make_params() {

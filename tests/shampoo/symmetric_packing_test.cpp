@@ -22,7 +22,7 @@ using shampoo::testing::snapshot;
 using Family = shampoo::testing::storage::NamedOptions;
 
 std::vector<Family> families() {
-  const auto base = ShampooOptions(0.02)
+  const auto base = ShampooOptions::reference_defaults(0.02)
                         .betas({0.9, 0.99})
                         .epsilon(1e-6)
                         .precondition_frequency(2)

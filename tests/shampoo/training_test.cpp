@@ -2,7 +2,11 @@
 // DistributedShampoo (root-inverse and eigenvalue-corrected), and better than the untrained model.
 #include <shampoo/shampoo.h>
 
+#include <torch/optim/adam.h>
+
 #include <cmath>
+#include <functional>
+#include <memory>
 
 #include "support/test_support.h"
 
@@ -18,7 +22,7 @@ TEST_P(Training, MlpLearnsBlobs) {
   test.inputs = test.inputs + 0.3 * at::randn(test.inputs.sizes());
   const double before = shampoo::testing::accuracy(model, test);
 
-  auto options = shampoo::ShampooOptions(0.01)
+  auto options = shampoo::ShampooOptions::reference_defaults(0.01)
                      .betas({0.9, 0.999})
                      .epsilon(1e-10)
                      .precondition_frequency(5)
@@ -47,7 +51,7 @@ INSTANTIATE_TEST_SUITE_P(Preconditioners, Training, ::testing::Values(false, tru
 double final_loss(shampoo::RootSolver solver, shampoo::ShampooStats* stats) {
   auto model = shampoo::testing::make_mlp(10, 32, 5, /*seed=*/3);
   const auto train = shampoo::testing::make_blobs(512, 10, 5, /*seed=*/21);
-  const auto options = shampoo::ShampooOptions(0.01)
+  const auto options = shampoo::ShampooOptions::reference_defaults(0.01)
                            .betas({0.9, 0.999})
                            .epsilon(1e-10)
                            .precondition_frequency(5)
@@ -81,6 +85,54 @@ TEST(Training, IterativeRootSolversReachTheLossOfEighWithinOnePercent) {
     EXPECT_LT(stats.root_solver_fallbacks, stats.amortized_computations / 3)
         << "solver " << static_cast<int>(solver);
   }
+}
+
+/// Test accuracy of the blobs MLP after 200 full-batch steps of `optimizer_for(params)`.
+double blobs_accuracy(
+    const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>&
+        optimizer_for,
+    double* final_loss) {
+  auto model = shampoo::testing::make_mlp(10, 32, 5, /*seed=*/3);
+  const auto train = shampoo::testing::make_blobs(512, 10, 5, /*seed=*/21);
+  auto test = shampoo::testing::make_blobs(512, 10, 5, /*seed=*/21);
+  test.inputs = test.inputs + 0.3 * at::randn(test.inputs.sizes());
+  auto optimizer = optimizer_for(model->parameters());
+  for (int step = 0; step < 200; ++step) {
+    optimizer->zero_grad();
+    *final_loss = shampoo::testing::classification_loss(model, train, true).item<double>();
+    optimizer->step();
+  }
+  return shampoo::testing::accuracy(model, test);
+}
+
+// The plain defaults, written as a LibTorch user writes AdamOptions(1e-3), train as well as
+// Adam with its defaults. The reference's defaults at the same lr (roots every step, no
+// grafting: what ShampooOptions(1e-3) meant before) reached 0.68 test accuracy here against 1.0
+// (and took 34 s for the 200 steps, against 1 s).
+TEST(Training, PlainDefaultsTrainAsWellAsAdam) {
+  double adam_loss = 0.0, defaults_loss = 0.0;
+  const double adam = blobs_accuracy(
+      [](std::vector<at::Tensor> p) {
+        return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3));
+      },
+      &adam_loss);
+  const double defaults = blobs_accuracy(
+      [](std::vector<at::Tensor> p) {
+        return std::make_unique<shampoo::DistributedShampoo>(p, shampoo::ShampooOptions(1e-3));
+      },
+      &defaults_loss);
+  EXPECT_GE(defaults, adam - 0.01) << "Adam's final loss " << adam_loss << ", ours "
+                                   << defaults_loss;
+  EXPECT_LT(defaults_loss, 0.3);
+  const shampoo::ShampooOptions plain;
+  EXPECT_EQ(plain.lr(), 1e-3);
+  EXPECT_EQ(plain.precondition_frequency(), 50);
+  EXPECT_TRUE(std::holds_alternative<shampoo::AdamGraftingConfig>(plain.grafting()));
+  const auto reference = shampoo::ShampooOptions::reference_defaults();
+  EXPECT_EQ(reference.lr(), 1e-2);
+  EXPECT_EQ(reference.betas(), std::make_tuple(0.9, 1.0));
+  EXPECT_EQ(reference.precondition_frequency(), 1);
+  EXPECT_TRUE(std::holds_alternative<std::monostate>(reference.grafting()));
 }
 
 }  // namespace

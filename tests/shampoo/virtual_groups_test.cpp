@@ -35,7 +35,7 @@ std::vector<at::Tensor> make_params(uint64_t seed) {
 ShampooOptions group_options(int g) {
   const double beta1s[] = {0.9, 0.0, 0.95, 0.5};
   const double beta2s[] = {0.99, 0.999, 1.0};
-  return ShampooOptions(0.01 * (1 + g % 5))
+  return ShampooOptions::reference_defaults(0.01 * (1 + g % 5))
       .betas({beta1s[g % 4], beta2s[g % 3]})
       .beta3(g % 7 == 0 ? 0.8 : -1.0)
       .epsilon(1e-8 * (1 + g % 3))
@@ -66,7 +66,7 @@ TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithLiveLearningRates) {
   auto merged_params = make_params(1);
   auto unmerged_params = make_params(1);
   DistributedShampoo merged(make_groups(merged_params, kGroups));
-  DistributedShampoo unmerged(make_groups(unmerged_params, kGroups), ShampooOptions(),
+  DistributedShampoo unmerged(make_groups(unmerged_params, kGroups), ShampooOptions::reference_defaults(),
                               DistributedOptions().merge_param_groups(false));
   EXPECT_EQ(merged.stats().virtual_groups, 1);
   EXPECT_EQ(unmerged.stats().virtual_groups, kGroups);
@@ -102,7 +102,7 @@ TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithEveryRootSolver) {
       return groups;
     };
     DistributedShampoo merged(with_solver(merged_params));
-    DistributedShampoo unmerged(with_solver(unmerged_params), ShampooOptions(),
+    DistributedShampoo unmerged(with_solver(unmerged_params), ShampooOptions::reference_defaults(),
                                 DistributedOptions().merge_param_groups(false));
     ASSERT_EQ(merged.stats().virtual_groups, 1);
     for (int step = 1; step <= 9; ++step) {
@@ -140,7 +140,7 @@ TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithEigendecomposedFamilies) {
       return groups;
     };
     DistributedShampoo merged(with_config(merged_params));
-    DistributedShampoo unmerged(with_config(unmerged_params), ShampooOptions(),
+    DistributedShampoo unmerged(with_config(unmerged_params), ShampooOptions::reference_defaults(),
                                 DistributedOptions().merge_param_groups(false));
     ASSERT_EQ(merged.stats().virtual_groups, 1);
     for (int step = 1; step <= 9; ++step) {
@@ -208,7 +208,7 @@ TEST(VirtualGroups, GroupAddedLaterKeepsItsOwnStepCount) {
       merged_groups.begin(), merged_groups.begin() + 8));
   DistributedShampoo unmerged(std::vector<torch::optim::OptimizerParamGroup>(
                                   unmerged_groups.begin(), unmerged_groups.begin() + 8),
-                              ShampooOptions(), DistributedOptions().merge_param_groups(false));
+                              ShampooOptions::reference_defaults(), DistributedOptions().merge_param_groups(false));
   std::vector<at::Tensor> merged_active(merged_params.begin(), merged_params.begin() + 16);
   std::vector<at::Tensor> unmerged_active(unmerged_params.begin(), unmerged_params.begin() + 16);
   for (int step = 1; step <= 12; ++step) {
@@ -264,7 +264,7 @@ std::vector<double> round_robin_losses(const std::vector<double>& lrs) {
   std::vector<std::vector<at::Tensor>> members(lrs.size());
   for (size_t i = 0; i < params.size(); ++i) members[i % lrs.size()].push_back(params[i]);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  const auto base = ShampooOptions()
+  const auto base = ShampooOptions::reference_defaults()
                         .betas({0.9, 0.999})
                         .epsilon(1e-10)
                         .precondition_frequency(4)
@@ -299,7 +299,7 @@ TEST(VirtualGroups, CheckpointsCrossBetweenMergedAndUnmerged) {
       reference.step();
     }
     auto first_params = make_params(7);
-    DistributedShampoo first(make_groups(first_params, 16), ShampooOptions(),
+    DistributedShampoo first(make_groups(first_params, 16), ShampooOptions::reference_defaults(),
                              DistributedOptions().merge_param_groups(save_merged));
     for (int step = 1; step <= 5; ++step) {
       set_grads(first_params, step);
@@ -312,7 +312,7 @@ TEST(VirtualGroups, CheckpointsCrossBetweenMergedAndUnmerged) {
       torch::NoGradGuard no_grad;
       for (size_t i = 0; i < second_params.size(); ++i) second_params[i].copy_(first_params[i]);
     }
-    DistributedShampoo second(make_groups(second_params, 16), ShampooOptions(),
+    DistributedShampoo second(make_groups(second_params, 16), ShampooOptions::reference_defaults(),
                               DistributedOptions().merge_param_groups(!save_merged));
     torch::load(second, path);
     for (int step = 6; step <= 10; ++step) {

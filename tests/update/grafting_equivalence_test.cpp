@@ -21,11 +21,11 @@ using shampoo::testing::all_close;
 struct EquivalenceCase {
   std::string name;
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> reference;
-  shampoo::ShampooOptions shampoo;
+  shampoo::ShampooOptions shampoo = shampoo::ShampooOptions::reference_defaults();
 };
 
 shampoo::ShampooOptions never_preconditioned(double lr) {
-  return shampoo::ShampooOptions(lr)
+  return shampoo::ShampooOptions::reference_defaults(lr)
       .start_preconditioning_step(shampoo::kNeverStartPreconditioning)
       .precondition_frequency(1);
 }

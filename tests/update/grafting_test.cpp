@@ -180,8 +180,8 @@ TEST(ElementwiseState, ExportImportRoundTripAndLazyStacks) {
 TEST(GraftingMethods, DropWeightingFactorIsStructuralAndArchived) {
   shampoo::AdamGraftingConfig adam{0.99, 1e-8};
   adam.drop_weighting_factor_on_gsquare = true;
-  const auto dropping = shampoo::ShampooOptions().grafting(adam);
-  const auto keeping = shampoo::ShampooOptions().grafting(shampoo::AdamGraftingConfig{0.99, 1e-8});
+  const auto dropping = shampoo::ShampooOptions::reference_defaults().grafting(adam);
+  const auto keeping = shampoo::ShampooOptions::reference_defaults().grafting(shampoo::AdamGraftingConfig{0.99, 1e-8});
   EXPECT_FALSE(shampoo::structurally_equal(dropping, keeping));
   EXPECT_TRUE(shampoo::structurally_equal(
       dropping, shampoo::ShampooOptions(dropping).grafting(
@@ -209,7 +209,7 @@ TEST(GraftingMethods, DropWeightingFactorIsStructuralAndArchived) {
   torch::serialize::InputArchive old_in;
   std::istringstream old_stream(old_bytes.str());
   old_in.load_from(old_stream);
-  shampoo::ShampooOptions loaded;
+  shampoo::ShampooOptions loaded = shampoo::ShampooOptions::reference_defaults();
   loaded.serialize(old_in);
   EXPECT_TRUE(loaded.grafting() == keeping.grafting());
 }

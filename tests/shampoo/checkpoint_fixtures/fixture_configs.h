@@ -13,11 +13,11 @@ namespace shampoo::fixtures {
 
 struct FixtureConfig {
   std::string name;
-  ShampooOptions options;
+  ShampooOptions options = ShampooOptions::reference_defaults();
 };
 
 inline std::vector<FixtureConfig> fixture_configs() {
-  const auto base = ShampooOptions(0.01).betas({0.9, 0.999}).precondition_frequency(1);
+  const auto base = ShampooOptions::reference_defaults(0.01).betas({0.9, 0.999}).precondition_frequency(1);
   auto with = [&](PreconditionerConfig p) { return ShampooOptions(base).preconditioner(p); };
   std::vector<FixtureConfig> out;
   out.push_back({"root_inverse_eigh", base});

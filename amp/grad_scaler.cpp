@@ -353,6 +353,7 @@ class OptimizerWithScaler final : public DistributedCheckpointable {
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override {
     return optimizer_.checkpoint_group();
   }
+  void sync_for_checkpoint() const override { optimizer_.sync_for_checkpoint(); }
   void save_common(torch::serialize::OutputArchive& common) const override {
     optimizer_.save_common(common);
     torch::serialize::OutputArchive scaler;

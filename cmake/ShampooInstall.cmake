@@ -33,7 +33,8 @@ set(SHAMPOO_PUBLIC_HEADERS
   shampoo/distributed_shampoo.h
   shampoo/fault_point.h
   shampoo/shampoo.h
-  shampoo/shampoo_options.h)
+  shampoo/shampoo_options.h
+  shampoo/training_checkpoint.h)
 foreach(header ${SHAMPOO_PUBLIC_HEADERS})
   get_filename_component(folder ${header} DIRECTORY)
   set(destination ${CMAKE_INSTALL_INCLUDEDIR}/shampoo)

@@ -559,12 +559,14 @@ class SaveProtocol {
 
 void save_distributed_state(const DistributedCheckpointable& source, const fs::path& dir,
                             c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  source.sync_for_checkpoint();
   SaveProtocol(source, dir, choose_group(source, std::move(group))).run();
 }
 
 void load_distributed_state(DistributedCheckpointable& target, const fs::path& dir,
                             c10::intrusive_ptr<c10d::ProcessGroup> group) {
   const char* function = "load_distributed_checkpoint";
+  target.sync_for_checkpoint();
   group = choose_group(target, std::move(group));
   const std::string where = std::string(function) + "(" + dir.string() + ")";
 

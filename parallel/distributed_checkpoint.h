@@ -88,6 +88,10 @@ class DistributedCheckpointable {
   virtual std::string checkpoint_kind() const = 0;
   /// The ranks that save and load together (null: one process).
   virtual c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const = 0;
+  /// Called on every rank before a save or a load starts, where collectives may run: brings the
+  /// optimizer's bookkeeping up to date (param groups added through LibTorch's base class are
+  /// registered here, so that the checkpoint holds them). Changes no state a step uses.
+  virtual void sync_for_checkpoint() const {}
   /// What every rank holds alike. Called on rank 0 only; no collectives.
   virtual void save_common(torch::serialize::OutputArchive& common) const = 0;
   /// This rank's pieces (none on a rank that only replicates another's). No collectives.

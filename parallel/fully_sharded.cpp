@@ -1724,20 +1724,30 @@ std::vector<at::Tensor> FullyShardedDataParallel::reduced_gradients() {
 void FullyShardedDataParallel::skip_step() { state_->skip_all(); }
 
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type) {
-  auto& s = *state_;
-  s.reduced_gradients("clip_grad_norm_");  // for its check: an error with overlap_step
-  TORCH_CHECK(s.lossless(), kWho,
-              "clip_grad_norm_: needs step_mode kLossless (local shards hold row chunks, whose "
-              "norms do not add up to a whole parameter's bit for bit)");
-  std::vector<detail::SpreadGradient> spread;
-  for (const auto& unit : s.units) {
-    for (const auto& slot : unit->params) {
-      // The owner holds the parameter's whole averaged gradient; nobody else holds any of it.
-      spread.push_back({slot.reduced, slot.reduced, unit->options});
-    }
+  std::vector<at::Tensor> all;
+  for (const auto& unit : state_->units) {
+    for (const auto& slot : unit->params) all.push_back(slot.param);
   }
-  return detail::clip_spread_grad_norm_(*s.group, spread, max_norm, norm_type,
-                                        "FullyShardedDataParallel::clip_grad_norm_");
+  return clip_grad_norm_of(all, max_norm, norm_type, "clip_grad_norm_");
+}
+
+double FullyShardedDataParallel::clip_grad_norm_of(const std::vector<at::Tensor>& params,
+                                                   double max_norm, double norm_type,
+                                                   const char* function) {
+  auto& s = *state_;
+  s.reduced_gradients(function);  // for its check: an error with overlap_step
+  TORCH_CHECK(s.lossless(), kWho, function,
+              ": needs step_mode kLossless (local shards hold row chunks, whose norms do not add "
+              "up to a whole parameter's bit for bit)");
+  std::vector<detail::SpreadGradient> spread;
+  for (const auto& p : params) {
+    const auto [u, i] = s.position_of(p);
+    const auto& slot = s.unit(u).params[i];
+    // The owner holds the parameter's whole averaged gradient; nobody else holds any of it.
+    spread.push_back({slot.reduced, slot.reduced, s.unit(u).options});
+  }
+  const auto who = std::string(kWho) + function;
+  return detail::clip_spread_grad_norm_(*s.group, spread, max_norm, norm_type, who.c_str());
 }
 
 void FullyShardedDataParallel::gather_all() {
@@ -1838,6 +1848,17 @@ c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedDataParallel::checkpoint_grou
   return state_->group;
 }
 
+void FullyShardedDataParallel::sync_for_checkpoint() const {
+  auto& s = *state_;
+  s.wait_all();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  s.sync_groups();
+  // Options changed since the last step (a scheduler's step() before the save) go into the
+  // parameters' optimizers now, as they would at the next step: the checkpoint then holds the
+  // options the next step uses, in both places.
+  s.push_group_options();
+}
+
 void FullyShardedDataParallel::save_common(torch::serialize::OutputArchive& common) const {
   state_->save_common(common);
 }
@@ -1907,6 +1928,8 @@ std::string FullyShardedOptimizer::checkpoint_kind() const { return owner_.check
 c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedOptimizer::checkpoint_group() const {
   return owner_.checkpoint_group();
 }
+
+void FullyShardedOptimizer::sync_for_checkpoint() const { owner_.sync_for_checkpoint(); }
 
 void FullyShardedOptimizer::save_common(torch::serialize::OutputArchive& common) const {
   owner_.save_common(common);

@@ -137,6 +137,7 @@ class FullyShardedOptimizer final : public torch::optim::Optimizer,
 
   std::string checkpoint_kind() const override;
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
+  void sync_for_checkpoint() const override;
   void save_common(torch::serialize::OutputArchive& common) const override;
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,
@@ -208,6 +209,11 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   /// their global norm, as torch::nn::utils::clip_grad_norm_ on the full averaged gradients (bit
   /// for bit): one all-reduce of the per-parameter norms. Returns the total norm. Collective.
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
+  /// The same over `params` (unit parameters), whose norms are combined in this order, as
+  /// LibTorch combines those of the parameters it is given: shampoo::clip_grad_norm_ on
+  /// optimizer() passes its param groups' parameters. `function` names the caller in errors.
+  double clip_grad_norm_of(const std::vector<at::Tensor>& params, double max_norm,
+                           double norm_type, const char* function);
 
   /// Gathers every unit's full parameters and keeps them until release_all(), e.g. to evaluate:
   /// forwards in between (without gradients) neither gather nor release. Waits for the steps in
@@ -261,6 +267,8 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   /// steps in flight first.
   std::string checkpoint_kind() const override { return "FullyShardedDataParallel"; }
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
+  /// Waits for the steps in flight and registers param groups added to optimizer() since.
+  void sync_for_checkpoint() const override;
   void save_common(torch::serialize::OutputArchive& common) const override;
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,

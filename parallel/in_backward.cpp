@@ -320,7 +320,24 @@ void InBackwardOptimizer::set_unscaler(BackwardUnscaler* unscaler) {
 int64_t InBackwardOptimizer::backward_passes() const { return state_->passes; }
 int64_t InBackwardOptimizer::steps_taken() const { return state_->steps; }
 
+namespace {
+
+/// A save between the backward passes of one gradient accumulation would lose what the passes
+/// accumulated (it lives in the parameters' gradients, which no optimizer checkpoint holds).
+void check_not_mid_accumulation(int64_t passes, int64_t accumulation_steps, const char* function) {
+  TORCH_CHECK(passes % accumulation_steps == 0, "InBackwardOptimizer::", function, ": ",
+              passes % accumulation_steps, " of the ", accumulation_steps,
+              " backward passes of a gradient accumulation ran since the last step; their "
+              "gradients live in the parameters and would be lost to the checkpoint, so the "
+              "resumed run would step on fewer micro-batches. Save after the accumulation's last "
+              "backward pass (backward_passes() a multiple of ",
+              accumulation_steps, ")");
+}
+
+}  // namespace
+
 void InBackwardOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  check_not_mid_accumulation(state_->passes, state_->accumulation_steps, "save");
   archive.write("num_optimizers", c10::IValue(static_cast<int64_t>(state_->sets.size())));
   archive.write("backward_passes", c10::IValue(state_->passes));
   archive.write("steps_taken", c10::IValue(state_->steps));
@@ -371,6 +388,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::checkpoint_group() c
       "over one process group");
 }
 
+void InBackwardOptimizer::sync_for_checkpoint() const {
+  for (const auto& set : state_->sets) {
+    if (const auto* checkpointable = as_checkpointable(*set.optimizer)) {
+      checkpointable->sync_for_checkpoint();
+    }
+  }
+}
+
 void InBackwardOptimizer::save_common(torch::serialize::OutputArchive& common) const {
   common.write("num_optimizers", c10::IValue(static_cast<int64_t>(state_->sets.size())));
   common.write("backward_passes", c10::IValue(state_->passes));
@@ -393,6 +418,8 @@ void InBackwardOptimizer::save_common(torch::serialize::OutputArchive& common) c
 }
 
 void InBackwardOptimizer::save_pieces(PieceWriter& pieces) const {
+  check_not_mid_accumulation(state_->passes, state_->accumulation_steps,
+                             "save_distributed_checkpoint");
   for (size_t i = 0; i < state_->sets.size(); ++i) {
     if (const auto* checkpointable = as_checkpointable(*state_->sets[i].optimizer)) {
       auto nested = pieces.nested(set_key(i) + "/");

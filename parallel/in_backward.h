@@ -114,6 +114,7 @@ class InBackwardOptimizer : public torch::optim::Optimizer,
   /// Their process groups must be one and the same (or null).
   std::string checkpoint_kind() const override { return "InBackwardOptimizer"; }
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
+  void sync_for_checkpoint() const override;
   void save_common(torch::serialize::OutputArchive& common) const override;
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,

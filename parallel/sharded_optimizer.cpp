@@ -457,7 +457,6 @@ void ShardedOptimizer::restore_param_steps(
 }
 
 void ShardedOptimizer::save_common(torch::serialize::OutputArchive& common) const {
-  sync_before_save();
   common.write("local_type", c10::IValue(local_type(*local_)));
   detail::write_param_shapes(common, params_);
   common.write("group_sizes", at::tensor(group_sizes_, at::TensorOptions().dtype(at::kLong)),
@@ -494,7 +493,6 @@ std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArch
               "ShardedOptimizer checkpoint: entry 'local_type' is missing");
   TORCH_CHECK(saved_type.toStringRef() == type, "ShardedOptimizer checkpoint: written for a ",
               saved_type.toStringRef(), " on every shard, this one shards a ", type);
-  register_added_params();
   detail::check_param_shapes(common, params_, "ShardedOptimizer checkpoint");
   const auto& groups = local_->param_groups();
   TORCH_CHECK(read_int(common, "num_local_groups") == static_cast<int64_t>(groups.size()),

@@ -109,6 +109,7 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   /// or RMSprop (whose per-parameter state types are known).
   std::string checkpoint_kind() const override { return "ShardedOptimizer"; }
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override { return group_; }
+  void sync_for_checkpoint() const override { sync_before_save(); }
   void save_common(torch::serialize::OutputArchive& common) const override;
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,

@@ -352,8 +352,7 @@ void ShampooEngine::load(torch::serialize::InputArchive& archive,
 std::function<void()> ShampooEngine::prepare_load(
     torch::serialize::InputArchive& common, PieceReader& pieces,
     std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  register_added_params(groups);
-  check_groups(groups);
+  check_groups(groups);  // what the base class appended was registered before (collectively)
   TORCH_CHECK(!transaction_.is_open(),
               "checkpoint: cannot load while a step is open (in backward)");
   check_version(common);

@@ -153,8 +153,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> DistributedShampoo::checkpoint_group() co
   return engine_->distributed_options().process_group();
 }
 
-void DistributedShampoo::save_common(torch::serialize::OutputArchive& common) const {
+void DistributedShampoo::sync_for_checkpoint() const {
   const_cast<DistributedShampoo&>(*this).sync_groups_and_state();
+}
+
+void DistributedShampoo::save_common(torch::serialize::OutputArchive& common) const {
   engine_->save_common(common, param_groups_);
 }
 
@@ -162,7 +165,6 @@ void DistributedShampoo::save_pieces(PieceWriter& pieces) const { engine_->save_
 
 std::function<void()> DistributedShampoo::prepare_load(torch::serialize::InputArchive& common,
                                                        PieceReader& pieces) {
-  sync_groups_and_state();
   auto install = engine_->prepare_load(common, pieces, param_groups_);
   return [this, install = std::move(install)] {
     install();

@@ -131,6 +131,7 @@ class DistributedShampoo : public torch::optim::Optimizer,
   /// num_trainers_per_group, merged or not) reads the blocks each rank owns now.
   std::string checkpoint_kind() const override { return "DistributedShampoo"; }
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
+  void sync_for_checkpoint() const override;
   void save_common(torch::serialize::OutputArchive& common) const override;
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,

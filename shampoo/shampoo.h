@@ -18,3 +18,4 @@
 #include "shampoo/config.h"
 #include "shampoo/distributed_shampoo.h"
 #include "shampoo/shampoo_options.h"
+#include "shampoo/training_checkpoint.h"

@@ -268,8 +268,11 @@ void ShampooEngine::check_groups(
   // Groups and parameters appended through the base class are registered before this check
   // (register_added_params); what is left is a removal.
   TORCH_CHECK(groups.size() == group_steps_.size(), "DistributedShampoo: ", groups.size(),
-              " param groups, but ", group_steps_.size(),
-              " were registered; param groups cannot be removed, build a new optimizer instead");
+              " param groups, but ", group_steps_.size(), " were registered; ",
+              groups.size() < group_steps_.size()
+                  ? "param groups cannot be removed, build a new optimizer instead"
+                  : "groups added through the base class are registered at the next step(), "
+                    "save, train() or eval() (a collective in distributed mode), not here");
   for (size_t g = 0; g < groups.size(); ++g) {
     TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == registry_.group_sizes[g],
                 "DistributedShampoo: param group ", g, " has ", groups[g].params().size(),

@@ -1,0 +1,121 @@
+#pragma once
+/// A whole training run in one checkpoint: the model's parameters and buffers, the optimizer (any
+/// of this library's, or one of LibTorch's), the GradScaler, the random generators and the
+/// user's own values (step, epoch, position in the data), in one atomic generation of a
+/// world-size-independent checkpoint directory (parallel/distributed_checkpoint.h). Every mode
+/// resumes from it at any number of ranks: one process, data parallelism, state and gradient
+/// sharding (ZeRO-1/2), optimizer-in-backward, full sharding.
+///
+///   std::map<std::string, c10::IValue> values{{"step", int64_t{0}}, {"epoch", int64_t{0}}};
+///   shampoo::TrainingState state{model.get(), &optimizer, &scaler, &values};
+///   if (shampoo::load_training_checkpoint("ckpt", state, group)) {
+///     step = values["step"].toInt();                    // resumed
+///   }
+///   ...
+///   values["step"] = step;
+///   shampoo::save_training_checkpoint("ckpt", state, group);   // every rank
+///
+/// Layout of the common part (rank 0): "model" (every parameter and buffer by name, on the CPU;
+/// under full sharding the buffers only, the parameters being the wrapper's pieces), "optimizer"
+/// (a DistributedCheckpointable optimizer's common part, or the whole archive of a LibTorch
+/// optimizer, which every rank holds alike), "grad_scaler", "values". Pieces: "optimizer/..."
+/// (the optimizer's own), "random/rank-R-of-W" (each rank's generators), and with
+/// TrainingState::gradients "gradients/rank-R-of-W".
+
+#include <c10/core/Device.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
+
+#include "amp/grad_scaler.h"
+#include "parallel/distributed_checkpoint.h"
+
+namespace shampoo {
+
+/// What a training checkpoint holds; the pointers are the run's own objects (loading writes into
+/// them). `model` and `optimizer` are required.
+struct TrainingState {
+  /// Its parameters (in place: the optimizer and a GradientSynchronizer hold them) and buffers.
+  torch::nn::Module* model = nullptr;
+  /// DistributedShampoo, ShardedOptimizer, InBackwardOptimizer, FullyShardedDataParallel's
+  /// optimizer() (which also holds the model's parameters), or a LibTorch optimizer (saved by
+  /// rank 0: under data parallelism every rank holds the same state).
+  torch::optim::Optimizer* optimizer = nullptr;
+  /// The loss scaler (null: none). A checkpoint with a scaler loads only with one, and the other
+  /// way round.
+  GradScaler* scaler = nullptr;
+  /// The user's values by name (ints, doubles, bools, strings, tensors); loading replaces the
+  /// map's contents with the saved ones. Null: none.
+  std::map<std::string, c10::IValue>* values = nullptr;
+  /// Saves each rank's default CPU generator (and `device`'s, for CUDA) and restores them when
+  /// the run resumes at the same number of ranks (at another number they are left as they are).
+  bool random_state = true;
+  /// Saves each rank's parameter gradients too (those defined), for a checkpoint taken in the
+  /// middle of a gradient accumulation that the run accumulates itself (data parallelism with
+  /// GradientSynchronizer::NoSync, one process); resumable at the same number of ranks only,
+  /// since the local sums differ per rank. (FullyShardedDataParallel keeps what it accumulated
+  /// in its own pieces; an InBackwardOptimizer refuses a save mid-accumulation.)
+  bool gradients = false;
+  /// Where the optimizer's state and the random generator live (CUDA runs).
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+/// The training state as a DistributedCheckpointable: what save_training_checkpoint writes, for
+/// code that nests it in a checkpoint of its own (the example trainer adds its run's signature
+/// and metrics).
+class TrainingCheckpoint : public DistributedCheckpointable {
+ public:
+  /// `group`: the ranks that train together (null: one process).
+  TrainingCheckpoint(TrainingState state, c10::intrusive_ptr<c10d::ProcessGroup> group);
+
+  /// Floating-point buffers to save in place of the model's own (e.g. their mean over the
+  /// ranks); empty: the model's. Cleared by the next save.
+  void set_saved_buffers(std::vector<at::Tensor> buffers) { saved_buffers_ = std::move(buffers); }
+
+  std::string checkpoint_kind() const override { return "TrainingCheckpoint"; }
+  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override { return group_; }
+  void sync_for_checkpoint() const override;
+  void save_common(torch::serialize::OutputArchive& common) const override;
+  void save_pieces(PieceWriter& pieces) const override;
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
+                                     PieceReader& pieces) override;
+
+ private:
+  /// The optimizer's own checkpointing, or null for a LibTorch optimizer (saved whole).
+  DistributedCheckpointable* checkpointable() const;
+  bool fully_sharded() const;
+  std::function<void()> prepare_model(torch::serialize::InputArchive& common) const;
+  std::function<void()> prepare_optimizer(torch::serialize::InputArchive& common,
+                                          PieceReader& pieces) const;
+  std::function<void()> prepare_scaler(torch::serialize::InputArchive& common) const;
+  std::function<void()> prepare_values(torch::serialize::InputArchive& common) const;
+  std::function<void()> prepare_rank_pieces(torch::serialize::InputArchive& common,
+                                            PieceReader& pieces) const;
+
+  TrainingState state_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int rank_ = 0;
+  int world_size_ = 1;
+  std::vector<at::Tensor> saved_buffers_;
+};
+
+/// Saves the training run into the checkpoint directory `dir` (a new generation, committed
+/// atomically). Collective over `group` (null: one process): every rank calls it.
+void save_training_checkpoint(const std::filesystem::path& dir, const TrainingState& state,
+                              c10::intrusive_ptr<c10d::ProcessGroup> group = {});
+
+/// Loads the run saved in `dir` into `state`, whatever the number of ranks that saved it;
+/// returns false, changing nothing, when `dir` holds no committed checkpoint (a fresh start).
+/// Nothing changes on any rank unless every rank read and checked its part; a checkpoint of
+/// another model, optimizer kind or scaler setting is an error naming the difference.
+/// Collective.
+bool load_training_checkpoint(const std::filesystem::path& dir, const TrainingState& state,
+                              c10::intrusive_ptr<c10d::ProcessGroup> group = {});
+
+}  // namespace shampoo

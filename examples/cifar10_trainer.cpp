@@ -270,10 +270,8 @@ struct Trainer {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<shampoo::GradScaler> scaler;  // --amp fp16
   std::unique_ptr<CosineAnnealingLr> scheduler;
-  // --sharding full: the fully sharded model, one optimizer per parameter on its owner rank, and
-  // a cosine schedule for each of this rank's optimizers.
+  // --sharding full: the fully sharded model (its optimizer() stands for `optimizer`).
   std::unique_ptr<shampoo::FullyShardedDataParallel> fsdp;
-  std::vector<std::unique_ptr<CosineAnnealingLr>> sharded_schedulers;
   bool whole_model_unit = false;  // the model has no units of its own: it is one
   int64_t num_parameters = 0;
   LossMetrics metrics;
@@ -297,8 +295,9 @@ void resume(Trainer& t) {
   const auto& config = t.config;
   t.checkpoint.emplace(config.checkpoint_dir, t.d.group,
                        run_signature_of(config, t.batch.global, t.data.train.size()),
-                       TrainingCheckpoint::State{t.model.get(), t.optimizer.get(), &t.metrics,
-                                                 &t.progress, t.scaler.get(), t.fsdp.get()},
+                       TrainingCheckpoint::State{
+                           t.model.get(), t.fsdp ? &t.fsdp->optimizer() : t.optimizer.get(),
+                           &t.metrics, &t.progress, t.scaler.get()},
                        t.device);
   if (!t.checkpoint->exists()) return;
   t.resumed_from_world_size = t.checkpoint->load();
@@ -311,7 +310,6 @@ void resume(Trainer& t) {
               " epoch(s) and ", t.progress.iteration, " iterations do not fit epochs of ", batches,
               " iterations");
   if (t.scheduler) t.scheduler->resume(t.progress.iteration);
-  for (auto& scheduler : t.sharded_schedulers) scheduler->resume(t.progress.iteration);
 }
 
 /// Data parallelism: the synchronizer (sharding gradients with --sharding gradients), the
@@ -335,7 +333,8 @@ void build_data_parallel(Trainer& t) {
 }
 
 /// --sharding full: the model's units (or the whole model as one unit) sharded over the ranks,
-/// each parameter's optimizer made on its owner from the plan of its param group.
+/// with the plans as optimizer()'s param groups (each parameter's optimizer is made on its owner
+/// and gets its group's options), and one cosine schedule on optimizer().
 void build_fully_sharded(Trainer& t) {
   const auto& config = t.config;
   auto named = t.model->sharding_units();
@@ -343,24 +342,17 @@ void build_fully_sharded(Trainer& t) {
   if (named.empty()) named.emplace_back("model", t.model->parameters());
   std::vector<shampoo::ShardedUnit> units;
   for (auto& [name, params] : named) units.push_back({name, params});
-  const auto plans = t.plans;
-  const shampoo::OptimizerFactory factory = [&config, plans](std::vector<torch::Tensor> params) {
-    std::vector<ParamGroupPlan> own;
-    for (const auto& plan : plans) {
-      for (size_t k = 0; k < plan.params.size(); ++k) {
-        if (plan.params[k].is_same(params.at(0))) {
-          own.push_back({{plan.names[k]}, {params[0]}, plan.lr, plan.weight_decay});
-        }
-      }
-    }
-    return make_optimizer(config, own, nullptr);
+  const shampoo::OptimizerFactory factory = [&config](std::vector<torch::Tensor> params) {
+    ParamGroupPlan plan{{"parameter"}, std::move(params), config.lr, config.weight_decay};
+    return make_optimizer(config, {plan}, nullptr);
   };
   // One process without torchrun: a group of one rank (the units are gathered from it alone).
   auto group = t.d.group ? t.d.group
                          : shampoo::detail::make_process_group(
                                c10::make_intrusive<c10d::HashStore>(), 0, 1,
                                shampoo::kDefaultProcessGroupTimeout, t.device.is_cuda());
-  t.fsdp = std::make_unique<shampoo::FullyShardedDataParallel>(units, factory, group);
+  t.fsdp = std::make_unique<shampoo::FullyShardedDataParallel>(
+      units, make_param_groups(config, t.plans), factory, group);
   if (!t.whole_model_unit) {
     auto* fsdp = t.fsdp.get();
     t.model->set_unit_runner(
@@ -369,10 +361,8 @@ void build_fully_sharded(Trainer& t) {
         });
   }
   if (config.lr_schedule == LrSchedule::kCosine) {
-    for (auto* optimizer : t.fsdp->optimizers()) {
-      t.sharded_schedulers.push_back(std::make_unique<CosineAnnealingLr>(
-          *optimizer, t.sampler.batches_per_epoch() * config.epochs));
-    }
+    t.scheduler = std::make_unique<CosineAnnealingLr>(
+        t.fsdp->optimizer(), t.sampler.batches_per_epoch() * config.epochs);
   }
 }
 
@@ -424,12 +414,10 @@ Evaluation evaluate_model(Trainer& t) {
   return evaluation;
 }
 
-/// The learning rate of the first param group this rank steps (for the metrics).
+/// The learning rate of the first param group (for the metrics).
 double current_lr(Trainer& t) {
-  if (t.optimizer) return t.optimizer->param_groups()[0].options().get_lr();
-  const auto optimizers = t.fsdp->optimizers();
-  if (optimizers.empty()) return t.plans.at(0).lr;  // a rank that owns no parameter
-  return optimizers[0]->param_groups()[0].options().get_lr();
+  auto& optimizer = t.fsdp ? t.fsdp->optimizer() : *t.optimizer;
+  return optimizer.param_groups()[0].options().get_lr();
 }
 
 /// The first output line: where this run trains.
@@ -528,10 +516,7 @@ double train_step(Trainer& t, const at::Tensor& order, int64_t batch) {
   }
   if (t.synchronizer) t.synchronizer->synchronize();
   if (t.fsdp) {
-    // The steps ran during backward, unit by unit; the schedule changes the rates once they are
-    // done.
-    if (!t.sharded_schedulers.empty()) t.fsdp->wait();
-    for (auto& scheduler : t.sharded_schedulers) scheduler->step();
+    t.fsdp->optimizer().step();  // the steps ran during backward, unit by unit
   } else if (t.scaler) {
     t.scaler->step(*t.optimizer);  // skipped on every rank when a gradient overflowed
     t.scaler->update();

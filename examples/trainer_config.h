@@ -1,8 +1,8 @@
 #pragma once
 /// The flags of the image classification trainer (cifar10_trainer), parsed and checked.
 /// Names and defaults follow the reference's trainer_utils.py (facebookresearch/optimizers,
-/// distributed_shampoo/examples) where it has the flag, except the Shampoo settings README.md
-/// recommends (--precondition-frequency 50, --grafting adam); `cifar10_trainer --help` explains
+/// distributed_shampoo/examples) where it has the flag, except the Shampoo settings, which are the
+/// library's defaults (--precondition-frequency 50, --grafting adam); `cifar10_trainer --help` explains
 /// each.
 
 #include <c10/core/ScalarType.h>
@@ -75,8 +75,8 @@ struct TrainerConfig {
   bool use_nesterov = false;
   bool use_decoupled_weight_decay = true;
 
-  // Shampoo: the settings README.md recommends (roots every 50 steps, Adam grafting), not the
-  // library's defaults (the reference's: every step, no grafting).
+  // Shampoo: the library's defaults (roots every 50 steps, Adam grafting), not the reference's
+  // (every step, no grafting: ShampooOptions::reference_defaults()).
   int64_t max_preconditioner_dim = 1024;
   int64_t precondition_frequency = 50;
   int64_t start_preconditioning_step = -1;

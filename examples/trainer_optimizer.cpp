@@ -124,32 +124,44 @@ std::vector<ParamGroupPlan> plan_param_groups(
   return plans;
 }
 
+namespace {
+
+torch::optim::SGDOptions sgd_defaults(const TrainerConfig& config) {
+  return torch::optim::SGDOptions(config.lr)
+      .momentum(config.momentum)
+      .dampening(config.dampening)
+      .weight_decay(config.weight_decay)
+      .nesterov(config.use_nesterov);
+}
+
+torch::optim::AdamOptions adam_defaults(const TrainerConfig& config) {
+  return torch::optim::AdamOptions(config.lr)
+      .betas({config.beta1, config.beta2})
+      .eps(config.epsilon)
+      .weight_decay(config.weight_decay);
+}
+
+torch::optim::AdamWOptions adamw_defaults(const TrainerConfig& config) {
+  return torch::optim::AdamWOptions(config.lr)
+      .betas({config.beta1, config.beta2})
+      .eps(config.epsilon)
+      .weight_decay(config.weight_decay);
+}
+
+}  // namespace
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(
     const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans,
     const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
   switch (config.optimizer) {
-    case OptimizerKind::kSgd: {
-      const auto defaults = torch::optim::SGDOptions(config.lr)
-                                .momentum(config.momentum)
-                                .dampening(config.dampening)
-                                .weight_decay(config.weight_decay)
-                                .nesterov(config.use_nesterov);
-      return make_libtorch_optimizer<torch::optim::SGD>(config, plans, defaults, group);
-    }
-    case OptimizerKind::kAdam: {
-      const auto defaults = torch::optim::AdamOptions(config.lr)
-                                .betas({config.beta1, config.beta2})
-                                .eps(config.epsilon)
-                                .weight_decay(config.weight_decay);
-      return make_libtorch_optimizer<torch::optim::Adam>(config, plans, defaults, group);
-    }
-    case OptimizerKind::kAdamW: {
-      const auto defaults = torch::optim::AdamWOptions(config.lr)
-                                .betas({config.beta1, config.beta2})
-                                .eps(config.epsilon)
-                                .weight_decay(config.weight_decay);
-      return make_libtorch_optimizer<torch::optim::AdamW>(config, plans, defaults, group);
-    }
+    case OptimizerKind::kSgd:
+      return make_libtorch_optimizer<torch::optim::SGD>(config, plans, sgd_defaults(config), group);
+    case OptimizerKind::kAdam:
+      return make_libtorch_optimizer<torch::optim::Adam>(config, plans, adam_defaults(config),
+                                                         group);
+    case OptimizerKind::kAdamW:
+      return make_libtorch_optimizer<torch::optim::AdamW>(config, plans, adamw_defaults(config),
+                                                          group);
     case OptimizerKind::kShampoo: {
       const ShampooOptions defaults = make_shampoo_options(config);
       auto distributed = DistributedOptions()
@@ -162,6 +174,21 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
       return std::make_unique<DistributedShampoo>(make_groups(plans, defaults), defaults,
                                                   std::move(distributed));
     }
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown optimizer kind");
+}
+
+std::vector<torch::optim::OptimizerParamGroup> make_param_groups(
+    const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans) {
+  switch (config.optimizer) {
+    case OptimizerKind::kSgd:
+      return make_groups(plans, sgd_defaults(config));
+    case OptimizerKind::kAdam:
+      return make_groups(plans, adam_defaults(config));
+    case OptimizerKind::kAdamW:
+      return make_groups(plans, adamw_defaults(config));
+    case OptimizerKind::kShampoo:
+      return make_groups(plans, make_shampoo_options(config));
   }
   TORCH_INTERNAL_ASSERT(false, "unknown optimizer kind");
 }

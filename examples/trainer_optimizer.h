@@ -40,6 +40,11 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
     const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans,
     const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
+/// The plans as param groups, each with the configured optimizer's options (its lr and weight
+/// decay): what FullyShardedDataParallel takes for optimizer()'s groups.
+std::vector<torch::optim::OptimizerParamGroup> make_param_groups(
+    const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans);
+
 /// One line per group ("conv.weight: lr 0.01, weight decay 0.0001") for the log.
 std::string describe_param_groups(const std::vector<ParamGroupPlan>& plans);
 

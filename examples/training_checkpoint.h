@@ -4,22 +4,16 @@
 /// at any number of ranks resumes from. Its MANIFEST is the commit point: a save killed at any
 /// moment leaves the previous checkpoint complete.
 ///
-/// Common part (written by rank 0, read by every rank):
+/// The model, the optimizer, the GradScaler and the random generators are the library's
+/// training checkpoint (shampoo/training_checkpoint.h: "model", "optimizer", "grad_scaler" in the
+/// common part, "optimizer/...", "random/rank-R-of-W" pieces); the trainer adds:
 ///   signature   the run's identity: data set, model, optimizer, global batch, training
 ///               examples, seed (not the number of ranks)
 ///   progress    epochs and iterations done (a checkpoint may be taken within an epoch)
 ///   metrics     the loss metrics averaged over the ranks (those of the global batches)
-///   model       every parameter and buffer by name, on the CPU
-///   rng         the default CPU generator's state (and the CUDA generator's on a CUDA run)
-///   optimizer   a DistributedCheckpointable optimizer's common part (DistributedShampoo), or
-///               the whole state of a torch::optim optimizer, which every rank holds alike
-///   grad_scaler the GradScaler's state (--amp fp16 only; the same on every rank)
-/// Pieces, each written by one rank:
-///   optimizer/...          a DistributedCheckpointable optimizer's (DistributedShampoo: every
-///                          block by the rank that owns it)
-///   metrics/rank-R-of-W    rank R's own loss metrics, which a run at the same number of ranks
-///                          resumes bit for bit; at another number every rank starts from the
-///                          averaged ones
+///   metrics/rank-R-of-W (pieces)  rank R's own loss metrics, which a run at the same number of
+///               ranks resumes bit for bit; at another number every rank starts from the
+///               averaged ones
 
 #include <c10/core/Device.h>
 #include <torch/nn/module.h>
@@ -38,6 +32,7 @@
 #include "amp/grad_scaler.h"
 #include "examples/loss_metrics.h"
 #include "parallel/distributed_checkpoint.h"
+#include "shampoo/training_checkpoint.h"
 
 namespace shampoo::examples {
 
@@ -56,16 +51,15 @@ class TrainingCheckpoint : public shampoo::DistributedCheckpointable {
   /// The training state, owned by the trainer; loading writes into it.
   struct State {
     torch::nn::Module* model = nullptr;
+    /// The run's optimizer; with --sharding full the fully sharded model's optimizer(), whose
+    /// checkpoint holds the model's parameters as sharded pieces (any number of ranks resumes
+    /// them), the model's buffers staying in the common part.
     torch::optim::Optimizer* optimizer = nullptr;
     LossMetrics* metrics = nullptr;
     TrainingProgress* progress = nullptr;
     /// --amp fp16's loss scaler (null without one). A checkpoint written with a scaler is
     /// resumed only with one, and the other way round.
     shampoo::GradScaler* scaler = nullptr;
-    /// --sharding full: the fully sharded model with its optimizers, in place of `optimizer`;
-    /// the model's parameters are saved in its pieces (any number of ranks resumes them), the
-    /// model's buffers in the common part.
-    shampoo::DistributedCheckpointable* sharded = nullptr;
   };
 
   /// `group` null = one process. `device`: the run's (--device), for the optimizer's state and
@@ -94,31 +88,24 @@ class TrainingCheckpoint : public shampoo::DistributedCheckpointable {
   // DistributedCheckpointable.
   std::string checkpoint_kind() const override { return "cifar10_trainer"; }
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override { return group_; }
+  void sync_for_checkpoint() const override { run_.sync_for_checkpoint(); }
   void save_common(torch::serialize::OutputArchive& common) const override;
   void save_pieces(shampoo::PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,
                                      shampoo::PieceReader& pieces) override;
 
  private:
-  /// What saves the optimizer part: the sharded model, or the optimizer when it is a
-  /// DistributedCheckpointable (null: a replicated torch::optim optimizer).
-  shampoo::DistributedCheckpointable* checkpointable() const;
-  std::function<void()> prepare_optimizer(torch::serialize::InputArchive& common,
-                                          shampoo::PieceReader& pieces);
-  std::function<void()> prepare_model(torch::serialize::InputArchive& common) const;
-  std::function<void()> prepare_scaler(torch::serialize::InputArchive& common) const;
   void check_signature(torch::serialize::InputArchive& common) const;
 
   std::filesystem::path dir_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   RunSignature signature_;
   State state_;
-  c10::Device device_;
+  shampoo::TrainingCheckpoint run_;  // the model, optimizer, scaler and generators
   int rank_ = 0;
   int world_size_ = 1;
-  /// Filled by save() for save_common: the metrics and buffers averaged over the ranks.
+  /// Filled by save() for save_common: the metrics averaged over the ranks.
   std::optional<LossMetrics> mean_metrics_;
-  std::vector<at::Tensor> saved_buffers_;
 };
 
 /// The model's parameters and buffers (by name, on the CPU) in the trainer checkpoint committed

@@ -8,6 +8,11 @@
 ///   shampoo::GradientSynchronizer sync(model->parameters(), group);
 ///   loss.backward(); sync.synchronize(); optimizer.step();
 ///
+/// Clipping under gradient sharding: LibTorch's torch::nn::utils::clip_grad_norm_ sees only the
+/// gradients this rank holds, so it clips every rank by a different, partial norm, and nothing
+/// can detect the call. Clip with shampoo::clip_grad_norm_(optimizer, max_norm)
+/// (parallel/clip_grad_norm.h) or sync.clip_grad_norm_(max_norm): the global norm.
+///
 /// Gradient sharding (ZeRO-2, shard_gradients): with an optimizer whose ranks each step a subset
 /// of the parameters (ParameterOwners: ShardedOptimizer, DistributedShampoo with
 /// DistributedOptions::shard_by_parameter, InBackwardOptimizer), each bucket holds the
@@ -17,7 +22,7 @@
 ///
 ///   shampoo::ShardedOptimizer opt(model->parameters(), factory, group);
 ///   sync.shard_gradients(opt);
-///   loss.backward(); sync.synchronize(); sync.clip_grad_norm_(1.0); opt.step();
+///   loss.backward(); sync.synchronize(); shampoo::clip_grad_norm_(opt, 1.0); opt.step();
 
 #include <ATen/ATen.h>
 #include <torch/arg.h>

@@ -281,8 +281,12 @@ std::function<void()> TrainingCheckpoint::prepare_rank_pieces(
     torch::serialize::InputArchive& common, PieceReader& pieces) const {
   const int64_t saved_world = detail::read_int_entry(common, "world_size", kWho);
   std::function<void()> random = [] {};
-  const auto random_key = rank_key("random", rank_, world_size_);
-  if (state_.random_state && saved_world == world_size_ && pieces.contains(random_key)) {
+  // At another number of ranks every rank takes rank 0's generators (a run seeded alike holds
+  // the same on every rank).
+  const auto random_key = saved_world == world_size_
+                              ? rank_key("random", rank_, world_size_)
+                              : rank_key("random", 0, static_cast<int>(saved_world));
+  if (state_.random_state && pieces.contains(random_key)) {
     auto archive = pieces.read(random_key);
     at::Tensor cpu, device;
     TORCH_CHECK(archive.try_read("cpu", cpu), kWho, ": piece ", random_key, " is damaged");
@@ -344,6 +348,42 @@ std::function<void()> TrainingCheckpoint::prepare_load(torch::serialize::InputAr
     install_values();
     install_rank();
   };
+}
+
+namespace {
+
+/// Reads the model entry of a training checkpoint of any kind (it loads nothing else).
+class ModelReader final : public DistributedCheckpointable {
+ public:
+  explicit ModelReader(std::string kind) : kind_(std::move(kind)) {}
+  std::string checkpoint_kind() const override { return kind_; }
+  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override { return {}; }
+  void save_common(torch::serialize::OutputArchive&) const override {
+    TORCH_INTERNAL_ASSERT(false, "ModelReader only loads");
+  }
+  void save_pieces(PieceWriter&) const override {
+    TORCH_INTERNAL_ASSERT(false, "ModelReader only loads");
+  }
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
+                                     PieceReader&) override {
+    torch::serialize::InputArchive archive;
+    TORCH_CHECK(common.try_read("model", archive), kWho, ": no model in the checkpoint");
+    model = read_named_tensors(archive);
+    return [] {};
+  }
+  NamedTensors model;
+
+ private:
+  std::string kind_;
+};
+
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> read_training_checkpoint_model(
+    const std::filesystem::path& dir) {
+  ModelReader reader(read_checkpoint_manifest(dir).kind);
+  load_distributed_state(reader, dir);
+  return reader.model;
 }
 
 void save_training_checkpoint(const std::filesystem::path& dir, const TrainingState& state,

@@ -30,6 +30,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
@@ -54,7 +55,8 @@ struct TrainingState {
   /// map's contents with the saved ones. Null: none.
   std::map<std::string, c10::IValue>* values = nullptr;
   /// Saves each rank's default CPU generator (and `device`'s, for CUDA) and restores them when
-  /// the run resumes at the same number of ranks (at another number they are left as they are).
+  /// the run resumes at the same number of ranks; at another number every rank takes rank 0's
+  /// (the generators of a run seeded alike on every rank).
   bool random_state = true;
   /// Saves each rank's parameter gradients too (those defined), for a checkpoint taken in the
   /// middle of a gradient accumulation that the run accumulates itself (data parallelism with
@@ -117,5 +119,12 @@ void save_training_checkpoint(const std::filesystem::path& dir, const TrainingSt
 /// Collective.
 bool load_training_checkpoint(const std::filesystem::path& dir, const TrainingState& state,
                               c10::intrusive_ptr<c10d::ProcessGroup> group = {});
+
+/// The model's parameters and buffers (by name, on the CPU) in the training checkpoint committed
+/// in `dir` (also one nested in a checkpoint of its own kind, as the example trainer's), for
+/// tools and tests that compare runs. Under full sharding the parameters are not there (they
+/// are the wrapper's pieces): the buffers only.
+std::vector<std::pair<std::string, at::Tensor>> read_training_checkpoint_model(
+    const std::filesystem::path& dir);
 
 }  // namespace shampoo

@@ -1,7 +1,8 @@
 # Script mode: install into a scratch prefix, then configure, build and run a project outside
 # this repository against the install tree, as a C++17 and as a C++20 project (C++20 used to fail
 # inside find_package on a machine with nvcc), each time with README.md's marked C++ blocks
-# compiled as written (readme_snippets.cmake) and run.
+# compiled as written (readme_snippets.cmake) and run; and as a C++20 project that finds Torch
+# first, with the line README.md documents for it.
 cmake_minimum_required(VERSION 3.22)
 include("${CMAKE_CURRENT_LIST_DIR}/readme_snippets.cmake")
 file(REMOVE_RECURSE "${WORK_DIR}")
@@ -93,6 +94,19 @@ foreach(standard 17 20)
     message(FATAL_ERROR "the README snippets did not report success: ${step_output}")
   endif()
 endforeach()
+
+# A C++20 project that finds Torch before the package, with the line README.md documents.
+set(torch_first "${WORK_DIR}/consumer_cxx20_torch_first")
+run_step("configure consumer (C++20, find_package(Torch) first)"
+         ${CMAKE_COMMAND} -S "${CONSUMER_DIR}" -B "${torch_first}" -DCMAKE_PREFIX_PATH=${prefix}
+         -DCMAKE_BUILD_TYPE=Release -DCONSUMER_CXX_STANDARD=20 -DCONSUMER_TORCH_FIRST=ON
+         -DTorch_DIR=${TORCH_DIR} ${launcher})
+run_step("build consumer (C++20, find_package(Torch) first)"
+         ${CMAKE_COMMAND} --build "${torch_first}" --target consumer)
+run_step("run consumer (C++20, find_package(Torch) first)" "${torch_first}/consumer")
+if(NOT step_output MATCHES "consumer: ok")
+  message(FATAL_ERROR "the Torch-first consumer did not report success: ${step_output}")
+endif()
 
 run_step("run consumer" "${WORK_DIR}/consumer_cxx17/consumer")
 message(STATUS "consumer said: ${step_output}")

@@ -15,6 +15,9 @@
 set(readme_context_quickstart model x y loss_fn num_steps)
 set(readme_context_mixed_precision model x y loss_fn num_steps)
 set(readme_context_full_sharding model x y loss_fn num_steps group)
+set(readme_context_virtual_groups conv_weights biases)
+set(readme_context_training_checkpoint model x y loss_fn num_steps group)
+set(readme_context_gradient_sharding model x y loss_fn num_steps group)
 
 # Writes `output` (a C++ file whose main() runs every marked block with its context) and sets
 # `names_var` to the names of the blocks found, in README order.

@@ -39,4 +39,16 @@ struct full_sharding : batch_and_loss {
       c10::make_intrusive<c10d::HashStore>(), 0, 1, std::chrono::minutes(1), false);
 };
 
+/// The virtual-groups snippet: two parameter lists.
+struct virtual_groups {
+  std::vector<torch::Tensor> conv_weights{torch::randn({8, 3, 3, 3}).requires_grad_()};
+  std::vector<torch::Tensor> biases{torch::randn({8}).requires_grad_()};
+};
+
+/// The training-checkpoint snippet: a model, a batch, a loss and a process group of one rank.
+struct training_checkpoint : full_sharding {};
+
+/// The gradient-sharding snippet: the same.
+struct gradient_sharding : full_sharding {};
+
 }  // namespace readme_context

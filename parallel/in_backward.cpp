@@ -13,6 +13,7 @@
 #include "parallel/grad_ready_hooks.h"
 #include "parallel/libtorch_optimizers.h"
 #include "parallel/phased_backward_step.h"
+#include "parallel/sharded_optimizer.h"
 
 namespace shampoo {
 
@@ -26,7 +27,32 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
     at::Tensor param;
     size_t set = 0;
     int64_t hook = 0;
+    int64_t joined = 0;  // steps when it was added
   };
+  // The optimizer object's state() map (it moves with the object; the move operations re-point
+  // it): one ShardedParamState per parameter, written after every pass.
+  ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>* state_entries =
+      nullptr;
+
+  void write_state_entries() {
+    if (state_entries == nullptr) return;
+    for (const auto& e : entries) {
+      auto& entry = (*state_entries)[e.param.unsafeGetTensorImpl()];
+      auto* mine = dynamic_cast<ShardedParamState*>(entry.get());
+      if (mine == nullptr) {
+        entry = std::make_unique<ShardedParamState>();
+        mine = static_cast<ShardedParamState*>(entry.get());
+      }
+      int64_t owner = ParameterOwners::kEveryRank;
+      if (const auto* owners = dynamic_cast<const ParameterOwners*>(sets[e.set].optimizer.get())) {
+        try {
+          owner = owners->owner_of(e.param).value_or(ParameterOwners::kEveryRank);
+        } catch (const c10::Error&) {  // blocks over several ranks: no one owner
+        }
+      }
+      mine->step(steps - e.joined).owner(owner);
+    }
+  }
 
   std::vector<Set> sets;
   std::vector<Entry> entries;
@@ -172,13 +198,16 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
     pass_open = false;
     stepping = false;
     update_sync();
+    write_state_entries();
   }
 };
 
 InBackwardOptimizer::InBackwardOptimizer()
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<torch::optim::OptimizerOptions>()),
-      state_(std::make_shared<State>()) {}
+      state_(std::make_shared<State>()) {
+  state_->state_entries = &torch::optim::Optimizer::state();
+}
 
 InBackwardOptimizer::~InBackwardOptimizer() {
   if (!state_) return;
@@ -191,8 +220,17 @@ InBackwardOptimizer::~InBackwardOptimizer() {
   if (state_->sync != nullptr) state_->sync->set_bucket_ready_callback(nullptr);
 }
 
-InBackwardOptimizer::InBackwardOptimizer(InBackwardOptimizer&&) noexcept = default;
-InBackwardOptimizer& InBackwardOptimizer::operator=(InBackwardOptimizer&&) noexcept = default;
+InBackwardOptimizer::InBackwardOptimizer(InBackwardOptimizer&& other) noexcept
+    : torch::optim::Optimizer(std::move(other)), state_(std::move(other.state_)) {
+  if (state_) state_->state_entries = &torch::optim::Optimizer::state();
+}
+
+InBackwardOptimizer& InBackwardOptimizer::operator=(InBackwardOptimizer&& other) noexcept {
+  torch::optim::Optimizer::operator=(std::move(other));
+  state_ = std::move(other.state_);
+  if (state_) state_->state_entries = &torch::optim::Optimizer::state();
+  return *this;
+}
 
 torch::optim::Optimizer& InBackwardOptimizer::add(std::vector<torch::Tensor> params,
                                                   OptimizerFactory factory) {
@@ -231,9 +269,11 @@ torch::optim::Optimizer& InBackwardOptimizer::add(std::vector<torch::Tensor> par
     e.hook = detail::add_grad_ready_callback(p, [weak, entry](const at::Tensor&) {
       if (auto self = weak.lock()) self->on_grad_ready(entry);
     });
+    e.joined = state_->steps;
     state_->entry_of[p.unsafeGetTensorImpl()] = entry;
     state_->entries.push_back(std::move(e));
   }
+  state_->write_state_entries();
   return *state_->sets.back().optimizer;
 }
 
@@ -366,6 +406,7 @@ void InBackwardOptimizer::load(torch::serialize::InputArchive& archive) {
   archive.read("steps_taken", value);
   state_->steps = value.toInt();
   state_->update_sync();
+  state_->write_state_entries();
 }
 
 namespace {
@@ -471,6 +512,7 @@ std::function<void()> InBackwardOptimizer::prepare_load(torch::serialize::InputA
     state_->passes = passes;
     state_->steps = steps;
     state_->update_sync();
+    state_->write_state_entries();
   };
 }
 

@@ -100,6 +100,9 @@ class InBackwardOptimizer : public torch::optim::Optimizer,
   /// LibTorch's optimizers step for good and are refused, naming the set. Null detaches.
   void set_unscaler(BackwardUnscaler* unscaler);
 
+  /// state(): an entry per parameter (ShardedParamState: the steps taken since it was added,
+  /// the rank that steps it, ParameterOwners::kEveryRank when every rank does); the optimizers'
+  /// own state stays in optimizer(i).
   /// Backward passes seen, and those that stepped.
   int64_t backward_passes() const;
   int64_t steps_taken() const;

@@ -377,4 +377,30 @@ TEST(InBackwardDistributed, EqualsDistributedOrdinaryStep) {
   }
 }
 
+// state(): an entry per parameter with the steps taken since it was added, through a move.
+TEST(InBackwardState, EveryParameterHasAnEntryWithItsStepCount) {
+  auto model = shampoo::testing::make_mlp(6, 10, 3, /*seed=*/5);
+  auto params = model->parameters();
+  auto moved = shampoo::apply_optimizer_in_backward(
+      {params[0], params[1]}, [](std::vector<at::Tensor> p) {
+        return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
+      });
+  shampoo::InBackwardOptimizer in_backward(std::move(moved));
+  const auto data = shampoo::testing::make_blobs(32, 6, 3, /*seed=*/3);
+  for (int step = 0; step < 2; ++step) shampoo::testing::classification_loss(model, data, true);
+  in_backward.add({params[2], params[3]}, [](std::vector<at::Tensor> p) {
+    return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
+  });
+  shampoo::testing::classification_loss(model, data, true);
+  auto& base = static_cast<torch::optim::Optimizer&>(in_backward);
+  EXPECT_EQ(base.state().size(), 4u);
+  const auto step_of = [&](const at::Tensor& p) {
+    return dynamic_cast<const shampoo::ShardedParamState&>(
+               *base.state().at(p.unsafeGetTensorImpl()))
+        .step();
+  };
+  EXPECT_EQ(step_of(params[0]), 3);
+  EXPECT_EQ(step_of(params[2]), 1);
+}
+
 }  // namespace

@@ -12,8 +12,10 @@
 ///   none:  GradientSynchronizer (all-reduce) + the optimizer over every parameter on every rank;
 ///   zero1: ShardedOptimizer (whole parameters owned by ranks) + the all-reducing synchronizer;
 ///   zero2: zero1 + sync.shard_gradients(optimizer);
-///   full:  FullyShardedDataParallel, lossless, the step overlapped in backward (waited on right
-///          after backward here, to time it; training waits at the next forward);
+///   full:  FullyShardedDataParallel, lossless, the step overlapped in backward (every step has
+///          ended when backward() returns, so the time after backward is ~0: compare whole
+///          iterations), each unit's step kept undoable until backward ends (undo_failed_steps);
+///   full_no_undo: full without those copies (undo_failed_steps(false));
 ///   full_after_backward: the same with overlap_step(false): fsdp.step() after backward.
 /// Per mode, alone in the process: one warm-up iteration, then --steps measured ones. Per rank:
 /// "held": the tracking allocator's live bytes after the iteration (parameters, gradients, state,
@@ -32,7 +34,8 @@
 /// so its figures are the process's).
 ///
 ///   bench_fully_sharded [--torchrun | --world 2] [--steps 3] [--optimizer adam|shampoo]
-///                       [--modes none,zero1,zero2,full,full_after_backward] [--small]
+///                       [--modes none,zero1,zero2,full,full_no_undo,full_after_backward]
+///                       [--small]
 ///                       [--threads 1] [--json PATH] [--label TEXT]
 /// Results and how to read them: benchmarks/RESULTS.md ("Full sharding").
 
@@ -57,14 +60,15 @@ namespace {
 using namespace shampoo::bench;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
-const std::vector<std::string> kModes{"none", "zero1", "zero2", "full", "full_after_backward"};
+const std::vector<std::string> kModes{"none",         "zero1", "zero2", "full",
+                                      "full_no_undo", "full_after_backward"};
 
 struct Args {
   int64_t world = 2;
   bool torchrun = false;
   int64_t steps = 3;
   std::string optimizer = "adam";
-  std::string modes = "none,zero1,zero2,full,full_after_backward";
+  std::string modes = "none,zero1,zero2,full,full_no_undo,full_after_backward";
   bool small = false;
   int64_t threads = 1;
   std::string json;
@@ -111,16 +115,18 @@ ModeRun make_mode(const std::string& mode, const std::vector<at::Tensor>& params
                   const Args& args) {
   ModeRun run;
   const auto factory = factory_of(args);
-  if (mode == "full" || mode == "full_after_backward") {
+  if (mode == "full" || mode == "full_no_undo" || mode == "full_after_backward") {
     std::vector<shampoo::ShardedUnit> units;
     for (size_t u = 0; u < members.size(); ++u) {
       shampoo::ShardedUnit unit{std::to_string(u), {}};
       for (const auto i : members[u]) unit.params.push_back(params[i]);
       units.push_back(unit);
     }
+    run.overlap = mode != "full_after_backward";
     run.fsdp = std::make_unique<shampoo::FullyShardedDataParallel>(
-        units, factory, group, shampoo::FullyShardedOptions().overlap_step(mode == "full"));
-    run.overlap = mode == "full";
+        units, factory, group,
+        shampoo::FullyShardedOptions().overlap_step(run.overlap).undo_failed_steps(
+            mode != "full_no_undo"));
     return run;
   }
   run.sync = std::make_unique<shampoo::GradientSynchronizer>(params, group);
@@ -151,7 +157,7 @@ double iterate(ModeRun& run, const std::vector<at::Tensor>& params,
   h.backward();
   const auto end_of_backward = Clock::now();
   if (run.fsdp && run.overlap) {
-    run.fsdp->wait();  // the steps ran on the worker during backward
+    run.fsdp->wait();  // the steps ran on the worker during backward (ended with it)
   } else if (run.fsdp) {
     run.fsdp->step();
   } else {
@@ -300,7 +306,8 @@ int main(int argc, char** argv) {
                 "this process is one rank of a torchrun launch (WORLD_SIZE ranks)")
       .add("steps", args.steps, "measured iterations per mode", 1)
       .add("optimizer", args.optimizer, "adam or shampoo")
-      .add("modes", args.modes, "comma-separated: none, zero1, zero2, full, full_after_backward")
+      .add("modes", args.modes,
+           "comma-separated: none, zero1, zero2, full, full_no_undo, full_after_backward")
       .add_bool("small", args.small, "every dim of the workload divided by 8")
       .add("threads", args.threads, "intra-op threads per rank", 1);
   add_output_flags(flags, args.json, args.label);

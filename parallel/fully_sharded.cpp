@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <atomic>
 #include <condition_variable>
@@ -183,6 +184,14 @@ struct Unit {
   std::unique_ptr<torch::optim::Optimizer> optimizer;  // local shards: over this rank's rows
   std::shared_future<void> pending;                    // its step on the worker
 };
+
+/// Whether every element is finite: one read pass (aminmax propagates NaN, and an infinity is its
+/// min or max; isfinite(...).all() took 30x as long on 15M floats).
+bool all_finite(const at::Tensor& t) {
+  if (t.numel() == 0) return true;
+  const auto [low, high] = at::aminmax(t);
+  return std::isfinite(low.item<double>()) && std::isfinite(high.item<double>());
+}
 
 /// What undoes one unit's step on this rank, kept until its backward pass ends (overlap): the
 /// rows the rank had before, the optimizers' steps in phases (finished or aborted at the end),
@@ -787,7 +796,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     if (lossless() && !std::exchange(unit.owned_kept, false)) collect_rows(unit, via);
     // What this rank steps: (optimizer, its parameters with their gradients set).
     std::vector<std::pair<torch::optim::Optimizer*, std::vector<at::Tensor>>> work;
-    std::string failure = non_finite_gradient(unit);
+    // Without overlap every unit was checked before any stepped (check_finite_before_steps).
+    std::string failure = options.overlap_step() ? non_finite_gradient(unit) : std::string();
     for (auto& slot : unit.params) {
       if (!slot.reduced.defined()) continue;
       auto& target = lossless() ? slot.param : slot.shard;
@@ -905,7 +915,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   std::string non_finite_gradient(const Unit& unit) const {
     for (size_t i = 0; i < unit.params.size(); ++i) {
       const auto& slot = unit.params[i];
-      if (slot.reduced.defined() && !at::isfinite(slot.reduced).all().item<bool>()) {
+      if (slot.reduced.defined() && !all_finite(slot.reduced)) {
         return "the averaged gradient of parameter " + std::to_string(i) + " of unit '" +
                unit.name + "' (shape " + shape_text(slot.sizes) +
                ") holds inf or NaN (a rank's gradient did, or the average overflowed)";

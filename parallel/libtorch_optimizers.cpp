@@ -10,6 +10,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include <sstream>
+#include <type_traits>
 #include <unordered_set>
 #include <utility>
 
@@ -68,20 +69,50 @@ void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>
   for (auto& [q, g] : hidden) q.mutable_grad() = g;
 }
 
+namespace {
+
+/// A defined tensor's copy (an undefined one stays undefined).
+at::Tensor copy_of(const at::Tensor& t) { return t.defined() ? t.clone() : t; }
+
+/// `state` as a `State` whose tensors are copies, or null when it is not one.
+template <class State>
+std::unique_ptr<torch::optim::OptimizerParamState> copy_as(
+    const torch::optim::OptimizerParamState& state) {
+  const auto* typed = dynamic_cast<const State*>(&state);
+  if (typed == nullptr) return nullptr;
+  auto copy = std::make_unique<State>(*typed);  // the scalars; tensors still shared
+  if constexpr (std::is_same_v<State, torch::optim::AdamParamState> ||
+                std::is_same_v<State, torch::optim::AdamWParamState>) {
+    copy->exp_avg(copy_of(typed->exp_avg()))
+        .exp_avg_sq(copy_of(typed->exp_avg_sq()))
+        .max_exp_avg_sq(copy_of(typed->max_exp_avg_sq()));
+  } else if constexpr (std::is_same_v<State, torch::optim::SGDParamState>) {
+    copy->momentum_buffer(copy_of(typed->momentum_buffer()));
+  } else if constexpr (std::is_same_v<State, torch::optim::AdagradParamState>) {
+    copy->sum(copy_of(typed->sum()));
+  } else {
+    copy->square_avg(copy_of(typed->square_avg()))
+        .momentum_buffer(copy_of(typed->momentum_buffer()))
+        .grad_avg(copy_of(typed->grad_avg()));
+  }
+  return copy;
+}
+
+}  // namespace
+
 std::unique_ptr<torch::optim::OptimizerParamState> copy_param_state(
     const torch::optim::Optimizer& optimizer, const torch::optim::OptimizerParamState& state) {
-  // Through the bytes of an archive: the only way to reach every tensor of a state whose type
-  // is known by name only.
-  torch::serialize::OutputArchive out;
-  state.serialize(out);
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  std::istringstream in_bytes(bytes.str());
-  torch::serialize::InputArchive in;
-  in.load_from(in_bytes);
-  auto copy = make_param_state(optimizer);
-  copy->serialize(in);
-  return copy;
+  // Field by field for the five known types (their tensors cloned; the state's own clone()
+  // shares them).
+  if (auto copy = copy_as<torch::optim::AdamParamState>(state)) return copy;
+  if (auto copy = copy_as<torch::optim::AdamWParamState>(state)) return copy;
+  if (auto copy = copy_as<torch::optim::SGDParamState>(state)) return copy;
+  if (auto copy = copy_as<torch::optim::AdagradParamState>(state)) return copy;
+  if (auto copy = copy_as<torch::optim::RMSpropParamState>(state)) return copy;
+  TORCH_CHECK(false, "copy_param_state: a state of an optimizer of type ",
+              libtorch_optimizer_name(optimizer).empty() ? "(not one of LibTorch's)"
+                                                         : libtorch_optimizer_name(optimizer),
+              " that is not one of LibTorch's SGD, Adam, AdamW, Adagrad or RMSprop states");
 }
 
 }  // namespace shampoo::detail

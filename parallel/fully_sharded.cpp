@@ -27,6 +27,7 @@
 #include "parallel/grad_ready_hooks.h"
 #include "parallel/libtorch_optimizers.h"
 #include "parallel/phased_backward_step.h"
+#include "parallel/step_undo.h"
 #include "parallel/process_group.h"
 
 namespace shampoo {
@@ -185,67 +186,10 @@ struct Unit {
   std::shared_future<void> pending;                    // its step on the worker
 };
 
-/// Whether every element is finite: one read pass (aminmax propagates NaN, and an infinity is its
-/// min or max; isfinite(...).all() took 30x as long on 15M floats).
-bool all_finite(const at::Tensor& t) {
-  if (t.numel() == 0) return true;
-  const auto [low, high] = at::aminmax(t);
-  return std::isfinite(low.item<double>()) && std::isfinite(high.item<double>());
-}
-
-/// What undoes one unit's step on this rank, kept until its backward pass ends (overlap): the
-/// rows the rank had before, the optimizers' steps in phases (finished or aborted at the end),
-/// and LibTorch optimizers' states before the step.
-struct UnitUndo {
-  std::vector<std::pair<at::Tensor, at::Tensor>> shards;  // (shard, its rows before the step)
-  std::vector<PhasedBackwardStep*> phased;
-  struct Saved {
-    torch::optim::Optimizer* optimizer;
-    void* key;
-    std::unique_ptr<torch::optim::OptimizerParamState> state;  // null: none before
-  };
-  std::vector<Saved> states;
-  bool complete = true;  // false: an optimizer stepped whose step cannot be undone
-  // The parameters the phased steps stepped, with their full shapes and dtype: an abort puts
-  // their old values back, so they need storage then (released again after; the rows come
-  // back from `shards`).
-  struct Stepped {
-    at::Tensor param;
-    std::vector<int64_t> sizes;
-    at::ScalarType dtype;
-  };
-  std::vector<Stepped> stepped;
-
-  void revert() {
-    at::NoGradGuard no_grad;
-    std::vector<at::Tensor> allocated;
-    for (auto& s : stepped) {
-      if (s.param.numel() == 0) {
-        allocate_full(s.param, s.sizes, s.dtype);
-        allocated.push_back(s.param);
-      }
-    }
-    for (auto* p : phased) p->abort_backward_step();
-    for (size_t k = 0; k < allocated.size(); ++k) {
-      release_full(allocated[k], allocated[k].scalar_type());
-    }
-    for (auto& saved : states) {
-      saved.optimizer->state().erase(saved.key);
-      if (saved.state) saved.optimizer->state()[saved.key] = std::move(saved.state);
-    }
-    for (auto& [shard, before] : shards) shard.copy_(before);
-    phased.clear();
-    states.clear();
-    shards.clear();
-  }
-
-  void commit() {
-    for (auto* p : phased) p->finish_backward_step();
-    phased.clear();
-  }
-};
-
 }  // namespace
+
+using detail::all_finite;
+using detail::UnitUndo;
 
 struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   c10::intrusive_ptr<c10d::ProcessGroup> group;         // gathers; step() without overlap
@@ -831,7 +775,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       if (flags[r][0] != 0) failed.push_back(r);
     }
     if (!failed.empty()) {
-      undo.revert();  // this rank's rows never changed; its optimizers' state goes back
+      undo.revert(allocate_full, release_full);  // this rank's rows never changed
       if (lossless()) {
         for (auto& slot : unit.params) release_full(slot.param, unit.dtype);
       }
@@ -900,7 +844,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     bool complete = true;
     for (auto it = pass_undo.rbegin(); it != pass_undo.rend(); ++it) {
       complete = complete && it->complete;
-      it->revert();
+      it->revert(allocate_full, release_full);
     }
     pass_undo.clear();
     return complete;

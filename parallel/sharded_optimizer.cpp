@@ -104,11 +104,8 @@ std::unique_ptr<torch::optim::OptimizerOptions> ShardedOptimizer::checked_option
   return options.clone();
 }
 
-std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_t first) {
+std::string ShardedOptimizer::check_added(size_t group, size_t first, int64_t& numel) const {
   const auto& params = param_groups_[group].params();
-  const int world = group_->getSize();
-  const int rank = group_->getRank();
-  // Checked here first, then agreed on: a mistake on one rank is an error on every rank.
   std::string error;
   const auto fail = [&](size_t i, const std::string& what) {
     if (error.empty()) {
@@ -117,7 +114,7 @@ std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_
     }
   };
   std::unordered_set<const void*> fresh;
-  int64_t numel = 0;
+  numel = 0;
   for (size_t i = first; i < params.size(); ++i) {
     const auto& p = params[i];
     if (!p.defined()) {
@@ -142,6 +139,16 @@ std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_
     }
     numel += p.numel();
   }
+  return error;
+}
+
+std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_t first) {
+  const auto& params = param_groups_[group].params();
+  const int world = group_->getSize();
+  const int rank = group_->getRank();
+  // Checked here first, then agreed on: a mistake on one rank is an error on every rank.
+  int64_t numel = 0;
+  const auto error = check_added(group, first, numel);
   const std::vector<int64_t> mine{error.empty() ? 0 : 1,
                                   static_cast<int64_t>(params.size() - first), numel};
   const auto all = detail::gather_int64(*group_, mine);

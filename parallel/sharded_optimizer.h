@@ -14,6 +14,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <unordered_map>
 #include <vector>
@@ -137,6 +138,9 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   /// dtype, device, leaves, no duplicates, the same on every rank): owners, segments, buffers.
   /// Returns this rank's new ones. Collective.
   std::vector<torch::Tensor> register_params(size_t group, size_t first);
+  /// register_params' check on this rank: the first mistake among the new parameters ("" when
+  /// none), and their elements in `numel`.
+  std::string check_added(size_t group, size_t first, int64_t& numel) const;
   /// Registers param_groups()[g], a new group: its parameters, and its owned ones as a group of
   /// the local optimizer. Collective.
   void register_group(size_t g);

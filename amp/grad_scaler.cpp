@@ -118,27 +118,10 @@ void GradScaler::unscale_for(const void* key, const std::vector<at::Tensor>& gra
   state.stage = Stage::kUnscaled;
 }
 
-namespace {
-
-/// The wrapper of `optimizer` when it is a fully sharded model's optimizer(), else null.
-FullyShardedDataParallel* fully_sharded(torch::optim::Optimizer& optimizer) {
-  auto* facade = dynamic_cast<FullyShardedOptimizer*>(&optimizer);
-  return facade != nullptr ? &facade->wrapper() : nullptr;
-}
-
-void check_steps_after_backward(const FullyShardedDataParallel& fsdp, const char* function) {
-  TORCH_CHECK(!fsdp.options().overlap_step(), "GradScaler::", function,
-              ": this FullyShardedDataParallel steps each unit during backward (overlap_step, the "
-              "default), before every gradient is known to be finite, so the scaler cannot skip "
-              "a step; construct it with FullyShardedOptions().overlap_step(false)");
-}
-
-}  // namespace
-
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
-  if (auto* fsdp = fully_sharded(optimizer)) {
-    unscale_(*fsdp);
+  if (auto* wrapper = dynamic_cast<ScaledStepping*>(&optimizer)) {
+    unscale_wrapper(wrapper->scaling_target());
     return;
   }
   std::vector<at::Tensor> grads;
@@ -151,10 +134,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
 }
 
 
-void GradScaler::unscale_(FullyShardedDataParallel& fsdp) {
+void GradScaler::unscale_wrapper(ScaledStepping& wrapper) {
   if (!options_.enabled()) return;
-  check_steps_after_backward(fsdp, "unscale_");
-  unscale_for(&fsdp, fsdp.reduced_gradients());
+  unscale_for(&wrapper, wrapper.gradients_to_unscale("GradScaler::unscale_"));
 }
 
 bool GradScaler::step_unless_inf(const void* key, const std::function<void()>& unscale,
@@ -180,10 +162,10 @@ bool GradScaler::step_unless_inf(const void* key, const std::function<void()>& u
 at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer,
                             torch::optim::Optimizer::LossClosure closure) {
   if (!options_.enabled()) return optimizer.step(std::move(closure));
-  if (auto* fsdp = fully_sharded(optimizer)) {
+  if (auto* wrapper = dynamic_cast<ScaledStepping*>(&optimizer)) {
     TORCH_CHECK(!closure, "GradScaler::step: a closure is not supported while the scaler is "
                 "enabled (as in PyTorch): run forward and backward before step()");
-    step(*fsdp);
+    step_wrapper(wrapper->scaling_target());
     return {};
   }
   TORCH_CHECK(!closure,
@@ -195,14 +177,20 @@ at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer,
   return result;
 }
 
-void GradScaler::step(FullyShardedDataParallel& fsdp) {
+void GradScaler::step_wrapper(ScaledStepping& wrapper) {
   if (!options_.enabled()) {  // a no-op scaler: the step as without it
-    if (!fsdp.options().overlap_step()) fsdp.step();  // with overlap it ran in backward
+    wrapper.unscaled_step();
     return;
   }
-  check_steps_after_backward(fsdp, "step");
+  // Asked first, so that a wrapper that cannot be scaled says so before anything else.
+  std::vector<at::Tensor> grads;
+  const auto it = states_.find(&wrapper);
+  if (it == states_.end() || it->second.stage == Stage::kReady) {
+    grads = wrapper.gradients_to_unscale("GradScaler::step");
+  }
   step_unless_inf(
-      &fsdp, [&] { unscale_(fsdp); }, [&] { fsdp.step(); }, [&] { fsdp.skip_step(); });
+      &wrapper, [&] { unscale_for(&wrapper, grads); }, [&] { wrapper.scaled_step(); },
+      [&] { wrapper.skip_scaled_step(); });
 }
 
 void GradScaler::update(std::optional<double> new_scale) {
@@ -237,9 +225,9 @@ int64_t GradScaler::growth_tracker() const {
   return growth_tracker_.defined() ? growth_tracker_.item<int64_t>() : pending_tracker_;
 }
 
-void GradScaler::attach(InBackwardOptimizer& optimizer) { optimizer.set_unscaler(this); }
+void GradScaler::attach(ScaledStepping& optimizer) { optimizer.set_backward_unscaler(this); }
 
-void GradScaler::detach(InBackwardOptimizer& optimizer) { optimizer.set_unscaler(nullptr); }
+void GradScaler::detach(ScaledStepping& optimizer) { optimizer.set_backward_unscaler(nullptr); }
 
 bool GradScaler::unscale_ready(const std::vector<at::Tensor>& params) {
   if (!options_.enabled()) return true;

@@ -46,12 +46,12 @@
 #include <memory>
 #include <optional>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
 #include "parallel/distributed_checkpoint.h"
-#include "parallel/fully_sharded.h"
-#include "parallel/in_backward.h"
+#include "parallel/loss_scaling.h"
 
 namespace shampoo {
 
@@ -75,6 +75,12 @@ struct GradScalerOptions {
 };
 
 class GradScaler : public BackwardUnscaler {
+  /// A ScaledStepping wrapper that is not a torch::optim::Optimizer (those take the optimizer
+  /// overloads, which find the wrapper themselves).
+  template <class T>
+  static constexpr bool is_plain_wrapper =
+      std::is_base_of_v<ScaledStepping, T> && !std::is_base_of_v<torch::optim::Optimizer, T>;
+
  public:
   explicit GradScaler(GradScalerOptions options = {});
 
@@ -93,12 +99,19 @@ class GradScaler : public BackwardUnscaler {
   at::Tensor step(torch::optim::Optimizer& optimizer,
                   torch::optim::Optimizer::LossClosure closure = nullptr);
 
-  /// The same for a fully sharded model stepped after backward
-  /// (FullyShardedOptions().overlap_step(false)): its reduced gradients are unscaled, and step()
-  /// runs fsdp.step(), or fsdp.skip_step() when any rank found inf or NaN. With overlap_step an
-  /// error (the steps run in backward, before every gradient is known to be finite).
-  void unscale_(FullyShardedDataParallel& fsdp);
-  void step(FullyShardedDataParallel& fsdp);
+  /// The same for a wrapper that is no optimizer (ScaledStepping): for a fully sharded model
+  /// stepped after backward (FullyShardedOptions().overlap_step(false)) its reduced gradients are
+  /// unscaled, and step() runs fsdp.step(), or fsdp.skip_step() when any rank found inf or NaN.
+  /// With overlap_step an error (the steps run in backward, before every gradient is known to be
+  /// finite). An optimizer that is such a wrapper (fsdp.optimizer()) goes the same way.
+  template <class Wrapper, std::enable_if_t<is_plain_wrapper<Wrapper>, int> = 0>
+  void unscale_(Wrapper& wrapper) {
+    unscale_wrapper(wrapper.scaling_target());
+  }
+  template <class Wrapper, std::enable_if_t<is_plain_wrapper<Wrapper>, int> = 0>
+  void step(Wrapper& wrapper) {
+    step_wrapper(wrapper.scaling_target());
+  }
 
   /// Ends the iteration: backs off when a step was skipped, grows after growth_interval clean
   /// iterations (or sets `new_scale`). An error when no optimizer was stepped or unscaled since
@@ -109,8 +122,8 @@ class GradScaler : public BackwardUnscaler {
   /// in which any rank finds inf or NaN is undone on every rank and counts as a skipped step
   /// (then call update() as usual). Refused for optimizers that cannot undo a step (LibTorch's;
   /// DistributedShampoo can). The scaler must outlive the attachment (or detach()).
-  void attach(InBackwardOptimizer& optimizer);
-  void detach(InBackwardOptimizer& optimizer);
+  void attach(ScaledStepping& optimizer);
+  void detach(ScaledStepping& optimizer);
 
   bool is_enabled() const { return options_.enabled(); }
   /// The current scale (init_scale before the first scale()); 1 when disabled.
@@ -141,6 +154,8 @@ class GradScaler : public BackwardUnscaler {
     at::Tensor found_inf;  // float32 scalar on the scale's device, summed over the ranks
   };
   void check_started(const char* function) const;
+  void unscale_wrapper(ScaledStepping& wrapper);
+  void step_wrapper(ScaledStepping& wrapper);
   /// unscale_'s work for the optimizer or model `key` and its gradients.
   void unscale_for(const void* key, const std::vector<at::Tensor>& grads);
   /// step's checks for `key`; unscales (unscale()) unless done; steps (step()) unless a gradient

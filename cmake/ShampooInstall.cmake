@@ -22,7 +22,9 @@ set(SHAMPOO_PUBLIC_HEADERS
   parallel/fully_sharded.h
   parallel/gradient_synchronizer.h
   parallel/in_backward.h
+  parallel/loss_scaling.h
   parallel/optimizer_factory.h
+  parallel/ownership_plan.h
   parallel/parameter_owners.h
   parallel/phased_backward_step.h
   parallel/process_group.h

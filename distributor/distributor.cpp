@@ -7,7 +7,8 @@
 #include <map>
 #include <string>
 
-#include "parallel/block_assignment.h"
+#include "parallel/collectives.h"
+#include "parallel/ownership_plan.h"
 #include "parallel/process_group.h"
 
 namespace shampoo::detail {
@@ -35,6 +36,7 @@ Distributor::Distributor(DistributorConfig config) : config_(std::move(config)) 
   }
   rank_ = group_->getRank();
   world_size_ = group_->getSize();
+  plan_ = OwnershipPlan(world_size_);
 }
 
 std::vector<int> Distributor::add_blocks(const std::vector<DistributedBlock>& blocks) {
@@ -45,61 +47,40 @@ std::vector<int> Distributor::add_blocks(const std::vector<DistributedBlock>& bl
     new_by_unit[block.unit].push_back(static_cast<int64_t>(blocks_.size()));
     blocks_.push_back(block);
   }
-  owners_.resize(blocks_.size(), 0);
-  placements_.resize(blocks_.size());
+  item_of_.resize(blocks_.size(), 0);
+  position_.resize(blocks_.size(), 0);
   for (auto& [unit_index, indices] : new_by_unit) {
     if (unit_index >= static_cast<int64_t>(units_.size())) units_.resize(unit_index + 1);
     auto& unit = units_[unit_index];
-    // The items owners are assigned to: blocks, or whole parameters (their blocks' costs summed,
-    // in the order of their first block).
-    std::vector<int64_t> item_of(indices.size());
-    std::vector<int64_t> costs;
-    std::map<int64_t, int64_t> item_of_param;
-    for (size_t i = 0; i < indices.size(); ++i) {
-      const auto& block = blocks_[indices[i]];
-      const int64_t cost = block_cost(block.numel, element_size);
-      if (config_.shard_by_parameter) {
-        const auto [it, fresh] =
-            item_of_param.emplace(block.id.param, static_cast<int64_t>(costs.size()));
-        if (fresh) costs.push_back(0);
-        item_of[i] = it->second;
-        costs[it->second] += cost;
-      } else {
-        item_of[i] = static_cast<int64_t>(costs.size());
-        costs.push_back(cost);
-      }
+    // Owned one by one, or with shard_by_parameter a parameter's blocks together.
+    std::vector<int64_t> costs, together;
+    for (const int64_t b : indices) {
+      costs.push_back(block_cost(blocks_[b].numel, element_size));
+      together.push_back(config_.shard_by_parameter ? blocks_[b].id.param : b);
     }
-    if (loads_.empty()) loads_.assign(world_size_, 0);
-    const auto owners = assign_owners(costs, world_size_, loads_);
+    const int64_t first_item = plan_.add_together(costs, together);
     for (size_t i = 0; i < indices.size(); ++i) {
-      owners_[indices[i]] = owners[item_of[i]];
+      item_of_[indices[i]] = first_item + static_cast<int64_t>(i);
       unit.blocks.push_back(indices[i]);
     }
     if (distributed()) layout_unit(unit);
   }
-  return {owners_.begin() + first_new, owners_.end()};
+  std::vector<int> owners;
+  for (auto b = first_new; b < num_blocks(); ++b) owners.push_back(owner(b));
+  return owners;
 }
 
 void Distributor::layout_unit(Unit& unit) {
   std::sort(unit.blocks.begin(), unit.blocks.end());
-  std::vector<int64_t> count(world_size_, 0), values(world_size_, 0);
-  for (const int64_t b : unit.blocks) {
-    ++count[owners_[b]];
-    values[owners_[b]] += blocks_[b].numel;
+  std::vector<int64_t> numels;
+  std::vector<int> owners;
+  for (size_t i = 0; i < unit.blocks.size(); ++i) {
+    const int64_t b = unit.blocks[i];
+    position_[b] = static_cast<int64_t>(i);
+    numels.push_back(blocks_[b].numel);
+    owners.push_back(owner(b));
   }
-  // Element 0 of every segment is the rank's status word; the block flags follow.
-  for (auto& c : count) ++c;
-  std::vector<int64_t> next_flag(world_size_, 1), next_value(count);
-  for (const int64_t b : unit.blocks) {
-    const int r = owners_[b];
-    placements_[b].flag = next_flag[r]++;
-    placements_[b].offset = next_value[r];
-    next_value[r] += blocks_[b].numel;
-  }
-  unit.segment_size = 0;
-  for (int r = 0; r < world_size_; ++r) {
-    unit.segment_size = std::max(unit.segment_size, count[r] + values[r]);
-  }
+  unit.layout = OwnerMajorLayout(world_size_, numels, owners, /*with_flags=*/true);
   const auto device = blocks_[unit.blocks.front()].device;
   for (const int64_t b : unit.blocks) {
     TORCH_CHECK(blocks_[b].device == device,
@@ -108,8 +89,8 @@ void Distributor::layout_unit(Unit& unit) {
                 blocks_[b].device, " and ", device);
   }
   const auto options = at::TensorOptions().dtype(config_.communication_dtype).device(device);
-  unit.send = at::zeros({unit.segment_size}, options);
-  unit.receive = at::zeros({world_size_ * unit.segment_size}, options);
+  unit.send = unit.layout.make_send(options);
+  unit.receive = unit.layout.make_receive(options);
 }
 
 void Distributor::begin_step() {
@@ -119,8 +100,8 @@ void Distributor::begin_step() {
 
 at::Tensor Distributor::slot(int64_t block) {
   TORCH_INTERNAL_ASSERT(distributed() && owns(block));
-  auto& unit = units_[blocks_[block].unit];
-  return unit.send.narrow(0, placements_[block].offset, blocks_[block].numel);
+  const auto& unit = units_[blocks_[block].unit];
+  return unit.layout.in_send(unit.send, position_[block]);
 }
 
 void Distributor::mark_updated(int64_t block) {
@@ -151,7 +132,7 @@ int64_t Distributor::exchange(bool failed) {
     // This rank's status and flags, written with one copy. A failed rank marks no block updated.
     std::vector<float> flags{failed ? 1.0f : 0.0f};
     for (const int64_t b : unit.blocks) {
-      if (owners_[b] == rank_) flags.push_back(updated_[b] && !failed ? 1.0f : 0.0f);
+      if (owns(b)) flags.push_back(updated_[b] && !failed ? 1.0f : 0.0f);
     }
     const auto n = static_cast<int64_t>(flags.size());
     unit.send.narrow(0, 0, n).copy_(at::from_blob(flags.data(), {n}, at::kFloat));
@@ -163,9 +144,8 @@ int64_t Distributor::exchange(bool failed) {
     }
     ++collectives;
     // Every rank's status and flags, read back with one copy.
-    int64_t max_count = 1;
-    for (const int64_t b : unit.blocks) max_count = std::max(max_count, placements_[b].flag + 1);
-    const auto received_flags = unit.receive.view({world_size_, unit.segment_size})
+    const int64_t max_count = unit.layout.header_size();
+    const auto received_flags = unit.receive.view({world_size_, unit.layout.segment_size()})
                                     .narrow(1, 0, max_count)
                                     .to(at::kCPU, at::kFloat)
                                     .contiguous();
@@ -174,7 +154,8 @@ int64_t Distributor::exchange(bool failed) {
       if (data[r * max_count] != 0.0f) rank_failed[r] = true;
     }
     for (const int64_t b : unit.blocks) {
-      received_updated_[b] = data[owners_[b] * max_count + placements_[b].flag] != 0.0f;
+      received_updated_[b] =
+          data[owner(b) * max_count + unit.layout.flag(position_[b])] != 0.0f;
     }
   }
   for (int r = 0; r < world_size_; ++r) {
@@ -216,8 +197,7 @@ bool Distributor::received_updated(int64_t block) const { return received_update
 
 at::Tensor Distributor::received(int64_t block) const {
   const auto& unit = units_[blocks_[block].unit];
-  return unit.receive.narrow(0, owners_[block] * unit.segment_size + placements_[block].offset,
-                             blocks_[block].numel);
+  return unit.layout.in_receive(unit.receive, position_[block]);
 }
 
 std::vector<std::vector<int64_t>> Distributor::gather_from_all_ranks(

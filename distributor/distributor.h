@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "distributor/block_plan.h"
+#include "parallel/ownership_plan.h"
 
 namespace shampoo::detail {
 
@@ -60,8 +61,8 @@ class Distributor {
   /// each new block.
   std::vector<int> add_blocks(const std::vector<DistributedBlock>& blocks);
 
-  int owner(int64_t block) const { return owners_[block]; }
-  bool owns(int64_t block) const { return owners_[block] == rank_; }
+  int owner(int64_t block) const { return plan_.owner_of(item_of_[block]); }
+  bool owns(int64_t block) const { return owner(block) == rank_; }
   int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
 
   /// Starts a step: clears this rank's flags. Call before writing slots.
@@ -94,13 +95,9 @@ class Distributor {
   int64_t bytes_received_per_step() const;
 
  private:
-  struct Placement {
-    int64_t offset = 0;  // element offset of the values inside the owner's segment
-    int64_t flag = 0;    // element offset of the flag inside the owner's segment (status first)
-  };
   struct Unit {
     std::vector<int64_t> blocks;  // global block indices, ascending
-    int64_t segment_size = 0;     // elements per rank
+    OwnerMajorLayout layout;      // of `blocks` (with status and flags)
     at::Tensor send;              // [segment_size]
     at::Tensor receive;           // [world_size * segment_size]
   };
@@ -113,12 +110,12 @@ class Distributor {
   int global_rank_ = 0;
   int global_world_size_ = 1;
   std::vector<DistributedBlock> blocks_;
-  std::vector<int> owners_;
-  std::vector<Placement> placements_;
+  // The owners, one plan over every unit, so that many small units (unmerged groups) spread over
+  // the ranks instead of all starting on rank 0. Blocks are added to it unit by unit.
+  OwnershipPlan plan_;
+  std::vector<int64_t> item_of_;   // per block: its item in plan_
+  std::vector<int64_t> position_;  // per block: its index in its unit's layout
   std::vector<Unit> units_;
-  // Per rank: cost of the blocks it owns, over every unit, so that many small units (unmerged
-  // groups) spread over the ranks instead of all starting on rank 0.
-  std::vector<int64_t> loads_;
   std::vector<bool> updated_;           // this rank's blocks updated this step
   std::vector<bool> received_updated_;  // every block, after exchange()
   std::vector<int> failed_ranks_;       // after exchange()

@@ -22,13 +22,14 @@
 #include <unordered_map>
 #include <utility>
 
-#include "parallel/block_assignment.h"
+#include "parallel/collectives.h"
 #include "parallel/grad_norm_clipping.h"
 #include "parallel/grad_ready_hooks.h"
 #include "parallel/libtorch_optimizers.h"
+#include "parallel/ownership_plan.h"
 #include "parallel/phased_backward_step.h"
-#include "parallel/step_undo.h"
 #include "parallel/process_group.h"
+#include "parallel/step_undo.h"
 
 namespace shampoo {
 namespace {
@@ -63,21 +64,9 @@ void allocate_full(const at::Tensor& param, at::IntArrayRef sizes, at::ScalarTyp
   impl->set_sizes_contiguous(sizes);
 }
 
-/// Waits for collectives; a failure (a rank that died, a timeout) becomes an error that says what
-/// was being done, on which rank, and what c10d reported.
 void wait_all_of(std::vector<c10::intrusive_ptr<c10d::Work>>& works, const std::string& what,
                  int rank) {
-  std::string failure;
-  for (auto& work : works) {
-    try {
-      work->wait();
-    } catch (const std::exception& e) {
-      if (failure.empty()) failure = e.what();
-    }
-  }
-  works.clear();
-  TORCH_CHECK(failure.empty(), kWho, what, " failed on rank ", rank,
-              " (did another rank stop, or time out?): ", failure);
+  detail::wait_collectives(works, kWho, what, rank);
 }
 
 void wait_one(c10::intrusive_ptr<c10d::Work> work, const std::string& what, int rank) {
@@ -311,19 +300,12 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   }
 
   static int64_t fingerprint(const Unit& unit) {
-    uint64_t hash = 1469598103934665603ULL;  // FNV-1a over the numbers that describe the unit
-    const auto mix = [&](int64_t value) {
-      hash ^= static_cast<uint64_t>(value);
-      hash *= 1099511628211ULL;
-    };
-    mix(static_cast<int64_t>(unit.params.size()));
-    mix(static_cast<int64_t>(c10::typeMetaToScalarType(unit.options.dtype())));
-    mix(static_cast<int64_t>(unit.options.device().type()));
-    for (const auto& slot : unit.params) {
-      mix(static_cast<int64_t>(slot.sizes.size()));
-      for (const auto size : slot.sizes) mix(size);
-    }
-    return static_cast<int64_t>(hash);
+    detail::Fingerprint print;  // the numbers that describe the unit
+    print.add(static_cast<int64_t>(unit.params.size()))
+        .add(static_cast<int64_t>(c10::typeMetaToScalarType(unit.options.dtype())))
+        .add(static_cast<int64_t>(unit.options.device().type()));
+    for (const auto& slot : unit.params) print.add_list(slot.sizes);
+    return print.value();
   }
 
   static std::string describe(const Unit& unit) {
@@ -349,19 +331,14 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
 
   void broadcast_values() {
     if (world == 1 || !options.broadcast_parameters()) return;
-    at::NoGradGuard no_grad;
     for (auto& unit : units) {
-      std::vector<at::Tensor> flat;
-      for (const auto& slot : unit->params) flat.push_back(slot.param.detach().reshape({-1}));
-      std::vector<at::Tensor> buffer{at::cat(flat)};
-      wait_one(group->broadcast(buffer), "the broadcast of unit '" + unit->name + "'", rank);
-      int64_t offset = 0;
-      for (auto& slot : unit->params) {
-        slot.param.variable_data().view({-1}).copy_(buffer[0].narrow(0, offset, slot.numel()));
-        offset += slot.numel();
-      }
+      std::vector<at::Tensor> params;
+      for (const auto& slot : unit->params) params.push_back(slot.param);
+      detail::broadcast_from_rank_zero(*group, params, kWho,
+                                       "the broadcast of unit '" + unit->name + "'");
     }
   }
+
 
   /// Lossless owners: whole parameters, the greedy balance by bytes of Shampoo's blocks.
   void assign_owners() {
@@ -371,11 +348,11 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
         costs.push_back(detail::block_cost(slot.numel(), slot.param.element_size()));
       }
     }
-    std::vector<int64_t> loads(world, 0);
-    const auto owners = detail::assign_owners(costs, world, loads);
-    size_t k = 0;
+    detail::OwnershipPlan plan(world);
+    plan.add(costs);
+    int64_t k = 0;
     for (auto& unit : units) {
-      for (auto& slot : unit->params) slot.owner = owners[k++];
+      for (auto& slot : unit->params) slot.owner = plan.owner_of(k++);
     }
   }
 
@@ -1128,9 +1105,9 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
         positions.push_back(static_cast<int64_t>(slot->second.second));
       }
     }
-    int64_t print = 1469598103934665603LL;  // the positions, as every rank must have them
-    for (const auto v : positions) print = print * 1099511628211LL + v;
-    const auto all = detail::gather_int64(*group, {error.empty() ? 0 : 1, print});
+    // The positions, as every rank must have them.
+    const auto all =
+        detail::gather_int64(*group, {error.empty() ? 0 : 1, detail::fingerprint(positions)});
     TORCH_CHECK(error.empty(), kWho, error);
     for (int r = 0; r < world; ++r) {
       TORCH_CHECK(all[r][0] == 0, kWho, "adding param group ", g, " failed on rank ", r,
@@ -1677,6 +1654,18 @@ std::vector<at::Tensor> FullyShardedDataParallel::reduced_gradients() {
 
 void FullyShardedDataParallel::skip_step() { state_->skip_all(); }
 
+std::vector<at::Tensor> FullyShardedDataParallel::gradients_to_unscale(const char* caller) {
+  TORCH_CHECK(!state_->options.overlap_step(), caller,
+              ": this FullyShardedDataParallel steps each unit during backward (overlap_step, the "
+              "default), before every gradient is known to be finite, so the scaler cannot skip "
+              "a step; construct it with FullyShardedOptions().overlap_step(false)");
+  return reduced_gradients();
+}
+
+void FullyShardedDataParallel::unscaled_step() {
+  if (!state_->options.overlap_step()) step();  // with overlap it ran in backward
+}
+
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type) {
   std::vector<at::Tensor> all;
   for (const auto& unit : state_->units) {
@@ -1832,6 +1821,8 @@ FullyShardedOptimizer::FullyShardedOptimizer(FullyShardedDataParallel& owner,
                                              std::vector<torch::optim::OptimizerParamGroup> groups,
                                              std::unique_ptr<torch::optim::OptimizerOptions> defaults)
     : torch::optim::Optimizer(std::move(groups), std::move(defaults)), owner_(owner) {}
+
+ScaledStepping& FullyShardedOptimizer::scaling_target() { return owner_; }
 
 torch::Tensor FullyShardedOptimizer::step(LossClosure closure) {
   torch::Tensor loss;

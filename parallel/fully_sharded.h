@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "parallel/distributed_checkpoint.h"
+#include "parallel/loss_scaling.h"
 #include "parallel/optimizer_factory.h"
 #include "parallel/sharded_optimizer.h"
 
@@ -125,7 +126,8 @@ class FullyShardedDataParallel;
 ///   rows and every optimizer), as save_distributed_state(fsdp, dir); torch::save(optimizer)
 ///   is an error that says so.
 class FullyShardedOptimizer final : public torch::optim::Optimizer,
-                                    public DistributedCheckpointable {
+                                    public DistributedCheckpointable,
+                                    public ScaledStepping {
  public:
   torch::Tensor step(LossClosure closure = nullptr) override;
   /// Hides torch::optim::Optimizer::add_param_group (not virtual; a group added through a
@@ -134,6 +136,8 @@ class FullyShardedOptimizer final : public torch::optim::Optimizer,
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
   FullyShardedDataParallel& wrapper() { return owner_; }
+  /// A GradScaler given this optimizer unscales and steps the model (its reduced gradients).
+  ScaledStepping& scaling_target() override;
 
   std::string checkpoint_kind() const override;
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
@@ -151,7 +155,7 @@ class FullyShardedOptimizer final : public torch::optim::Optimizer,
   FullyShardedDataParallel& owner_;
 };
 
-class FullyShardedDataParallel : public DistributedCheckpointable {
+class FullyShardedDataParallel : public DistributedCheckpointable, public ScaledStepping {
  public:
   /// Shards `units` (the same units, in the same order, on every rank) over `group` and builds
   /// the optimizers with `factory`. Errors: a parameter in two units (or twice in one), one that
@@ -205,6 +209,15 @@ class FullyShardedDataParallel : public DistributedCheckpointable {
   /// Without overlap_step: drops the reduced gradients instead of stepping (a GradScaler's
   /// skipped step; every rank must do the same). The same errors as step().
   void skip_step();
+
+  /// ScaledStepping (GradScaler::unscale_(fsdp), step(fsdp), or on optimizer()): without
+  /// overlap_step the reduced gradients, step() and skip_step(); with overlap_step unscaling is
+  /// an error naming `caller` (the steps ran in backward, before every gradient was known to be
+  /// finite), and a disabled scaler's step does nothing.
+  std::vector<at::Tensor> gradients_to_unscale(const char* caller) override;
+  void scaled_step() override { step(); }
+  void skip_scaled_step() override { skip_step(); }
+  void unscaled_step() override;
   /// Without overlap_step, lossless, between backward and step(): clips the reduced gradients by
   /// their global norm, as torch::nn::utils::clip_grad_norm_ on the full averaged gradients (bit
   /// for bit): one all-reduce of the per-parameter norms. Returns the total norm. Collective.

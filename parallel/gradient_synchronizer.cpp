@@ -9,6 +9,7 @@
 #include <map>
 #include <tuple>
 
+#include "parallel/collectives.h"
 #include "parallel/grad_norm_clipping.h"
 #include "parallel/grad_ready_hooks.h"
 #include "parallel/process_group.h"
@@ -23,16 +24,6 @@ using BucketKey = std::tuple<int, int, int, int>;
 BucketKey bucket_key(const at::Tensor& t, int owner) {
   return {owner, static_cast<int>(t.scalar_type()), static_cast<int>(t.device().type()),
           static_cast<int>(t.device().index())};
-}
-
-/// FNV-1a over a list of integers: a short fingerprint the ranks compare.
-int64_t fingerprint(const std::vector<int64_t>& values) {
-  uint64_t hash = 1469598103934665603ULL;
-  for (const int64_t v : values) {
-    hash ^= static_cast<uint64_t>(v);
-    hash *= 1099511628211ULL;
-  }
-  return static_cast<int64_t>(hash >> 1);
 }
 
 /// Every parameter is a dense floating-point leaf tensor.
@@ -58,7 +49,7 @@ void check_ranks_agree(const std::vector<at::Tensor>& params, c10d::ProcessGroup
   }
   const std::vector<int64_t> mine{static_cast<int64_t>(params.size()), numel,
                                   static_cast<int64_t>(frozen.size()),
-                                  frozen.empty() ? -1 : frozen.front(), fingerprint(frozen)};
+                                  frozen.empty() ? -1 : frozen.front(), detail::fingerprint(frozen)};
   const auto all = detail::gather_int64(group, mine);
   const int rank = group.getRank();
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
@@ -74,26 +65,6 @@ void check_ranks_agree(const std::vector<at::Tensor>& params, c10d::ProcessGroup
                 mine[3] >= 0 ? std::to_string(mine[3]) + ")" : std::string(),
                 "; every rank must freeze the same parameters, or gradients would be averaged "
                 "(or reduced to their owner) over different sets");
-  }
-}
-
-/// Copies rank 0's parameter values to every rank: one broadcast per dtype/device.
-void broadcast_from_rank_zero(const std::vector<at::Tensor>& params, c10d::ProcessGroup& group) {
-  std::map<BucketKey, std::vector<at::Tensor>> by_kind;
-  for (const auto& p : params) by_kind[bucket_key(p, 0)].push_back(p);
-  at::NoGradGuard no_grad;
-  for (auto& [kind, tensors] : by_kind) {
-    std::vector<at::Tensor> flat_parts;
-    for (const auto& t : tensors) flat_parts.push_back(t.detach().reshape(-1));
-    std::vector<at::Tensor> buffer{at::cat(flat_parts)};
-    c10d::BroadcastOptions broadcast;
-    broadcast.rootRank = 0;
-    group.getBackend(buffer[0].device().type())->broadcast(buffer, broadcast)->wait();
-    int64_t offset = 0;
-    for (auto& t : tensors) {
-      t.detach().copy_(buffer[0].narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
   }
 }
 
@@ -133,7 +104,10 @@ GradientSynchronizer::GradientSynchronizer(std::vector<at::Tensor> params,
               options_.bucket_cap_bytes(), ", expected > 0");
   check_params(params);
   check_ranks_agree(params, *group_);
-  if (options_.broadcast_parameters()) broadcast_from_rank_zero(params, *group_);
+  if (options_.broadcast_parameters()) {
+    detail::broadcast_from_rank_zero(*group_, params, "GradientSynchronizer: ",
+                                     "the broadcast of the parameters");
+  }
 
   synchronized_of_.assign(params.size(), -1);
   given_ = params;
@@ -227,7 +201,7 @@ void GradientSynchronizer::shard_gradients(const ParameterOwners& owners) {
   }
   // Every rank computes the owners from the same inputs; a mismatch (different models, options
   // or world sizes) would pair reduces of different buckets, so it is an error on every rank.
-  const auto all = detail::gather_int64(*group_, {fingerprint(listing)});
+  const auto all = detail::gather_int64(*group_, {detail::fingerprint(listing)});
   for (int r = 0; r < group_->getSize(); ++r) {
     TORCH_CHECK(all[r][0] == all[0][0], "GradientSynchronizer::shard_gradients: rank ", r,
                 " assigns the parameters to other owners than rank 0 (the optimizers differ "
@@ -387,7 +361,7 @@ void GradientSynchronizer::adopt_unfrozen() {
   }
   if (positions.empty()) return;
   const auto all = detail::gather_int64(
-      *group_, {static_cast<int64_t>(positions.size()), positions.front(), fingerprint(positions)});
+      *group_, {static_cast<int64_t>(positions.size()), positions.front(), detail::fingerprint(positions)});
   for (int r = 0; r < group_->getSize(); ++r) {
     TORCH_CHECK(all[r] == all[0], "GradientSynchronizer: parameters frozen at construction have "
                 "gradients now (a layer was unfrozen): rank ", r, " has ", all[r][0],

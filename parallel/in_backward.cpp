@@ -339,6 +339,12 @@ std::optional<int> InBackwardOptimizer::owner_of(const at::Tensor& param) const 
   return owners->owner_of(param).value_or(ParameterOwners::kEveryRank);
 }
 
+std::vector<at::Tensor> InBackwardOptimizer::gradients_to_unscale(const char* caller) {
+  TORCH_CHECK(false, caller, ": an InBackwardOptimizer steps during backward, so a scaler cannot "
+              "unscale or skip its step afterwards; call scaler.attach(optimizer) once (each set "
+              "of gradients is then unscaled before it steps) and scaler.update() after backward");
+}
+
 void InBackwardOptimizer::set_unscaler(BackwardUnscaler* unscaler) {
   TORCH_CHECK(!state_->pass_open,
               "InBackwardOptimizer: a GradScaler is attached or detached "

@@ -22,33 +22,16 @@
 
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/gradient_synchronizer.h"
+#include "parallel/loss_scaling.h"
 #include "parallel/optimizer_factory.h"
 #include "parallel/parameter_owners.h"
 
 namespace shampoo {
 
-/// What optimizer-in-backward needs of a gradient scaler (GradScaler::attach implements it for
-/// InBackwardOptimizer::set_unscaler): unscale each set of gradients before it steps, and agree
-/// across ranks at the end of the pass whether any gradient overflowed.
-class BackwardUnscaler {
- public:
-  virtual ~BackwardUnscaler() = default;
-  /// Unscales the gradients of `params` in place (those without one are skipped); false when
-  /// one of them holds inf or NaN on this rank.
-  virtual bool unscale_ready(const std::vector<at::Tensor>& params) = 0;
-  /// At the end of every pass that steps, on every rank: whether any rank found inf or NaN
-  /// (`found_here`: this one did). Collective. True makes the pass undo its steps.
-  virtual bool pass_overflowed(bool found_here) = 0;
-
- protected:
-  BackwardUnscaler() = default;
-  BackwardUnscaler(const BackwardUnscaler&) = default;
-  BackwardUnscaler& operator=(const BackwardUnscaler&) = default;
-};
-
 class InBackwardOptimizer : public torch::optim::Optimizer,
                             public DistributedCheckpointable,
-                            public ParameterOwners {
+                            public ParameterOwners,
+                            public ScaledStepping {
  public:
   InBackwardOptimizer();
   ~InBackwardOptimizer() override;
@@ -99,6 +82,11 @@ class InBackwardOptimizer : public torch::optim::Optimizer,
   /// optimizer must be able to undo a step: one that steps in phases (DistributedShampoo);
   /// LibTorch's optimizers step for good and are refused, naming the set. Null detaches.
   void set_unscaler(BackwardUnscaler* unscaler);
+
+  /// ScaledStepping: GradScaler::attach calls set_unscaler; GradScaler::unscale_ and step are
+  /// errors that say to attach the scaler (the steps run in backward).
+  void set_backward_unscaler(BackwardUnscaler* unscaler) override { set_unscaler(unscaler); }
+  std::vector<at::Tensor> gradients_to_unscale(const char* caller) override;
 
   /// state(): an entry per parameter (ShardedParamState: the steps taken since it was added,
   /// the rank that steps it, ParameterOwners::kEveryRank when every rank does); the optimizers'

@@ -139,18 +139,5 @@ std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group) {
   }
 }
 
-std::vector<std::vector<int64_t>> gather_int64(c10d::ProcessGroup& group,
-                                               const std::vector<int64_t>& values) {
-  const auto n = static_cast<int64_t>(values.size());
-  const int world = group.getSize();
-  auto send = at::tensor(values, at::TensorOptions().dtype(at::kLong));
-  auto receive = at::empty({world * n}, send.options());
-  group.getBackend(c10::DeviceType::CPU)->_allgather_base(receive, send)->wait();
-  std::vector<std::vector<int64_t>> out(world);
-  const auto* data = receive.data_ptr<int64_t>();
-  for (int r = 0; r < world; ++r) out[r].assign(data + r * n, data + (r + 1) * n);
-  return out;
-}
-
 }  // namespace detail
 }  // namespace shampoo

@@ -59,11 +59,5 @@ std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group);
 /// Whether `group` has a backend for CUDA tensors.
 bool has_cuda_backend(const c10d::ProcessGroup& group);
 
-/// AllGathers a few int64 values from every rank of `group` over its CPU backend (agreement
-/// checks before any other collective): result[r] = rank r's values. Every rank passes the same
-/// count. Collective.
-std::vector<std::vector<int64_t>> gather_int64(c10d::ProcessGroup& group,
-                                               const std::vector<int64_t>& values);
-
 }  // namespace detail
 }  // namespace shampoo

@@ -9,8 +9,9 @@
 #include <typeinfo>
 #include <unordered_set>
 
-#include "parallel/block_assignment.h"
+#include "parallel/collectives.h"
 #include "parallel/libtorch_optimizers.h"
+#include "parallel/ownership_plan.h"
 #include "parallel/process_group.h"
 
 namespace shampoo {
@@ -75,8 +76,7 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
   TORCH_CHECK(factory, "ShardedOptimizer: the optimizer factory is empty");
   TORCH_CHECK(!param_groups.empty(),
               "ShardedOptimizer: no param groups; pass at least one (it may have no parameters)");
-  used_.assign(group_->getSize(), 0);
-  loads_.assign(group_->getSize(), 0);
+  plan_ = detail::OwnershipPlan(group_->getSize());
   param_groups_.emplace_back(param_groups[0].params());
   group_sizes_.push_back(0);
   local_ = factory(register_params(0, 0));
@@ -161,32 +161,31 @@ std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_
                 " elements, rank ", rank, " adds ", mine[1], " with ", mine[2],
                 "; every rank must pass the same parameters");
   }
-  // Whole parameters, balanced by size (greedy longest-processing-time, the same on every rank,
-  // going on from the loads of the parameters registered before).
+  // Whole parameters, balanced by size (the same on every rank, going on from the loads of the
+  // parameters registered before).
   std::vector<int64_t> costs;
   for (size_t i = first; i < params.size(); ++i) {
     costs.push_back(
         detail::block_cost(params[i].numel(), static_cast<int64_t>(params[i].element_size())));
   }
-  const auto owners = detail::assign_owners(costs, world, loads_);
+  const auto first_item = static_cast<size_t>(plan_.add(costs));
   std::vector<torch::Tensor> own;
   for (size_t i = first; i < params.size(); ++i) {
-    const int owner = owners[i - first];
     index_of_[params[i].unsafeGetTensorImpl()] = params_.size();
     params_.push_back(params[i]);
-    owners_.push_back(owner);
-    offsets_.push_back(used_[owner]);
-    used_[owner] += params[i].numel();
     added_at_.push_back(steps_);
-    if (owner == rank) own.push_back(params[i]);
+    if (plan_.owner_of(static_cast<int64_t>(params_.size() - 1)) == rank) own.push_back(params[i]);
   }
+  TORCH_INTERNAL_ASSERT(first_item + (params.size() - first) == params_.size());
   group_sizes_[group] += static_cast<int64_t>(params.size() - first);
-  const int64_t segment = *std::max_element(used_.begin(), used_.end());
-  if (!params_.empty() && (segment != segment_size_ || !send_.defined())) {
-    segment_size_ = segment;
+  std::vector<int64_t> numels;
+  for (const auto& p : params_) numels.push_back(p.numel());
+  const auto before = layout_.segment_size();
+  layout_ = detail::OwnerMajorLayout(world, numels, plan_.owners(), /*with_flags=*/false);
+  if (!params_.empty() && (layout_.segment_size() != before || !send_.defined())) {
     const auto options = params_.front().options().requires_grad(false);
-    send_ = at::empty({segment_size_}, options);
-    receive_ = at::empty({world * segment_size_}, options);
+    send_ = layout_.make_send(options);
+    receive_ = layout_.make_receive(options);
   }
   return own;
 }
@@ -272,7 +271,7 @@ void ShardedOptimizer::write_state_entries() {
       entry = std::make_unique<ShardedParamState>();
       mine = static_cast<ShardedParamState*>(entry.get());
     }
-    mine->step(steps_ - added_at_[i]).owner(owners_[i]);
+    mine->step(steps_ - added_at_[i]).owner(plan_.owner_of(static_cast<int64_t>(i)));
   }
 }
 
@@ -285,7 +284,7 @@ void ShardedOptimizer::check_has_params(const char* function) const {
 std::optional<int> ShardedOptimizer::owner_of(const at::Tensor& param) const {
   const auto it = index_of_.find(param.unsafeGetTensorImpl());
   if (it == index_of_.end()) return std::nullopt;
-  return owners_[it->second];
+  return plan_.owner_of(static_cast<int64_t>(it->second));
 }
 
 torch::Tensor ShardedOptimizer::step(LossClosure closure) {
@@ -311,16 +310,15 @@ void ShardedOptimizer::all_gather() {
   if (group_->getSize() == 1) return;  // every parameter is local
   c10::NoGradGuard no_grad;
   const int rank = group_->getRank();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (owners_[i] != rank) continue;
-    send_.narrow(0, offsets_[i], params_[i].numel()).copy_(params_[i].detach().reshape(-1));
+  const auto n = static_cast<int64_t>(params_.size());
+  for (int64_t i = 0; i < n; ++i) {
+    if (layout_.owner(i) != rank) continue;
+    layout_.in_send(send_, i).copy_(params_[i].detach().reshape(-1));
   }
   group_->getBackend(send_.device().type())->_allgather_base(receive_, send_)->wait();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (owners_[i] == rank) continue;
-    const auto segment =
-        receive_.narrow(0, owners_[i] * segment_size_ + offsets_[i], params_[i].numel());
-    params_[i].detach().copy_(segment.view(params_[i].sizes()));
+  for (int64_t i = 0; i < n; ++i) {
+    if (layout_.owner(i) == rank) continue;
+    params_[i].detach().copy_(layout_.in_receive(receive_, i).view(params_[i].sizes()));
   }
 }
 
@@ -350,7 +348,7 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
     const auto it = index_of_.find(p.unsafeGetTensorImpl());
     TORCH_CHECK(it != index_of_.end(),
                 "ShardedOptimizer: a parameter given to step_parameters is not one of its own");
-    if (owners_[it->second] == rank && p.grad().defined()) ready.push_back(params_[it->second]);
+    if (plan_.owner_of(static_cast<int64_t>(it->second)) == rank && p.grad().defined()) ready.push_back(params_[it->second]);
   }
   if (ready.empty()) return;
   // Copies of what this call changes, once per pass and parameter.
@@ -483,7 +481,7 @@ void ShardedOptimizer::save_pieces(PieceWriter& pieces) const {
   local_type(*local_);
   const int rank = group_->getRank();
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (owners_[i] != rank) continue;
+    if (plan_.owner_of(static_cast<int64_t>(i)) != rank) continue;
     torch::serialize::OutputArchive piece;
     const auto it = local_->state().find(params_[i].unsafeGetTensorImpl());
     piece.write("has_state", c10::IValue(it != local_->state().end()));
@@ -527,7 +525,7 @@ std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArch
       std::vector<std::pair<void*, std::unique_ptr<torch::optim::OptimizerParamState>>>>();
   const int rank = group_->getRank();
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (owners_[i] != rank) continue;
+    if (plan_.owner_of(static_cast<int64_t>(i)) != rank) continue;
     auto piece = pieces.read("param/" + std::to_string(i));
     c10::IValue has_state;
     TORCH_CHECK(piece.try_read("has_state", has_state) && has_state.isBool(),

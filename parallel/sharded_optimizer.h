@@ -21,6 +21,7 @@
 
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/optimizer_factory.h"
+#include "parallel/ownership_plan.h"
 #include "parallel/parameter_owners.h"
 #include "parallel/phased_backward_step.h"
 
@@ -91,7 +92,7 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   /// into param_groups(); set on both, it is an error.
   torch::optim::Optimizer& local_optimizer() { return *local_; }
   /// Owner rank of each parameter (in the order given, parameters added later after them).
-  const std::vector<int>& owners() const { return owners_; }
+  const std::vector<int>& owners() const { return plan_.owners(); }
   /// ParameterOwners (gradient sharding): the owner of `param`, nullopt when it is not one of
   /// this optimizer's.
   c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const override { return group_; }
@@ -119,15 +120,12 @@ class ShardedOptimizer : public torch::optim::Optimizer,
  private:
   std::vector<torch::Tensor> params_;  // every registered parameter, in registration order
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  std::vector<int> owners_;
+  detail::OwnershipPlan plan_;   // item i = params_[i]
+  detail::OwnerMajorLayout layout_;  // of params_, the AllGather after each step
   std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> position in params_
-  std::vector<int64_t> offsets_;  // element offset of each parameter in its owner's segment
-  std::vector<int64_t> used_;     // per rank: elements of its segment in use
-  std::vector<int64_t> loads_;    // per rank: the owner balance's load so far
   std::vector<int64_t> group_sizes_;  // per param group: parameters registered
   std::vector<int64_t> added_at_;     // per parameter: steps_ when it was registered
   int64_t steps_ = 0;                 // completed steps
-  int64_t segment_size_ = 0;
   at::Tensor send_;
   at::Tensor receive_;
   std::unique_ptr<torch::optim::Optimizer> local_;

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "parallel/collectives.h"
 #include "shampoo/option_fields.h"
 #include "shampoo/shampoo_engine.h"
 
@@ -14,32 +15,21 @@ void check_ranks_agree(Distributor& distributor,
                        const std::vector<torch::optim::OptimizerParamGroup>& groups,
                        const ParamRegistry& registry) {
   if (!distributor.distributed()) return;
-  // FNV-1a over the structure that every rank must share.
-  uint64_t hash = 1469598103934665603ULL;
-  auto mix = [&](int64_t v) {
-    for (int byte = 0; byte < 8; ++byte) {
-      hash ^= static_cast<uint64_t>(v >> (8 * byte)) & 0xffu;
-      hash *= 1099511628211ULL;
-    }
-  };
+  // The structure that every rank must share.
+  Fingerprint print;
   int64_t numel = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& options = options_of(groups[g], g);
     for (const auto& field : option_fields()) {
-      if (field.kind != OptionKind::kStructural) continue;
-      for (const int64_t v : field.code(options)) mix(v);
-      mix(-1);  // end of the field: codes of different lengths stay apart
+      if (field.kind == OptionKind::kStructural) print.add_list(field.code(options));
     }
-    mix(registry.group_sizes[g]);
+    print.add(registry.group_sizes[g]);
   }
   for (const auto& p : registry.params) {
-    mix(p.group);
-    mix(static_cast<int64_t>(p.param.scalar_type()));
-    for (const int64_t d : p.param.sizes()) mix(d);
-    mix(-1);
+    print.add(p.group).add(static_cast<int64_t>(p.param.scalar_type())).add_list(p.param.sizes());
     numel += p.param.numel();
   }
-  const std::vector<int64_t> mine{static_cast<int64_t>(hash),
+  const std::vector<int64_t> mine{print.value(),
                                   static_cast<int64_t>(registry.params.size()), numel,
                                   static_cast<int64_t>(groups.size())};
   const auto all = distributor.gather_from_all_ranks(mine);

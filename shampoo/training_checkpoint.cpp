@@ -12,6 +12,7 @@
 #include <sstream>
 #include <utility>
 
+#include "parallel/collectives.h"
 #include "parallel/fully_sharded.h"
 #include "parallel/process_group.h"
 

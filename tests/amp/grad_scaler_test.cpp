@@ -483,6 +483,13 @@ TEST(GradScalerInBackward, RefusedForOptimizersThatCannotUndoAStep) {
         });
       },
       {"GradScaler is attached", "cannot undo"});
+  // Its steps run in backward: unscaling or stepping it after backward says to attach instead.
+  GradScaler after_backward;
+  after_backward.scale(at::ones({}));
+  expect_error([&] { after_backward.unscale_(shampoo_backward); },
+               {"GradScaler::unscale_", "scaler.attach(optimizer)"});
+  expect_error([&] { after_backward.step(shampoo_backward); },
+               {"GradScaler::step", "scaler.attach(optimizer)"});
 }
 
 // ---- CUDA (skipped without a GPU) --------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <iostream>
 
+#include "parallel/collectives.h"
 #include "parallel/sharding_runs.h"
 
 namespace {

@@ -16,7 +16,14 @@
 ///          ended when backward() returns, so the time after backward is ~0: compare whole
 ///          iterations), each unit's step kept undoable until backward ends (undo_failed_steps);
 ///   full_no_undo: full without those copies (undo_failed_steps(false));
-///   full_after_backward: the same with overlap_step(false): fsdp.step() after backward.
+///   full_after_backward: the same with overlap_step(false): fsdp.step() after backward;
+///   distributor: (Shampoo only) the all-reducing synchronizer + one DistributedShampoo over
+///          every parameter with the process group (DistributedOptions): blocks owned by ranks,
+///          one AllGather per step. The step full sharding's is compared with (issue 45).
+/// Roots: with Shampoo, the amortized computations (one per block and dim) of the warm-up
+/// iteration, a precondition step, and the batched calls that made them (ShampooStats), summed
+/// over this rank's optimizers: one call per stack of equal block shapes and dim when one
+/// optimizer holds the blocks, one per parameter and dim with an optimizer per parameter.
 /// Per mode, alone in the process: one warm-up iteration, then --steps measured ones. Per rank:
 /// "held": the tracking allocator's live bytes after the iteration (parameters, gradients, state,
 /// buffers: everything the mode keeps between steps) above what the process held before the mode
@@ -34,7 +41,8 @@
 /// so its figures are the process's).
 ///
 ///   bench_fully_sharded [--torchrun | --world 2] [--steps 3] [--optimizer adam|shampoo]
-///                       [--modes none,zero1,zero2,full,full_no_undo,full_after_backward]
+///                       [--modes none,zero1,zero2,full,full_no_undo,full_after_backward,
+///                                distributor]
 ///                       [--small]
 ///                       [--threads 1] [--json PATH] [--label TEXT]
 /// Results and how to read them: benchmarks/RESULTS.md ("Full sharding").
@@ -60,8 +68,10 @@ namespace {
 using namespace shampoo::bench;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
-const std::vector<std::string> kModes{"none",         "zero1", "zero2", "full",
-                                      "full_no_undo", "full_after_backward"};
+const std::vector<std::string> kModes{"none",         "zero1",
+                                      "zero2",        "full",
+                                      "full_no_undo", "full_after_backward",
+                                      "distributor"};
 
 struct Args {
   int64_t world = 2;
@@ -81,6 +91,8 @@ struct Figures {
   int64_t peak = 0;
   double after_backward_ms = 0;  // end of backward to end of step
   double iteration_ms = 0;
+  int64_t root_computations = 0;  // in the warm-up iteration (a precondition step)
+  int64_t root_calls = 0;         // the batched calls that made them
 };
 
 shampoo::OptimizerFactory factory_of(const Args& args) {
@@ -130,7 +142,10 @@ ModeRun make_mode(const std::string& mode, const std::vector<at::Tensor>& params
     return run;
   }
   run.sync = std::make_unique<shampoo::GradientSynchronizer>(params, group);
-  if (mode == "none") {
+  if (mode == "distributor") {
+    run.optimizer = std::make_unique<shampoo::DistributedShampoo>(
+        params, shampoo_options(10, 1), shampoo::DistributedOptions().process_group(group));
+  } else if (mode == "none") {
     run.optimizer = factory(params);
   } else {
     auto sharded = std::make_unique<shampoo::ShardedOptimizer>(params, factory, group);
@@ -138,6 +153,26 @@ ModeRun make_mode(const std::string& mode, const std::vector<at::Tensor>& params
     run.optimizer = std::move(sharded);
   }
   return run;
+}
+
+/// This rank's Shampoo counters (amortized computations, batched calls), over its optimizers.
+std::pair<int64_t, int64_t> root_counters(ModeRun& run) {
+  std::vector<torch::optim::Optimizer*> optimizers;
+  if (run.fsdp) {
+    optimizers = run.fsdp->optimizers();
+  } else if (auto* sharded = dynamic_cast<shampoo::ShardedOptimizer*>(run.optimizer.get())) {
+    optimizers.push_back(&sharded->local_optimizer());
+  } else {
+    optimizers.push_back(run.optimizer.get());
+  }
+  std::pair<int64_t, int64_t> sum{0, 0};
+  for (auto* optimizer : optimizers) {
+    if (const auto* shampoo = dynamic_cast<const shampoo::DistributedShampoo*>(optimizer)) {
+      sum.first += shampoo->stats().amortized_computations;
+      sum.second += shampoo->stats().amortized_batched_calls;
+    }
+  }
+  return sum;
 }
 
 /// One iteration; returns the ms from the end of backward to the end of the step.
@@ -189,7 +224,10 @@ Figures run_mode(const std::string& mode, int rank, const Group& group, const Ar
       const auto start = Clock::now();
       const double tail = iterate(run, params, inputs, members);
       const double total = elapsed_ms(start, Clock::now());
-      if (s == 0) continue;  // warm-up: creates the optimizer's state
+      if (s == 0) {  // warm-up: creates the optimizer's state, computes the first roots
+        std::tie(f.root_computations, f.root_calls) = root_counters(run);
+        continue;
+      }
       after_backward.push_back(tail);
       iteration.push_back(total);
       if (tracker != nullptr) {
@@ -245,8 +283,9 @@ void print_results(const Results& results, const std::vector<std::string>& modes
       args.small ? " (small)" : "", mb(unit_bytes), args.optimizer, world,
       args.torchrun ? "torchrun processes" : "threads", args.steps);
   fmt::print(
-      "| mode | rank | held MB | peak MB | end of backward to end of step ms | iteration ms |\n");
-  fmt::print("|---|---:|---:|---:|---:|---:|\n");
+      "| mode | rank | held MB | peak MB | end of backward to end of step ms | iteration ms | "
+      "roots (batched calls) |\n");
+  fmt::print("|---|---:|---:|---:|---:|---:|---:|\n");
   const auto none = std::find(modes.begin(), modes.end(), "none");
   for (size_t m = 0; m < modes.size(); ++m) {
     for (int rank = 0; rank < world; ++rank) {
@@ -261,9 +300,10 @@ void print_results(const Results& results, const std::vector<std::string>& modes
                               f.peak <= peak_bound ? "within" : "ABOVE",
                               mb(static_cast<int64_t>(peak_bound)));
       }
-      fmt::print("| {} | {} | {} | {} | {:.1f} | {:.1f} |{}\n", modes[m], rank,
+      fmt::print("| {} | {} | {} | {} | {:.1f} | {:.1f} | {} ({}) |{}\n", modes[m], rank,
                  per_rank_allocator ? mb(f.held) : "-", per_rank_allocator ? mb(f.peak) : "-",
-                 f.after_backward_ms, f.iteration_ms, verdict);
+                 f.after_backward_ms, f.iteration_ms, f.root_computations, f.root_calls,
+                 verdict);
     }
   }
 }
@@ -278,7 +318,9 @@ Json results_json(const Results& results, const std::vector<std::string>& modes,
                        {"held_bytes", f.held},
                        {"peak_bytes", f.peak},
                        {"after_backward_ms", f.after_backward_ms},
-                       {"iteration_ms", f.iteration_ms}});
+                       {"iteration_ms", f.iteration_ms},
+                       {"root_computations", f.root_computations},
+                       {"root_batched_calls", f.root_calls}});
     }
     out[modes[m]] = ranks;
   }
@@ -286,12 +328,17 @@ Json results_json(const Results& results, const std::vector<std::string>& modes,
 }
 
 std::vector<int64_t> to_ints(const Figures& f) {
-  return {f.held, f.peak, static_cast<int64_t>(f.after_backward_ms * 1000),
-          static_cast<int64_t>(f.iteration_ms * 1000)};
+  return {f.held,
+          f.peak,
+          static_cast<int64_t>(f.after_backward_ms * 1000),
+          static_cast<int64_t>(f.iteration_ms * 1000),
+          f.root_computations,
+          f.root_calls};
 }
 
 Figures from_ints(const std::vector<int64_t>& v) {
-  return {v[0], v[1], static_cast<double>(v[2]) / 1000, static_cast<double>(v[3]) / 1000};
+  return {v[0], v[1], static_cast<double>(v[2]) / 1000, static_cast<double>(v[3]) / 1000,
+          v[4], v[5]};
 }
 
 }  // namespace
@@ -307,7 +354,8 @@ int main(int argc, char** argv) {
       .add("steps", args.steps, "measured iterations per mode", 1)
       .add("optimizer", args.optimizer, "adam or shampoo")
       .add("modes", args.modes,
-           "comma-separated: none, zero1, zero2, full, full_no_undo, full_after_backward")
+           "comma-separated: none, zero1, zero2, full, full_no_undo, full_after_backward, "
+           "distributor (Shampoo only)")
       .add_bool("small", args.small, "every dim of the workload divided by 8")
       .add("threads", args.threads, "intra-op threads per rank", 1);
   add_output_flags(flags, args.json, args.label);
@@ -318,6 +366,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   const auto modes = selected_modes(args);
+  if (args.optimizer != "shampoo" &&
+      std::find(modes.begin(), modes.end(), "distributor") != modes.end()) {
+    fmt::print(stderr, "bench_fully_sharded: --modes: distributor is Shampoo's Distributor; "
+                       "add --optimizer shampoo\n");
+    return 2;
+  }
 
   auto& tracker = TrackingAllocator::install();
   const double load_before = load_average();

@@ -149,6 +149,7 @@ void KroneckerFactorList::amortize_rows(int64_t stack, const Rows& rows,
   std::vector<bool> member_failed(rows.size(), false);
   for (const int64_t k : factors_.preconditioned_dims(stack)) {
     const auto result = compute_dim(stack, rows, k, scalars);
+    factors_.record_batched_call();
     for (int64_t i = 0; i < rows.size(); ++i) {
       const int64_t row = rows.rows[i];
       if (result.failed[i] || factors_.injected_failure(stack, row, k)) {

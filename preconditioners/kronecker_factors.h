@@ -78,6 +78,7 @@ class KroneckerFactors {
   void set_counters(const AmortizedCounters& counters) { counters_ = counters; }
   void record_double_retries(int64_t count) { counters_.retried_in_double += count; }
   void record_solver_fallbacks(int64_t count) { counters_.solver_fallbacks += count; }
+  void record_batched_call() { ++counters_.batched_calls; }
 
   void export_member(int64_t stack, int64_t row, std::map<std::string, at::Tensor>& out) const;
   void import_member(int64_t stack, int64_t row, const std::map<std::string, at::Tensor>& in);

@@ -27,6 +27,9 @@ struct AmortizedCounters {
   int64_t retried_in_double = 0;
   /// Roots an iterative solver left unconverged, computed by eigh instead.
   int64_t solver_fallbacks = 0;
+  /// Batched calls of the amortized computation: one per stack (blocks of one shape), dim and
+  /// chunk of rows, however many blocks each holds.
+  int64_t batched_calls = 0;
 };
 
 /// Test seam: return true to make the amortized computation of (block name, dim) fail.

@@ -46,6 +46,9 @@ struct ShampooStats {
   int64_t double_precision_retries = 0;
   /// Roots a matmul-only solver (RootInvShampooConfig::solver) left unconverged, computed by eigh.
   int64_t root_solver_fallbacks = 0;
+  /// Batched calls that made those computations: one per stack of equal block shapes, dim and
+  /// chunk (the eigh or root solver's batch), however many blocks it holds.
+  int64_t amortized_batched_calls = 0;
   /// Blocks in total and owned (computed) by this rank.
   int64_t total_blocks = 0;
   int64_t owned_blocks = 0;

@@ -181,6 +181,7 @@ void ShampooEngine::retire_counters() {
     retired_counters_.failures += vg->counters().failures;
     retired_counters_.retried_in_double += vg->counters().retried_in_double;
     retired_counters_.solver_fallbacks += vg->counters().solver_fallbacks;
+    retired_counters_.batched_calls += vg->counters().batched_calls;
   }
 }
 
@@ -664,12 +665,14 @@ ShampooStats ShampooEngine::stats() const {
   s.failed_amortized_computations = retired_counters_.failures;
   s.double_precision_retries = retired_counters_.retried_in_double;
   s.root_solver_fallbacks = retired_counters_.solver_fallbacks;
+  s.amortized_batched_calls = retired_counters_.batched_calls;
   for (const auto& vg : virtual_groups_) {
     const auto c = vg->counters();
     s.amortized_computations += c.computations;
     s.failed_amortized_computations += c.failures;
     s.double_precision_retries += c.retried_in_double;
     s.root_solver_fallbacks += c.solver_fallbacks;
+    s.amortized_batched_calls += c.batched_calls;
     s.owned_blocks += vg->owned_blocks();
     s.state_bytes += vg->state_bytes();
   }

@@ -89,6 +89,33 @@ TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithLiveLearningRates) {
   EXPECT_EQ(merged.stats().amortized_computations, unmerged.stats().amortized_computations);
 }
 
+// Roots are computed per stack of equal block shapes, in one batched call per dim: merged groups
+// share the calls, whatever the number of blocks or groups.
+TEST(VirtualGroups, RootsAreOneBatchedCallPerStackAndDim) {
+  for (const bool merge : {true, false}) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    std::vector<at::Tensor> params;
+    for (int i = 0; i < 6; ++i) params.push_back(at::randn({8, 6}, gen).requires_grad_());
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    for (int g = 0; g < 3; ++g) {
+      groups.emplace_back(std::vector<at::Tensor>{params[2 * g], params[2 * g + 1]},
+                          std::make_unique<ShampooOptions>(ShampooOptions::reference_defaults(
+                                                               0.01 * (g + 1))
+                                                               .precondition_frequency(1)
+                                                               .start_preconditioning_step(1)
+                                                               .max_preconditioner_dim(8)));
+    }
+    DistributedShampoo opt(std::move(groups), ShampooOptions::reference_defaults(),
+                           DistributedOptions().merge_param_groups(merge));
+    set_grads(params, 1);
+    opt.step();
+    // 6 blocks of [8, 6] (kept 2-D: 48 > max_preconditioner_dim), each an amortized computation
+    // of both its factors: one stack, so one batched call per dim, or 2 per group unmerged.
+    EXPECT_EQ(opt.stats().amortized_computations, 6) << "merge " << merge;
+    EXPECT_EQ(opt.stats().amortized_batched_calls, merge ? 2 : 6) << "merge " << merge;
+  }
+}
+
 TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithEveryRootSolver) {
   for (const auto solver : {shampoo::RootSolver::kCoupledNewton, shampoo::RootSolver::kNewtonDB}) {
     auto merged_params = make_params(5);

@@ -5,7 +5,6 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -22,6 +21,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "parallel/backward_pass.h"
 #include "parallel/collectives.h"
 #include "parallel/grad_norm_clipping.h"
 #include "parallel/grad_ready_hooks.h"
@@ -194,8 +194,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   std::vector<size_t> forward_order;  // units run with gradients in this pass, in order
   size_t next_to_gather = 0;          // in reverse forward order, for backward
   size_t next_to_reduce = 0;
-  bool pass_open = false;
-  int pass_task = -1;
+  detail::BackwardPass pass;
   bool stepping = false;  // the current pass is the last of an accumulation
   int64_t passes = 0;
   int64_t steps = 0;
@@ -453,7 +452,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     {
       std::lock_guard<std::recursive_mutex> lock(mutex);
       // The first forward of an iteration: no unit is gathered, groups added since join here.
-      if (!pass_open && forward_order.empty()) sync_groups();
+      if (!pass.is_open() && forward_order.empty()) sync_groups();
       gather(unit, *group);
     }
     auto out = fn();
@@ -478,17 +477,15 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   }
 
   void open_pass() {
-    const int task = torch::autograd::get_current_graph_task_id();
-    if (pass_open && task == pass_task) return;
-    pass_open = true;
-    pass_task = task;
+    std::weak_ptr<State> weak = shared_from_this();
+    if (!pass.open([weak] {
+          if (auto self = weak.lock()) self->close_pass();
+        })) {
+      return;
+    }
     stepping = (passes_since_step + 1) % options.accumulation_steps() == 0;
     // With overlap the steps run during this pass: the options in effect are those at its start.
     if (stepping && options.overlap_step()) push_group_options();
-    std::weak_ptr<State> weak = shared_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto self = weak.lock()) self->close_pass();
-    });
   }
 
   /// Before the unit's backward: gather it, and every unit before it in reverse forward order
@@ -535,7 +532,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     forward_order.clear();
     next_to_gather = 0;
     next_to_reduce = 0;
-    pass_open = false;
+    pass.close();
     ++passes;
     ++passes_since_step;
     if (stepping && options.overlap_step()) {
@@ -715,35 +712,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       return;
     }
     if (lossless() && !std::exchange(unit.owned_kept, false)) collect_rows(unit, via);
-    // What this rank steps: (optimizer, its parameters with their gradients set).
-    std::vector<std::pair<torch::optim::Optimizer*, std::vector<at::Tensor>>> work;
-    // Without overlap every unit was checked before any stepped (check_finite_before_steps).
-    std::string failure = options.overlap_step() ? non_finite_gradient(unit) : std::string();
-    for (auto& slot : unit.params) {
-      if (!slot.reduced.defined()) continue;
-      auto& target = lossless() ? slot.param : slot.shard;
-      target.mutable_grad() = slot.reduced;
-      if (slot.optimizer) work.push_back({slot.optimizer.get(), {slot.param}});
-    }
-    if (unit.optimizer) {
-      std::vector<at::Tensor> rows;
-      for (auto& slot : unit.params) {
-        if (slot.shard.grad().defined()) rows.push_back(slot.shard);
-      }
-      work.push_back({unit.optimizer.get(), rows});
-    }
     UnitUndo undo;
-    if (failure.empty()) {
-      try {
-        for (auto& [optimizer, params] : work) step_optimizer(*optimizer, params, undo);
-      } catch (const std::exception& e) {
-        failure = std::string("the step of unit '") + unit.name + "' failed: " + e.what();
-      }
-    }
-    for (auto& slot : unit.params) {
-      (lossless() ? slot.param : slot.shard).mutable_grad() = at::Tensor();
-      slot.reduced = at::Tensor();
-    }
+    const auto failure = step_reduced(unit, undo);
     // Every rank learns whether any failed before any rank's rows change, so that all of them
     // go on (or stop) together instead of one waiting in the all-to-all.
     const auto flags = detail::gather_int64(via, {failure.empty() ? 0 : 1});
@@ -769,6 +739,42 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
     if (journal()) pass_undo.push_back(std::move(undo));
     unit.to_step = false;
+  }
+
+  /// This rank's part of a unit's step: the reduced gradients set on what it steps (the whole
+  /// owned parameters, or its rows), its optimizers stepped (what undoes that saved in `undo`),
+  /// the gradients released. Returns why it failed (a non-finite gradient, an optimizer's error),
+  /// or nothing.
+  std::string step_reduced(Unit& unit, UnitUndo& undo) {
+    // What this rank steps: (optimizer, its parameters with their gradients set).
+    std::vector<std::pair<torch::optim::Optimizer*, std::vector<at::Tensor>>> work;
+    // Without overlap every unit was checked before any stepped (check_finite_before_steps).
+    std::string failure = options.overlap_step() ? non_finite_gradient(unit) : std::string();
+    for (auto& slot : unit.params) {
+      if (!slot.reduced.defined()) continue;
+      auto& target = lossless() ? slot.param : slot.shard;
+      target.mutable_grad() = slot.reduced;
+      if (slot.optimizer) work.push_back({slot.optimizer.get(), {slot.param}});
+    }
+    if (unit.optimizer) {
+      std::vector<at::Tensor> rows;
+      for (auto& slot : unit.params) {
+        if (slot.shard.grad().defined()) rows.push_back(slot.shard);
+      }
+      work.push_back({unit.optimizer.get(), rows});
+    }
+    if (failure.empty()) {
+      try {
+        for (auto& [optimizer, params] : work) step_optimizer(*optimizer, params, undo);
+      } catch (const std::exception& e) {
+        failure = std::string("the step of unit '") + unit.name + "' failed: " + e.what();
+      }
+    }
+    for (auto& slot : unit.params) {
+      (lossless() ? slot.param : slot.shard).mutable_grad() = at::Tensor();
+      slot.reduced = at::Tensor();
+    }
+    return failure;
   }
 
   /// A unit of a pass whose earlier unit failed: its gradients are dropped, nothing steps.

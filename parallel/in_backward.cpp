@@ -2,14 +2,13 @@
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
 #include <unordered_map>
 #include <unordered_set>
 
+#include "parallel/backward_pass.h"
 #include "parallel/grad_ready_hooks.h"
 #include "parallel/libtorch_optimizers.h"
 #include "parallel/phased_backward_step.h"
@@ -61,9 +60,8 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   int64_t passes = 0;
   int64_t steps = 0;
   int no_step = 0;
-  bool pass_open = false;
+  detail::BackwardPass pass;
   bool stepping = false;
-  int pass_task = -1;  // autograd graph task of the open pass
   GradientSynchronizer* sync = nullptr;
   BackwardUnscaler* unscaler = nullptr;
   bool pass_overflow = false;  // a gradient of this pass was inf or NaN on this rank
@@ -99,26 +97,24 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
         set.phased->abort_backward_step();
       }
     }
-    pass_open = false;
+    pass.close();
     stepping = false;
     update_sync();
   }
 
   void open_pass() {
-    const int task = torch::autograd::get_current_graph_task_id();
     // A pass still open from another backward: that one failed before its end callback ran
     // (an error in autograd or in a hook that is not ours). Undo it before this one starts.
-    if (pass_open && task != pass_task) abort_pass();
-    if (pass_open) return;
-    pass_open = true;
-    pass_task = task;
+    if (pass.abandoned()) abort_pass();
+    // At the end of the whole backward pass: finish what is left and close the pass.
+    std::weak_ptr<State> weak = shared_from_this();
+    if (!pass.open([weak] {
+          if (auto self = weak.lock()) self->close_pass();
+        })) {
+      return;
+    }
     stepping = next_pass_steps();
     pass_overflow = false;
-    // Runs once the whole backward pass is done: finish what is left and close the pass.
-    std::weak_ptr<State> weak = shared_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto self = weak.lock()) self->close_pass();
-    });
   }
 
   void on_grad_ready(size_t entry) {
@@ -195,7 +191,7 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
       if (!overflowed) ++steps;
     }
     ++passes;
-    pass_open = false;
+    pass.close();
     stepping = false;
     update_sync();
     write_state_entries();
@@ -293,7 +289,7 @@ torch::optim::Optimizer& InBackwardOptimizer::optimizer(size_t index) {
 
 void InBackwardOptimizer::set_accumulation_steps(int64_t k) {
   TORCH_CHECK(k >= 1, "InBackwardOptimizer::set_accumulation_steps: got ", k, ", expected >= 1");
-  TORCH_CHECK(!state_->pass_open, "set_accumulation_steps during a backward pass");
+  TORCH_CHECK(!state_->pass.is_open(), "set_accumulation_steps during a backward pass");
   state_->accumulation_steps = k;
   state_->update_sync();
 }
@@ -346,7 +342,7 @@ std::vector<at::Tensor> InBackwardOptimizer::gradients_to_unscale(const char* ca
 }
 
 void InBackwardOptimizer::set_unscaler(BackwardUnscaler* unscaler) {
-  TORCH_CHECK(!state_->pass_open,
+  TORCH_CHECK(!state_->pass.is_open(),
               "InBackwardOptimizer: a GradScaler is attached or detached "
               "during a backward pass; do it between iterations");
   if (unscaler != nullptr) {

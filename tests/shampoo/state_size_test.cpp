@@ -72,7 +72,8 @@ TEST_P(StateSizeEstimateTest, EqualsTheStateAllocatedAtConstruction) {
 INSTANTIATE_TEST_SUITE_P(
     Options, StateSizeEstimateTest,
     ::testing::Values(
-        EstimateCase{"root_inverse", ShampooOptions::reference_defaults().max_preconditioner_dim(32)},
+        EstimateCase{"root_inverse",
+                     ShampooOptions::reference_defaults().max_preconditioner_dim(32)},
         EstimateCase{"adam_grafting_double_factors", ShampooOptions::reference_defaults()
                                                          .max_preconditioner_dim(32)
                                                          .grafting(AdamGraftingConfig{})
@@ -82,11 +83,13 @@ INSTANTIATE_TEST_SUITE_P(
                          .max_preconditioner_dim(16)
                          .preconditioner(EigenvalueCorrectedShampooConfig{})
                          .grafting(AdaGradGraftingConfig{})},
-        EstimateCase{"eigendecomposed", ShampooOptions::reference_defaults().max_preconditioner_dim(16).preconditioner(
-                                            shampoo::EigendecomposedShampooConfig{})},
-        EstimateCase{"exponent_overrides_no_merge",
-                     ShampooOptions::reference_defaults().use_merge_dims(false).inverse_exponent_override(
-                         {{1, {{0, 0.0}}}, {3, {{1, 0.0}, {2, 0.0}}}})},
+        EstimateCase{"eigendecomposed",
+                     ShampooOptions::reference_defaults().max_preconditioner_dim(16).preconditioner(
+                         shampoo::EigendecomposedShampooConfig{})},
+        EstimateCase{
+            "exponent_overrides_no_merge",
+            ShampooOptions::reference_defaults().use_merge_dims(false).inverse_exponent_override(
+                {{1, {{0, 0.0}}}, {3, {{1, 0.0}, {2, 0.0}}}})},
         EstimateCase{"recommended", recommended_options()}),
     [](const auto& info) { return info.param.name; });
 
@@ -116,6 +119,66 @@ TEST(StateSizeWarning, FiresOnceForAThinParameterWithDefaultOptions) {
   EXPECT_EQ(warnings.messages.size(), 1u);
 }
 
+/// The one warning DistributedShampoo(params, recommended_options()) gives.
+std::string the_warning(const std::vector<torch::Tensor>& params) {
+  WarningCollector warnings;
+  c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+  DistributedShampoo optimizer(params, recommended_options());
+  EXPECT_EQ(warnings.messages.size(), 1u);
+  return warnings.messages.empty() ? std::string() : warnings.messages[0];
+}
+
+bool contains(const std::string& message, const std::string& part) {
+  return message.find(part) != std::string::npos;
+}
+
+// A language model's parameters: a 1-D output bias and an embedding get state far above their
+// own size, though the model's total may stay under the model-wide threshold; the warning names
+// each of them (and not the square weights, which hold about 3x).
+TEST(StateSizeWarning, NamesEachParameterWhoseStateDwarfsIt) {
+  {
+    // [5000]: five 1-D blocks with 1024x1024 factors and roots, ~20 MB for 20 KB; two square
+    // weights beside it. ~45 MB in all: below the 64 MiB of the model-wide rule.
+    const auto params = leaves({{1024, 1024}, {5000}, {1024, 1024}});
+    const std::vector<torch::optim::OptimizerParamGroup> groups{
+        torch::optim::OptimizerParamGroup(params)};
+    const auto estimate = shampoo::detail::estimate_state_size(groups, recommended_options());
+    ASSERT_TRUE(estimate.has_value());
+    EXPECT_LT(estimate->state_bytes, shampoo::detail::kStateSizeWarningMinBytes);
+    const auto oversized = shampoo::detail::oversized_params(*estimate);
+    ASSERT_EQ(oversized.size(), 1u);
+    EXPECT_EQ(oversized[0].param, 1);
+    EXPECT_TRUE(oversized[0].one_dimensional);
+    EXPECT_EQ(oversized[0].largest_dim, 1024);
+
+    const auto message = the_warning(params);
+    for (const char* expected :
+         {"parameter 1 (group 0, shape [5000], 5 blocks): 0.0 MB of parameters, 20.1 MB of state",
+          "1-D", "{{1, {{shampoo::kAllDims, 0.0}}}}", "AdamPreconditionerConfig{}"}) {
+      EXPECT_TRUE(contains(message, expected)) << "missing '" << expected << "' in\n" << message;
+    }
+    EXPECT_FALSE(contains(message, "parameter 0 (group")) << message;
+    EXPECT_FALSE(contains(message, "parameter 2 (group")) << message;
+  }
+  {
+    // The embedding, [50000, 128] (estimated only): 233 MB of state for 25.6 MB.
+    const auto embedding = shampoo::detail::estimate_state_size(
+        {torch::optim::OptimizerParamGroup(leaves({{50000, 128}}))}, recommended_options());
+    ASSERT_TRUE(embedding.has_value());
+    const auto oversized = shampoo::detail::oversized_params(*embedding);
+    ASSERT_EQ(oversized.size(), 1u);
+    EXPECT_NEAR(static_cast<double>(oversized[0].state_bytes) / 1e6, 233.3, 0.5);
+    EXPECT_EQ(oversized[0].param_bytes, 50000 * 128 * 4);
+  }
+  // [20000, 128]: 20 blocks whose 1024-row factors dwarf the 128-column ones, ~9x its bytes.
+  const auto message = the_warning(leaves({{20000, 128}}));
+  for (const char* expected :
+       {"parameter 0 (group 0, shape [20000, 128], 20 blocks): 10.2 MB of parameters", "(9x)",
+        "largest block dim is 1024", "inverse_exponent_override {{2, {{dim, 0.0}}}}"}) {
+    EXPECT_TRUE(contains(message, expected)) << "missing '" << expected << "' in\n" << message;
+  }
+}
+
 TEST(StateSizeWarning, SilentForASmallModelWithTheRecommendedOptions) {
   WarningCollector warnings;
   c10::WarningUtils::WarningHandlerGuard guard(&warnings);
@@ -140,9 +203,10 @@ TEST(StateSizeWarning, SilentWhenTheLongDimIsNotPreconditioned) {
       leaves({{1, 100000}}),
       recommended_options().inverse_exponent_override({{1, {{shampoo::kAllDims, 0.0}}}}));
   EXPECT_EQ(unpreconditioned.stats().state_bytes, 100000 * 4);
-  // ... or smaller blocks.
-  DistributedShampoo small_blocks(leaves({{1, 100000}}),
-                                  recommended_options().max_preconditioner_dim(64));
+  // ... or a diagonal method. (Smaller blocks are no remedy for 1-D blocks: with
+  // max_preconditioner_dim 64 the state is still 66x the parameter, and the warning says so.)
+  DistributedShampoo diagonal(leaves({{1, 100000}}), recommended_options().preconditioner(
+                                                         shampoo::AdamPreconditionerConfig{}));
   EXPECT_TRUE(warnings.messages.empty()) << warnings.messages.front();
 }
 
@@ -153,7 +217,10 @@ class UnpreconditionedDimTest : public ::testing::TestWithParam<bool> {};
 TEST_P(UnpreconditionedDimTest, HoldsNoFactorOrRoot) {
   const bool eigenvalue_corrected = GetParam();
   // epsilon regularizes the rank-deficient factors of a gradient with fewer rows than columns.
-  auto options = ShampooOptions::reference_defaults(1e-2).betas({0.0, 0.999}).epsilon(1e-4).precondition_frequency(1);
+  auto options = ShampooOptions::reference_defaults(1e-2)
+                     .betas({0.0, 0.999})
+                     .epsilon(1e-4)
+                     .precondition_frequency(1);
   if (eigenvalue_corrected) options.preconditioner(EigenvalueCorrectedShampooConfig{});
   // [48, 64]: 3072 elements, not merged; dim 1 is left unpreconditioned.
   const int64_t rows = 48, cols = 64;

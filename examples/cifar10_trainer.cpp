@@ -293,12 +293,12 @@ ImageDataset load_data(const TrainerConfig& config, int64_t* full_train_size) {
 /// Loads the checkpoint in --checkpoint-dir when there is one (collective).
 void resume(Trainer& t) {
   const auto& config = t.config;
-  t.checkpoint.emplace(config.checkpoint_dir, t.d.group,
-                       run_signature_of(config, t.batch.global, t.data.train.size()),
-                       TrainingCheckpoint::State{
-                           t.model.get(), t.fsdp ? &t.fsdp->optimizer() : t.optimizer.get(),
-                           &t.metrics, &t.progress, t.scaler.get()},
-                       t.device);
+  t.checkpoint.emplace(
+      config.checkpoint_dir, t.d.group,
+      run_signature_of(config, t.batch.global, t.data.train.size()),
+      TrainingCheckpoint::State{t.model.get(), t.fsdp ? &t.fsdp->optimizer() : t.optimizer.get(),
+                                &t.metrics, &t.progress, t.scaler.get()},
+      t.device);
   if (!t.checkpoint->exists()) return;
   t.resumed_from_world_size = t.checkpoint->load();
   // Where the next iteration is in its epoch: the epochs have the same batches at any number
@@ -489,8 +489,15 @@ void print_setup(Trainer& t) {
                            t.fsdp->num_units(), t.d.world_size)
       : t.synchronizer && t.synchronizer->sharded()
           ? std::string("each gradient reduced to its owner (ZeRO-2)")
-      : config.sharding == ShardingMode::kGradients ? std::string("none needed (one process)")
-                                                    : std::string("off (gradients all-reduced)")));
+      : config.sharding != ShardingMode::kNone && t.d.world_size == 1
+          ? std::string("none needed (one process)")
+      : dynamic_cast<const shampoo::ShardedOptimizer*>(t.optimizer.get()) != nullptr
+          ? std::string("state (ZeRO-1): each parameter's state on the rank that steps it, "
+                        "gradients all-reduced")
+      : config.sharding == ShardingMode::kState
+          ? std::string("state (ZeRO-1): Shampoo's Distributor keeps each block's state on its "
+                        "owner, gradients all-reduced")
+          : std::string("off (gradients all-reduced)")));
   std::string groups = describe_param_groups(t.plans);
   if (!groups.empty() && groups.back() == '\n') groups.pop_back();
   t.log.lead(groups);

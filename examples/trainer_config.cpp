@@ -24,6 +24,7 @@ const Names<DeviceChoice> kDeviceChoices{
 const Names<AmpMode> kAmpModes{
     {"off", AmpMode::kOff}, {"bf16", AmpMode::kBf16}, {"fp16", AmpMode::kFp16}};
 const Names<ShardingMode> kShardingModes{{"none", ShardingMode::kNone},
+                                         {"state", ShardingMode::kState},
                                          {"gradients", ShardingMode::kGradients},
                                          {"full", ShardingMode::kFull}};
 const Names<OptimizerKind> kOptimizers{{"sgd", OptimizerKind::kSgd},
@@ -95,10 +96,13 @@ void add_device_and_sharding_flags(CommandLine& cli, TrainerConfig& config) {
                   "or NaN gradient skipped on every rank); parameters, gradients and optimizer "
                   "state stay float32; off = float32 throughout")
       .add_choice("sharding", config.sharding, kShardingModes,
-                  "what is sharded across ranks: none, or gradients (ZeRO-2: each gradient is "
-                  "reduced to the rank that steps its parameter and released on the others; "
-                  "sgd/adam/adamw run as shampoo::ShardedOptimizer, shampoo owns whole "
-                  "parameters), or full (ZeRO-3, shampoo::FullyShardedDataParallel: every "
+                  "what is sharded across ranks: none; state (state sharding, ZeRO-1: sgd/adam/"
+                  "adamw run as shampoo::ShardedOptimizer, each parameter's state on the rank "
+                  "that steps it, gradients all-reduced; shampoo's Distributor shards its blocks' "
+                  "state in every mode, so for it this equals none); gradients (gradient "
+                  "sharding, ZeRO-2: state sharding, and each gradient is reduced to the rank "
+                  "that steps its parameter and released on the others; shampoo owns whole "
+                  "parameters); or full (ZeRO-3, shampoo::FullyShardedDataParallel: every "
                   "parameter split by rows across the ranks and gathered per layer for forward "
                   "and backward, each whole parameter stepped by one owner during backward)");
 }

@@ -2,8 +2,8 @@
 /// The flags of the image classification trainer (cifar10_trainer), parsed and checked.
 /// Names and defaults follow the reference's trainer_utils.py (facebookresearch/optimizers,
 /// distributed_shampoo/examples) where it has the flag, except the Shampoo settings, which are the
-/// library's defaults (--precondition-frequency 50, --grafting adam); `cifar10_trainer --help` explains
-/// each.
+/// library's defaults (--precondition-frequency 50, --grafting adam); `cifar10_trainer --help`
+/// explains each.
 
 #include <c10/core/ScalarType.h>
 
@@ -25,10 +25,13 @@ enum class ProgressMode { kAuto, kOn, kOff };
 enum class DeviceChoice { kAuto, kCpu, kCuda };
 /// --amp: the forward pass under autocast in bf16 or fp16 (fp16 with a GradScaler).
 enum class AmpMode { kOff, kBf16, kFp16 };
-/// --sharding: none (gradients all-reduced, every rank holds all of them), gradients (ZeRO-2:
-/// each gradient reduced to the rank that steps its parameter) or full (ZeRO-3:
-/// shampoo::FullyShardedDataParallel, parameters, gradients and state split across the ranks).
-enum class ShardingMode { kNone, kGradients, kFull };
+/// --sharding, the library's names: none (gradients all-reduced, every rank holds all of them),
+/// state (state sharding, ZeRO-1: each parameter's optimizer state on the rank that steps it),
+/// gradients (gradient sharding, ZeRO-2: state sharding, and each gradient reduced to that rank)
+/// or full (full sharding, ZeRO-3: shampoo::FullyShardedDataParallel, parameters, gradients and
+/// state split across the ranks). Shampoo's Distributor keeps each block's state on its owner
+/// in every mode, so for Shampoo state equals none.
+enum class ShardingMode { kNone, kState, kGradients, kFull };
 /// shampoo::CompactState (--compact-state).
 enum class CompactChoice { kNone, kBf16, kInt8 };
 

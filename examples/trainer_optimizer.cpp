@@ -76,14 +76,22 @@ bool shards_gradients(const TrainerConfig& config,
   return config.sharding == ShardingMode::kGradients && group && group->getSize() > 1;
 }
 
-/// A torch::optim optimizer over the plans; with gradient sharding a ShardedOptimizer over the
-/// same param groups, whose local optimizer (made by the factory over this rank's share of each
+/// Whether LibTorch's optimizers run as a ShardedOptimizer (--sharding state or gradients with
+/// several ranks).
+bool shards_state(const TrainerConfig& config,
+                  const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  return (config.sharding == ShardingMode::kState || config.sharding == ShardingMode::kGradients) &&
+         group && group->getSize() > 1;
+}
+
+/// A torch::optim optimizer over the plans; with state or gradient sharding a ShardedOptimizer over
+/// the same param groups, whose local optimizer (made by the factory over this rank's share of each
 /// group) gets the groups' options before each step.
 template <typename Optimizer, typename Options>
 std::unique_ptr<torch::optim::Optimizer> make_libtorch_optimizer(
     const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans, const Options& defaults,
     const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
-  if (!shards_gradients(config, group)) {
+  if (!shards_state(config, group)) {
     return std::make_unique<Optimizer>(make_groups(plans, defaults), defaults);
   }
   auto local = [defaults](std::vector<at::Tensor> own) {

@@ -505,6 +505,23 @@ TEST_P(ShardingTest, ShardedGradientsEqualAllReducedGradients) {
   EXPECT_TRUE(identical(sharded.eval.at("test_loss"), all_reduced.eval.at("test_loss")));
 }
 
+// State sharding in the trainer (ZeRO-1, --sharding state): LibTorch's optimizers run as a
+// ShardedOptimizer, each parameter stepped by one rank on the all-reduced gradients and the
+// result all-gathered, so the runs agree bit for bit; Shampoo's Distributor shards its state in
+// every mode, so for it the flag changes nothing.
+TEST_P(ShardingTest, ShardedStateEqualsDataParallelism) {
+  if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
+  const auto& c = GetParam();
+  const auto flags = base_flags(data_dir_, 2) + c.flags +
+                     std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr / 2)};
+  const TrainerRun all_reduced = run_ok("all_reduced", 2, flags);
+  const TrainerRun sharded =
+      run_ok("state", 2, flags + std::vector<std::string>{"--sharding", "state"});
+  EXPECT_NE(sharded.log.find("state (ZeRO-1): "), std::string::npos) << sharded.log;
+  EXPECT_TRUE(identical(sharded.train.at("global_loss"), all_reduced.train.at("global_loss")));
+  EXPECT_TRUE(identical(sharded.eval.at("test_loss"), all_reduced.eval.at("test_loss")));
+}
+
 // Full sharding in the trainer (ZeRO-3, --sharding full): the ConvNet's two layers are units,
 // every parameter is stepped whole by one owner during backward, with its param group's rate.
 // At two ranks the owner adds the same two gradients as the all-reduce, so the runs agree bit for

@@ -4,13 +4,16 @@
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <exception>
+#include <numeric>
 #include <string>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "parallel/collectives.h"
 #include "shampoo/config.h"
 
 namespace shampoo {
@@ -43,6 +46,41 @@ int local_rank_from_env() {
   const char* value = std::getenv("LOCAL_RANK");
   if (value == nullptr || *value == '\0') return 0;
   return static_cast<int>(parse_int(value, "LOCAL_RANK", 0, 1 << 20));
+}
+
+HybridGroups make_hybrid_groups(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                int64_t shard_group_size) {
+  TORCH_CHECK(group, "make_hybrid_groups: the process group is null");
+  const int world = group->getSize();
+  const int rank = group->getRank();
+  int64_t size = shard_group_size;
+  if (size == -1) {
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    TORCH_CHECK(local != nullptr && *local != '\0',
+                "make_hybrid_groups: shard_group_size -1 means LOCAL_WORLD_SIZE (torchrun's "
+                "processes per node), which is not set; pass the shard group size");
+    size = parse_int(local, "LOCAL_WORLD_SIZE", 1, 1 << 20);
+  }
+  TORCH_CHECK(size >= 1 && size <= world && world % size == 0,
+              "make_hybrid_groups: shard_group_size: got ", size,
+              ", expected a divisor of the "
+              "world size ",
+              world, " (shard groups of consecutive ranks, replicated ", "world / size times)");
+  HybridGroups out;
+  out.shard_size = static_cast<int>(size);
+  out.replicas = world / out.shard_size;
+  // One tag for both calls, equal on every rank: a ticket drawn by rank 0, shared by all.
+  const int64_t ticket = rank == 0 ? group->getStore()->add("shampoo_hybrid_ticket", 1) : 0;
+  const auto tag = "hybrid" + std::to_string(detail::gather_int64(*group, {ticket})[0][0]);
+  const auto timeout = detail::group_timeout(*group);
+  const int first = rank / out.shard_size * out.shard_size;
+  std::vector<int> shard(static_cast<size_t>(out.shard_size));
+  std::iota(shard.begin(), shard.end(), first);
+  std::vector<int> replica;
+  for (int r = rank % out.shard_size; r < world; r += out.shard_size) replica.push_back(r);
+  out.shard = detail::make_subgroup_of(group, shard, tag + "_shard", timeout);
+  out.replica = detail::make_subgroup_of(group, replica, tag + "_replica", timeout);
+  return out;
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
@@ -120,15 +158,25 @@ bool has_cuda_backend(const c10d::ProcessGroup& group) {
 c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(
     const c10::intrusive_ptr<c10d::ProcessGroup>& parent, int first, int size,
     const std::string& tag, std::chrono::milliseconds timeout) {
-  const int rank = parent->getRank();
-  TORCH_INTERNAL_ASSERT(rank >= first && rank < first + size);
+  std::vector<int> ranks(static_cast<size_t>(size));
+  std::iota(ranks.begin(), ranks.end(), first);
+  return make_subgroup_of(parent, ranks, tag, timeout);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup_of(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& parent, const std::vector<int>& ranks,
+    const std::string& tag, std::chrono::milliseconds timeout) {
+  const auto position = std::find(ranks.begin(), ranks.end(), parent->getRank());
+  TORCH_INTERNAL_ASSERT(position != ranks.end() && std::is_sorted(ranks.begin(), ranks.end()));
   const auto parent_store = parent->getStore();
   TORCH_CHECK(parent_store,
               "subgroups need a process group made with a store "
               "(init_process_group_from_env or shampoo::detail::make_process_group)");
+  // Subgroups of one call never share a first rank, so it names each one's keys.
   auto store = c10::make_intrusive<c10d::PrefixStore>(
-      "subgroup_" + tag + "_" + std::to_string(first), parent_store);
-  return make_process_group(store, rank - first, size, timeout, has_cuda_backend(*parent));
+      "subgroup_" + tag + "_" + std::to_string(ranks.front()), parent_store);
+  return make_process_group(store, static_cast<int>(position - ranks.begin()),
+                            static_cast<int>(ranks.size()), timeout, has_cuda_backend(*parent));
 }
 
 std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group) {

@@ -27,6 +27,27 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
 /// The LOCAL_RANK of this process (0 when unset), e.g. to pick the CUDA device.
 int local_rank_from_env();
 
+/// Hybrid sharding's layout of the ranks (as FSDP2's HSDP): `replicas` shard groups of
+/// `shard_size` consecutive ranks each (under torchrun by default one node's ranks, so that the
+/// frequent collectives of sharding stay inside a node), and the replica groups across them
+/// (the ranks at the same position of every shard group).
+struct HybridGroups {
+  /// This rank's shard group: global ranks [s * shard_size, (s + 1) * shard_size).
+  c10::intrusive_ptr<c10d::ProcessGroup> shard;
+  /// This rank's replica group: global ranks {p, p + shard_size, p + 2 * shard_size, ...}, p its
+  /// position in its shard group.
+  c10::intrusive_ptr<c10d::ProcessGroup> replica;
+  int shard_size = 1;
+  int replicas = 1;
+};
+
+/// Splits `group` (size W) into shard groups of `shard_group_size` consecutive ranks and the
+/// replica groups across them. shard_group_size -1: LOCAL_WORLD_SIZE (torchrun's processes per
+/// node), which must then be set. Errors: a size that does not divide W, or below 1. Every rank
+/// of `group` calls it. Collective.
+HybridGroups make_hybrid_groups(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                int64_t shard_group_size = -1);
+
 namespace detail {
 
 /// A process group over `store` (prefixed per backend) with Gloo for CPU tensors and, when
@@ -51,6 +72,12 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
 /// its own subgroup). `tag` must be the same on every rank.
 c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(
     const c10::intrusive_ptr<c10d::ProcessGroup>& parent, int first, int size,
+    const std::string& tag, std::chrono::milliseconds timeout);
+
+/// The same for any list of parent ranks (ascending, containing this rank; rank i of the
+/// subgroup is ranks[i]). Every rank of the parent calls this with the list of its own subgroup.
+c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup_of(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& parent, const std::vector<int>& ranks,
     const std::string& tag, std::chrono::milliseconds timeout);
 
 /// The timeout of `group`'s CPU backend (kDefaultProcessGroupTimeout when it has none).

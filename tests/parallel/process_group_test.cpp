@@ -99,4 +99,51 @@ TEST_F(Environment, AgentStoreKeysBelongToTheAttempt) {
   expect_error_mentions({"TORCHELASTIC_RESTART_COUNT='again'", "not an integer"});
 }
 
+// Hybrid sharding's groups (make_hybrid_groups): shard groups of consecutive ranks, replica groups
+// across them, each a working process group (an all-reduce of the global ranks gives the members'
+// sum), at 2x2, 1x4 and 4x1; LOCAL_WORLD_SIZE by default; clear errors.
+TEST(HybridGroups, ShardAndReplicaGroupsHoldTheRightRanks) {
+  using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+  const auto sum_of_ranks = [](const Group& group, int rank) {
+    std::vector<at::Tensor> value{at::full({1}, static_cast<double>(rank), at::kDouble)};
+    group->allreduce(value)->wait();
+    return static_cast<int>(value[0].item<double>());
+  };
+  for (const int shard_size : {2, 1, 4}) {
+    shampoo::testing::run_ranks(4, [&](int rank, const Group& group) {
+      const auto hybrid = shampoo::make_hybrid_groups(group, shard_size);
+      EXPECT_EQ(hybrid.shard_size, shard_size);
+      EXPECT_EQ(hybrid.replicas, 4 / shard_size);
+      EXPECT_EQ(hybrid.shard->getSize(), shard_size);
+      EXPECT_EQ(hybrid.shard->getRank(), rank % shard_size);
+      EXPECT_EQ(hybrid.replica->getSize(), 4 / shard_size);
+      EXPECT_EQ(hybrid.replica->getRank(), rank / shard_size);
+      const int first = rank / shard_size * shard_size;
+      int shard_sum = 0;
+      for (int r = first; r < first + shard_size; ++r) shard_sum += r;
+      int replica_sum = 0;
+      for (int r = rank % shard_size; r < 4; r += shard_size) replica_sum += r;
+      EXPECT_EQ(sum_of_ranks(hybrid.shard, rank), shard_sum) << "rank " << rank;
+      EXPECT_EQ(sum_of_ranks(hybrid.replica, rank), replica_sum) << "rank " << rank;
+    });
+  }
+}
+
+TEST(HybridGroups, LocalWorldSizeByDefaultAndClearErrors) {
+  using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+  setenv("LOCAL_WORLD_SIZE", "2", 1);
+  shampoo::testing::run_ranks(4, [&](int, const Group& group) {
+    const auto hybrid = shampoo::make_hybrid_groups(group);
+    EXPECT_EQ(hybrid.shard_size, 2);
+    EXPECT_EQ(hybrid.replicas, 2);
+  });
+  unsetenv("LOCAL_WORLD_SIZE");
+  shampoo::testing::run_ranks(4, [&](int, const Group& group) {
+    shampoo::testing::expect_error([&] { shampoo::make_hybrid_groups(group, 3); },
+                                   {"shard_group_size: got 3", "divisor of the world size 4"});
+    shampoo::testing::expect_error([&] { shampoo::make_hybrid_groups(group); },
+                                   {"LOCAL_WORLD_SIZE", "not set"});
+  });
+}
+
 }  // namespace

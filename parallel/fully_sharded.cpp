@@ -8,11 +8,11 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <cmath>
-#include <filesystem>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
+#include <filesystem>
 #include <future>
 #include <map>
 #include <mutex>
@@ -187,7 +187,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   FullyShardedOptions options;
   OptimizerFactory factory;
   int rank = 0;
-  int world = 1;
+  int world = 1;     // ranks of the shard group (group)
+  int replicas = 1;  // hybrid: ranks of options.replica_group()
   std::vector<std::unique_ptr<Unit>> units;
   std::map<std::string, size_t> unit_by_name;
   std::unordered_map<const c10::TensorImpl*, std::pair<size_t, size_t>> slot_of;
@@ -298,6 +299,24 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     return counts[0][0];
   }
 
+  /// Hybrid: the replicas agree on the units as the shard group's ranks do (one small AllGather
+  /// over the replica group).
+  void agree_across_replicas() {
+    if (replicas == 1) return;
+    auto& replica_group = *options.replica_group();
+    // The counts first, so that the fingerprints' AllGather has one length on every rank.
+    auto differs = detail::first_differing_rank(
+        detail::gather_int64(replica_group, {static_cast<int64_t>(units.size()), world}));
+    if (!differs) {
+      std::vector<int64_t> prints;
+      for (const auto& unit : units) prints.push_back(fingerprint(*unit));
+      differs = detail::first_differing_rank(detail::gather_int64(replica_group, prints));
+    }
+    TORCH_CHECK(!differs.has_value(), kWho, "hybrid sharding: replica ", differs.value_or(0),
+                " has other units or another shard group size than replica 0; every shard group "
+                "must shard the same model over as many ranks");
+  }
+
   static int64_t fingerprint(const Unit& unit) {
     detail::Fingerprint print;  // the numbers that describe the unit
     print.add(static_cast<int64_t>(unit.params.size()))
@@ -328,16 +347,20 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
   }
 
+  /// Rank 0's values everywhere: within the shard group, then (hybrid) across the replicas.
   void broadcast_values() {
-    if (world == 1 || !options.broadcast_parameters()) return;
+    if (!options.broadcast_parameters()) return;
     for (auto& unit : units) {
       std::vector<at::Tensor> params;
       for (const auto& slot : unit->params) params.push_back(slot.param);
-      detail::broadcast_from_rank_zero(*group, params, kWho,
-                                       "the broadcast of unit '" + unit->name + "'");
+      const auto what = "the broadcast of unit '" + unit->name + "'";
+      if (world > 1) detail::broadcast_from_rank_zero(*group, params, kWho, what);
+      if (replicas > 1) {
+        detail::broadcast_from_rank_zero(*options.replica_group(), params, kWho,
+                                         what + " across replicas");
+      }
     }
   }
-
 
   /// Lossless owners: whole parameters, the greedy balance by bytes of Shampoo's blocks.
   void assign_owners() {
@@ -607,9 +630,14 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       works.push_back(reduce_group->reduce(one, reduce_options));
     }
     wait_all_of(works, "the gradient reduction of unit '" + unit.name + "'", rank);
+    std::vector<at::Tensor> owned;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (unit.params[i].owner == rank) owned.push_back(grads[i]);
+    }
+    reduce_across_replicas(unit, owned);
     for (size_t i = 0; i < grads.size(); ++i) {
       if (unit.params[i].owner == rank) {
-        accumulate(unit.params[i], grads[i].to(unit.dtype).div_(world));
+        accumulate(unit.params[i], grads[i].to(unit.dtype).div_(world * replicas));
       }
       grads[i] = at::Tensor();
     }
@@ -629,15 +657,28 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     wait_one(reduce_group->_reduce_scatter_base(received, flat),
              "the gradient reduce-scatter of unit '" + unit.name + "'", rank);
     send = at::Tensor();
+    reduce_across_replicas(unit, {received});
     for (auto& slot : unit.params) {
       const int64_t n = slot.valid_rows(rank) * slot.row_numel;
       if (n > 0) {
         accumulate(slot, received.narrow(0, slot.offset, n)
                              .to(unit.dtype)
-                             .div(world)
+                             .div(world * replicas)
                              .view(slot.shard_sizes(rank)));
       }
     }
+  }
+
+  /// Hybrid: sums `sums` (what this rank reduced within its shard group) over the replica group,
+  /// in place: the ranks there hold the same shards. Nothing without replicas.
+  void reduce_across_replicas(const Unit& unit, const std::vector<at::Tensor>& sums) {
+    if (replicas == 1) return;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (const auto& sum : sums) {
+      std::vector<at::Tensor> one{sum};
+      works.push_back(options.replica_group()->allreduce(one));
+    }
+    wait_all_of(works, "the gradient all-reduce across replicas of unit '" + unit.name + "'", rank);
   }
 
   /// Writes `full`'s rows (the parameter's full shape) into the rank-major [world, ...] buffer
@@ -1049,12 +1090,13 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   }
 
   /// Every group of `to` gets a copy of `from` (group g's options).
-  static void copy_options(const torch::optim::OptimizerOptions& from,
-                           torch::optim::Optimizer& to, size_t g) {
+  static void copy_options(const torch::optim::OptimizerOptions& from, torch::optim::Optimizer& to,
+                           size_t g) {
     for (auto& group : to.param_groups()) {
       TORCH_CHECK(typeid(from) == typeid(group.options()), kWho, "param group ", g,
                   ": its options are a ", c10::demangle(typeid(from).name()),
-                  ", but the factory's optimizers take ", c10::demangle(typeid(group.options()).name()),
+                  ", but the factory's optimizers take ",
+                  c10::demangle(typeid(group.options()).name()),
                   " (give the group options of that type, or none for the factory's)");
       group.set_options(from.clone());
     }
@@ -1119,7 +1161,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       TORCH_CHECK(all[r][0] == 0, kWho, "adding param group ", g, " failed on rank ", r,
                   " (its error says why)");
       TORCH_CHECK(all[r][1] == all[0][1], kWho, "param group ", g,
-                  " holds other parameters on rank ", r, " than on rank 0; every rank must pass "
+                  " holds other parameters on rank ", r,
+                  " than on rank 0; every rank must pass "
                   "the same groups");
     }
     std::vector<at::Tensor> added(params.begin() + static_cast<int64_t>(first), params.end());
@@ -1143,8 +1186,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       auto& slot = unit.params[i];
       TORCH_CHECK(!unit.gathered, kWho, "param group ", g,
                   ": add param groups between iterations (unit '", unit.name, "' is gathered)");
-      materialize(unit, slot, "the all-gather of a parameter joining param group " +
-                                  std::to_string(g));
+      materialize(unit, slot,
+                  "the all-gather of a parameter joining param group " + std::to_string(g));
       if (slot.owner == rank) {
         slot.optimizer = factory({slot.param});
         TORCH_CHECK(slot.optimizer != nullptr, kWho, "the optimizer factory returned null");
@@ -1175,9 +1218,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     bool added = false;
     for (size_t g = 0; g < groups.size(); ++g) {
       if (g >= group_sizes.size()) {
-        TORCH_CHECK(typeid(groups[g].options()) == typeid(facade->defaults()), kWho,
-                    "param group ", g, ": its options are a ",
-                    c10::demangle(typeid(groups[g].options()).name()),
+        TORCH_CHECK(typeid(groups[g].options()) == typeid(facade->defaults()), kWho, "param group ",
+                    g, ": its options are a ", c10::demangle(typeid(groups[g].options()).name()),
                     ", but the factory's optimizers take ",
                     c10::demangle(typeid(facade->defaults()).name()));
         group_sizes.push_back(0);
@@ -1267,6 +1309,9 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     TORCH_CHECK(options.step_mode() == ShardedStepMode::kLossless, kWho,
                 "checkpoints need step_mode kLossless: local shards keep optimizer state of row "
                 "chunks, which depends on the world size");
+    TORCH_CHECK(replicas == 1, kWho,
+                "checkpoints of hybrid sharding (FullyShardedOptions::replica_group) are not "
+                "supported yet");
   }
 
   void save_common(torch::serialize::OutputArchive& common) {
@@ -1339,8 +1384,9 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
         here.push_back(static_cast<int64_t>(u));
         here.push_back(static_cast<int64_t>(i));
       }
-      TORCH_CHECK(at::equal(positions, at::tensor(here, at::kLong)), kWho, "checkpoint: param group ",
-                  g, " of optimizer() holds other parameters there than here (build the groups "
+      TORCH_CHECK(at::equal(positions, at::tensor(here, at::kLong)), kWho,
+                  "checkpoint: param group ", g,
+                  " of optimizer() holds other parameters there than here (build the groups "
                   "as the saving run did)");
       options->push_back(groups[g].options().clone());
       options->back()->serialize(saved_options);
@@ -1594,8 +1640,10 @@ void FullyShardedDataParallel::init(
   s.options = options;
   s.rank = s.group->getRank();
   s.world = s.group->getSize();
+  if (options.replica_group()) s.replicas = options.replica_group()->getSize();
   s.add_units(std::move(units));
   s.make_groups(s.agree_on_units());
+  s.agree_across_replicas();
   s.broadcast_values();
   if (s.lossless()) s.assign_owners();
   s.factory = std::move(factory);
@@ -1799,6 +1847,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedDataParallel::checkpoint_grou
 
 void FullyShardedDataParallel::sync_for_checkpoint() const {
   auto& s = *state_;
+  // Before anything is written: hybrid checkpoints would have every replica write its shards.
+  TORCH_CHECK(s.replicas == 1, kWho,
+              "checkpoints of hybrid sharding (FullyShardedOptions::replica_group) are not "
+              "supported yet");
   s.wait_all();
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
   s.sync_groups();
@@ -1823,9 +1875,9 @@ std::function<void()> FullyShardedDataParallel::prepare_load(torch::serialize::I
 
 torch::optim::Optimizer& FullyShardedDataParallel::optimizer() { return *state_->facade; }
 
-FullyShardedOptimizer::FullyShardedOptimizer(FullyShardedDataParallel& owner,
-                                             std::vector<torch::optim::OptimizerParamGroup> groups,
-                                             std::unique_ptr<torch::optim::OptimizerOptions> defaults)
+FullyShardedOptimizer::FullyShardedOptimizer(
+    FullyShardedDataParallel& owner, std::vector<torch::optim::OptimizerParamGroup> groups,
+    std::unique_ptr<torch::optim::OptimizerOptions> defaults)
     : torch::optim::Optimizer(std::move(groups), std::move(defaults)), owner_(owner) {}
 
 ScaledStepping& FullyShardedOptimizer::scaling_target() { return owner_; }

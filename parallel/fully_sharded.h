@@ -103,6 +103,14 @@ struct FullyShardedOptions {
   /// optimizers' per-parameter state). false: no copies; a failure then leaves the units stepped
   /// before it stepped, and the error says so.
   TORCH_ARG(bool, undo_failed_steps) = true;
+  /// Hybrid sharding (FSDP2's HSDP): the ranks that hold the same shards in the other shard
+  /// groups (make_hybrid_groups(world).replica), the wrapper's process group being this rank's
+  /// shard group (make_hybrid_groups(world).shard). Parameters, gradients and optimizer state are
+  /// sharded within the shard group; each gradient is reduced within it and then all-reduced
+  /// across the replica group (averaged over every rank of both), so the frequent collectives
+  /// stay within a node and only the reduced shards cross nodes. Null: no replicas. Not yet with
+  /// checkpoints (an error says so).
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, replica_group) = {};
 
  public:
   /// Every field equal.
@@ -225,8 +233,8 @@ class FullyShardedDataParallel : public DistributedCheckpointable, public Scaled
   /// The same over `params` (unit parameters), whose norms are combined in this order, as
   /// LibTorch combines those of the parameters it is given: shampoo::clip_grad_norm_ on
   /// optimizer() passes its param groups' parameters. `function` names the caller in errors.
-  double clip_grad_norm_of(const std::vector<at::Tensor>& params, double max_norm,
-                           double norm_type, const char* function);
+  double clip_grad_norm_of(const std::vector<at::Tensor>& params, double max_norm, double norm_type,
+                           const char* function);
 
   /// Gathers every unit's full parameters and keeps them until release_all(), e.g. to evaluate:
   /// forwards in between (without gradients) neither gather nor release. Waits for the steps in

@@ -560,7 +560,24 @@ class SaveProtocol {
 void save_distributed_state(const DistributedCheckpointable& source, const fs::path& dir,
                             c10::intrusive_ptr<c10d::ProcessGroup> group) {
   source.sync_for_checkpoint();
-  SaveProtocol(source, dir, choose_group(source, std::move(group))).run();
+  if (source.checkpoint_replicas() == 1) {
+    SaveProtocol(source, dir, choose_group(source, std::move(group))).run();
+    return;
+  }
+  // Hybrid: replica 0 writes; the others wait for its outcome, which every rank then shares.
+  std::exception_ptr error;
+  if (source.checkpoint_replica() == 0) {
+    try {
+      SaveProtocol(source, dir, choose_group(source, std::move(group))).run();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  const bool all_ok = source.agree_across_replicas(error == nullptr);
+  if (error) std::rethrow_exception(error);
+  TORCH_CHECK(all_ok, "save_distributed_checkpoint(", dir.string(),
+              "): the replica that writes the checkpoint failed (its ranks report why); the "
+              "previous checkpoint stays the current one");
 }
 
 void load_distributed_state(DistributedCheckpointable& target, const fs::path& dir,

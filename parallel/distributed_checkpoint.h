@@ -92,6 +92,15 @@ class DistributedCheckpointable {
   /// optimizer's bookkeeping up to date (param groups added through LibTorch's base class are
   /// registered here, so that the checkpoint holds them). Changes no state a step uses.
   virtual void sync_for_checkpoint() const {}
+  /// Hybrid sharding: how many groups of ranks hold this state alike (replicas), and which of
+  /// them this rank's group is. Replica 0 writes the checkpoint (over checkpoint_group()); the
+  /// ranks of the others only wait until it has committed (agree_across_replicas), and every
+  /// replica loads it.
+  virtual int checkpoint_replicas() const { return 1; }
+  virtual int checkpoint_replica() const { return 0; }
+  /// After a save, on every rank: whether every replica's part went well (`ok`: this rank's).
+  /// Collective over the replicas; true without replicas.
+  virtual bool agree_across_replicas(bool ok) const { return ok; }
   /// What every rank holds alike. Called on rank 0 only; no collectives.
   virtual void save_common(torch::serialize::OutputArchive& common) const = 0;
   /// This rank's pieces (none on a rank that only replicates another's). No collectives.

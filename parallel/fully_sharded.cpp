@@ -1309,9 +1309,6 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     TORCH_CHECK(options.step_mode() == ShardedStepMode::kLossless, kWho,
                 "checkpoints need step_mode kLossless: local shards keep optimizer state of row "
                 "chunks, which depends on the world size");
-    TORCH_CHECK(replicas == 1, kWho,
-                "checkpoints of hybrid sharding (FullyShardedOptions::replica_group) are not "
-                "supported yet");
   }
 
   void save_common(torch::serialize::OutputArchive& common) {
@@ -1845,12 +1842,20 @@ c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedDataParallel::checkpoint_grou
   return state_->group;
 }
 
+int FullyShardedDataParallel::checkpoint_replicas() const { return state_->replicas; }
+
+int FullyShardedDataParallel::checkpoint_replica() const {
+  return state_->replicas == 1 ? 0 : state_->options.replica_group()->getRank();
+}
+
+bool FullyShardedDataParallel::agree_across_replicas(bool ok) const {
+  if (state_->replicas == 1) return ok;
+  const auto all = detail::gather_int64(*state_->options.replica_group(), {ok ? 1 : 0});
+  return std::all_of(all.begin(), all.end(), [](const auto& v) { return v[0] == 1; });
+}
+
 void FullyShardedDataParallel::sync_for_checkpoint() const {
   auto& s = *state_;
-  // Before anything is written: hybrid checkpoints would have every replica write its shards.
-  TORCH_CHECK(s.replicas == 1, kWho,
-              "checkpoints of hybrid sharding (FullyShardedOptions::replica_group) are not "
-              "supported yet");
   s.wait_all();
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
   s.sync_groups();
@@ -1933,6 +1938,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedOptimizer::checkpoint_group()
 }
 
 void FullyShardedOptimizer::sync_for_checkpoint() const { owner_.sync_for_checkpoint(); }
+
+int FullyShardedOptimizer::checkpoint_replicas() const { return owner_.checkpoint_replicas(); }
+
+int FullyShardedOptimizer::checkpoint_replica() const { return owner_.checkpoint_replica(); }
+
+bool FullyShardedOptimizer::agree_across_replicas(bool ok) const {
+  return owner_.agree_across_replicas(ok);
+}
 
 void FullyShardedOptimizer::save_common(torch::serialize::OutputArchive& common) const {
   owner_.save_common(common);

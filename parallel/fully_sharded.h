@@ -150,6 +150,9 @@ class FullyShardedOptimizer final : public torch::optim::Optimizer,
   std::string checkpoint_kind() const override;
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
   void sync_for_checkpoint() const override;
+  int checkpoint_replicas() const override;
+  int checkpoint_replica() const override;
+  bool agree_across_replicas(bool ok) const override;
   void save_common(torch::serialize::OutputArchive& common) const override;
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,
@@ -290,6 +293,9 @@ class FullyShardedDataParallel : public DistributedCheckpointable, public Scaled
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
   /// Waits for the steps in flight and registers param groups added to optimizer() since.
   void sync_for_checkpoint() const override;
+  int checkpoint_replicas() const override;
+  int checkpoint_replica() const override;
+  bool agree_across_replicas(bool ok) const override;
   void save_common(torch::serialize::OutputArchive& common) const override;
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,

@@ -104,7 +104,15 @@ bool TrainingCheckpoint::fully_sharded() const {
 }
 
 void TrainingCheckpoint::sync_for_checkpoint() const {
-  if (const auto* distributed = checkpointable()) distributed->sync_for_checkpoint();
+  if (const auto* distributed = checkpointable()) {
+    // Each rank's generators and gradients are per rank: a replica that does not write would
+    // lose its own.
+    TORCH_CHECK(distributed->checkpoint_replicas() == 1,
+                "save_training_checkpoint / load_training_checkpoint: hybrid sharding "
+                "(FullyShardedOptions::replica_group) is not supported by whole-run checkpoints "
+                "yet; save the fully sharded model with save_distributed_checkpoint");
+    distributed->sync_for_checkpoint();
+  }
 }
 
 void TrainingCheckpoint::save_common(torch::serialize::OutputArchive& common) const {
@@ -212,9 +220,9 @@ std::function<void()> TrainingCheckpoint::prepare_optimizer(torch::serialize::In
                                                             PieceReader& pieces) const {
   torch::serialize::InputArchive archive;
   c10::IValue kind;
-  TORCH_CHECK(common.try_read("optimizer", archive) && archive.try_read("kind", kind) &&
-                  kind.isString(),
-              kWho, ": no optimizer in the checkpoint");
+  TORCH_CHECK(
+      common.try_read("optimizer", archive) && archive.try_read("kind", kind) && kind.isString(),
+      kWho, ": no optimizer in the checkpoint");
   auto* distributed = checkpointable();
   const std::string expected = distributed ? distributed->checkpoint_kind() : "replicated";
   TORCH_CHECK(kind.toStringRef() == expected, kWho, ": the optimizer there is a ",
@@ -399,9 +407,11 @@ bool load_training_checkpoint(const std::filesystem::path& dir, const TrainingSt
   if (group && group->getSize() > 1) {
     const auto all = detail::gather_int64(*group, {here ? 1 : 0});
     for (int r = 0; r < group->getSize(); ++r) {
-      TORCH_CHECK((all[r][0] != 0) == here, kWho, ": ", dir.string(), " holds a committed "
-                  "checkpoint on rank ", here ? group->getRank() : r, " but not on rank ",
-                  here ? r : group->getRank(), "; every rank must see the same folder (on "
+      TORCH_CHECK((all[r][0] != 0) == here, kWho, ": ", dir.string(),
+                  " holds a committed "
+                  "checkpoint on rank ",
+                  here ? group->getRank() : r, " but not on rank ", here ? r : group->getRank(),
+                  "; every rank must see the same folder (on "
                   "several machines, a filesystem every node mounts)");
     }
   }

@@ -487,22 +487,28 @@ TEST_F(TrainerTest, BadLabelIsAClearError) {
 
 // ---- gradient sharding and mixed precision ---------------------------------------------------
 
-class ShardingTest : public TrainerTest, public ::testing::WithParamInterface<OptimizerCase> {};
+class ShardingTest : public TrainerTest, public ::testing::WithParamInterface<OptimizerCase> {
+ protected:
+  /// Two ranks with `--sharding <mode>` against the same run without: the log names the mode
+  /// (`log_says`), and the losses agree bit for bit.
+  void expect_mode_equals_none(const std::string& mode, const std::string& log_says) {
+    if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
+    const auto& c = GetParam();
+    const auto flags = base_flags(data_dir_, 2) + c.flags +
+                       std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr / 2)};
+    const TrainerRun all_reduced = run_ok("all_reduced", 2, flags);
+    const TrainerRun sharded =
+        run_ok(mode, 2, flags + std::vector<std::string>{"--sharding", mode});
+    EXPECT_NE(sharded.log.find(log_says), std::string::npos) << sharded.log;
+    EXPECT_TRUE(identical(sharded.train.at("global_loss"), all_reduced.train.at("global_loss")));
+    EXPECT_TRUE(identical(sharded.eval.at("test_loss"), all_reduced.eval.at("test_loss")));
+  }
+};
 
 // ZeRO-2 in the trainer: each gradient reduced to its owner instead of all-reduced. At two ranks
 // a reduce adds the same two numbers as the all-reduce, so the runs agree bit for bit.
 TEST_P(ShardingTest, ShardedGradientsEqualAllReducedGradients) {
-  if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
-  const auto& c = GetParam();
-  const auto flags = base_flags(data_dir_, 2) + c.flags +
-                     std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr / 2)};
-  const TrainerRun all_reduced = run_ok("all_reduced", 2, flags);
-  const TrainerRun sharded =
-      run_ok("sharded", 2, flags + std::vector<std::string>{"--sharding", "gradients"});
-  EXPECT_NE(sharded.log.find("each gradient reduced to its owner (ZeRO-2)"), std::string::npos)
-      << sharded.log;
-  EXPECT_TRUE(identical(sharded.train.at("global_loss"), all_reduced.train.at("global_loss")));
-  EXPECT_TRUE(identical(sharded.eval.at("test_loss"), all_reduced.eval.at("test_loss")));
+  expect_mode_equals_none("gradients", "each gradient reduced to its owner (ZeRO-2)");
 }
 
 // State sharding in the trainer (ZeRO-1, --sharding state): LibTorch's optimizers run as a
@@ -510,16 +516,7 @@ TEST_P(ShardingTest, ShardedGradientsEqualAllReducedGradients) {
 // result all-gathered, so the runs agree bit for bit; Shampoo's Distributor shards its state in
 // every mode, so for it the flag changes nothing.
 TEST_P(ShardingTest, ShardedStateEqualsDataParallelism) {
-  if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
-  const auto& c = GetParam();
-  const auto flags = base_flags(data_dir_, 2) + c.flags +
-                     std::vector<std::string>{"--lrs", number(c.lr) + "," + number(c.lr / 2)};
-  const TrainerRun all_reduced = run_ok("all_reduced", 2, flags);
-  const TrainerRun sharded =
-      run_ok("state", 2, flags + std::vector<std::string>{"--sharding", "state"});
-  EXPECT_NE(sharded.log.find("state (ZeRO-1): "), std::string::npos) << sharded.log;
-  EXPECT_TRUE(identical(sharded.train.at("global_loss"), all_reduced.train.at("global_loss")));
-  EXPECT_TRUE(identical(sharded.eval.at("test_loss"), all_reduced.eval.at("test_loss")));
+  expect_mode_equals_none("state", "state (ZeRO-1): ");
 }
 
 // Full sharding in the trainer (ZeRO-3, --sharding full): the ConvNet's two layers are units,

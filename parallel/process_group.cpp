@@ -80,6 +80,9 @@ HybridGroups make_hybrid_groups(const c10::intrusive_ptr<c10d::ProcessGroup>& gr
   for (int r = rank % out.shard_size; r < world; r += out.shard_size) replica.push_back(r);
   out.shard = detail::make_subgroup_of(group, shard, tag + "_shard", timeout);
   out.replica = detail::make_subgroup_of(group, replica, tag + "_replica", timeout);
+  // Every rank has finished connecting both groups before any returns (a rank that returned and
+  // dropped its groups at once would close connections another rank is still opening).
+  detail::gather_int64(*group, {1});
   return out;
 }
 

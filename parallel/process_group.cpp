@@ -30,13 +30,13 @@ std::string required_env(const char* name, const char* meaning) {
   return value;
 }
 
-int64_t parse_int(const std::string& text, const char* name, int64_t min, int64_t max) {
+int64_t parse_int(const std::string& text, const char* name, int64_t min, int64_t max,
+                  const char* caller = "init_process_group_from_env") {
   char* end = nullptr;
   errno = 0;
   const long long value = std::strtoll(text.c_str(), &end, 10);
   TORCH_CHECK(errno == 0 && end != text.c_str() && *end == '\0' && value >= min && value <= max,
-              "init_process_group_from_env: ", name, "='", text, "' is not an integer in [", min,
-              ", ", max, "]");
+              caller, ": ", name, "='", text, "' is not an integer in [", min, ", ", max, "]");
   return value;
 }
 
@@ -59,7 +59,7 @@ HybridGroups make_hybrid_groups(const c10::intrusive_ptr<c10d::ProcessGroup>& gr
     TORCH_CHECK(local != nullptr && *local != '\0',
                 "make_hybrid_groups: shard_group_size -1 means LOCAL_WORLD_SIZE (torchrun's "
                 "processes per node), which is not set; pass the shard group size");
-    size = parse_int(local, "LOCAL_WORLD_SIZE", 1, 1 << 20);
+    size = parse_int(local, "LOCAL_WORLD_SIZE", 1, 1 << 20, "make_hybrid_groups");
   }
   TORCH_CHECK(size >= 1 && size <= world && world % size == 0,
               "make_hybrid_groups: shard_group_size: got ", size,

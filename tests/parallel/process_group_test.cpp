@@ -137,6 +137,12 @@ TEST(HybridGroups, LocalWorldSizeByDefaultAndClearErrors) {
     EXPECT_EQ(hybrid.shard_size, 2);
     EXPECT_EQ(hybrid.replicas, 2);
   });
+  setenv("LOCAL_WORLD_SIZE", "two", 1);
+  shampoo::testing::run_ranks(1, [&](int, const Group& group) {
+    shampoo::testing::expect_error(
+        [&] { shampoo::make_hybrid_groups(group); },
+        {"make_hybrid_groups: LOCAL_WORLD_SIZE='two'", "not an integer"});
+  });
   unsetenv("LOCAL_WORLD_SIZE");
   shampoo::testing::run_ranks(4, [&](int, const Group& group) {
     shampoo::testing::expect_error([&] { shampoo::make_hybrid_groups(group, 3); },

@@ -26,6 +26,7 @@ set(SHAMPOO_PUBLIC_HEADERS
   parallel/optimizer_factory.h
   parallel/ownership_plan.h
   parallel/parameter_owners.h
+  parallel/partial_step.h
   parallel/phased_backward_step.h
   parallel/process_group.h
   parallel/sharded_optimizer.h

@@ -474,9 +474,19 @@ void print_setup(Trainer& t) {
                     grafting_name(config.grafting));
   }
   if (t.fsdp) {
-    optimizer_line +=
-        fmt::format(" -> one per parameter on its owner ({} on rank {}), stepped during backward",
-                    t.fsdp->optimizers().size(), t.d.rank);
+    // One optimizer per rank over the parameters it owns (none on a rank that owns none).
+    size_t owned = 0;
+    std::string merged;
+    for (auto* optimizer : t.fsdp->optimizers()) {
+      for (const auto& group : optimizer->param_groups()) owned += group.params().size();
+      if (const auto* rank_shampoo = dynamic_cast<const shampoo::DistributedShampoo*>(optimizer)) {
+        merged = fmt::format(", {} virtual group(s)", rank_shampoo->stats().virtual_groups);
+      }
+    }
+    optimizer_line += fmt::format(
+        " -> one per rank over the parameters it owns (rank {}: {} parameter(s){}), stepped "
+        "during backward",
+        t.d.rank, owned, merged);
   }
   t.log.lead(optimizer_line);
   t.log.lead(fmt::format(

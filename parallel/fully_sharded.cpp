@@ -29,12 +29,14 @@
 #include "parallel/ownership_plan.h"
 #include "parallel/phased_backward_step.h"
 #include "parallel/process_group.h"
+#include "parallel/rank_optimizer.h"
 #include "parallel/step_undo.h"
 
 namespace shampoo {
 namespace {
 
 constexpr const char* kWho = "FullyShardedDataParallel: ";
+constexpr int64_t kCheckpointFormat = 2;
 
 /// A parameter's full storage is released while its unit is sharded: no bytes and shape [0], so
 /// that autograd's saved tensors (which hold the parameter itself) see the values again once the
@@ -139,8 +141,7 @@ struct ParamSlot {
   int owner = -1;          // lossless: the rank that steps it
   at::Tensor shard;        // this rank's valid rows, [valid, ...]
   at::Tensor reduced;      // averaged gradient kept for the step (full, or this rank's rows)
-  std::unique_ptr<torch::optim::Optimizer> optimizer;  // lossless, on the owner: its own
-  bool arrived = false;                                // gradient accumulated in this backward pass
+  bool arrived = false;    // gradient accumulated in this backward pass
   int64_t hook = -1;
 
   int64_t numel() const { return rows * row_numel; }
@@ -186,6 +187,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   c10::intrusive_ptr<c10d::ProcessGroup> step_group;    // the worker's all-to-alls of rows
   FullyShardedOptions options;
   OptimizerFactory factory;
+  // Lossless: the one optimizer of this rank, over the parameters it owns in optimizer()'s groups.
+  std::unique_ptr<detail::RankOptimizer> rank_optimizer;
   int rank = 0;
   int world = 1;     // ranks of the shard group (group)
   int replicas = 1;  // hybrid: ranks of options.replica_group()
@@ -378,9 +381,9 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
   }
 
-  /// Each rank's row chunks, and the optimizers: lossless, one per parameter on its owner (so
-  /// that a parameter's state is the same whatever the world size, and checkpoints move between
-  /// sizes); local shards, one per unit over this rank's rows.
+  /// Each rank's row chunks, and the optimizers: lossless, one per rank over the parameters it
+  /// owns in optimizer()'s groups (a parameter's state does not depend on the world size, so
+  /// checkpoints move between sizes); local shards, one per unit over this rank's rows.
   void make_shards_and_optimizers() {
     at::NoGradGuard no_grad;
     for (auto& unit : units) {
@@ -392,10 +395,6 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
                          .narrow(0, slot.first_row(rank), valid)
                          .clone()
                          .view(slot.shard_sizes(rank));
-        if (lossless() && slot.owner == rank && group_of.count(impl_of(slot.param)) != 0) {
-          slot.optimizer = factory({slot.param});
-          TORCH_CHECK(slot.optimizer != nullptr, kWho, "the optimizer factory returned null");
-        }
         if (!lossless() && valid > 0) {
           slot.shard.set_requires_grad(true);
           stepped.push_back(slot.shard);
@@ -403,6 +402,26 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       }
       if (!stepped.empty()) unit->optimizer = factory(stepped);
     }
+    if (!lossless()) return;
+    rank_optimizer = std::make_unique<detail::RankOptimizer>(factory, kWho);
+    const auto& groups = facade->param_groups();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      std::vector<at::Tensor> owned;  // in the group's order
+      for (const auto& p : groups[g].params()) {
+        if (slot_for(p).owner == rank) owned.push_back(p);
+      }
+      rank_optimizer->add(g, owned, group_options());
+    }
+  }
+
+  /// Whether the parameter is in one of optimizer()'s groups (else it is frozen: not stepped).
+  bool in_a_group(const ParamSlot& slot) const { return group_of.count(impl_of(slot.param)) != 0; }
+
+  /// The options of optimizer()'s param groups, as the rank optimizer asks for them.
+  detail::RankOptimizer::GroupOptions group_options() {
+    return [this](size_t g) -> const torch::optim::OptimizerOptions& {
+      return facade->param_groups().at(g).options();
+    };
   }
 
   void add_hooks() {
@@ -763,7 +782,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       if (flags[r][0] != 0) failed.push_back(r);
     }
     if (!failed.empty()) {
-      undo.revert(allocate_full, release_full);  // this rank's rows never changed
+      undo.revert();  // this rank's rows never changed
       if (lossless()) {
         for (auto& slot : unit.params) release_full(slot.param, unit.dtype);
       }
@@ -791,11 +810,12 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     std::vector<std::pair<torch::optim::Optimizer*, std::vector<at::Tensor>>> work;
     // Without overlap every unit was checked before any stepped (check_finite_before_steps).
     std::string failure = options.overlap_step() ? non_finite_gradient(unit) : std::string();
+    std::vector<at::Tensor> owned;  // lossless: the parameters this rank steps
     for (auto& slot : unit.params) {
       if (!slot.reduced.defined()) continue;
       auto& target = lossless() ? slot.param : slot.shard;
       target.mutable_grad() = slot.reduced;
-      if (slot.optimizer) work.push_back({slot.optimizer.get(), {slot.param}});
+      if (lossless() && in_a_group(slot)) owned.push_back(slot.param);
     }
     if (unit.optimizer) {
       std::vector<at::Tensor> rows;
@@ -806,6 +826,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
     if (failure.empty()) {
       try {
+        if (lossless()) rank_optimizer->step(owned, /*in_pass=*/true, journal() ? &undo : nullptr);
         for (auto& [optimizer, params] : work) step_optimizer(*optimizer, params, undo);
       } catch (const std::exception& e) {
         failure = std::string("the step of unit '") + unit.name + "' failed: " + e.what();
@@ -841,9 +862,6 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
         phased->begin_backward_step();
         undo.phased.push_back(phased);
       }
-      for (const auto& p : params) {
-        undo.stepped.push_back({p, p.sizes().vec(), p.scalar_type()});
-      }
       phased->step_parameters(params);
       return;
     }
@@ -868,15 +886,24 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     bool complete = true;
     for (auto it = pass_undo.rbegin(); it != pass_undo.rend(); ++it) {
       complete = complete && it->complete;
-      it->revert(allocate_full, release_full);
+      it->revert();
     }
     pass_undo.clear();
+    if (rank_optimizer) {
+      // Without the journal the steps taken stand (undo_failed_steps(false)).
+      if (journal()) {
+        rank_optimizer->abort();
+      } else {
+        rank_optimizer->finish();
+      }
+    }
     return complete;
   }
 
   void commit_pass() {
     for (auto& undo : pass_undo) undo.commit();
     pass_undo.clear();
+    if (rank_optimizer) rank_optimizer->finish();
   }
 
   /// "parameter i ... holds inf or NaN" for the first owned averaged gradient that does, else "".
@@ -986,22 +1013,67 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     sync_groups();
     push_group_options();
     check_finite_before_steps();
-    bool stepped_any = false;
-    for (auto& unit : units) {
-      if (!unit->to_step) continue;
-      step_unit(*unit, *group);
-      if (!pass_failure.empty()) {
-        for (auto& rest : units) {
-          if (rest->to_step) drop_unit_step(*rest);
+    if (lossless()) {
+      step_all_owned();
+    } else {
+      for (auto& unit : units) {
+        if (!unit->to_step) continue;
+        step_unit(*unit, *group);
+        if (!pass_failure.empty()) {
+          for (auto& rest : units) {
+            if (rest->to_step) drop_unit_step(*rest);
+          }
+          passes_since_step = 0;
+          TORCH_CHECK(false, std::exchange(pass_failure, std::string()), failure_outcome(true));
         }
-        passes_since_step = 0;
-        const auto message = std::exchange(pass_failure, std::string());
-        TORCH_CHECK(false, message, failure_outcome(!stepped_any));
       }
-      stepped_any = true;
     }
     finish_step();
     write_state_entries();
+  }
+
+  /// Lossless, after backward: every unit's owned parameters get their full values, the rank's
+  /// optimizer steps them all in one ordinary step (DistributedShampoo's roots batched over all
+  /// of them), and every rank gets its rows back. A failure on any rank changes nothing on
+  /// every rank.
+  void step_all_owned() {
+    std::vector<Unit*> stepping;
+    for (auto& unit : units) {
+      if (unit->to_step) stepping.push_back(unit.get());
+    }
+    for (auto* unit : stepping) collect_rows(*unit, *group);
+    std::vector<at::Tensor> owned;
+    for (auto* unit : stepping) {
+      for (auto& slot : unit->params) {
+        if (!slot.reduced.defined() || !in_a_group(slot)) continue;
+        slot.param.mutable_grad() = std::exchange(slot.reduced, at::Tensor());
+        owned.push_back(slot.param);
+      }
+    }
+    std::string failure;
+    try {
+      at::NoGradGuard no_grad;
+      if (!owned.empty()) rank_optimizer->step(owned, /*in_pass=*/false, nullptr);
+    } catch (const std::exception& e) {
+      failure = std::string("the step failed: ") + e.what();
+    }
+    for (auto& p : owned) p.mutable_grad() = at::Tensor();
+    const auto flags = detail::gather_int64(*group, {failure.empty() ? 0 : 1});
+    std::vector<int> failed;
+    for (int r = 0; r < world; ++r) {
+      if (flags[r][0] != 0) failed.push_back(r);
+    }
+    for (auto* unit : stepping) {
+      if (failed.empty()) scatter_rows(*unit, *group);
+      drop_unit_step(*unit);
+    }
+    if (failed.empty()) return;
+    passes_since_step = 0;
+    std::ostringstream ranks;
+    for (size_t k = 0; k < failed.size(); ++k) ranks << (k ? ", " : "") << failed[k];
+    TORCH_CHECK(false, kWho, "the step failed on rank(s) ", ranks.str(),
+                failure.empty() ? " (the error there says why)" : ": here, " + failure,
+                failure_outcome(true));
   }
 
   /// Without overlap: every unit's averaged gradients are checked on their owners, and the
@@ -1102,24 +1174,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     }
   }
 
-  /// The optimizers on this rank that step parameters of param group `g`.
-  std::vector<torch::optim::Optimizer*> group_optimizers(size_t g) {
-    std::vector<torch::optim::Optimizer*> out;
-    for (auto& unit : units) {
-      for (auto& slot : unit->params) {
-        const auto it = group_of.find(impl_of(slot.param));
-        if (it == group_of.end() || it->second != g) continue;
-        auto* optimizer = lossless() ? slot.optimizer.get() : unit->optimizer.get();
-        if (optimizer != nullptr && std::find(out.begin(), out.end(), optimizer) == out.end()) {
-          out.push_back(optimizer);
-        }
-      }
-    }
-    return out;
-  }
-
-  /// Copies each group's options into its parameters' optimizers where they changed since the
-  /// last copy: the one point per iteration where options take effect (the start of backward
+  /// Copies each group's options into the optimizers of its parameters where they changed since
+  /// the last copy: the one point per iteration where options take effect (the start of backward
   /// with overlap, of step() without). Options set on one of optimizers() directly stay until
   /// then.
   void push_group_options() {
@@ -1127,7 +1183,10 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     for (size_t g = 0; g < group_sizes.size(); ++g) {
       auto bytes = options_bytes(groups[g].options());
       if (bytes == pushed[g]) continue;
-      for (auto* optimizer : group_optimizers(g)) copy_options(groups[g].options(), *optimizer, g);
+      if (rank_optimizer) rank_optimizer->set_options(g, groups[g].options());
+      for (auto& unit : units) {
+        if (unit->optimizer) copy_options(groups[g].options(), *unit->optimizer, g);
+      }
       pushed[g] = std::move(bytes);
     }
   }
@@ -1174,10 +1233,10 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     return added;
   }
 
-  /// The optimizers of parameters that joined a group after construction (lossless): every
-  /// rank gathers each one's full value (collective), its owner makes its optimizer over it.
-  /// Only between iterations, when no unit is gathered.
-  void make_later_optimizers(const std::vector<at::Tensor>& added, size_t g) {
+  /// Parameters that joined a group after construction (lossless): every rank gathers each one's
+  /// full value (collective), its owner adds it to its optimizer. Only between iterations, when
+  /// no unit is gathered.
+  void add_later_params(const std::vector<at::Tensor>& added, size_t g) {
     TORCH_CHECK(lossless(), kWho, "param groups added after construction need step_mode kLossless");
     at::NoGradGuard no_grad;
     for (const auto& p : added) {
@@ -1188,11 +1247,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
                   ": add param groups between iterations (unit '", unit.name, "' is gathered)");
       materialize(unit, slot,
                   "the all-gather of a parameter joining param group " + std::to_string(g));
-      if (slot.owner == rank) {
-        slot.optimizer = factory({slot.param});
-        TORCH_CHECK(slot.optimizer != nullptr, kWho, "the optimizer factory returned null");
-        copy_options(facade->param_groups()[g].options(), *slot.optimizer, g);
-      }
+      if (slot.owner == rank) rank_optimizer->add(g, {slot.param}, group_options());
       release_full(slot.param, unit.dtype);
     }
   }
@@ -1226,7 +1281,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
         pushed.push_back(options_bytes(groups[g].options()));
       }
       if (groups[g].params().size() > group_sizes[g]) {
-        make_later_optimizers(register_group_params(g, group_sizes[g]), g);
+        add_later_params(register_group_params(g, group_sizes[g]), g);
         added = true;
       }
     }
@@ -1314,6 +1369,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   void save_common(torch::serialize::OutputArchive& common) {
     check_checkpointable();
     wait_all();
+    common.write("format", c10::IValue(kCheckpointFormat));
     common.write("world", c10::IValue(static_cast<int64_t>(world)));
     common.write("num_units", c10::IValue(static_cast<int64_t>(units.size())));
     common.write("backward_passes", c10::IValue(passes));
@@ -1398,8 +1454,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       auto& groups = self->facade->param_groups();
       for (size_t g = 0; g < groups.size(); ++g) {
         groups[g].set_options(std::move((*options)[g]));
-        // The parameters' optimizers loaded their own options: nothing to copy until a change.
-        self->pushed[g] = options_bytes(groups[g].options());
+        // Copied into the optimizers at the next defined point.
+        self->pushed[g].clear();
       }
       for (const auto& [impl, count] : *joined) self->joined_at[impl] = self->steps - count;
       self->write_state_entries();
@@ -1417,7 +1473,6 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
           rows.write("rows", slot.shard.detach(), /*is_buffer=*/true);
           pieces.add(param_key(u, i) + "/rows_" + std::to_string(rank), std::move(rows));
         }
-        if (slot.optimizer) save_optimizer(*slot.optimizer, pieces, param_key(u, i) + "/optimizer");
         if (slot.reduced.defined() && slot.owner == rank) {
           // In the middle of a gradient accumulation: what was accumulated, so that the
           // resumed run steps on the same sum.
@@ -1427,31 +1482,33 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
         }
       }
     }
+    if (rank_optimizer) rank_optimizer->save_pieces(pieces, param_name());
   }
 
-  /// A parameter's optimizer: a DistributedCheckpointable one (DistributedShampoo) as its common
-  /// part plus its own pieces, a LibTorch one as its whole archive (it holds one parameter).
-  static void save_optimizer(const torch::optim::Optimizer& optimizer, PieceWriter& pieces,
-                             const std::string& key) {
-    torch::serialize::OutputArchive head;
-    if (const auto* inner = dynamic_cast<const DistributedCheckpointable*>(&optimizer)) {
-      head.write("kind", c10::IValue(inner->checkpoint_kind()));
-      torch::serialize::OutputArchive common;
-      inner->save_common(common);
-      head.write("common", common);
-      auto nested = pieces.nested(key + "/");
-      inner->save_pieces(nested);
-    } else {
-      head.write("kind", c10::IValue(std::string("torch.optim")));
-      torch::serialize::OutputArchive state;
-      optimizer.save(state);
-      head.write("state", state);
-    }
-    pieces.add(key, std::move(head));
+  /// A parameter's name in checkpoints: "unit_<u>/param_<i>".
+  detail::RankOptimizer::ParamName param_name() const {
+    return [this](const at::Tensor& p) {
+      const auto [u, i] = position_of(p);
+      return param_key(u, i);
+    };
   }
 
   static int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
     return detail::read_int_entry(archive, key, "FullyShardedDataParallel checkpoint");
+  }
+
+  /// Format 2 (one optimizer per rank, its state saved per parameter); the first format (one
+  /// optimizer per parameter, each saved whole) has no entry.
+  static void check_format(torch::serialize::InputArchive& common) {
+    c10::IValue format;
+    TORCH_CHECK(common.try_read("format", format) && format.isInt(), kWho,
+                "checkpoint: written by an earlier version of full sharding (one optimizer per "
+                "parameter, saved whole); this version reads format ",
+                kCheckpointFormat,
+                " only: resume that run with the version that wrote it, or "
+                "start from a model saved with save_full_model");
+    TORCH_CHECK(format.toInt() == kCheckpointFormat, kWho, "checkpoint: format ", format.toInt(),
+                ", this version reads format ", kCheckpointFormat);
   }
 
   /// Checks that the checkpoint holds these units (a checkpoint of another model is an error
@@ -1501,44 +1558,10 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
     return rows.view(slot.shard_sizes(rank));
   }
 
-  /// Reads the optimizer of parameter (u, i) and returns what installs it.
-  std::function<void()> prepare_optimizer(size_t u, size_t i, PieceReader& pieces) {
-    auto& slot = unit(u).params[i];
-    const auto key = param_key(u, i) + "/optimizer";
-    auto head = pieces.read(key);
-    c10::IValue kind;
-    TORCH_CHECK(head.try_read("kind", kind) && kind.isString(), kWho, "checkpoint: piece ", key,
-                " is damaged");
-    auto* inner = dynamic_cast<DistributedCheckpointable*>(slot.optimizer.get());
-    const std::string here = inner != nullptr ? inner->checkpoint_kind() : "torch.optim";
-    TORCH_CHECK(kind.toStringRef() == here, kWho, "checkpoint: parameter ", i, " of unit '",
-                unit(u).name, "' was stepped by a ", kind.toStringRef(), ", here by a ", here);
-    if (inner != nullptr) {
-      auto common = std::make_shared<torch::serialize::InputArchive>();
-      TORCH_CHECK(head.try_read("common", *common), kWho, "checkpoint: piece ", key, " is damaged");
-      auto nested = pieces.nested(key + "/");
-      return inner->prepare_load(*common, nested);
-    }
-    // Loaded first into a second optimizer from the factory over the same parameter (the factory
-    // may pick options by parameter): nothing changes unless it loads.
-    std::shared_ptr<torch::optim::Optimizer> scratch = factory({slot.param});
-    torch::serialize::InputArchive state;
-    TORCH_CHECK(head.try_read("state", state), kWho, "checkpoint: piece ", key, " is damaged");
-    scratch->load(state);
-    auto* target = slot.optimizer.get();
-    void* param_key = slot.param.unsafeGetTensorImpl();
-    return [scratch, target, param_key] {
-      auto& states = scratch->state();
-      const auto it = states.find(param_key);
-      target->state().clear();
-      if (it != states.end()) target->state()[param_key] = std::move(it->second);
-      target->param_groups()[0].set_options(scratch->param_groups()[0].options().clone());
-    };
-  }
-
   std::function<void()> prepare_load(torch::serialize::InputArchive& common, PieceReader& pieces) {
     check_checkpointable();
     wait_all();
+    check_format(common);
     check_units(common);
     const int64_t saved_world = read_int(common, "world");
     const int64_t saved_passes = read_int(common, "backward_passes");
@@ -1551,7 +1574,6 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
       for (size_t i = 0; i < unit(u).params.size(); ++i) {
         auto& slot = unit(u).params[i];
         shards.emplace_back(slot.shard, read_rows(u, i, saved_world, pieces));
-        if (slot.optimizer) installs.push_back(prepare_optimizer(u, i, pieces));
         const auto key = param_key(u, i) + "/accumulated";
         if (saved_since > 0 && slot.owner == rank && pieces.contains(key)) {
           auto piece = pieces.read(key);
@@ -1563,6 +1585,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
         }
       }
     }
+    if (rank_optimizer) installs.push_back(rank_optimizer->prepare_load(pieces, param_name()));
     auto install_groups = prepare_groups(common);
     std::weak_ptr<State> weak = shared_from_this();
     return [weak, shards, installs, saved_passes, saved_steps, saved_since, accumulated,
@@ -1646,13 +1669,6 @@ void FullyShardedDataParallel::init(
   s.factory = std::move(factory);
   s.make_facade(*this, std::move(param_groups));
   s.make_shards_and_optimizers();
-  if (s.user_groups) {
-    for (size_t g = 0; g < s.group_sizes.size(); ++g) {
-      for (auto* optimizer : s.group_optimizers(g)) {
-        State::copy_options(s.facade->param_groups()[g].options(), *optimizer, g);
-      }
-    }
-  }
   s.write_state_entries();
   for (auto& unit : s.units) s.reshard(*unit);
   s.add_hooks();
@@ -1760,18 +1776,21 @@ void FullyShardedDataParallel::release_all() {
 }
 
 torch::optim::Optimizer* FullyShardedDataParallel::optimizer_of(const at::Tensor& param) {
-  const auto [u, i] = state_->position_of(param);
-  auto& unit = state_->unit(u);
-  return state_->lossless() ? unit.params[i].optimizer.get() : unit.optimizer.get();
+  auto& s = *state_;
+  const auto [u, i] = s.position_of(param);
+  if (!s.lossless()) return s.unit(u).optimizer.get();
+  const bool stepped_here =
+      s.unit(u).params[i].owner == s.rank && s.group_of.count(State::impl_of(param)) != 0;
+  return stepped_here ? s.rank_optimizer->get() : nullptr;
 }
 
 std::vector<torch::optim::Optimizer*> FullyShardedDataParallel::optimizers() {
   std::vector<torch::optim::Optimizer*> out;
+  if (state_->rank_optimizer && state_->rank_optimizer->get() != nullptr) {
+    out.push_back(state_->rank_optimizer->get());
+  }
   for (auto& unit : state_->units) {
     if (unit->optimizer) out.push_back(unit->optimizer.get());
-    for (auto& slot : unit->params) {
-      if (slot.optimizer) out.push_back(slot.optimizer.get());
-    }
   }
   return out;
 }

@@ -30,8 +30,11 @@
 ///
 /// The module's parameter tensors stay the tensors autograd sees: while a unit is sharded they
 /// have no storage and shape [0] (an ATen op that reads one outside forward(unit, fn) fails on
-/// the shape). Optimizers come from the factory and belong to this object: lossless, one per
-/// parameter on its owner; local shards, one per unit and rank over its row chunks.
+/// the shape). Optimizers come from the factory and belong to this object: lossless, one per rank
+/// over the parameters it owns, across every unit, in optimizer()'s param groups (so Shampoo
+/// merges them into virtual groups and batches their roots; the factory is called once, with the
+/// rank's parameters of group 0, and the other groups join it); local shards, one per unit and
+/// rank over its row chunks.
 ///
 /// Checkpoints (lossless): save_distributed_state(fsdp, dir) / load_distributed_state(fsdp, dir)
 /// store every parameter's rows and every parameter's optimizer state keyed by unit and
@@ -178,10 +181,11 @@ class FullyShardedDataParallel : public DistributedCheckpointable, public Scaled
                            FullyShardedOptions options = {});
   /// With the user's param groups, as for any torch::optim optimizer (lossless mode): each group
   /// holds unit parameters, with options of the factory's optimizer type (e.g.
-  /// torch::optim::AdamOptions, shampoo::ShampooOptions) or none (the factory's). The factory
-  /// still makes the optimizer of each parameter on its owner; the group's options are copied
-  /// into it. Unit parameters in no group are not stepped (frozen), as with a LibTorch optimizer
-  /// that was not given them; add_param_group on optimizer() adds them later.
+  /// torch::optim::AdamOptions, shampoo::ShampooOptions) or none (the factory's). Each rank's
+  /// one optimizer holds the rank's parameters of group g as its group g, with group g's
+  /// options (DistributedShampoo merges groups that differ only in float options into one
+  /// virtual group). Unit parameters in no group are not stepped (frozen), as with a LibTorch
+  /// optimizer that was not given them; add_param_group on optimizer() adds them later.
   ///
   ///   std::vector<torch::optim::OptimizerParamGroup> groups;
   ///   groups.emplace_back(weights, std::make_unique<shampoo::ShampooOptions>(options));
@@ -246,15 +250,17 @@ class FullyShardedDataParallel : public DistributedCheckpointable, public Scaled
   /// Releases what gather_all() gathered.
   void release_all();
 
-  /// The optimizer that steps `param` on this rank: lossless, the parameter's own (made by the
-  /// factory with this one parameter), null on a rank that does not own it; local shards, the
-  /// unit's (over this rank's rows of its parameters), null when the rank holds none of them.
+  /// The optimizer that steps `param` on this rank: lossless, the rank's one optimizer when the
+  /// rank owns `param` and it is in a param group, else null; local shards, the unit's (over
+  /// this rank's rows of its parameters), null when the rank holds none of them.
   torch::optim::Optimizer* optimizer_of(const at::Tensor& param);
-  /// Every optimizer on this rank. Options set on one of them directly stay until its group's
-  /// options in optimizer() change; schedulers and generic code act on optimizer().
+  /// Every optimizer on this rank: lossless, the one optimizer (none while the rank owns no
+  /// parameter of a group); local shards, one per unit it holds rows of. Options set on one of
+  /// them directly stay until its group's options in optimizer() change; schedulers and generic
+  /// code act on optimizer().
   std::vector<torch::optim::Optimizer*> optimizers();
   /// The model's optimizer as LibTorch code holds one (FullyShardedOptimizer): its param groups'
-  /// options (lr, weight decay, ...) are copied into the parameters' optimizers when they changed,
+  /// options (lr, weight decay, ...) are copied into the rank's optimizer when they changed,
   /// at one defined point per iteration: the start of backward with overlap_step, the start of
   /// step() without. Every step of an iteration has ended when backward() (overlap) or step()
   /// returns, so a scheduler's step() or set_lr() between iterations applies to the next one.

@@ -48,6 +48,26 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
   TORCH_CHECK(false, "make_param_state: not one of LibTorch's SGD, Adam, AdamW, Adagrad, RMSprop");
 }
 
+torch::serialize::OutputArchive param_state_piece(const torch::optim::Optimizer& optimizer,
+                                                  const at::Tensor& param) {
+  torch::serialize::OutputArchive piece;
+  const auto it = optimizer.state().find(param.unsafeGetTensorImpl());
+  piece.write("has_state", c10::IValue(it != optimizer.state().end()));
+  if (it != optimizer.state().end()) it->second->serialize(piece);
+  return piece;
+}
+
+std::unique_ptr<torch::optim::OptimizerParamState> read_param_state_piece(
+    const torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& piece,
+    const std::string& what) {
+  c10::IValue has_state;
+  TORCH_CHECK(piece.try_read("has_state", has_state) && has_state.isBool(), what, " is damaged");
+  if (!has_state.toBool()) return nullptr;
+  auto state = make_param_state(optimizer);
+  state->serialize(piece);
+  return state;
+}
+
 void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ready) {
   std::unordered_set<const void*> stepping;
   for (const auto& p : ready) stepping.insert(p.unsafeGetTensorImpl());

@@ -4,6 +4,7 @@
 /// loaded on its own.
 
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
 
 #include <memory>
 #include <string>
@@ -23,6 +24,16 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
 /// for the parameters in `ready` only: the gradients of its other parameters are hidden during
 /// the step and put back afterwards, also when the step throws.
 void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ready);
+
+/// A checkpoint piece of `param`'s state in `optimizer` (one of the above): whether it has
+/// state, and the state.
+torch::serialize::OutputArchive param_state_piece(const torch::optim::Optimizer& optimizer,
+                                                  const at::Tensor& param);
+/// The state a param_state_piece holds, for `optimizer`'s type (null when the parameter had
+/// none). `what` names the piece in the error for a damaged one.
+std::unique_ptr<torch::optim::OptimizerParamState> read_param_state_piece(
+    const torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& piece,
+    const std::string& what);
 
 /// A deep copy of `state` (a per-parameter state of `optimizer`, one of the above): tensors
 /// copied, not shared (OptimizerParamState::clone shares them), for undoing a step.

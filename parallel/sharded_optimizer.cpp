@@ -81,8 +81,10 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
   group_sizes_.push_back(0);
   local_ = factory(register_params(0, 0));
   TORCH_CHECK(local_ != nullptr, "ShardedOptimizer: the factory returned null");
-  TORCH_CHECK(local_->param_groups().size() == 1, "ShardedOptimizer: the factory made an "
-              "optimizer with ", local_->param_groups().size(),
+  TORCH_CHECK(local_->param_groups().size() == 1,
+              "ShardedOptimizer: the factory made an "
+              "optimizer with ",
+              local_->param_groups().size(),
               " param groups from one group's parameters; make it build one group, and pass "
               "your param groups (each with its options) to the ShardedOptimizer constructor");
   defaults_ = local_->defaults().clone();
@@ -109,8 +111,8 @@ std::string ShardedOptimizer::check_added(size_t group, size_t first, int64_t& n
   std::string error;
   const auto fail = [&](size_t i, const std::string& what) {
     if (error.empty()) {
-      error = "param group " + std::to_string(group) + ": parameter " + std::to_string(i) + " " +
-              what;
+      error =
+          "param group " + std::to_string(group) + ": parameter " + std::to_string(i) + " " + what;
     }
   };
   std::unordered_set<const void*> fresh;
@@ -191,12 +193,13 @@ std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_
 }
 
 void ShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
-  TORCH_CHECK(!open_, "ShardedOptimizer::add_param_group: a step is in progress (in backward); "
+  TORCH_CHECK(!open_,
+              "ShardedOptimizer::add_param_group: a step is in progress (in backward); "
               "add groups between steps");
   register_added_params();
   const size_t g = param_groups_.size();
-  auto options = param_group.has_options() ? checked_options(param_group.options(), g)
-                                           : defaults_->clone();
+  auto options =
+      param_group.has_options() ? checked_options(param_group.options(), g) : defaults_->clone();
   param_groups_.emplace_back(param_group.params(), std::move(options));
   try {
     register_group(g);
@@ -348,7 +351,8 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
     const auto it = index_of_.find(p.unsafeGetTensorImpl());
     TORCH_CHECK(it != index_of_.end(),
                 "ShardedOptimizer: a parameter given to step_parameters is not one of its own");
-    if (plan_.owner_of(static_cast<int64_t>(it->second)) == rank && p.grad().defined()) ready.push_back(params_[it->second]);
+    if (plan_.owner_of(static_cast<int64_t>(it->second)) == rank && p.grad().defined())
+      ready.push_back(params_[it->second]);
   }
   if (ready.empty()) return;
   // Copies of what this call changes, once per pass and parameter.
@@ -482,11 +486,7 @@ void ShardedOptimizer::save_pieces(PieceWriter& pieces) const {
   const int rank = group_->getRank();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (plan_.owner_of(static_cast<int64_t>(i)) != rank) continue;
-    torch::serialize::OutputArchive piece;
-    const auto it = local_->state().find(params_[i].unsafeGetTensorImpl());
-    piece.write("has_state", c10::IValue(it != local_->state().end()));
-    if (it != local_->state().end()) it->second->serialize(piece);
-    pieces.add("param/" + std::to_string(i), std::move(piece));
+    pieces.add("param/" + std::to_string(i), detail::param_state_piece(*local_, params_[i]));
   }
 }
 
@@ -527,15 +527,10 @@ std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArch
   for (size_t i = 0; i < params_.size(); ++i) {
     if (plan_.owner_of(static_cast<int64_t>(i)) != rank) continue;
     auto piece = pieces.read("param/" + std::to_string(i));
-    c10::IValue has_state;
-    TORCH_CHECK(piece.try_read("has_state", has_state) && has_state.isBool(),
-                "ShardedOptimizer checkpoint: piece param/", i, " is damaged");
-    std::unique_ptr<torch::optim::OptimizerParamState> state;
-    if (has_state.toBool()) {
-      state = detail::make_param_state(*local_);
-      state->serialize(piece);
-    }
-    states->emplace_back(params_[i].unsafeGetTensorImpl(), std::move(state));
+    states->emplace_back(
+        params_[i].unsafeGetTensorImpl(),
+        detail::read_param_state_piece(
+            *local_, piece, "ShardedOptimizer checkpoint: piece param/" + std::to_string(i)));
   }
   return [this, options, states, counts] {
     auto& local_groups = local_->param_groups();

@@ -12,19 +12,9 @@ bool all_finite(const at::Tensor& t) {
   return std::isfinite(low.item<double>()) && std::isfinite(high.item<double>());
 }
 
-void UnitUndo::revert(
-    const std::function<void(const at::Tensor&, at::IntArrayRef, at::ScalarType)>& allocate,
-    const std::function<void(const at::Tensor&, at::ScalarType)>& release) {
+void UnitUndo::revert() {
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> allocated;
-  for (auto& s : stepped) {
-    if (s.param.numel() == 0) {
-      allocate(s.param, s.sizes, s.dtype);
-      allocated.push_back(s.param);
-    }
-  }
   for (auto* p : phased) p->abort_backward_step();
-  for (const auto& param : allocated) release(param, param.scalar_type());
   for (auto& saved : states) {
     saved.optimizer->state().erase(saved.key);
     if (saved.state) saved.optimizer->state()[saved.key] = std::move(saved.state);
@@ -33,7 +23,6 @@ void UnitUndo::revert(
   phased.clear();
   states.clear();
   shards.clear();
-  stepped.clear();
 }
 
 void UnitUndo::commit() {

@@ -7,7 +7,6 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -21,8 +20,8 @@ namespace shampoo::detail {
 bool all_finite(const at::Tensor& t);
 
 /// One unit's step on this rank: the rows the rank had before it, the optimizers' steps in
-/// phases (finished at the end of the pass, or aborted), and LibTorch optimizers' per-parameter
-/// states before it.
+/// phases (local shards' DistributedShampoo; finished at the end of the pass, or aborted), and
+/// LibTorch optimizers' per-parameter states before it.
 struct UnitUndo {
   std::vector<std::pair<at::Tensor, at::Tensor>> shards;  // (shard, its rows before the step)
   std::vector<PhasedBackwardStep*> phased;
@@ -33,21 +32,11 @@ struct UnitUndo {
   };
   std::vector<Saved> states;
   bool complete = true;  // false: an optimizer stepped whose step cannot be undone
-  /// The parameters the phased steps stepped, with their full shapes and dtype: an abort puts
-  /// their old values back, so they need storage then (released again after; the rows come
-  /// back from `shards`).
-  struct Stepped {
-    at::Tensor param;
-    std::vector<int64_t> sizes;
-    at::ScalarType dtype;
-  };
-  std::vector<Stepped> stepped;
 
-  /// Puts everything back. `allocate` gives a released parameter storage of its full shape,
-  /// `release` takes it away again (full sharding's own).
-  void revert(
-      const std::function<void(const at::Tensor&, at::IntArrayRef, at::ScalarType)>& allocate,
-      const std::function<void(const at::Tensor&, at::ScalarType)>& release);
+  /// Puts everything back: the phased steps aborted (their optimizers' state; a parameter whose
+  /// storage full sharding released since is left to the rows below), the LibTorch states, the
+  /// rows.
+  void revert();
   /// Finishes the phased steps: the iteration stands.
   void commit();
 };

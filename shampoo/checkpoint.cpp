@@ -160,7 +160,11 @@ void ShampooEngine::save(torch::serialize::OutputArchive& archive,
 void ShampooEngine::save_pieces(PieceWriter& pieces) const {
   // Trainer groups after the first hold copies of the first one's blocks.
   if (distributor_->global_rank() >= distributor_->world_size()) return;
-  for (const auto& [id, state] : export_states()) pieces.add(piece_key(id), block_archive(state));
+  save_block_pieces(pieces, piece_key);
+}
+
+void ShampooEngine::save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const {
+  for (const auto& [id, state] : export_states()) pieces.add(name_of(id), block_archive(state));
 }
 
 namespace {
@@ -302,14 +306,20 @@ std::shared_ptr<ShampooEngine::PreparedLoad> ShampooEngine::prepare(
   const auto eval_mode = read_optional(all_groups, "eval_mode", c10::IValue(int64_t{0}));
   TORCH_CHECK(eval_mode.isInt(), "checkpoint: entry 'groups/eval_mode' is not an int");
   prepared->eval_mode = eval_mode.toInt() != 0;
+  read_block_states(*prepared, read_block, groups);
+  return prepared;
+}
+
+void ShampooEngine::read_block_states(
+    PreparedLoad& prepared, const std::function<BlockState(int64_t)>& read_block,
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
   std::map<BlockId, BlockState> states;
   for (int64_t b = 0; b < static_cast<int64_t>(registry_.blocks.size()); ++b) {
     if (distributor_->owns(b)) states[registry_.blocks[b].id] = read_block(b);
   }
   // New virtual groups; the current ones stay in place until install().
-  prepared->virtual_groups = build_virtual_groups(groups);
-  for (auto& vg : prepared->virtual_groups) vg->import_states(states, /*require_all=*/true);
-  return prepared;
+  prepared.virtual_groups = build_virtual_groups(groups);
+  for (auto& vg : prepared.virtual_groups) vg->import_states(states, /*require_all=*/true);
 }
 
 void ShampooEngine::install(PreparedLoad& prepared,
@@ -360,6 +370,30 @@ std::function<void()> ShampooEngine::prepare_load(
       common,
       [&](int64_t b) {
         auto block = pieces.read(piece_key(registry_.blocks[b].id));
+        return read_block_archive(block);
+      },
+      groups);
+  return [this, prepared, &groups] { install(*prepared, groups); };
+}
+
+std::function<void()> ShampooEngine::prepare_block_load(
+    PieceReader& pieces, const BlockPieceName& name_of, std::vector<int64_t> steps,
+    std::vector<double> lr_sums, std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  check_groups(groups);
+  TORCH_CHECK(!transaction_.is_open(),
+              "checkpoint: cannot load while a step is open (in backward)");
+  TORCH_CHECK(steps.size() == groups.size() && lr_sums.size() == groups.size(),
+              "checkpoint: step counts for ", steps.size(), " and lr sums for ", lr_sums.size(),
+              " param groups, the optimizer has ", groups.size());
+  auto prepared = std::make_shared<PreparedLoad>();
+  for (size_t g = 0; g < groups.size(); ++g) prepared->options.push_back(options_of(groups[g], g));
+  prepared->steps = std::move(steps);
+  prepared->lr_sums = std::move(lr_sums);
+  prepared->eval_mode = eval_mode_;
+  read_block_states(
+      *prepared,
+      [&](int64_t b) {
+        auto block = pieces.read(name_of(registry_.blocks[b].id));
         return read_block_archive(block);
       },
       groups);

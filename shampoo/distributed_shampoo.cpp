@@ -105,17 +105,64 @@ void DistributedShampoo::begin_backward_step() {
   engine_->begin_step(param_groups_, /*incremental=*/true);
 }
 
-void DistributedShampoo::step_parameters(const std::vector<torch::Tensor>& params) {
-  c10::NoGradGuard no_grad;
+std::vector<int64_t> DistributedShampoo::indices_of(const std::vector<torch::Tensor>& params,
+                                                    const char* what) const {
   std::vector<int64_t> indices;
   for (const auto& p : params) {
     const int64_t index = engine_->param_index(p);
-    TORCH_CHECK(index >= 0,
-                "DistributedShampoo: a parameter given to step_parameters is not "
-                "registered with this optimizer");
+    TORCH_CHECK(index >= 0, "DistributedShampoo: a parameter given to ", what,
+                " is not registered with this optimizer");
     indices.push_back(index);
   }
-  engine_->compute_params(param_groups_, indices);
+  return indices;
+}
+
+void DistributedShampoo::step_parameters(const std::vector<torch::Tensor>& params) {
+  c10::NoGradGuard no_grad;
+  engine_->compute_params(param_groups_, indices_of(params, "step_parameters"));
+}
+
+void DistributedShampoo::step_only(const std::vector<torch::Tensor>& params) {
+  TORCH_CHECK(!in_backward_,
+              "DistributedShampoo::step_only(): this optimizer runs in backward "
+              "(apply_optimizer_in_backward); its steps happen during loss.backward()");
+  c10::NoGradGuard no_grad;
+  RECORD_USER_SCOPE("shampoo::step");
+  sync_groups_and_state();
+  const auto indices = indices_of(params, "step_only");
+  try {
+    engine_->step(param_groups_, indices);
+  } catch (...) {
+    write_state_entries();
+    throw;
+  }
+  write_state_entries();
+}
+
+void DistributedShampoo::save_block_pieces(PieceWriter& pieces,
+                                           const BlockPieceName& name_of) const {
+  const auto summaries = engine_->param_summaries();
+  engine_->save_block_pieces(pieces, [&](const BlockId& id) {
+    return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
+  });
+}
+
+std::function<void()> DistributedShampoo::prepare_block_load(PieceReader& pieces,
+                                                             const BlockPieceName& name_of,
+                                                             std::vector<int64_t> group_steps,
+                                                             std::vector<double> group_lr_sums) {
+  sync_groups_and_state();
+  const auto summaries = engine_->param_summaries();
+  auto install = engine_->prepare_block_load(
+      pieces,
+      [&](const BlockId& id) {
+        return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
+      },
+      std::move(group_steps), std::move(group_lr_sums), param_groups_);
+  return [this, install] {
+    install();
+    write_state_entries();
+  };
 }
 
 void DistributedShampoo::finish_backward_step() {
@@ -202,6 +249,12 @@ ShampooOptions& DistributedShampoo::group_options(size_t group) {
   TORCH_CHECK(group < param_groups_.size(), "group_options: group ", group, " out of range (",
               param_groups_.size(), " groups)");
   return detail::options_of(param_groups_[group], group);
+}
+
+double DistributedShampoo::group_lr_sum(size_t group) const {
+  TORCH_CHECK(group < param_groups_.size(), "group_lr_sum: group ", group, " out of range (",
+              param_groups_.size(), " groups)");
+  return engine_->group_lr_sum(group);
 }
 
 int64_t DistributedShampoo::group_step(size_t group) const {

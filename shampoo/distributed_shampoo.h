@@ -20,6 +20,7 @@
 
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/parameter_owners.h"
+#include "parallel/partial_step.h"
 #include "parallel/phased_backward_step.h"
 #include "preconditioners/memory_summary.h"
 #include "shampoo/fault_point.h"
@@ -94,7 +95,8 @@ struct ShampooParamState : torch::optim::OptimizerCloneableParamState<ShampooPar
 class DistributedShampoo : public torch::optim::Optimizer,
                            public PhasedBackwardStep,
                            public DistributedCheckpointable,
-                           public ParameterOwners {
+                           public ParameterOwners,
+                           public PartialStep {
  public:
   /// Parameters may be Float, Double, BFloat16 or Half, in any strided layout (a channels_last
   /// conv weight is blocked by its logical shape and updated in its layout); bf16 and fp16
@@ -140,6 +142,15 @@ class DistributedShampoo : public torch::optim::Optimizer,
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,
                                      PieceReader& pieces) override;
 
+  /// PartialStep (full sharding: one optimizer per rank over the parameters it owns, stepped
+  /// unit by unit, checkpointed per model parameter).
+  void step_only(const std::vector<torch::Tensor>& params) override;
+  void register_appended() override { sync_groups_and_state(); }
+  void save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const override;
+  std::function<void()> prepare_block_load(PieceReader& pieces, const BlockPieceName& name_of,
+                                           std::vector<int64_t> group_steps,
+                                           std::vector<double> group_lr_sums) override;
+
   /// Iterate averaging (ShampooOptions::iterate_averaging; docs/math.md, "Iterate averaging"):
   /// the parameters hold the training sequence y, where gradients are taken. eval() moves the
   /// parameters of the groups with averaging to the evaluation sequence x (evaluate and save the
@@ -168,7 +179,9 @@ class DistributedShampoo : public torch::optim::Optimizer,
   /// The options of param group `group` (a ShampooOptions).
   ShampooOptions& group_options(size_t group);
   /// Step count of param group `group`.
-  int64_t group_step(size_t group) const;
+  int64_t group_step(size_t group) const override;
+  /// Schedule-Free: Σ lr^p over param group `group`'s completed steps (0 without it).
+  double group_lr_sum(size_t group) const override;
   const DistributedOptions& distributed_options() const;
 
   /// Test seam: makes the amortized computation of (block, dim) fail whenever the function
@@ -192,6 +205,9 @@ class DistributedShampoo : public torch::optim::Optimizer,
   /// Undoes the open backward step (after an error during backward).
   void abort_backward_step() override;
 
+  /// Indices of `params` in the registry; `what` names the caller in the error for one that is
+  /// not registered.
+  std::vector<int64_t> indices_of(const std::vector<torch::Tensor>& params, const char* what) const;
   /// Registers groups and parameters appended through the base class, then writes state()'s
   /// entries (ShampooParamState) for every registered parameter.
   void sync_groups_and_state();

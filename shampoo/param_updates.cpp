@@ -71,7 +71,12 @@ void apply_received(const Distributor& distributor, const std::vector<ParamEntry
 }
 
 void restore_params(const std::vector<std::pair<at::Tensor, at::Tensor>>& saved) {
-  for (const auto& [param, copy] : saved) param.copy_(copy);
+  for (const auto& [param, copy] : saved) {
+    // A parameter whose storage full sharding released since the step (its owner sent the
+    // stepped rows to every rank) is not written: the wrapper puts back the rows itself.
+    if (param.sizes() != copy.sizes()) continue;
+    param.copy_(copy);
+  }
 }
 
 }  // namespace shampoo::detail

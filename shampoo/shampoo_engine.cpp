@@ -137,8 +137,8 @@ bool ShampooEngine::register_added_params(
       try {
         options.validate();
       } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "param group ", g, " (added through torch::optim::Optimizer): ",
-                    e.msg());
+        TORCH_CHECK(false, "param group ", g,
+                    " (added through torch::optim::Optimizer): ", e.msg());
       }
     }
     registry_.check_new_params(params, g, first);
@@ -154,9 +154,9 @@ bool ShampooEngine::register_added_params(
   if (added.empty()) return false;
   for (auto& a : added) {
     const auto& params = groups[a.group].params();
-    registry_.add(std::vector<at::Tensor>(params.begin() + static_cast<int64_t>(a.first),
-                                          params.end()),
-                  static_cast<int64_t>(a.group), std::move(a.plans));
+    registry_.add(
+        std::vector<at::Tensor>(params.begin() + static_cast<int64_t>(a.first), params.end()),
+        static_cast<int64_t>(a.group), std::move(a.plans));
     if (a.group >= registered) {
       group_steps_.push_back(0);
       group_lr_sums_.push_back(0.0);
@@ -612,8 +612,13 @@ void ShampooEngine::finish_step() {
 void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups) {
   std::vector<int64_t> all(registry_.params.size());
   std::iota(all.begin(), all.end(), 0);
+  step(groups, all);
+}
+
+void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                         const std::vector<int64_t>& params) {
   begin_step(groups);
-  compute_params(groups, all);
+  compute_params(groups, params);
   finish_step();
 }
 

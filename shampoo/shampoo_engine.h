@@ -33,6 +33,10 @@ class ShampooEngine {
   bool register_added_params(const std::vector<torch::optim::OptimizerParamGroup>& groups);
 
   void step(std::vector<torch::optim::OptimizerParamGroup>& groups);
+  /// One ordinary step of the registered parameters `params` (indices) only: the others are not
+  /// read, so their storage may be released (full sharding).
+  void step(std::vector<torch::optim::OptimizerParamGroup>& groups,
+            const std::vector<int64_t>& params);
 
   /// A step in three phases, for optimizer-in-backward: begin (check the groups, open the
   /// communication buffer), compute the blocks of some parameters as their gradients arrive
@@ -72,6 +76,14 @@ class ShampooEngine {
   void save_pieces(PieceWriter& pieces) const;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common, PieceReader& pieces,
                                      std::vector<torch::optim::OptimizerParamGroup>& groups);
+  /// The same pieces under a wrapper's own names (`name_of` a block) and without the common
+  /// part: the wrapper keeps each param group's step count and lr sum, which the load takes
+  /// (`steps`, `lr_sums`); the groups' options stay.
+  using BlockPieceName = std::function<std::string(const BlockId&)>;
+  void save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const;
+  std::function<void()> prepare_block_load(PieceReader& pieces, const BlockPieceName& name_of,
+                                           std::vector<int64_t> steps, std::vector<double> lr_sums,
+                                           std::vector<torch::optim::OptimizerParamGroup>& groups);
 
   /// Iterate averaging: moves the parameters of the groups with averaging to the evaluation
   /// sequence (`eval`) or back to the training sequence; nothing when already there. Collective
@@ -82,6 +94,7 @@ class ShampooEngine {
   ShampooStats stats() const;
   MemorySummary memory_summary() const;
   int64_t group_step(size_t group) const { return group_steps_.at(group); }
+  double group_lr_sum(size_t group) const { return group_lr_sums_.at(group); }
   /// Per registered parameter, in registration order: (the parameter, its param group, its
   /// number of blocks).
   struct ParamSummary {
@@ -118,6 +131,10 @@ class ShampooEngine {
   std::shared_ptr<PreparedLoad> prepare(
       torch::serialize::InputArchive& archive, const std::function<BlockState(int64_t)>& read_block,
       const std::vector<torch::optim::OptimizerParamGroup>& groups);
+  /// Reads the states of the blocks this rank owns into `prepared`'s new virtual groups.
+  void read_block_states(PreparedLoad& prepared,
+                         const std::function<BlockState(int64_t)>& read_block,
+                         const std::vector<torch::optim::OptimizerParamGroup>& groups);
   /// Installs a prepared load (does not throw).
   void install(PreparedLoad& prepared, std::vector<torch::optim::OptimizerParamGroup>& groups);
   /// Block views of the gradients of `params` (checked: shape, dtype, finite values) and the

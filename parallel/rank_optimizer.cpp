@@ -52,15 +52,20 @@ void RankOptimizer::add(size_t group, const std::vector<at::Tensor>& params,
   if (auto* partial = dynamic_cast<PartialStep*>(optimizer_.get())) partial->register_appended();
 }
 
-void RankOptimizer::set_options(size_t group, const torch::optim::OptimizerOptions& options) {
-  if (!optimizer_ || group >= optimizer_->param_groups().size()) return;
-  auto& target = optimizer_->param_groups()[group];
-  TORCH_CHECK(typeid(options) == typeid(target.options()), who_, "param group ", group,
+void set_group_options(torch::optim::OptimizerParamGroup& target,
+                       const torch::optim::OptimizerOptions& options, size_t group,
+                       const std::string& who) {
+  TORCH_CHECK(typeid(options) == typeid(target.options()), who, "param group ", group,
               ": its options are a ", c10::demangle(typeid(options).name()),
               ", but the factory's optimizer takes ",
               c10::demangle(typeid(target.options()).name()),
               " (give the group options of that type, or none for the factory's)");
   target.set_options(options.clone());
+}
+
+void RankOptimizer::set_options(size_t group, const torch::optim::OptimizerOptions& options) {
+  if (!optimizer_ || group >= optimizer_->param_groups().size()) return;
+  set_group_options(optimizer_->param_groups()[group], options, group, who_);
 }
 
 void RankOptimizer::step(const std::vector<at::Tensor>& params, bool in_pass, UnitUndo* undo) {

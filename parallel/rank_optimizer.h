@@ -23,6 +23,12 @@ namespace shampoo::detail {
 
 struct UnitUndo;
 
+/// Sets `target`'s options to a copy of `options` (param group `group` of the user's optimizer);
+/// an error starting with `who` when they are of another type than the optimizer's.
+void set_group_options(torch::optim::OptimizerParamGroup& target,
+                       const torch::optim::OptimizerOptions& options, size_t group,
+                       const std::string& who);
+
 class RankOptimizer {
  public:
   /// `who` starts the errors (the wrapper's name).

@@ -9,10 +9,11 @@
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/serialize.h>
 
+#include <functional>
 #include <limits>
 #include <memory>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -202,22 +203,40 @@ TEST(FullyShardedSmallParameters, AnyRowCountTrainsAtAnyWorldSize) {
 
 // ----- optimizer(): the model's optimizer as LibTorch code holds one -----
 
-/// Weights (lr 0.01, weight decay 0.1) and biases (lr 0.03) of make_mlp's model, with
-/// AdamOptions; `biases` false leaves the biases out (added later).
-std::vector<torch::optim::OptimizerParamGroup> mlp_groups(torch::nn::Sequential& model,
-                                                          bool biases = true) {
-  std::vector<at::Tensor> weights;
-  std::vector<at::Tensor> bias_params;
-  for (const auto& item : model->named_parameters()) {
-    (item.key().find("bias") != std::string::npos ? bias_params : weights).push_back(item.value());
+/// The optimizer of the param-group tests: LibTorch's Adam, or DistributedShampoo (roots every
+/// second step).
+enum class Kind { kAdam, kShampoo };
+
+shampoo::ShampooOptions group_shampoo_options() {
+  return shampoo::testing::sharding_shampoo_options(false).precondition_frequency(2);
+}
+
+/// `kind`'s options with this lr and weight decay.
+std::unique_ptr<torch::optim::OptimizerOptions> options_of(Kind kind, double lr,
+                                                           double weight_decay = 0.0) {
+  if (kind == Kind::kAdam) {
+    return std::make_unique<torch::optim::AdamOptions>(
+        torch::optim::AdamOptions(lr).weight_decay(weight_decay));
   }
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(weights, std::make_unique<torch::optim::AdamOptions>(
-                                   torch::optim::AdamOptions(0.01).weight_decay(0.1)));
-  if (biases) {
-    groups.emplace_back(bias_params, std::make_unique<torch::optim::AdamOptions>(0.03));
+  return std::make_unique<shampoo::ShampooOptions>(
+      shampoo::ShampooOptions(group_shampoo_options()).lr(lr).weight_decay(weight_decay));
+}
+
+/// One process's optimizer of `kind` over `params`, or over `groups`.
+std::unique_ptr<torch::optim::Optimizer> optimizer_of(
+    Kind kind, std::vector<torch::optim::OptimizerParamGroup> groups) {
+  if (kind == Kind::kAdam) {
+    return std::make_unique<torch::optim::Adam>(std::move(groups), torch::optim::AdamOptions(0.01));
   }
-  return groups;
+  return std::make_unique<shampoo::DistributedShampoo>(std::move(groups), group_shampoo_options());
+}
+
+shampoo::OptimizerFactory factory_of(Kind kind) {
+  return [kind](std::vector<torch::Tensor> params) {
+    std::vector<torch::optim::OptimizerParamGroup> one;
+    one.emplace_back(std::move(params));
+    return optimizer_of(kind, std::move(one));
+  };
 }
 
 std::vector<at::Tensor> bias_params(torch::nn::Sequential& model) {
@@ -228,64 +247,111 @@ std::vector<at::Tensor> bias_params(torch::nn::Sequential& model) {
   return out;
 }
 
-/// Data parallelism with LibTorch's Adam over the same groups, a StepLR through the base class,
-/// the biases added at iteration 3 when `late_biases`.
-std::vector<at::Tensor> data_parallel_reference(const Group& group, const Dataset& data,
+/// The biases' group: lr 0.03, no weight decay.
+torch::optim::OptimizerParamGroup bias_group(Kind kind, torch::nn::Sequential& model) {
+  return {bias_params(model), options_of(kind, 0.03)};
+}
+
+/// Weights (lr 0.01, weight decay 0.1) and biases (bias_group) of make_mlp's model; `biases`
+/// false leaves the biases out (added later).
+std::vector<torch::optim::OptimizerParamGroup> mlp_groups(Kind kind, torch::nn::Sequential& model,
+                                                          bool biases = true) {
+  std::vector<at::Tensor> weights;
+  for (const auto& item : model->named_parameters()) {
+    if (item.key().find("bias") == std::string::npos) weights.push_back(item.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(weights, options_of(kind, 0.01, 0.1));
+  if (biases) groups.push_back(bias_group(kind, model));
+  return groups;
+}
+
+/// A LibTorch loop over `optimizer` (generic code: the base class): a StepLR, the biases added
+/// through the base class at iteration 3 when `late_biases`, `backward` running forward and
+/// backward, `after_backward` what comes between backward and the step (data parallelism's
+/// synchronize).
+void generic_loop(Kind kind, torch::nn::Sequential& model, torch::optim::Optimizer& optimizer,
+                  bool late_biases, int steps, const std::function<void()>& backward,
+                  const std::function<void()>& after_backward) {
+  torch::optim::StepLR scheduler(optimizer, 2, 0.5);
+  for (int step = 0; step < steps; ++step) {
+    if (late_biases && step == 3) optimizer.add_param_group(bias_group(kind, model));
+    optimizer.zero_grad();
+    backward();
+    after_backward();
+    optimizer.step();
+    scheduler.step();
+  }
+}
+
+/// Data parallelism with one process's optimizer over the same groups.
+std::vector<at::Tensor> data_parallel_reference(Kind kind, const Group& group, const Dataset& data,
                                                 bool late_biases, int steps) {
   auto model = make_mlp(6, 10, 3, /*seed=*/5);
   shampoo::GradientSynchronizer sync(model->parameters(), group);
-  torch::optim::Adam adam(mlp_groups(model, !late_biases), torch::optim::AdamOptions(0.01));
-  torch::optim::Optimizer& base = adam;
-  torch::optim::StepLR scheduler(base, 2, 0.5);
-  for (int step = 0; step < steps; ++step) {
-    if (late_biases && step == 3) {
-      base.add_param_group(torch::optim::OptimizerParamGroup(
-          bias_params(model), std::make_unique<torch::optim::AdamOptions>(0.03)));
-    }
-    base.zero_grad();
-    loss_of(model->forward(data.inputs), data).backward();
-    sync.synchronize();
-    base.step();
-    scheduler.step();
-  }
+  auto optimizer = optimizer_of(kind, mlp_groups(kind, model, !late_biases));
+  generic_loop(
+      kind, model, *optimizer, late_biases, steps,
+      [&] { loss_of(model->forward(data.inputs), data).backward(); }, [&] { sync.synchronize(); });
   return shampoo::testing::snapshot(model->parameters());
 }
 
+// The user's param groups (their own lr and weight decay), a scheduler on optimizer() and a
+// group added late through the base class equal the same under data parallelism bit for bit, for
+// LibTorch's Adam and for Shampoo; each rank has one optimizer over the parameters it owns, and
+// Shampoo merges its groups into one virtual group.
 TEST(FullyShardedOptimizer, UserGroupsAndASchedulerEqualDataParallelismBitForBit) {
-  for (const bool overlap : {true, false}) {
-    for (const bool late_biases : {false, true}) {
-      run_ranks(
-          2,
-          [&](int rank, const Group& group) {
-            const auto data = sharding_batch(rank, 2);
-            const auto expected = data_parallel_reference(group, data, late_biases, 6);
-            auto model = make_mlp(6, 10, 3, /*seed=*/5);
-            FullyShardedDataParallel fsdp(shampoo::sequential_units(model),
-                                          mlp_groups(model, !late_biases), adam_factory(), group,
-                                          FullyShardedOptions().overlap_step(overlap));
-            torch::optim::Optimizer& base = fsdp.optimizer();
-            torch::optim::StepLR scheduler(base, 2, 0.5);
-            for (int step = 0; step < 6; ++step) {
-              if (late_biases && step == 3) {  // through the base class, as generic code adds
-                base.add_param_group(torch::optim::OptimizerParamGroup(
-                    bias_params(model), std::make_unique<torch::optim::AdamOptions>(0.03)));
+  for (const auto kind : {Kind::kAdam, Kind::kShampoo}) {
+    for (const bool overlap : {true, false}) {
+      for (const bool late_biases : {false, true}) {
+        run_ranks(
+            2,
+            [&](int rank, const Group& group) {
+              const auto data = sharding_batch(rank, 2);
+              const auto expected = data_parallel_reference(kind, group, data, late_biases, 6);
+              auto model = make_mlp(6, 10, 3, /*seed=*/5);
+              FullyShardedDataParallel fsdp(shampoo::sequential_units(model),
+                                            mlp_groups(kind, model, !late_biases), factory_of(kind),
+                                            group, FullyShardedOptions().overlap_step(overlap));
+              torch::optim::Optimizer& base = fsdp.optimizer();
+              generic_loop(
+                  kind, model, base, late_biases, 6,
+                  [&] {
+                    loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data).backward();
+                  },
+                  [] {});
+              const auto where = std::string(kind == Kind::kAdam ? "adam" : "shampoo") +
+                                 " overlap " + std::to_string(overlap) + " late biases " +
+                                 std::to_string(late_biases) + " rank " + std::to_string(rank);
+              std::vector<at::Tensor> values;
+              for (const auto& p : model->parameters()) values.push_back(fsdp.full_value(p));
+              EXPECT_TRUE(bit_equal(values, expected)) << where;
+              EXPECT_EQ(base.state().size(), model->parameters().size());
+              const auto& entry = dynamic_cast<const shampoo::ShardedParamState&>(
+                  *base.state().at(model->parameters()[0].unsafeGetTensorImpl()));
+              EXPECT_EQ(entry.step(), 6);
+              EXPECT_EQ(entry.owner(), fsdp.owner_of(model->parameters()[0]));
+              // One optimizer on this rank, over every parameter it owns, in the two groups.
+              const auto optimizers = fsdp.optimizers();
+              ASSERT_EQ(optimizers.size(), 1u) << where;
+              EXPECT_EQ(optimizers[0]->param_groups().size(), 2u) << where;
+              size_t owned = 0;
+              for (const auto& p : model->parameters()) {
+                const bool mine = fsdp.owner_of(p) == rank;
+                owned += mine ? 1 : 0;
+                EXPECT_EQ(fsdp.optimizer_of(p), mine ? optimizers[0] : nullptr) << where;
               }
-              base.zero_grad();
-              loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data).backward();
-              base.step();
-              scheduler.step();
-            }
-            std::vector<at::Tensor> values;
-            for (const auto& p : model->parameters()) values.push_back(fsdp.full_value(p));
-            EXPECT_TRUE(bit_equal(values, expected))
-                << "overlap " << overlap << " late biases " << late_biases << " rank " << rank;
-            EXPECT_EQ(base.state().size(), model->parameters().size());
-            const auto& entry = dynamic_cast<const shampoo::ShardedParamState&>(
-                *base.state().at(model->parameters()[0].unsafeGetTensorImpl()));
-            EXPECT_EQ(entry.step(), 6);
-            EXPECT_EQ(entry.owner(), fsdp.owner_of(model->parameters()[0]));
-          },
-          kTimeout);
+              size_t held = 0;
+              for (const auto& g : optimizers[0]->param_groups()) held += g.params().size();
+              EXPECT_EQ(held, owned) << where;
+              if (auto* shampoo = dynamic_cast<shampoo::DistributedShampoo*>(optimizers[0])) {
+                EXPECT_EQ(shampoo->stats().virtual_groups, 1) << where;
+              } else {
+                EXPECT_EQ(kind, Kind::kAdam) << where;
+              }
+            },
+            kTimeout);
+      }
     }
   }
 }

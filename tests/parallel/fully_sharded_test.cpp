@@ -1,7 +1,8 @@
 // Full sharding (FullyShardedDataParallel, ZeRO-3): training a fully sharded model equals plain
 // data parallelism (GradientSynchronizer) bit for bit at world 2, for Adam and Shampoo, lossless
 // and local-shard, with the step overlapped in backward and after it; within float32 tolerance at
-// world 3 (padded row chunks); gradient accumulation; what a rank holds; clear errors.
+// world 3 (padded row chunks); gradient accumulation; what a rank holds; clear errors; the roots
+// of a rank's blocks batched in one call per shape bucket after backward.
 #include <shampoo/shampoo.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
@@ -159,6 +160,54 @@ INSTANTIATE_TEST_SUITE_P(LocalShard, FullySharded,
                                             ::testing::Values(ShardedStepMode::kLocalShard),
                                             ::testing::Bool()),
                          case_name);
+
+/// Eight 16x16 layers without biases: at world 2 each rank owns four weights of one shape.
+torch::nn::Sequential square_layers() {
+  torch::manual_seed(3);
+  torch::nn::Sequential model;
+  for (int i = 0; i < 8; ++i) {
+    model->push_back(torch::nn::Linear(torch::nn::LinearOptions(16, 16).bias(false)));
+  }
+  return model;
+}
+
+/// Root computations and batched calls of the first step on this rank (roots every step).
+std::pair<int64_t, int64_t> first_step_roots(const Group& group, int rank, bool overlap) {
+  auto model = square_layers();
+  FullyShardedDataParallel fsdp(
+      shampoo::sequential_units(model),
+      [](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+        return std::make_unique<shampoo::DistributedShampoo>(
+            params, shampoo::testing::sharding_shampoo_options(false).precondition_frequency(1));
+      },
+      group, FullyShardedOptions().overlap_step(overlap));
+  torch::manual_seed(10 + rank);
+  const auto input = torch::randn({12, 16});
+  shampoo::forward_sequential(fsdp, model, input).square().sum().backward();
+  if (!overlap) fsdp.step();
+  const auto optimizers = fsdp.optimizers();
+  EXPECT_EQ(optimizers.size(), 1u);
+  const auto stats = dynamic_cast<shampoo::DistributedShampoo&>(*optimizers.at(0)).stats();
+  return {stats.amortized_computations, stats.amortized_batched_calls};
+}
+
+// After backward every block of the rank is preconditioned in one step: the root computations of
+// its four 16x16 blocks (one per block) are one batched call (one shape bucket), not one call
+// per parameter. With the step overlapped in backward each unit steps as its gradients arrive:
+// one call per unit.
+TEST(FullyShardedOneOptimizerPerRank, RootsAreOneBatchedCallPerShapeBucketAfterBackward) {
+  run_ranks(
+      2,
+      [&](int rank, const Group& group) {
+        const auto [after_computations, after_calls] = first_step_roots(group, rank, false);
+        EXPECT_EQ(after_computations, 4) << "rank " << rank;
+        EXPECT_EQ(after_calls, 1) << "rank " << rank;
+        const auto [overlap_computations, overlap_calls] = first_step_roots(group, rank, true);
+        EXPECT_EQ(overlap_computations, 4) << "rank " << rank;
+        EXPECT_EQ(overlap_calls, 4) << "rank " << rank;
+      },
+      kTimeout);
+}
 
 // World 3: rows split 4/4/2 and 1/1/1, and the average's summation order differs from Gloo's:
 // Adam stays within float32 tolerance of data parallelism; Shampoo's roots amplify the last-bit

@@ -189,4 +189,86 @@ void FullyShardedDataParallel::State::make_facade(
   }
 }
 
+// ----- optimizer(): the model's optimizer as LibTorch code holds one -----
+
+torch::optim::Optimizer& FullyShardedDataParallel::optimizer() { return *state_->facade; }
+
+FullyShardedOptimizer::FullyShardedOptimizer(
+    FullyShardedDataParallel& owner, std::vector<torch::optim::OptimizerParamGroup> groups,
+    std::unique_ptr<torch::optim::OptimizerOptions> defaults)
+    : torch::optim::Optimizer(std::move(groups), std::move(defaults)), owner_(owner) {}
+
+ScaledStepping& FullyShardedOptimizer::scaling_target() { return owner_; }
+
+torch::Tensor FullyShardedOptimizer::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    c10::AutoGradMode enable_grad(true);
+    loss = closure();  // its backward steps the units, with overlap_step
+  }
+  auto& s = *owner_.state_;
+  if (!s.options.overlap_step()) s.step_all("optimizer().step()");
+  return loss;
+}
+
+void FullyShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  auto& s = *owner_.state_;
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  s.sync_groups();  // groups appended through the base class before this one
+  const size_t before = param_groups_.size();
+  torch::optim::Optimizer::add_param_group(param_group);
+  try {
+    s.sync_groups();
+  } catch (...) {  // checked on every rank before anything was registered
+    if (s.group_sizes.size() > before && s.group_sizes.back() == 0) {
+      s.group_sizes.pop_back();
+      s.pushed.pop_back();
+    }
+    param_groups_.erase(param_groups_.begin() + static_cast<int64_t>(before), param_groups_.end());
+    throw;
+  }
+}
+
+void FullyShardedOptimizer::save(torch::serialize::OutputArchive&) const {
+  TORCH_CHECK(false, detail::kFsdpWho,
+              "torch::save(optimizer) cannot hold a fully sharded model's state (each rank has "
+              "its rows and its parameters' optimizers); save with "
+              "shampoo::save_distributed_checkpoint(optimizer, dir) (or "
+              "save_distributed_state(fsdp, dir)), which also holds the parameters");
+}
+
+void FullyShardedOptimizer::load(torch::serialize::InputArchive&) {
+  TORCH_CHECK(false, detail::kFsdpWho,
+              "torch::load(optimizer) cannot restore a fully sharded model; load with "
+              "shampoo::load_distributed_checkpoint(optimizer, dir) (or "
+              "load_distributed_state(fsdp, dir))");
+}
+
+std::string FullyShardedOptimizer::checkpoint_kind() const { return owner_.checkpoint_kind(); }
+
+c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedOptimizer::checkpoint_group() const {
+  return owner_.checkpoint_group();
+}
+
+void FullyShardedOptimizer::sync_for_checkpoint() const { owner_.sync_for_checkpoint(); }
+
+int FullyShardedOptimizer::checkpoint_replicas() const { return owner_.checkpoint_replicas(); }
+
+int FullyShardedOptimizer::checkpoint_replica() const { return owner_.checkpoint_replica(); }
+
+bool FullyShardedOptimizer::agree_across_replicas(bool ok) const {
+  return owner_.agree_across_replicas(ok);
+}
+
+void FullyShardedOptimizer::save_common(torch::serialize::OutputArchive& common) const {
+  owner_.save_common(common);
+}
+
+void FullyShardedOptimizer::save_pieces(PieceWriter& pieces) const { owner_.save_pieces(pieces); }
+
+std::function<void()> FullyShardedOptimizer::prepare_load(torch::serialize::InputArchive& common,
+                                                          PieceReader& pieces) {
+  return owner_.prepare_load(common, pieces);
+}
+
 }  // namespace shampoo

@@ -20,6 +20,8 @@
 ///   distributor: (Shampoo only) the all-reducing synchronizer + one DistributedShampoo over
 ///          every parameter with the process group (DistributedOptions): blocks owned by ranks,
 ///          one AllGather per step. The step full sharding's is compared with (issue 45).
+///   hybrid: full (overlapped) within shard groups of --shard-group-size consecutive ranks,
+///          replicated across them (make_hybrid_groups, FullyShardedOptions::replica_group).
 /// Roots: with Shampoo, the amortized computations (one per block and dim) of the warm-up
 /// iteration, a precondition step, and the batched calls that made them (ShampooStats), summed
 /// over this rank's optimizers: one call per stack of equal block shapes and dim when one
@@ -34,7 +36,8 @@
 ///
 /// The bounds of issue 27, printed per rank for full: held ≤ none's held / world × 1.1 (none's
 /// held is the world-1 figure: every rank of plain data parallelism holds the same), and
-/// peak ≤ held + 2 × (largest unit's parameters + gradients).
+/// peak ≤ held + 2 × (largest unit's parameters + gradients); for hybrid (issue 45) held ≤
+/// none's held / shard group size × 1.1.
 ///
 /// Ranks: one rank of a torchrun launch (--torchrun: every rank's own allocator; rank 0 prints
 /// every rank's figures), or threads of this process (--world N; the allocator is then shared,
@@ -42,7 +45,7 @@
 ///
 ///   bench_fully_sharded [--torchrun | --world 2] [--steps 3] [--optimizer adam|shampoo]
 ///                       [--modes none,zero1,zero2,full,full_no_undo,full_after_backward,
-///                                distributor]
+///                                distributor,hybrid] [--shard-group-size 2]
 ///                       [--small]
 ///                       [--threads 1] [--json PATH] [--label TEXT]
 /// Results and how to read them: benchmarks/RESULTS.md ("Full sharding").
@@ -68,10 +71,9 @@ namespace {
 using namespace shampoo::bench;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
-const std::vector<std::string> kModes{"none",         "zero1",
-                                      "zero2",        "full",
-                                      "full_no_undo", "full_after_backward",
-                                      "distributor"};
+const std::vector<std::string> kModes{"none",        "zero1",        "zero2",
+                                      "full",        "full_no_undo", "full_after_backward",
+                                      "distributor", "hybrid"};
 
 struct Args {
   int64_t world = 2;
@@ -81,6 +83,7 @@ struct Args {
   std::string modes = "none,zero1,zero2,full,full_no_undo,full_after_backward";
   bool small = false;
   int64_t threads = 1;
+  int64_t shard_group_size = 2;
   std::string json;
   std::string label;
 };
@@ -127,7 +130,8 @@ ModeRun make_mode(const std::string& mode, const std::vector<at::Tensor>& params
                   const Args& args) {
   ModeRun run;
   const auto factory = factory_of(args);
-  if (mode == "full" || mode == "full_no_undo" || mode == "full_after_backward") {
+  if (mode == "full" || mode == "full_no_undo" || mode == "full_after_backward" ||
+      mode == "hybrid") {
     std::vector<shampoo::ShardedUnit> units;
     for (size_t u = 0; u < members.size(); ++u) {
       shampoo::ShardedUnit unit{std::to_string(u), {}};
@@ -135,10 +139,17 @@ ModeRun make_mode(const std::string& mode, const std::vector<at::Tensor>& params
       units.push_back(unit);
     }
     run.overlap = mode != "full_after_backward";
-    run.fsdp = std::make_unique<shampoo::FullyShardedDataParallel>(
-        units, factory, group,
-        shampoo::FullyShardedOptions().overlap_step(run.overlap).undo_failed_steps(
-            mode != "full_no_undo"));
+    auto options = shampoo::FullyShardedOptions()
+                       .overlap_step(run.overlap)
+                       .undo_failed_steps(mode != "full_no_undo");
+    auto shard_group = group;
+    if (mode == "hybrid") {
+      const auto hybrid = shampoo::make_hybrid_groups(group, args.shard_group_size);
+      shard_group = hybrid.shard;
+      options.replica_group(hybrid.replica);
+    }
+    run.fsdp =
+        std::make_unique<shampoo::FullyShardedDataParallel>(units, factory, shard_group, options);
     return run;
   }
   run.sync = std::make_unique<shampoo::GradientSynchronizer>(params, group);
@@ -291,9 +302,12 @@ void print_results(const Results& results, const std::vector<std::string>& modes
     for (int rank = 0; rank < world; ++rank) {
       const auto& f = results[m][rank];
       std::string verdict;
-      if (per_rank_allocator && modes[m].rfind("full", 0) == 0 && none != modes.end()) {
+      const bool sharded = modes[m].rfind("full", 0) == 0 || modes[m] == "hybrid";
+      if (per_rank_allocator && sharded && none != modes.end()) {
         const auto& plain = results[none - modes.begin()][rank];
-        const double held_bound = static_cast<double>(plain.held) / world * 1.1;
+        // Hybrid shards over its shard group only.
+        const int64_t shards = modes[m] == "hybrid" ? args.shard_group_size : world;
+        const double held_bound = static_cast<double>(plain.held) / shards * 1.1;
         const double peak_bound = static_cast<double>(f.held + 4 * unit_bytes);
         verdict = fmt::format(" (held {} bound {} MB; peak {} bound {} MB)",
                               f.held <= held_bound ? "within" : "ABOVE", mb(held_bound),
@@ -302,8 +316,7 @@ void print_results(const Results& results, const std::vector<std::string>& modes
       }
       fmt::print("| {} | {} | {} | {} | {:.1f} | {:.1f} | {} ({}) |{}\n", modes[m], rank,
                  per_rank_allocator ? mb(f.held) : "-", per_rank_allocator ? mb(f.peak) : "-",
-                 f.after_backward_ms, f.iteration_ms, f.root_computations, f.root_calls,
-                 verdict);
+                 f.after_backward_ms, f.iteration_ms, f.root_computations, f.root_calls, verdict);
     }
   }
 }
@@ -355,9 +368,12 @@ int main(int argc, char** argv) {
       .add("optimizer", args.optimizer, "adam or shampoo")
       .add("modes", args.modes,
            "comma-separated: none, zero1, zero2, full, full_no_undo, full_after_backward, "
-           "distributor (Shampoo only)")
+           "distributor (Shampoo only), hybrid (full sharding within shard groups of "
+           "--shard-group-size ranks, replicated across them)")
       .add_bool("small", args.small, "every dim of the workload divided by 8")
-      .add("threads", args.threads, "intra-op threads per rank", 1);
+      .add("threads", args.threads, "intra-op threads per rank", 1)
+      .add("shard-group-size", args.shard_group_size,
+           "hybrid: ranks per shard group (the world a multiple of it)", 1);
   add_output_flags(flags, args.json, args.label);
   parse_flags_or_exit(flags, "bench_fully_sharded", argc, argv);
   if (args.optimizer != "adam" && args.optimizer != "shampoo") {
@@ -368,8 +384,9 @@ int main(int argc, char** argv) {
   const auto modes = selected_modes(args);
   if (args.optimizer != "shampoo" &&
       std::find(modes.begin(), modes.end(), "distributor") != modes.end()) {
-    fmt::print(stderr, "bench_fully_sharded: --modes: distributor is Shampoo's Distributor; "
-                       "add --optimizer shampoo\n");
+    fmt::print(stderr,
+               "bench_fully_sharded: --modes: distributor is Shampoo's Distributor; "
+               "add --optimizer shampoo\n");
     return 2;
   }
 

@@ -196,7 +196,8 @@ RunSignature run_signature(const TrainerConfig& config, int64_t global_batch_siz
 RunSignature run_signature_of(const TrainerConfig& config, int64_t global_batch_size,
                               int64_t train_examples) {
   auto signature = run_signature(config, global_batch_size, train_examples);
-  if (config.sharding == ShardingMode::kFull) signature.emplace_back("sharding", "full");
+  // Hybrid's checkpoints are full sharding's (written by one replica): either mode reads them.
+  if (config.fully_sharded()) signature.emplace_back("sharding", "full");
   return signature;
 }
 
@@ -332,9 +333,27 @@ void build_data_parallel(Trainer& t) {
   }
 }
 
+/// --sharding hybrid: the shard group size (--shard-group-size, or the ranks of a node), checked
+/// against the number of ranks.
+int64_t hybrid_shard_group_size(const TrainerConfig& config, int world) {
+  int64_t size = config.shard_group_size;
+  if (size == 0) {
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    size = local != nullptr && *local != '\0' ? std::atoll(local) : world;
+  }
+  if (size < 1 || world % size != 0) {
+    throw std::invalid_argument(
+        fmt::format("--shard-group-size: got {}{}, expected a divisor of the number of ranks "
+                    "({}): shard groups of consecutive ranks, replicated across the rest",
+                    size, config.shard_group_size == 0 ? " (LOCAL_WORLD_SIZE)" : "", world));
+  }
+  return size;
+}
+
 /// --sharding full: the model's units (or the whole model as one unit) sharded over the ranks,
-/// with the plans as optimizer()'s param groups (each parameter's optimizer is made on its owner
-/// and gets its group's options), and one cosine schedule on optimizer().
+/// with the plans as optimizer()'s param groups (each rank's one optimizer holds the parameters
+/// it owns, in their groups), and one cosine schedule on optimizer(). --sharding hybrid: the same
+/// within shard groups, replicated across them.
 void build_fully_sharded(Trainer& t) {
   const auto& config = t.config;
   auto named = t.model->sharding_units();
@@ -351,8 +370,15 @@ void build_fully_sharded(Trainer& t) {
                          : shampoo::detail::make_process_group(
                                c10::make_intrusive<c10d::HashStore>(), 0, 1,
                                shampoo::kDefaultProcessGroupTimeout, t.device.is_cuda());
+  auto options = shampoo::FullyShardedOptions();
+  if (config.sharding == ShardingMode::kHybrid) {
+    const auto hybrid =
+        shampoo::make_hybrid_groups(group, hybrid_shard_group_size(config, group->getSize()));
+    group = hybrid.shard;
+    options.replica_group(hybrid.replica);
+  }
   t.fsdp = std::make_unique<shampoo::FullyShardedDataParallel>(
-      units, make_param_groups(config, t.plans), factory, group);
+      units, make_param_groups(config, t.plans), factory, group, options);
   if (!t.whole_model_unit) {
     auto* fsdp = t.fsdp.get();
     t.model->set_unit_runner(
@@ -377,7 +403,7 @@ void build_model_and_optimizer(Trainer& t) {
   t.model->to(t.device);
   for (const auto& p : t.model->parameters()) t.num_parameters += p.numel();
   t.plans = plan_param_groups(t.model->named_parameters(), config);
-  if (config.sharding == ShardingMode::kFull) {
+  if (config.fully_sharded()) {
     build_fully_sharded(t);
   } else {
     build_data_parallel(t);
@@ -494,9 +520,18 @@ void print_setup(Trainer& t) {
       config.amp == AmpMode::kOff    ? "off (float32)"
       : config.amp == AmpMode::kBf16 ? "bf16 autocast"
                                      : "fp16 autocast with a GradScaler",
-      t.fsdp ? fmt::format("full (ZeRO-3): {} unit(s), each parameter's rows split over {} "
-                           "rank(s), each whole parameter stepped by its owner",
-                           t.fsdp->num_units(), t.d.world_size)
+      t.fsdp && config.sharding == ShardingMode::kHybrid
+          ? fmt::format("hybrid: full sharding within shard groups of {} rank(s), {} replica(s); "
+                        "{} unit(s), each parameter's rows split over its shard group, each "
+                        "whole parameter stepped by its owner there",
+                        t.fsdp->process_group()->getSize(),
+                        t.fsdp->options().replica_group()
+                            ? t.fsdp->options().replica_group()->getSize()
+                            : 1,
+                        t.fsdp->num_units())
+      : t.fsdp ? fmt::format("full (ZeRO-3): {} unit(s), each parameter's rows split over {} "
+                             "rank(s), each whole parameter stepped by its owner",
+                             t.fsdp->num_units(), t.d.world_size)
       : t.synchronizer && t.synchronizer->sharded()
           ? std::string("each gradient reduced to its owner (ZeRO-2)")
       : config.sharding != ShardingMode::kNone && t.d.world_size == 1

@@ -26,7 +26,8 @@ const Names<AmpMode> kAmpModes{
 const Names<ShardingMode> kShardingModes{{"none", ShardingMode::kNone},
                                          {"state", ShardingMode::kState},
                                          {"gradients", ShardingMode::kGradients},
-                                         {"full", ShardingMode::kFull}};
+                                         {"full", ShardingMode::kFull},
+                                         {"hybrid", ShardingMode::kHybrid}};
 const Names<OptimizerKind> kOptimizers{{"sgd", OptimizerKind::kSgd},
                                        {"adam", OptimizerKind::kAdam},
                                        {"adamw", OptimizerKind::kAdamW},
@@ -104,7 +105,14 @@ void add_device_and_sharding_flags(CommandLine& cli, TrainerConfig& config) {
                   "that steps its parameter and released on the others; shampoo owns whole "
                   "parameters); or full (ZeRO-3, shampoo::FullyShardedDataParallel: every "
                   "parameter split by rows across the ranks and gathered per layer for forward "
-                  "and backward, each whole parameter stepped by one owner during backward)");
+                  "and backward, each whole parameter stepped by one owner during backward); or "
+                  "hybrid (full sharding within shard groups of --shard-group-size ranks, "
+                  "replicated across them: each gradient reduced within its shard group, then "
+                  "all-reduced across the groups)")
+      .add("shard-group-size", config.shard_group_size,
+           "--sharding hybrid: ranks per shard group, consecutive ranks (a divisor of the number "
+           "of ranks); 0 = the ranks of a node (torchrun's LOCAL_WORLD_SIZE)",
+           0);
 }
 
 void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues& values) {
@@ -258,10 +266,16 @@ std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* a
                                 std::to_string(config.checkpoint_every) +
                                 " without --checkpoint-dir (where would the checkpoints go?)");
   }
-  if (config.sharding == ShardingMode::kFull && config.amp == AmpMode::kFp16) {
+  if (config.fully_sharded() && config.amp == AmpMode::kFp16) {
     throw std::invalid_argument(
-        "--sharding full: --amp fp16 needs a GradScaler, which full sharding does not support "
-        "yet; use --amp bf16 (no scaler needed) or --amp off");
+        "--sharding " + sharding_name(config.sharding) +
+        ": --amp fp16 needs a GradScaler, which the trainer's full sharding (the step overlapped "
+        "in backward) does not support; use --amp bf16 (no scaler needed) or --amp off");
+  }
+  if (cli.was_set("shard-group-size") && config.sharding != ShardingMode::kHybrid) {
+    throw std::invalid_argument(
+        "--shard-group-size: got " + std::to_string(config.shard_group_size) + " with --sharding " +
+        sharding_name(config.sharding) + "; it sets the shard groups of --sharding hybrid");
   }
   config.command_line = quoted_command_line(argc, argv);
   return config;

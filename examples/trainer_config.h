@@ -28,10 +28,12 @@ enum class AmpMode { kOff, kBf16, kFp16 };
 /// --sharding, the library's names: none (gradients all-reduced, every rank holds all of them),
 /// state (state sharding, ZeRO-1: each parameter's optimizer state on the rank that steps it),
 /// gradients (gradient sharding, ZeRO-2: state sharding, and each gradient reduced to that rank)
-/// or full (full sharding, ZeRO-3: shampoo::FullyShardedDataParallel, parameters, gradients and
-/// state split across the ranks). Shampoo's Distributor keeps each block's state on its owner
-/// in every mode, so for Shampoo state equals none.
-enum class ShardingMode { kNone, kState, kGradients, kFull };
+/// full (full sharding, ZeRO-3: shampoo::FullyShardedDataParallel, parameters, gradients and
+/// state split across the ranks) or hybrid (full sharding within shard groups of
+/// --shard-group-size ranks, replicated across them: shampoo::make_hybrid_groups). Shampoo's
+/// Distributor keeps each block's state on its owner in every mode, so for Shampoo state equals
+/// none.
+enum class ShardingMode { kNone, kState, kGradients, kFull, kHybrid };
 /// shampoo::CompactState (--compact-state).
 enum class CompactChoice { kNone, kBf16, kInt8 };
 
@@ -62,6 +64,13 @@ struct TrainerConfig {
   DeviceChoice device = DeviceChoice::kAuto;
   AmpMode amp = AmpMode::kOff;
   ShardingMode sharding = ShardingMode::kNone;
+  /// --shard-group-size (hybrid): ranks per shard group; 0 = torchrun's LOCAL_WORLD_SIZE (the
+  /// ranks of a node).
+  int64_t shard_group_size = 0;
+  /// Full or hybrid sharding: the model runs in shampoo::FullyShardedDataParallel.
+  bool fully_sharded() const {
+    return sharding == ShardingMode::kFull || sharding == ShardingMode::kHybrid;
+  }
 
   // Optimizer (shared).
   OptimizerKind optimizer = OptimizerKind::kShampoo;

@@ -104,15 +104,7 @@ bool TrainingCheckpoint::fully_sharded() const {
 }
 
 void TrainingCheckpoint::sync_for_checkpoint() const {
-  if (const auto* distributed = checkpointable()) {
-    // Each rank's generators and gradients are per rank: a replica that does not write would
-    // lose its own.
-    TORCH_CHECK(distributed->checkpoint_replicas() == 1,
-                "save_training_checkpoint / load_training_checkpoint: hybrid sharding "
-                "(FullyShardedOptions::replica_group) is not supported by whole-run checkpoints "
-                "yet; save the fully sharded model with save_distributed_checkpoint");
-    distributed->sync_for_checkpoint();
-  }
+  if (const auto* distributed = checkpointable()) distributed->sync_for_checkpoint();
 }
 
 void TrainingCheckpoint::save_common(torch::serialize::OutputArchive& common) const {
@@ -168,7 +160,10 @@ void TrainingCheckpoint::save_common(torch::serialize::OutputArchive& common) co
 }
 
 void TrainingCheckpoint::save_pieces(PieceWriter& pieces) const {
-  if (const auto* distributed = checkpointable()) {
+  const auto* distributed = checkpointable();
+  // Hybrid sharding: the replicas hold the same shards, so replica 0 writes them (every rank
+  // still writes its own generators); any rank reads them back, whatever its replica.
+  if (distributed != nullptr && distributed->checkpoint_replica() == 0) {
     auto nested = pieces.nested("optimizer/");
     distributed->save_pieces(nested);
   }

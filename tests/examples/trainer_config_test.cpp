@@ -135,6 +135,13 @@ TEST(TrainerFlags, BadValuesAreErrorsNamingTheFlagTheValueAndWhatIsAllowed) {
        "--optimizer: got 'lamb', expected one of sgd, adam, adamw, shampoo"},
       {{"--communicate-params=perhaps"}, "--communicate-params: got 'perhaps', expected true or"},
       {{"--epoch", "2"}, "unknown flag --epoch"},
+      {{"--sharding", "hybrid", "--amp", "fp16"},
+       "--sharding hybrid: --amp fp16 needs a GradScaler"},
+      {{"--sharding", "full", "--shard-group-size", "2"},
+       "--shard-group-size: got 2 with --sharding full; it sets the shard groups of --sharding "
+       "hybrid"},
+      {{"--sharding", "hybrid", "--shard-group-size", "-1"},
+       "--shard-group-size: got '-1', expected an integer >= 0"},
   };
   for (const auto& [args, expected] : cases) {
     try {
@@ -145,6 +152,15 @@ TEST(TrainerFlags, BadValuesAreErrorsNamingTheFlagTheValueAndWhatIsAllowed) {
           << "message '" << e.what() << "' lacks '" << expected << "'";
     }
   }
+}
+
+TEST(TrainerFlags, HybridShardingTakesAShardGroupSize) {
+  const auto config = parse({"--sharding", "hybrid", "--shard-group-size", "2"});
+  ASSERT_TRUE(config.has_value());
+  EXPECT_EQ(config->sharding, shampoo::examples::ShardingMode::kHybrid);
+  EXPECT_EQ(config->shard_group_size, 2);
+  EXPECT_TRUE(config->fully_sharded());
+  EXPECT_EQ(parse({"--sharding", "hybrid"})->shard_group_size, 0);  // the ranks of a node
 }
 
 TEST(TrainerFlags, HelpPrintsEveryFlagAndReturnsNothing) {

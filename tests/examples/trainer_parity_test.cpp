@@ -544,37 +544,51 @@ TEST_P(ShardingTest, FullyShardedAtFourRanksFollowsDataParallelism) {
   const TrainerRun all_reduced = run_ok("all_reduced4", 4, flags);
   const TrainerRun full =
       run_ok("full4", 4, flags + std::vector<std::string>{"--sharding", "full"});
-  EXPECT_LT(
-      max_relative_difference(full.train.at("global_loss"), all_reduced.train.at("global_loss")),
-      1e-4);
-  EXPECT_LT(max_relative_difference(full.eval.at("test_loss"), all_reduced.eval.at("test_loss")),
-            1e-4);
+  // Hybrid 2x2: full sharding within two shard groups of two ranks, replicated.
+  const TrainerRun hybrid =
+      run_ok("hybrid4", 4,
+             flags + std::vector<std::string>{"--sharding", "hybrid", "--shard-group-size", "2"});
+  EXPECT_NE(hybrid.log.find("hybrid: full sharding within shard groups of 2 rank(s), 2 replica(s)"),
+            std::string::npos)
+      << hybrid.log;
+  for (const auto* run : {&full, &hybrid}) {
+    EXPECT_LT(
+        max_relative_difference(run->train.at("global_loss"), all_reduced.train.at("global_loss")),
+        1e-4);
+    EXPECT_LT(
+        max_relative_difference(run->eval.at("test_loss"), all_reduced.eval.at("test_loss")),
+        1e-4);
+  }
 }
 
-// A fully sharded run checkpointed at 2 ranks resumes at 4 and then at 1 (one process, no
-// torchrun): the global losses follow the uninterrupted 2-rank run within float32 noise.
+// A fully sharded run checkpointed at 2 ranks resumes at 4 as hybrid 2x2 and then fully sharded
+// at 1 (one process, no torchrun): the global losses follow the uninterrupted 2-rank run within
+// float32 noise.
 TEST_P(ShardingTest, FullyShardedResumesAtOtherNumbersOfRanks) {
   if (trainer_paths().torchrun.empty()) GTEST_SKIP() << "no torchrun";
   const auto& c = GetParam();
-  const auto flags = c.flags + std::vector<std::string>{
-                                   "--lr", number(c.lr),       "--sharding",
-                                   "full", "--checkpoint-dir", (dir_ / "checkpoints").string()};
+  const auto flags = c.flags + std::vector<std::string>{"--lr", number(c.lr), "--checkpoint-dir",
+                                                        (dir_ / "checkpoints").string()};
+  const std::vector<std::string> full{"--sharding", "full"};
   const TrainerRun uninterrupted =
       run_ok("uninterrupted", 2,
              base_flags(data_dir_, 2) + c.flags +
                  std::vector<std::string>{"--lr", number(c.lr), "--sharding", "full"});
-  const auto run_part = [&](int ranks, const std::string& stop_after) {
-    auto part = base_flags(data_dir_, ranks) + flags;
+  const auto run_part = [&](int ranks, const std::string& stop_after,
+                            const std::vector<std::string>& sharding) {
+    auto part = base_flags(data_dir_, ranks) + flags + sharding;
     if (!stop_after.empty())
       part = part + std::vector<std::string>{"--stop-after-epoch", stop_after};
     const TrainerRun run = run_trainer(dir_ / "resumed", ranks, part);
     EXPECT_EQ(run.exit_code, 0) << run.log;
     return run;
   };
-  run_part(2, "1");
-  const TrainerRun at4 = run_part(4, "2");
+  run_part(2, "1", full);
+  // The second epoch as hybrid 2x2: its checkpoint is written by one replica.
+  const TrainerRun at4 =
+      run_part(4, "2", {"--sharding", "hybrid", "--shard-group-size", "2"});
   EXPECT_NE(at4.log.find("saved at world size 2, now 4"), std::string::npos) << at4.log;
-  const TrainerRun at1 = run_part(1, "");
+  const TrainerRun at1 = run_part(1, "", full);
   EXPECT_NE(at1.log.find("saved at world size 4, now 1"), std::string::npos) << at1.log;
   ASSERT_EQ(rows(at1.train, "global_loss"), 30u) << at1.log;
   EXPECT_LT(

@@ -292,7 +292,8 @@ TEST(FullyShardedHybrid, FollowsDataParallelismAtFourRanks) {
 
 // A hybrid 2x2 checkpoint (replica 0 writes, replica 1 waits) resumes fully sharded at 2 and in
 // one process: the parameters as saved, bit for bit, and the next steps as the hybrid run's within
-// float32 summation noise (the average's order differs with the layout).
+// float32 summation noise (the average's order differs with the layout). A whole-run checkpoint
+// of the same run (save_training_checkpoint) resumes it at 2x2 bit for bit.
 TEST(FullyShardedHybrid, ACheckpointResumesFullyShardedAtTwoAndInOneProcess) {
   const auto dir = shampoo::testing::temp_path("hybrid_checkpoint");
   shampoo::testing::remove_tree(dir);
@@ -307,21 +308,32 @@ TEST(FullyShardedHybrid, ACheckpointResumesFullyShardedAtTwoAndInOneProcess) {
         const auto data = sharding_batch(rank, 4);
         for (int step = 0; step < 3; ++step) run.step(data);
         shampoo::save_distributed_state(*run.fsdp, dir);
+        // A whole-run checkpoint too (every rank's generators; the shards from replica 0).
+        shampoo::save_training_checkpoint(dir + "_run",
+                                          {run.model.ptr().get(), &run.fsdp->optimizer()}, group);
         auto values = run.full_values();
         for (int step = 0; step < 2; ++step) run.step(data);
         auto after = run.full_values();
-        // Whole-run checkpoints keep each rank's generators: not with replicas yet.
-        expect_error(
-            [&] {
-              shampoo::save_training_checkpoint(dir + "_run",
-                                                {run.model.ptr().get(), &run.fsdp->optimizer()});
-            },
-            {"hybrid sharding", "not supported by whole-run checkpoints yet"});
         if (rank == 0) {
           std::lock_guard<std::mutex> lock(mutex);
           saved = values;
           continued = after;
         }
+      },
+      kTimeout);
+  // The whole-run checkpoint resumes the hybrid run as if uninterrupted, bit for bit.
+  run_ranks(
+      4,
+      [&](int rank, const Group& group) {
+        const auto hybrid = shampoo::make_hybrid_groups(group, 2);
+        ShardedRun run(Optim::kAdam, hybrid.shard,
+                       FullyShardedOptions().replica_group(hybrid.replica));
+        EXPECT_TRUE(shampoo::load_training_checkpoint(
+            dir + "_run", {run.model.ptr().get(), &run.fsdp->optimizer()}, group));
+        EXPECT_TRUE(bit_equal(run.full_values(), saved)) << "rank " << rank;
+        const auto data = sharding_batch(rank, 4);
+        for (int step = 0; step < 2; ++step) run.step(data);
+        EXPECT_TRUE(bit_equal(run.full_values(), continued)) << "rank " << rank;
       },
       kTimeout);
   for (const int world : {2, 1}) {
@@ -457,43 +469,57 @@ TEST(FullyShardedCheckpoint, ACheckpointOfAnotherModelOrModeIsAClearError) {
 }
 
 // A rank that stops in the middle of a step (after its forward, before its backward) makes the
-// other fail with an error that says so, within the process group's timeout: killed (its
+// others fail with an error that says so, within the process group's timeout: killed (its
 // connections close) or hung (alive, silent past the timeout). The checkpoint saved before that
-// step is intact.
+// step is intact. Full sharding at 2 ranks, and hybrid 2x2 at 4 (the last rank stops: its shard
+// group fails in a gather or reduction, the other replica in the all-reduce across replicas).
 TEST(FullyShardedFaults, ARankThatStopsMidStepFailsTheOtherAndKeepsTheCheckpoint) {
-  for (const bool hung : {false, true}) {
-    const auto dir = shampoo::testing::temp_path("fsdp_fault");
-    const std::chrono::seconds timeout{2};
-    std::mutex mutex;
-    std::vector<at::Tensor> saved_values;
-    run_ranks(
-        2,
-        [&](int rank, const Group& group) {
-          ShardedRun run(Optim::kShampoo, group, FullyShardedOptions());
-          const auto data = sharding_batch(rank, 2);
-          for (int step = 0; step < 2; ++step) sharded_step(run, data, true);
-          shampoo::save_distributed_state(*run.fsdp, dir);
-          auto values = run.full_values();
-          if (rank == 1) {
-            shampoo::forward_sequential(*run.fsdp, run.model, data.inputs);
-            if (hung) std::this_thread::sleep_for(2 * timeout);
-            return;  // gone: its process group closes
-          }
-          {
-            std::lock_guard<std::mutex> lock(mutex);
-            saved_values = values;
-          }
-          const auto start = std::chrono::steady_clock::now();
-          expect_error([&] { sharded_step(run, data, true); },
-                       {"FullyShardedDataParallel: ", "failed on rank 0", "did another rank stop"});
-          EXPECT_LT(std::chrono::steady_clock::now() - start, timeout + std::chrono::seconds(3))
-              << (hung ? "hung" : "killed");
-        },
-        timeout);
-    std::vector<at::Tensor> loaded;
-    train_sharded(Optim::kShampoo, 1, 0, dir, "", loaded);
-    EXPECT_TRUE(bit_equal(loaded, saved_values));
-    shampoo::testing::remove_tree(dir);
+  for (const int world : {2, 4}) {
+    for (const bool hung : {false, true}) {
+      const auto dir = shampoo::testing::temp_path("fsdp_fault");
+      const std::chrono::seconds timeout{2};
+      std::mutex mutex;
+      std::vector<at::Tensor> saved_values;
+      const auto where =
+          std::string(world == 4 ? "hybrid 2x2 " : "full ") + (hung ? "hung" : "killed");
+      run_ranks(
+          world,
+          [&](int rank, const Group& group) {
+            auto shard_group = group;
+            auto options = FullyShardedOptions();
+            if (world == 4) {
+              const auto hybrid = shampoo::make_hybrid_groups(group, 2);
+              shard_group = hybrid.shard;
+              options.replica_group(hybrid.replica);
+            }
+            ShardedRun run(Optim::kShampoo, shard_group, options);
+            const auto data = sharding_batch(rank, world);
+            for (int step = 0; step < 2; ++step) sharded_step(run, data, true);
+            shampoo::save_distributed_state(*run.fsdp, dir);
+            auto values = run.full_values();
+            if (rank == world - 1) {
+              shampoo::forward_sequential(*run.fsdp, run.model, data.inputs);
+              if (hung) std::this_thread::sleep_for(2 * timeout);
+              return;  // gone: its process groups close
+            }
+            if (rank == 0) {
+              std::lock_guard<std::mutex> lock(mutex);
+              saved_values = values;
+            }
+            const auto start = std::chrono::steady_clock::now();
+            expect_error([&] { sharded_step(run, data, true); },
+                         {"FullyShardedDataParallel: ",
+                          "failed on rank " + std::to_string(run.fsdp->process_group()->getRank()),
+                          "did another rank stop"});
+            EXPECT_LT(std::chrono::steady_clock::now() - start, timeout + std::chrono::seconds(3))
+                << where << " rank " << rank;
+          },
+          timeout);
+      std::vector<at::Tensor> loaded;
+      train_sharded(Optim::kShampoo, 1, 0, dir, "", loaded);
+      EXPECT_TRUE(bit_equal(loaded, saved_values)) << where;
+      shampoo::testing::remove_tree(dir);
+    }
   }
 }
 

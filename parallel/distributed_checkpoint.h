@@ -111,6 +111,38 @@ class DistributedCheckpointable {
                                              PieceReader& pieces) = 0;
 };
 
+/// A DistributedCheckpointable that is another one's face: every call goes to
+/// checkpoint_delegate() (e.g. FullyShardedDataParallel::optimizer(), which checkpoints the whole
+/// wrapper).
+class DelegatingCheckpointable : public DistributedCheckpointable {
+ public:
+  std::string checkpoint_kind() const override { return delegate().checkpoint_kind(); }
+  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override {
+    return delegate().checkpoint_group();
+  }
+  void sync_for_checkpoint() const override { delegate().sync_for_checkpoint(); }
+  int checkpoint_replicas() const override { return delegate().checkpoint_replicas(); }
+  int checkpoint_replica() const override { return delegate().checkpoint_replica(); }
+  bool agree_across_replicas(bool ok) const override {
+    return delegate().agree_across_replicas(ok);
+  }
+  void save_common(torch::serialize::OutputArchive& common) const override {
+    delegate().save_common(common);
+  }
+  void save_pieces(PieceWriter& pieces) const override { delegate().save_pieces(pieces); }
+  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
+                                     PieceReader& pieces) override {
+    return checkpoint_delegate().prepare_load(common, pieces);
+  }
+
+ protected:
+  /// The object that saves and loads.
+  virtual DistributedCheckpointable& checkpoint_delegate() const = 0;
+
+ private:
+  const DistributedCheckpointable& delegate() const { return checkpoint_delegate(); }
+};
+
 /// Saves `optimizer` (a DistributedCheckpointable) into the checkpoint directory `dir`. Every rank
 /// of its process group calls this; it returns once the new generation is committed, and throws
 /// on every rank when any rank failed (the previous checkpoint then stays the current one).

@@ -137,7 +137,7 @@ class FullyShardedDataParallel;
 ///   rows and every optimizer), as save_distributed_state(fsdp, dir); torch::save(optimizer)
 ///   is an error that says so.
 class FullyShardedOptimizer final : public torch::optim::Optimizer,
-                                    public DistributedCheckpointable,
+                                    public DelegatingCheckpointable,
                                     public ScaledStepping {
  public:
   torch::Tensor step(LossClosure closure = nullptr) override;
@@ -150,16 +150,9 @@ class FullyShardedOptimizer final : public torch::optim::Optimizer,
   /// A GradScaler given this optimizer unscales and steps the model (its reduced gradients).
   ScaledStepping& scaling_target() override;
 
-  std::string checkpoint_kind() const override;
-  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
-  void sync_for_checkpoint() const override;
-  int checkpoint_replicas() const override;
-  int checkpoint_replica() const override;
-  bool agree_across_replicas(bool ok) const override;
-  void save_common(torch::serialize::OutputArchive& common) const override;
-  void save_pieces(PieceWriter& pieces) const override;
-  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
-                                     PieceReader& pieces) override;
+ protected:
+  /// Checkpoints save and load the whole wrapper.
+  DistributedCheckpointable& checkpoint_delegate() const override;
 
  private:
   friend class FullyShardedDataParallel;

@@ -232,7 +232,7 @@ void FullyShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGr
 void FullyShardedOptimizer::save(torch::serialize::OutputArchive&) const {
   TORCH_CHECK(false, detail::kFsdpWho,
               "torch::save(optimizer) cannot hold a fully sharded model's state (each rank has "
-              "its rows and its parameters' optimizers); save with "
+              "its rows and the state of the parameters it owns); save with "
               "shampoo::save_distributed_checkpoint(optimizer, dir) (or "
               "save_distributed_state(fsdp, dir)), which also holds the parameters");
 }
@@ -244,31 +244,6 @@ void FullyShardedOptimizer::load(torch::serialize::InputArchive&) {
               "load_distributed_state(fsdp, dir))");
 }
 
-std::string FullyShardedOptimizer::checkpoint_kind() const { return owner_.checkpoint_kind(); }
-
-c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedOptimizer::checkpoint_group() const {
-  return owner_.checkpoint_group();
-}
-
-void FullyShardedOptimizer::sync_for_checkpoint() const { owner_.sync_for_checkpoint(); }
-
-int FullyShardedOptimizer::checkpoint_replicas() const { return owner_.checkpoint_replicas(); }
-
-int FullyShardedOptimizer::checkpoint_replica() const { return owner_.checkpoint_replica(); }
-
-bool FullyShardedOptimizer::agree_across_replicas(bool ok) const {
-  return owner_.agree_across_replicas(ok);
-}
-
-void FullyShardedOptimizer::save_common(torch::serialize::OutputArchive& common) const {
-  owner_.save_common(common);
-}
-
-void FullyShardedOptimizer::save_pieces(PieceWriter& pieces) const { owner_.save_pieces(pieces); }
-
-std::function<void()> FullyShardedOptimizer::prepare_load(torch::serialize::InputArchive& common,
-                                                          PieceReader& pieces) {
-  return owner_.prepare_load(common, pieces);
-}
+DistributedCheckpointable& FullyShardedOptimizer::checkpoint_delegate() const { return owner_; }
 
 }  // namespace shampoo

@@ -71,22 +71,28 @@ std::unique_ptr<torch::optim::OptimizerParamState> read_param_state_piece(
 void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ready) {
   std::unordered_set<const void*> stepping;
   for (const auto& p : ready) stepping.insert(p.unsafeGetTensorImpl());
-  std::vector<std::pair<at::Tensor, at::Tensor>> hidden;
+  // The param groups hold `ready` only during the step: the optimizer never reads the other
+  // parameters, whose gradients another thread may be writing (full sharding's worker steps a
+  // unit while backward goes on with the others).
+  std::vector<std::vector<at::Tensor>> all;
   for (auto& group : optimizer.param_groups()) {
-    for (auto& q : group.params()) {
-      if (stepping.count(q.unsafeGetTensorImpl()) == 0 && q.grad().defined()) {
-        hidden.emplace_back(q, q.grad());
-        q.mutable_grad().reset();
-      }
+    all.push_back(std::move(group.params()));
+    group.params().clear();
+    for (const auto& q : all.back()) {
+      if (stepping.count(q.unsafeGetTensorImpl()) != 0) group.params().push_back(q);
     }
   }
+  const auto put_back = [&] {
+    auto& groups = optimizer.param_groups();
+    for (size_t g = 0; g < all.size(); ++g) groups[g].params() = std::move(all[g]);
+  };
   try {
     optimizer.step();
   } catch (...) {
-    for (auto& [q, g] : hidden) q.mutable_grad() = g;
+    put_back();
     throw;
   }
-  for (auto& [q, g] : hidden) q.mutable_grad() = g;
+  put_back();
 }
 
 namespace {

@@ -21,8 +21,9 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
     const torch::optim::Optimizer& optimizer);
 
 /// Steps `optimizer` (any torch::optim optimizer, which steps every parameter with a gradient)
-/// for the parameters in `ready` only: the gradients of its other parameters are hidden during
-/// the step and put back afterwards, also when the step throws.
+/// for the parameters in `ready` only: during the step its param groups hold those alone (put
+/// back afterwards, also when the step throws), so the other parameters and their gradients are
+/// not even read.
 void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ready);
 
 /// A checkpoint piece of `param`'s state in `optimizer` (one of the above): whether it has

@@ -95,7 +95,9 @@ void RankOptimizer::step(const std::vector<at::Tensor>& params, bool in_pass, Un
       }
     }
   }
-  optimizer_->step();  // the parameters without a gradient are not stepped
+  // `params` only: another unit's parameters may be getting their gradients meanwhile (the
+  // step runs on the worker during backward).
+  step_only(*optimizer_, params);
 }
 
 void RankOptimizer::finish() {

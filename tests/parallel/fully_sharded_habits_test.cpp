@@ -9,14 +9,17 @@
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/serialize.h>
 
+#include <chrono>
 #include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "parallel/grad_ready_hooks.h"
 #include "parallel/sharding_runs.h"
 #include "support/test_support.h"
 
@@ -354,6 +357,42 @@ TEST(FullyShardedOptimizer, UserGroupsAndASchedulerEqualDataParallelismBitForBit
       }
     }
   }
+}
+
+// The rank's one LibTorch optimizer steps a unit's parameters on the worker while backward goes
+// on with the other units, whose parameters autograd is giving gradients. It must not step a
+// parameter that has a gradient but is not the unit's: here the first layer's weight keeps its
+// unreduced gradient for 300 ms (a callback that runs before the wrapper's), while the worker
+// steps the second layer; the result equals one process's Adam bit for bit (a double step of the
+// weight would not).
+TEST(FullyShardedOptimizer, AUnitsStepLeavesTheGradientsOfOtherUnitsAlone) {
+  run_ranks(
+      1,
+      [&](int, const Group& group) {
+        const auto data = sharding_batch(0, 1);
+        auto reference = make_mlp(6, 10, 3, /*seed=*/5);
+        torch::optim::Adam adam(reference->parameters(), torch::optim::AdamOptions(0.01));
+        auto model = make_mlp(6, 10, 3, /*seed=*/5);
+        const auto first_weight = model->parameters()[0];
+        const auto handle = shampoo::detail::add_grad_ready_callback(
+            first_weight,
+            [](const at::Tensor&) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); });
+        {
+          FullyShardedDataParallel fsdp(shampoo::sequential_units(model), factory_of(Kind::kAdam),
+                                        group, FullyShardedOptions().overlap_step(true));
+          for (int step = 0; step < 3; ++step) {
+            adam.zero_grad();
+            loss_of(reference->forward(data.inputs), data).backward();
+            adam.step();
+            loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data).backward();
+          }
+          std::vector<at::Tensor> values;
+          for (const auto& p : model->parameters()) values.push_back(fsdp.full_value(p));
+          EXPECT_TRUE(bit_equal(values, reference->parameters()));
+        }
+        shampoo::detail::remove_grad_ready_callback(first_weight, handle);
+      },
+      kTimeout);
 }
 
 TEST(FullyShardedOptimizer, ErrorsNameWhatTheUserCalledAndWhatToDo) {

@@ -21,7 +21,9 @@
 ///          every parameter with the process group (DistributedOptions): blocks owned by ranks,
 ///          one AllGather per step. The step full sharding's is compared with (issue 45).
 ///   hybrid: full (overlapped) within shard groups of --shard-group-size consecutive ranks,
-///          replicated across them (make_hybrid_groups, FullyShardedOptions::replica_group).
+///          replicated across them (make_hybrid_groups, FullyShardedOptions::replica_group);
+///   hybrid_split: hybrid with each parameter stepped (its state kept) by one replica
+///          (FullyShardedOptions::split_across_replicas).
 /// Roots: with Shampoo, the amortized computations (one per block and dim) of the warm-up
 /// iteration, a precondition step, and the batched calls that made them (ShampooStats), summed
 /// over this rank's optimizers: one call per stack of equal block shapes and dim when one
@@ -45,7 +47,7 @@
 ///
 ///   bench_fully_sharded [--torchrun | --world 2] [--steps 3] [--optimizer adam|shampoo]
 ///                       [--modes none,zero1,zero2,full,full_no_undo,full_after_backward,
-///                                distributor,hybrid] [--shard-group-size 2]
+///                                distributor,hybrid,hybrid_split] [--shard-group-size 2]
 ///                       [--small]
 ///                       [--threads 1] [--json PATH] [--label TEXT]
 /// Results and how to read them: benchmarks/RESULTS.md ("Full sharding").
@@ -73,7 +75,7 @@ using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 const std::vector<std::string> kModes{"none",        "zero1",        "zero2",
                                       "full",        "full_no_undo", "full_after_backward",
-                                      "distributor", "hybrid"};
+                                      "distributor", "hybrid",       "hybrid_split"};
 
 struct Args {
   int64_t world = 2;
@@ -131,7 +133,7 @@ ModeRun make_mode(const std::string& mode, const std::vector<at::Tensor>& params
   ModeRun run;
   const auto factory = factory_of(args);
   if (mode == "full" || mode == "full_no_undo" || mode == "full_after_backward" ||
-      mode == "hybrid") {
+      mode == "hybrid" || mode == "hybrid_split") {
     std::vector<shampoo::ShardedUnit> units;
     for (size_t u = 0; u < members.size(); ++u) {
       shampoo::ShardedUnit unit{std::to_string(u), {}};
@@ -143,10 +145,10 @@ ModeRun make_mode(const std::string& mode, const std::vector<at::Tensor>& params
                        .overlap_step(run.overlap)
                        .undo_failed_steps(mode != "full_no_undo");
     auto shard_group = group;
-    if (mode == "hybrid") {
+    if (mode == "hybrid" || mode == "hybrid_split") {
       const auto hybrid = shampoo::make_hybrid_groups(group, args.shard_group_size);
       shard_group = hybrid.shard;
-      options.replica_group(hybrid.replica);
+      options.replica_group(hybrid.replica).split_across_replicas(mode == "hybrid_split");
     }
     run.fsdp =
         std::make_unique<shampoo::FullyShardedDataParallel>(units, factory, shard_group, options);
@@ -302,11 +304,12 @@ void print_results(const Results& results, const std::vector<std::string>& modes
     for (int rank = 0; rank < world; ++rank) {
       const auto& f = results[m][rank];
       std::string verdict;
-      const bool sharded = modes[m].rfind("full", 0) == 0 || modes[m] == "hybrid";
+      const bool hybrid = modes[m].rfind("hybrid", 0) == 0;
+      const bool sharded = modes[m].rfind("full", 0) == 0 || hybrid;
       if (per_rank_allocator && sharded && none != modes.end()) {
         const auto& plain = results[none - modes.begin()][rank];
         // Hybrid shards over its shard group only.
-        const int64_t shards = modes[m] == "hybrid" ? args.shard_group_size : world;
+        const int64_t shards = hybrid ? args.shard_group_size : world;
         const double held_bound = static_cast<double>(plain.held) / shards * 1.1;
         const double peak_bound = static_cast<double>(f.held + 4 * unit_bytes);
         verdict = fmt::format(" (held {} bound {} MB; peak {} bound {} MB)",
@@ -369,7 +372,8 @@ int main(int argc, char** argv) {
       .add("modes", args.modes,
            "comma-separated: none, zero1, zero2, full, full_no_undo, full_after_backward, "
            "distributor (Shampoo only), hybrid (full sharding within shard groups of "
-           "--shard-group-size ranks, replicated across them)")
+           "--shard-group-size ranks, replicated across them), hybrid_split (hybrid, each "
+           "parameter's state on one replica)")
       .add_bool("small", args.small, "every dim of the workload divided by 8")
       .add("threads", args.threads, "intra-op threads per rank", 1)
       .add("shard-group-size", args.shard_group_size,

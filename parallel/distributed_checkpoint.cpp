@@ -564,6 +564,11 @@ void save_distributed_state(const DistributedCheckpointable& source, const fs::p
     SaveProtocol(source, dir, choose_group(source, std::move(group))).run();
     return;
   }
+  TORCH_CHECK(!source.every_replica_writes(), "save_distributed_checkpoint(", dir.string(),
+              "): hybrid sharding with the state split across the replicas "
+              "(FullyShardedOptions::split_across_replicas): each replica holds part of the "
+              "optimizer state, and this checkpoint is written by one replica; save a whole run "
+              "with save_training_checkpoint(dir, state, group) over every rank instead");
   // Hybrid: replica 0 writes; the others wait for its outcome, which every rank then shares.
   std::exception_ptr error;
   if (source.checkpoint_replica() == 0) {

@@ -101,6 +101,10 @@ class DistributedCheckpointable {
   /// After a save, on every rank: whether every replica's part went well (`ok`: this rank's).
   /// Collective over the replicas; true without replicas.
   virtual bool agree_across_replicas(bool ok) const { return ok; }
+  /// Whether each replica holds state of its own (hybrid sharding with the state split across
+  /// the replicas): then every replica saves its pieces (a whole-run checkpoint over every rank),
+  /// and a checkpoint that one replica writes alone is refused.
+  virtual bool every_replica_writes() const { return false; }
   /// What every rank holds alike. Called on rank 0 only; no collectives.
   virtual void save_common(torch::serialize::OutputArchive& common) const = 0;
   /// This rank's pieces (none on a rank that only replicates another's). No collectives.
@@ -126,6 +130,7 @@ class DelegatingCheckpointable : public DistributedCheckpointable {
   bool agree_across_replicas(bool ok) const override {
     return delegate().agree_across_replicas(ok);
   }
+  bool every_replica_writes() const override { return delegate().every_replica_writes(); }
   void save_common(torch::serialize::OutputArchive& common) const override {
     delegate().save_common(common);
   }

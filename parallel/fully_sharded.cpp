@@ -55,10 +55,18 @@ void FullyShardedDataParallel::init(
   s.options = options;
   s.rank = s.group->getRank();
   s.world = s.group->getSize();
-  if (options.replica_group()) s.replicas = options.replica_group()->getSize();
+  if (options.replica_group()) {
+    s.replicas = options.replica_group()->getSize();
+    s.replica = options.replica_group()->getRank();
+  }
+  TORCH_CHECK(!options.split_across_replicas() || options.replica_group(), detail::kFsdpWho,
+              "split_across_replicas needs a replica_group (hybrid sharding)");
+  TORCH_CHECK(!options.split_across_replicas() || options.step_mode() == ShardedStepMode::kLossless,
+              detail::kFsdpWho, "split_across_replicas needs step_mode kLossless");
   s.add_units(std::move(units));
   s.make_groups(s.agree_on_units());
   s.agree_across_replicas();
+  s.make_replica_step_group();
   s.broadcast_values();
   if (s.lossless()) s.assign_owners();
   s.factory = std::move(factory);
@@ -176,7 +184,7 @@ torch::optim::Optimizer* FullyShardedDataParallel::optimizer_of(const at::Tensor
   const auto [u, i] = s.position_of(param);
   if (!s.lossless()) return s.unit(u).optimizer.get();
   const bool stepped_here =
-      s.unit(u).params[i].owner == s.rank && s.group_of.count(State::impl_of(param)) != 0;
+      s.steps_here(s.unit(u).params[i]) && s.group_of.count(State::impl_of(param)) != 0;
   return stepped_here ? s.rank_optimizer->get() : nullptr;
 }
 
@@ -262,6 +270,8 @@ int FullyShardedDataParallel::checkpoint_replicas() const { return state_->repli
 int FullyShardedDataParallel::checkpoint_replica() const {
   return state_->replicas == 1 ? 0 : state_->options.replica_group()->getRank();
 }
+
+bool FullyShardedDataParallel::every_replica_writes() const { return state_->split(); }
 
 bool FullyShardedDataParallel::agree_across_replicas(bool ok) const {
   if (state_->replicas == 1) return ok;

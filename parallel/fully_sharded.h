@@ -114,6 +114,14 @@ struct FullyShardedOptions {
   /// stay within a node and only the reduced shards cross nodes. Null: no replicas. Not yet with
   /// checkpoints (an error says so).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, replica_group) = {};
+  /// Hybrid, lossless: each parameter is stepped, and its optimizer state kept, by one replica
+  /// only (owners planned over every rank of both groups, as the Distributor's
+  /// num_trainers_per_group splits blocks), its averaged gradient reduced to that replica and its
+  /// new value broadcast to the others. A rank then holds 1/replicas of its shard group's
+  /// optimizer state, for one broadcast per parameter and step across replicas. The results equal
+  /// the replicated ones. Checkpoints: save_training_checkpoint over every rank (each replica
+  /// saves its own state); save_distributed_checkpoint, written by one replica, is refused.
+  TORCH_ARG(bool, split_across_replicas) = false;
 
  public:
   /// Every field equal.
@@ -295,6 +303,7 @@ class FullyShardedDataParallel : public DistributedCheckpointable, public Scaled
   int checkpoint_replicas() const override;
   int checkpoint_replica() const override;
   bool agree_across_replicas(bool ok) const override;
+  bool every_replica_writes() const override;
   void save_common(torch::serialize::OutputArchive& common) const override;
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,

@@ -179,7 +179,8 @@ void FullyShardedDataParallel::State::reduce_to_owners(Unit& unit, std::vector<a
   }
   reduce_across_replicas(unit, owned);
   for (size_t i = 0; i < grads.size(); ++i) {
-    if (unit.params[i].owner == rank) {
+    // Split across replicas: the sum reached the stepping replica only.
+    if (steps_here(unit.params[i])) {
       accumulate(unit.params[i], grads[i].to(unit.dtype).div_(world * replicas));
     }
     grads[i] = at::Tensor();
@@ -218,9 +219,19 @@ void FullyShardedDataParallel::State::reduce_across_replicas(const Unit& unit,
                                                              const std::vector<at::Tensor>& sums) {
   if (replicas == 1) return;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (const auto& sum : sums) {
-    std::vector<at::Tensor> one{sum};
-    works.push_back(options.replica_group()->allreduce(one));
+  std::vector<const ParamSlot*> owned;  // split: the slots of `sums`, for their replica
+  for (const auto& slot : unit.params) {
+    if (slot.owner == rank) owned.push_back(&slot);
+  }
+  for (size_t k = 0; k < sums.size(); ++k) {
+    std::vector<at::Tensor> one{sums[k]};
+    if (split()) {  // to the replica that steps it
+      c10d::ReduceOptions reduce_options;
+      reduce_options.rootRank = owned.at(k)->replica_owner;
+      works.push_back(options.replica_group()->reduce(one, reduce_options));
+    } else {
+      works.push_back(options.replica_group()->allreduce(one));
+    }
   }
   detail::wait_all_of(works, "the gradient all-reduce across replicas of unit '" + unit.name + "'",
                       rank);

@@ -130,7 +130,8 @@ void FullyShardedDataParallel::State::save_pieces(PieceWriter& pieces) {
   for (size_t u = 0; u < units.size(); ++u) {
     for (size_t i = 0; i < units[u]->params.size(); ++i) {
       const auto& slot = units[u]->params[i];
-      if (slot.valid_rows(rank) > 0) {
+      // Split across replicas every replica saves its own state; the rows, replica 0.
+      if (slot.valid_rows(rank) > 0 && replica == 0) {
         torch::serialize::OutputArchive rows;
         rows.write("rows", slot.shard.detach(), /*is_buffer=*/true);
         pieces.add(param_key(u, i) + "/rows_" + std::to_string(rank), std::move(rows));
@@ -240,7 +241,7 @@ std::function<void()> FullyShardedDataParallel::State::prepare_load(
       auto& slot = unit(u).params[i];
       shards.emplace_back(slot.shard, read_rows(u, i, saved_world, pieces));
       const auto key = param_key(u, i) + "/accumulated";
-      if (saved_since > 0 && slot.owner == rank && pieces.contains(key)) {
+      if (saved_since > 0 && steps_here(slot) && pieces.contains(key)) {
         auto piece = pieces.read(key);
         at::Tensor gradient;
         TORCH_CHECK(piece.try_read("gradient", gradient, /*is_buffer=*/true) &&

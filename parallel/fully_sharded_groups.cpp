@@ -101,7 +101,7 @@ void FullyShardedDataParallel::State::add_later_params(const std::vector<at::Ten
                 ": add param groups between iterations (unit '", unit.name, "' is gathered)");
     materialize(unit, slot,
                 "the all-gather of a parameter joining param group " + std::to_string(g));
-    if (slot.owner == rank) rank_optimizer->add(g, {slot.param}, group_options());
+    if (steps_here(slot)) rank_optimizer->add(g, {slot.param}, group_options());
     detail::release_full(slot.param, unit.dtype);
   }
 }

@@ -135,6 +135,21 @@ void FullyShardedDataParallel::State::make_groups(int64_t tag) {
   }
 }
 
+/// Split across replicas with overlap: the worker's own group over the replica group's ranks (the
+/// main thread reduces across replicas meanwhile), named by a tag drawn over the replica group
+/// (its members come from different shard groups).
+void FullyShardedDataParallel::State::make_replica_step_group() {
+  replica_step_group = options.replica_group();
+  if (!split() || !options.overlap_step()) return;
+  auto& replica_group = options.replica_group();
+  const int64_t ticket =
+      replica == 0 ? replica_group->getStore()->add("shampoo_fsdp_replica_ticket", 1) : 0;
+  const auto tag = detail::gather_int64(*replica_group, {ticket})[0][0];
+  replica_step_group =
+      detail::make_subgroup(replica_group, 0, replicas, "fsdp_replica_step_" + std::to_string(tag),
+                            detail::group_timeout(*replica_group));
+}
+
 /// Rank 0's values everywhere: within the shard group, then (hybrid) across the replicas.
 void FullyShardedDataParallel::State::broadcast_values() {
   if (!options.broadcast_parameters()) return;
@@ -158,11 +173,17 @@ void FullyShardedDataParallel::State::assign_owners() {
       costs.push_back(detail::block_cost(slot.numel(), slot.param.element_size()));
     }
   }
-  detail::OwnershipPlan plan(world);
+  // Split across replicas: one plan over every rank of both groups; bin b is shard rank
+  // b % world of replica b / world.
+  detail::OwnershipPlan plan(split() ? world * replicas : world);
   plan.add(costs);
   int64_t k = 0;
   for (auto& unit : units) {
-    for (auto& slot : unit->params) slot.owner = plan.owner_of(k++);
+    for (auto& slot : unit->params) {
+      const int bin = plan.owner_of(k++);
+      slot.owner = bin % world;
+      slot.replica_owner = split() ? bin / world : -1;
+    }
   }
 }
 
@@ -193,7 +214,7 @@ void FullyShardedDataParallel::State::make_shards_and_optimizers() {
   for (size_t g = 0; g < groups.size(); ++g) {
     std::vector<at::Tensor> owned;  // in the group's order
     for (const auto& p : groups[g].params()) {
-      if (slot_for(p).owner == rank) owned.push_back(p);
+      if (steps_here(slot_for(p))) owned.push_back(p);
     }
     rank_optimizer->add(g, owned, group_options());
   }

@@ -54,6 +54,7 @@ struct ParamSlot {
   int64_t chunk_rows = 1;  // rows per rank, ceil(rows / world)
   int64_t offset = 0;      // of this parameter's chunk in the unit's shard buffer
   int owner = -1;          // lossless: the rank that steps it
+  int replica_owner = -1;  // split across replicas: the replica that steps it (-1: every one)
   at::Tensor shard;        // this rank's valid rows, [valid, ...]
   at::Tensor reduced;      // averaged gradient kept for the step (full, or this rank's rows)
   bool arrived = false;    // gradient accumulated in this backward pass
@@ -112,6 +113,9 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   int rank = 0;
   int world = 1;     // ranks of the shard group (group)
   int replicas = 1;  // hybrid: ranks of options.replica_group()
+  int replica = 0;   // hybrid: this rank's replica (its rank in the replica group)
+  // Split across replicas with overlap: the worker's broadcasts and agreements across replicas.
+  c10::intrusive_ptr<c10d::ProcessGroup> replica_step_group;
   std::vector<std::unique_ptr<Unit>> units;
   std::map<std::string, size_t> unit_by_name;
   std::unordered_map<const c10::TensorImpl*, std::pair<size_t, size_t>> slot_of;
@@ -143,6 +147,12 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   /// Units stepped during backward keep what undoes their step until the pass ends.
   bool journal() const { return options.overlap_step() && options.undo_failed_steps(); }
   bool lossless() const { return options.step_mode() == ShardedStepMode::kLossless; }
+  bool split() const { return options.split_across_replicas() && replicas > 1; }
+  /// Whether this rank steps the parameter: its owner in its shard group and, split across
+  /// replicas, in its replica.
+  bool steps_here(const ParamSlot& slot) const {
+    return slot.owner == rank && (slot.replica_owner < 0 || slot.replica_owner == replica);
+  }
   Unit& unit(size_t index) { return *units[index]; }
   static const c10::TensorImpl* impl_of(const at::Tensor& t) { return t.unsafeGetTensorImpl(); }
   /// Whether the parameter is in one of optimizer()'s groups (else it is frozen: not stepped).
@@ -156,6 +166,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   static int64_t fingerprint(const Unit& unit);
   static std::string describe(const Unit& unit);
   void make_groups(int64_t tag);
+  void make_replica_step_group();
   void broadcast_values();
   void assign_owners();
   void make_shards_and_optimizers();
@@ -178,6 +189,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   static std::vector<int64_t> starts_of(const std::vector<int64_t>& split);
   void collect_rows(Unit& unit, c10d::ProcessGroup& via);
   void scatter_rows(Unit& unit, c10d::ProcessGroup& via);
+  void broadcast_stepped(Unit& unit, c10d::ProcessGroup& replicas_via);
   void materialize(Unit& unit, ParamSlot& slot, const std::string& what);
 
   // forward, backward and the gradient reduction (fully_sharded_backward.cpp)
@@ -207,6 +219,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   void check_step_after_backward(const char* function) const;
   void step_all(const char* function);
   void step_all_owned();
+  std::vector<int64_t> or_across_replicas(std::vector<int64_t> flags, c10d::ProcessGroup& via);
   void check_finite_before_steps();
   void skip_all();
   std::vector<at::Tensor> reduced_gradients(const char* function);

@@ -32,19 +32,24 @@ void FullyShardedDataParallel::State::step_unit(Unit& unit, c10d::ProcessGroup& 
   for (int r = 0; r < world; ++r) {
     if (flags[r][0] != 0) failed.push_back(r);
   }
-  if (!failed.empty()) {
+  const bool elsewhere =
+      or_across_replicas({failed.empty() ? 0 : 1}, *replica_step_group)[0] != 0 && failed.empty();
+  if (!failed.empty() || elsewhere) {
     undo.revert();  // this rank's rows never changed
     if (lossless()) {
       for (auto& slot : unit.params) detail::release_full(slot.param, unit.dtype);
     }
     unit.to_step = false;
-    pass_failure = failure_message(unit, failed, failure);
+    pass_failure = elsewhere ? std::string(kWho) + "the step of unit '" + unit.name +
+                                   "' failed in another replica (the error there says why)"
+                             : failure_message(unit, failed, failure);
     return;
   }
   if (journal()) {
     for (auto& slot : unit.params) undo.shards.emplace_back(slot.shard, slot.shard.clone());
   }
   if (lossless()) {
+    broadcast_stepped(unit, *replica_step_group);
     scatter_rows(unit, via);
     for (auto& slot : unit.params) detail::release_full(slot.param, unit.dtype);
   }
@@ -267,17 +272,34 @@ void FullyShardedDataParallel::State::step_all_owned() {
   for (int r = 0; r < world; ++r) {
     if (flags[r][0] != 0) failed.push_back(r);
   }
+  const bool any = or_across_replicas({failed.empty() ? 0 : 1}, *options.replica_group())[0] != 0;
   for (auto* unit : stepping) {
-    if (failed.empty()) scatter_rows(*unit, *group);
+    if (!any) {
+      broadcast_stepped(*unit, *options.replica_group());
+      scatter_rows(*unit, *group);
+    }
     drop_unit_step(*unit);
   }
-  if (failed.empty()) return;
+  if (!any) return;
   passes_since_step = 0;
   std::ostringstream ranks;
   for (size_t k = 0; k < failed.size(); ++k) ranks << (k ? ", " : "") << failed[k];
-  TORCH_CHECK(false, kWho, "the step failed on rank(s) ", ranks.str(),
+  TORCH_CHECK(false, kWho, "the step failed ",
+              failed.empty() ? "in another replica" : "on rank(s) " + ranks.str(),
               failure.empty() ? " (the error there says why)" : ": here, " + failure,
               failure_outcome(true));
+}
+
+/// Split across replicas: `flags` (this shard group's agreement, per item) or-ed over the
+/// replicas over `via`, so that every replica sees another's failure (a parameter is stepped in
+/// one replica only). Unchanged otherwise.
+std::vector<int64_t> FullyShardedDataParallel::State::or_across_replicas(std::vector<int64_t> flags,
+                                                                         c10d::ProcessGroup& via) {
+  if (!split()) return flags;
+  for (const auto& row : detail::gather_int64(via, flags)) {
+    for (size_t i = 0; i < flags.size(); ++i) flags[i] = flags[i] != 0 || row[i] != 0 ? 1 : 0;
+  }
+  return flags;
 }
 
 /// Without overlap: every unit's averaged gradients are checked on their owners, and the
@@ -292,15 +314,24 @@ void FullyShardedDataParallel::State::check_finite_before_steps() {
     flags.push_back(found.empty() ? 0 : 1);
   }
   const auto all = detail::gather_int64(*group, flags);
+  std::vector<int64_t> in_group(units.size(), 0);
   for (size_t u = 0; u < units.size(); ++u) {
+    for (int r = 0; r < world; ++r) in_group[u] = in_group[u] != 0 || all[r][u] != 0 ? 1 : 0;
+  }
+  const auto anywhere = or_across_replicas(in_group, *options.replica_group());
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (anywhere[u] == 0) continue;
     std::vector<int> failed;
     for (int r = 0; r < world; ++r) {
       if (all[r][u] != 0) failed.push_back(r);
     }
-    if (failed.empty()) continue;
     for (auto& unit : units) drop_unit_step(*unit);
     passes_since_step = 0;
-    TORCH_CHECK(false, failure_message(*units[u], failed, here), failure_outcome(true));
+    TORCH_CHECK(false,
+                failed.empty() ? std::string(kWho) + "the step of unit '" + units[u]->name +
+                                     "' failed in another replica (the error there says why)"
+                               : failure_message(*units[u], failed, here),
+                failure_outcome(true));
   }
 }
 

@@ -163,7 +163,8 @@ void TrainingCheckpoint::save_pieces(PieceWriter& pieces) const {
   const auto* distributed = checkpointable();
   // Hybrid sharding: the replicas hold the same shards, so replica 0 writes them (every rank
   // still writes its own generators); any rank reads them back, whatever its replica.
-  if (distributed != nullptr && distributed->checkpoint_replica() == 0) {
+  if (distributed != nullptr &&
+      (distributed->checkpoint_replica() == 0 || distributed->every_replica_writes())) {
     auto nested = pieces.nested("optimizer/");
     distributed->save_pieces(nested);
   }

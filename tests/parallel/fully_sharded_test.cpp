@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "parallel/collectives.h"
 #include "parallel/sharding_runs.h"
 #include "support/test_support.h"
 
@@ -288,6 +289,71 @@ TEST(FullyShardedHybrid, FollowsDataParallelismAtFourRanks) {
           kTimeout);
     }
   }
+}
+
+// Hybrid 2x2 with the state split across the replicas (split_across_replicas): each parameter is
+// stepped by one rank of the four, its gradient reduced to that replica and its new value
+// broadcast, so the ranks hold the state of half as many parameters as replicated hybrid, whose
+// results it equals bit for bit (Adam and Shampoo, overlapped and after backward). A whole-run
+// checkpoint (every replica saves its own state) resumes it bit for bit; a checkpoint written by
+// one replica is refused.
+TEST(FullyShardedHybrid, SplitAcrossReplicasEqualsReplicatedBitForBit) {
+  const auto dir = shampoo::testing::temp_path("hybrid_split");
+  for (const auto& [optim, overlap] : std::vector<std::pair<Optim, bool>>{
+           {Optim::kAdam, true}, {Optim::kShampoo, true}, {Optim::kShampoo, false}}) {
+    shampoo::testing::remove_tree(dir);
+    run_ranks(
+        4,
+        [&, optim = optim, overlap = overlap](int rank, const Group& group) {
+          const auto data = sharding_batch(rank, 4);
+          const auto hybrid = shampoo::make_hybrid_groups(group, 2);
+          const auto options =
+              FullyShardedOptions().overlap_step(overlap).replica_group(hybrid.replica);
+          ShardedRun replicated(optim, hybrid.shard, options);
+          ShardedRun split(optim, hybrid.shard,
+                           FullyShardedOptions(options).split_across_replicas(true));
+          const auto where = optim_name(optim) + (overlap ? " overlap" : " after backward") +
+                             " rank " + std::to_string(rank);
+          for (int step = 0; step < 6; ++step) {
+            const float expected = sharded_step(replicated, data, overlap);
+            EXPECT_EQ(sharded_step(split, data, overlap), expected) << where << " step " << step;
+            if (step == 2) {
+              shampoo::save_training_checkpoint(
+                  dir, {split.model.ptr().get(), &split.fsdp->optimizer()}, group);
+            }
+          }
+          EXPECT_TRUE(bit_equal(split.full_values(), replicated.full_values())) << where;
+          // Every parameter is stepped by one rank of the four (replicated: by two).
+          const auto count = [](ShardedRun& run) {
+            int64_t n = 0;
+            for (auto* optimizer : run.fsdp->optimizers()) {
+              for (const auto& g : optimizer->param_groups()) n += g.params().size();
+            }
+            return n;
+          };
+          const auto counts =
+              shampoo::detail::gather_int64(*group, {count(split), count(replicated)});
+          int64_t split_total = 0, replicated_total = 0;
+          for (const auto& row : counts) {
+            split_total += row[0];
+            replicated_total += row[1];
+          }
+          const auto params = static_cast<int64_t>(split.model->parameters().size());
+          EXPECT_EQ(split_total, params) << where;
+          EXPECT_EQ(replicated_total, 2 * params) << where;
+          expect_error([&] { shampoo::save_distributed_state(*split.fsdp, dir + "_one"); },
+                       {"split across the replicas", "save_training_checkpoint"});
+          // Resumed from step 3 (the checkpoint after it), the run is the same.
+          ShardedRun resumed(optim, hybrid.shard,
+                             FullyShardedOptions(options).split_across_replicas(true));
+          EXPECT_TRUE(shampoo::load_training_checkpoint(
+              dir, {resumed.model.ptr().get(), &resumed.fsdp->optimizer()}, group));
+          for (int step = 3; step < 6; ++step) sharded_step(resumed, data, overlap);
+          EXPECT_TRUE(bit_equal(resumed.full_values(), split.full_values())) << where;
+        },
+        kTimeout);
+  }
+  shampoo::testing::remove_tree(dir);
 }
 
 // A hybrid 2x2 checkpoint (replica 0 writes, replica 1 waits) resumes fully sharded at 2 and in

@@ -218,8 +218,8 @@ void FullyShardedDataParallel::State::materialize(Unit& unit, ParamSlot& slot,
 /// Split across replicas: each owned parameter's stepped full value, from the replica that
 /// stepped it to this shard rank of the others (whose full value is the one before the step),
 /// over `replicas_via`. Nothing otherwise.
-void FullyShardedDataParallel::State::broadcast_stepped(Unit& unit,
-                                                        c10d::ProcessGroup& replicas_via) {
+void FullyShardedDataParallel::State::broadcast_stepped(
+    Unit& unit, const c10::intrusive_ptr<c10d::ProcessGroup>& replicas_via) {
   if (!split()) return;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (auto& slot : unit.params) {
@@ -227,7 +227,7 @@ void FullyShardedDataParallel::State::broadcast_stepped(Unit& unit,
     std::vector<at::Tensor> one{slot.param.variable_data()};
     c10d::BroadcastOptions broadcast_options;
     broadcast_options.rootRank = slot.replica_owner;
-    works.push_back(replicas_via.broadcast(one, broadcast_options));
+    works.push_back(replicas_via->broadcast(one, broadcast_options));
   }
   detail::wait_all_of(
       works, "sending the stepped parameters of unit '" + unit.name + "' to the other replicas",

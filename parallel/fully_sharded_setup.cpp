@@ -135,12 +135,12 @@ void FullyShardedDataParallel::State::make_groups(int64_t tag) {
   }
 }
 
-/// Split across replicas with overlap: the worker's own group over the replica group's ranks (the
-/// main thread reduces across replicas meanwhile), named by a tag drawn over the replica group
-/// (its members come from different shard groups).
+/// Hybrid with overlap: the worker's own group over the replica group's ranks, for its agreements
+/// (and, split, broadcasts) across replicas while the main thread reduces across them, named by
+/// a tag drawn over the replica group (its members come from different shard groups).
 void FullyShardedDataParallel::State::make_replica_step_group() {
   replica_step_group = options.replica_group();
-  if (!split() || !options.overlap_step()) return;
+  if (replicas == 1 || !options.overlap_step()) return;
   auto& replica_group = options.replica_group();
   const int64_t ticket =
       replica == 0 ? replica_group->getStore()->add("shampoo_fsdp_replica_ticket", 1) : 0;

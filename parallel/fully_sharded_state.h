@@ -189,7 +189,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   static std::vector<int64_t> starts_of(const std::vector<int64_t>& split);
   void collect_rows(Unit& unit, c10d::ProcessGroup& via);
   void scatter_rows(Unit& unit, c10d::ProcessGroup& via);
-  void broadcast_stepped(Unit& unit, c10d::ProcessGroup& replicas_via);
+  void broadcast_stepped(Unit& unit, const c10::intrusive_ptr<c10d::ProcessGroup>& replicas_via);
   void materialize(Unit& unit, ParamSlot& slot, const std::string& what);
 
   // forward, backward and the gradient reduction (fully_sharded_backward.cpp)
@@ -219,7 +219,8 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   void check_step_after_backward(const char* function) const;
   void step_all(const char* function);
   void step_all_owned();
-  std::vector<int64_t> or_across_replicas(std::vector<int64_t> flags, c10d::ProcessGroup& via);
+  std::vector<int64_t> or_across_replicas(std::vector<int64_t> flags,
+                                          const c10::intrusive_ptr<c10d::ProcessGroup>& via);
   void check_finite_before_steps();
   void skip_all();
   std::vector<at::Tensor> reduced_gradients(const char* function);

@@ -33,7 +33,7 @@ void FullyShardedDataParallel::State::step_unit(Unit& unit, c10d::ProcessGroup& 
     if (flags[r][0] != 0) failed.push_back(r);
   }
   const bool elsewhere =
-      or_across_replicas({failed.empty() ? 0 : 1}, *replica_step_group)[0] != 0 && failed.empty();
+      or_across_replicas({failed.empty() ? 0 : 1}, replica_step_group)[0] != 0 && failed.empty();
   if (!failed.empty() || elsewhere) {
     undo.revert();  // this rank's rows never changed
     if (lossless()) {
@@ -49,7 +49,7 @@ void FullyShardedDataParallel::State::step_unit(Unit& unit, c10d::ProcessGroup& 
     for (auto& slot : unit.params) undo.shards.emplace_back(slot.shard, slot.shard.clone());
   }
   if (lossless()) {
-    broadcast_stepped(unit, *replica_step_group);
+    broadcast_stepped(unit, replica_step_group);
     scatter_rows(unit, via);
     for (auto& slot : unit.params) detail::release_full(slot.param, unit.dtype);
   }
@@ -272,10 +272,10 @@ void FullyShardedDataParallel::State::step_all_owned() {
   for (int r = 0; r < world; ++r) {
     if (flags[r][0] != 0) failed.push_back(r);
   }
-  const bool any = or_across_replicas({failed.empty() ? 0 : 1}, *options.replica_group())[0] != 0;
+  const bool any = or_across_replicas({failed.empty() ? 0 : 1}, options.replica_group())[0] != 0;
   for (auto* unit : stepping) {
     if (!any) {
-      broadcast_stepped(*unit, *options.replica_group());
+      broadcast_stepped(*unit, options.replica_group());
       scatter_rows(*unit, *group);
     }
     drop_unit_step(*unit);
@@ -284,19 +284,24 @@ void FullyShardedDataParallel::State::step_all_owned() {
   passes_since_step = 0;
   std::ostringstream ranks;
   for (size_t k = 0; k < failed.size(); ++k) ranks << (k ? ", " : "") << failed[k];
+  // The gradients were checked finite before (check_finite_before_steps): this is an
+  // optimizer's error, which the ranks learn of after their own steps, kept without copies.
   TORCH_CHECK(false, kWho, "the step failed ",
               failed.empty() ? "in another replica" : "on rank(s) " + ranks.str(),
               failure.empty() ? " (the error there says why)" : ": here, " + failure,
-              failure_outcome(true));
+              "; no parameter changed on any rank, but the optimizer state of the ranks whose "
+              "own step went through has advanced (a step after backward keeps no copy to undo "
+              "it): load a checkpoint to go on from a known state");
 }
 
-/// Split across replicas: `flags` (this shard group's agreement, per item) or-ed over the
-/// replicas over `via`, so that every replica sees another's failure (a parameter is stepped in
-/// one replica only). Unchanged otherwise.
-std::vector<int64_t> FullyShardedDataParallel::State::or_across_replicas(std::vector<int64_t> flags,
-                                                                         c10d::ProcessGroup& via) {
-  if (!split()) return flags;
-  for (const auto& row : detail::gather_int64(via, flags)) {
+/// Hybrid: `flags` (this shard group's agreement, per item) or-ed over the replicas over `via`,
+/// so that a failure in one replica (an optimizer's error on one rank; split, any failure, since
+/// one replica steps a parameter) fails every replica alike instead of leaving them apart.
+/// Unchanged without replicas.
+std::vector<int64_t> FullyShardedDataParallel::State::or_across_replicas(
+    std::vector<int64_t> flags, const c10::intrusive_ptr<c10d::ProcessGroup>& via) {
+  if (replicas == 1) return flags;
+  for (const auto& row : detail::gather_int64(*via, flags)) {
     for (size_t i = 0; i < flags.size(); ++i) flags[i] = flags[i] != 0 || row[i] != 0 ? 1 : 0;
   }
   return flags;
@@ -318,7 +323,7 @@ void FullyShardedDataParallel::State::check_finite_before_steps() {
   for (size_t u = 0; u < units.size(); ++u) {
     for (int r = 0; r < world; ++r) in_group[u] = in_group[u] != 0 || all[r][u] != 0 ? 1 : 0;
   }
-  const auto anywhere = or_across_replicas(in_group, *options.replica_group());
+  const auto anywhere = or_across_replicas(in_group, options.replica_group());
   for (size_t u = 0; u < units.size(); ++u) {
     if (anywhere[u] == 0) continue;
     std::vector<int> failed;

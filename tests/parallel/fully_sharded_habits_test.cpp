@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel/collectives.h"
 #include "parallel/grad_ready_hooks.h"
 #include "parallel/sharding_runs.h"
 #include "support/test_support.h"
@@ -508,6 +509,74 @@ TEST(FullyShardedMidAccumulation, ACheckpointResumesAsUninterrupted) {
     EXPECT_TRUE(all_close(resumed[i], uninterrupted[i], {1e-3, 1e-4})) << "world 1, " << i;
   }
   shampoo::testing::remove_tree(dir);
+}
+
+/// LibTorch's Adam whose step throws while `fail` is set (one rank's optimizer error).
+class FailingAdam : public torch::optim::Adam {
+ public:
+  FailingAdam(std::vector<at::Tensor> params, const bool* fail)
+      : torch::optim::Adam(std::move(params), torch::optim::AdamOptions(0.01)), fail_(fail) {}
+  torch::Tensor step(LossClosure closure = nullptr) override {
+    TORCH_CHECK(!*fail_, "injected optimizer failure");
+    return torch::optim::Adam::step(std::move(closure));
+  }
+
+ private:
+  const bool* fail_;
+};
+
+// Hybrid 2x2, the step overlapped in backward: an optimizer's error on one rank of one replica
+// fails the iteration on every rank of both replicas, with nothing changed anywhere (the steps of
+// the pass undone from their copies), so the replicas stay equal (a replica that stepped while
+// the other undid would part them). The state split across the replicas or not. (After backward
+// the ranks keep no copies: the error then says that the other ranks' state advanced.)
+TEST(FullyShardedHybridFailures, OneReplicasOptimizerErrorFailsEveryReplica) {
+  for (const bool split : {false, true}) {
+    for (const bool overlap : {true}) {
+      run_ranks(
+          4,
+          [&](int rank, const Group& group) {
+            const auto data = sharding_batch(rank, 4);
+            const auto hybrid = shampoo::make_hybrid_groups(group, 2);
+            bool fail = false;
+            auto model = make_mlp(6, 10, 3, /*seed=*/5);
+            FullyShardedDataParallel fsdp(
+                shampoo::sequential_units(model),
+                [&fail, rank](
+                    std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+                  static const bool never = false;
+                  return std::make_unique<FailingAdam>(params, rank == 3 ? &fail : &never);
+                },
+                hybrid.shard,
+                FullyShardedOptions()
+                    .overlap_step(overlap)
+                    .replica_group(hybrid.replica)
+                    .split_across_replicas(split));
+            const auto iterate = [&] {
+              loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data).backward();
+              if (!overlap) fsdp.step();
+            };
+            const auto where = std::string(split ? "split" : "replicated") +
+                               (overlap ? " overlap" : " after backward") + " rank " +
+                               std::to_string(rank);
+            iterate();
+            std::vector<at::Tensor> before;
+            for (const auto& p : model->parameters()) before.push_back(fsdp.full_value(p));
+            fail = true;
+            shampoo::testing::expect_error(iterate, {"FullyShardedDataParallel: ", "fail"});
+            fail = false;
+            std::vector<at::Tensor> after;
+            for (const auto& p : model->parameters()) after.push_back(fsdp.full_value(p));
+            EXPECT_TRUE(bit_equal(after, before)) << where;
+            iterate();  // the next iteration runs, and the replicas stay equal
+            const auto mine = fsdp.full_value(model->parameters()[0]);
+            const auto sums = shampoo::detail::gather_int64(
+                *hybrid.replica, {static_cast<int64_t>(mine.sum().item<double>() * 1e6)});
+            EXPECT_EQ(sums[0][0], sums[1][0]) << where;
+          },
+          kTimeout);
+    }
+  }
 }
 
 // A non-finite gradient on one rank, without a GradScaler: every rank fails the iteration with

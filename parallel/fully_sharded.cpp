@@ -153,6 +153,10 @@ double FullyShardedDataParallel::clip_grad_norm_of(const std::vector<at::Tensor>
   TORCH_CHECK(s.lossless(), detail::kFsdpWho, function,
               ": needs step_mode kLossless (local shards hold row chunks, whose norms do not add "
               "up to a whole parameter's bit for bit)");
+  TORCH_CHECK(!s.split(), detail::kFsdpWho, function,
+              ": with split_across_replicas each replica holds the averaged gradients of the "
+              "parameters it steps only, and clipping by their norm across the replicas is not "
+              "supported yet; clip with the state replicated (split_across_replicas(false))");
   std::vector<detail::SpreadGradient> spread;
   for (const auto& p : params) {
     const auto [u, i] = s.position_of(p);

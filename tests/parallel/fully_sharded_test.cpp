@@ -322,7 +322,8 @@ TEST(FullyShardedHybrid, SplitAcrossReplicasEqualsReplicatedBitForBit) {
                   dir, {split.model.ptr().get(), &split.fsdp->optimizer()}, group);
             }
           }
-          EXPECT_TRUE(bit_equal(split.full_values(), replicated.full_values())) << where;
+          const auto split_values = split.full_values();
+          EXPECT_TRUE(bit_equal(split_values, replicated.full_values())) << where;
           // Every parameter is stepped by one rank of the four (replicated: by two).
           const auto count = [](ShardedRun& run) {
             int64_t n = 0;
@@ -343,13 +344,21 @@ TEST(FullyShardedHybrid, SplitAcrossReplicasEqualsReplicatedBitForBit) {
           EXPECT_EQ(replicated_total, 2 * params) << where;
           expect_error([&] { shampoo::save_distributed_state(*split.fsdp, dir + "_one"); },
                        {"split across the replicas", "save_training_checkpoint"});
+          if (!overlap) {  // clipping needs every gradient's norm, which no replica has alone
+            split.step(data);
+            expect_error([&] { split.fsdp->clip_grad_norm_(1.0); },
+                         {"clip_grad_norm_", "split_across_replicas", "not supported yet"});
+            split.fsdp->skip_step();
+            split.step(data);
+            split.fsdp->step();  // the next iteration runs
+          }
           // Resumed from step 3 (the checkpoint after it), the run is the same.
           ShardedRun resumed(optim, hybrid.shard,
                              FullyShardedOptions(options).split_across_replicas(true));
           EXPECT_TRUE(shampoo::load_training_checkpoint(
               dir, {resumed.model.ptr().get(), &resumed.fsdp->optimizer()}, group));
           for (int step = 3; step < 6; ++step) sharded_step(resumed, data, overlap);
-          EXPECT_TRUE(bit_equal(resumed.full_values(), split.full_values())) << where;
+          EXPECT_TRUE(bit_equal(resumed.full_values(), split_values)) << where;
         },
         kTimeout);
   }

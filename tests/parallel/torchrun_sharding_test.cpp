@@ -122,6 +122,8 @@ TEST(TorchrunHybrid, EveryLayoutFollowsDataParallelism) {
       }
     }
   }
+  // Every rank is past its last subgroup collective before any drops its groups.
+  shampoo::detail::gather_int64(*group, {1});
 }
 
 }  // namespace

@@ -15,14 +15,25 @@
 #include "parallel/process_group.h"
 
 namespace shampoo::testing {
+namespace {
+
+// c10d's process-wide flight recorder is not safe when several ranks of one process enqueue
+// collectives at once (a std::map insert races; seen as a crash in
+// FlightRecorder::recordWithResetEnabled). Real ranks are processes; for ranks as threads it is
+// switched off when the program starts: the recorder reads the setting once, when the process's
+// first process group records a collective, which may be a test's own group made before any
+// ranks run as threads (process_group_test's Environment tests: the crash came in the hybrid
+// tests after them, 1 run in 15 under load).
+const bool kFlightRecorderOff = [] {
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  return true;
+}();
+
+}  // namespace
 
 void run_ranks_as_threads(int world, const RankFunction& fn, std::chrono::milliseconds timeout,
                           bool with_nccl, int threads_per_rank) {
-  // c10d's process-wide flight recorder is not safe when several ranks of one process enqueue
-  // collectives at once (a std::map insert races; seen as a crash in
-  // FlightRecorder::recordWithResetEnabled). Real ranks are processes; for ranks as threads it
-  // is switched off before the first process group reads the setting.
-  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  (void)kFlightRecorderOff;
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::mutex mutex;
   std::exception_ptr first_error;

@@ -307,6 +307,29 @@ std::vector<bool> stacked_all_finite(const at::Tensor& A) {
   return out;
 }
 
+std::vector<double> regularization(const at::Tensor& A, const std::vector<double>& epsilons,
+                                   const std::vector<double>& relative) {
+  const bool any = std::any_of(relative.begin(), relative.end(), [](double r) { return r != 0.0; });
+  if (!any || A.size(0) == 0) return epsilons;
+  TORCH_INTERNAL_ASSERT(relative.size() == epsilons.size() &&
+                        static_cast<int64_t>(epsilons.size()) == A.size(0));
+  const auto diagonals = A.diagonal(0, 1, 2)
+                             .to(at::kCPU, at::kDouble, /*non_blocking=*/false, /*copy=*/false)
+                             .contiguous();
+  const int64_t n = diagonals.size(0);
+  const int64_t d = diagonals.size(1);
+  const double* data = diagonals.data_ptr<double>();
+  std::vector<double> out(epsilons);
+  for (int64_t i = 0; i < n; ++i) {
+    if (relative[i] == 0.0) continue;
+    double trace = 0.0;
+    for (int64_t j = 0; j < d; ++j) trace += data[i * d + j];
+    // A factor is positive semidefinite; a trace below 0 is rounding of an all-but-zero factor.
+    out[i] += relative[i] * std::max(trace, 0.0);
+  }
+  return out;
+}
+
 StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                          const std::vector<double>& exponents,
                                          bool retry_double_precision,

@@ -49,6 +49,12 @@ struct StackedEigendecomposition {
 ///
 /// With `pseudo_inverse` (eigh only, `iterative` must be null; the epsilons are 0): the powers
 /// of the eigenvalues of A are those of the pseudo-inverse, no shift.
+/// The ε of every matrix of A [n, d, d] (positive semidefinite factors): epsilons[i] +
+/// relative[i]·tr(A_i) (relative empty or 0: epsilons[i] as given). The trace is summed on the
+/// host in float64 in index order, so a matrix's ε does not depend on the stack it sits in.
+std::vector<double> regularization(const at::Tensor& A, const std::vector<double>& epsilons,
+                                   const std::vector<double>& relative);
+
 StackedMatrixResult stacked_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                          const std::vector<double>& exponents,
                                          bool retry_double_precision,

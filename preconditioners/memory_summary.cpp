@@ -1,5 +1,6 @@
 #include "preconditioners/memory_summary.h"
 
+#include <c10/util/StringUtil.h>
 #include <fmt/format.h>
 
 #include <utility>
@@ -29,6 +30,16 @@ std::string MemorySummary::to_string() const {
   if (scratch_last_step != 0) {
     out +=
         fmt::format("  {:<22}{:>10.1f} MB\n", "scratch (last step)", megabytes(scratch_last_step));
+  }
+  return out + params_to_string();
+}
+
+std::string MemorySummary::params_to_string() const {
+  std::string out;
+  for (const auto& p : params) {
+    out += fmt::format("  parameter {} [{}] (group {}): {}; {:.1f} MB, state {:.1f} MB\n", p.param,
+                       c10::Join(", ", p.shape), p.group, p.treatment, megabytes(p.param_bytes),
+                       megabytes(p.state_bytes));
   }
   return out;
 }

@@ -1,9 +1,12 @@
 #include "preconditioners/preconditioner_factory.h"
 
+#include <type_traits>
+
 #include "preconditioners/descent_preconditioner_lists.h"
 #include "preconditioners/diagonal_preconditioner_list.h"
 #include "preconditioners/eigendecomposed_preconditioner_list.h"
 #include "preconditioners/eigenvalue_corrected_preconditioner_list.h"
+#include "preconditioners/kronecker_factor_list.h"
 #include "preconditioners/preconditioner_family.h"
 #include "preconditioners/shampoo_preconditioner_list.h"
 
@@ -24,6 +27,14 @@ int64_t estimated_state_bytes(const PreconditionerConfig& config, const BlockLay
 int64_t block_order(const PreconditionerConfig& config) {
   return std::visit([](const auto& c) { return family_block_order<std::decay_t<decltype(c)>>(); },
                     config);
+}
+
+bool keeps_kronecker_factors(const PreconditionerConfig& config) {
+  return std::visit(
+      [](const auto& c) {
+        return std::is_base_of_v<KroneckerFactorList, typename std::decay_t<decltype(c)>::List>;
+      },
+      config);
 }
 
 }  // namespace shampoo::detail

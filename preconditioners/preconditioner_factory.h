@@ -21,4 +21,8 @@ int64_t estimated_state_bytes(const PreconditionerConfig& config, const BlockLay
 /// The number of dims blocking merges a parameter down to with `config`.
 int64_t block_order(const PreconditionerConfig& config);
 
+/// Whether the list of `config` keeps Kronecker factors along the dims of a block (its exponents
+/// decide which dims); false for the diagonal and the descent families.
+bool keeps_kronecker_factors(const PreconditionerConfig& config);
+
 }  // namespace shampoo::detail

@@ -36,6 +36,9 @@ std::pair<Rows, RowScalars> select_rows(const Rows& rows, const RowScalars& scal
     out.factor_weight.push_back(scalars.factor_weight[i]);
     out.bias_correction2.push_back(scalars.bias_correction2[i]);
     out.epsilon.push_back(scalars.epsilon[i]);
+    if (!scalars.relative_epsilon.empty()) {
+      out.relative_epsilon.push_back(scalars.relative_epsilon[i]);
+    }
     out.step.push_back(scalars.step[i]);
   }
   out_rows.all = rows.all && out_rows.size() == rows.size();

@@ -45,6 +45,9 @@ struct RowScalars {
   std::vector<double> factor_weight;     ///< 1 − β2, or 1 when β2 = 1
   std::vector<double> bias_correction2;  ///< 1 − β2^t, or 1 (no bias correction or β2 = 1)
   std::vector<double> epsilon;
+  /// Root-inverse Shampoo: the factor is regularized with epsilon + relative_epsilon·tr(A)
+  /// (ShampooOptions::relative_epsilon); empty = 0 for every row.
+  std::vector<double> relative_epsilon;
   std::vector<int64_t> step;
 };
 

@@ -31,8 +31,9 @@ KroneckerFactorList::DimResult ShampooPreconditionerList::compute_dim(int64_t st
   const std::vector<double> exponents(rows.size(), spec.dim_exponents[k]);
   const auto* pseudo_inverse = std::get_if<PseudoInverseConfig>(&config_.rank_deficient_stability);
   auto result = stacked_inverse_root(
-      corrected, scalars.epsilon, exponents, config_.retry_double_precision,
-      config_.solver == RootSolver::kEigh ? nullptr : &config_, pseudo_inverse);
+      corrected, regularization(corrected, scalars.epsilon, scalars.relative_epsilon), exponents,
+      config_.retry_double_precision, config_.solver == RootSolver::kEigh ? nullptr : &config_,
+      pseudo_inverse);
   factors_.record_double_retries(result.retried_in_double);
   factors_.record_solver_fallbacks(result.solver_fallbacks);
   // A non-finite root (e.g. ε^(−e) overflowing the factor dtype for a large exponent) counts as

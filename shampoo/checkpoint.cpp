@@ -259,6 +259,12 @@ void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t nu
       differing != nullptr &&
       (differing->name == "precondition_frequency" || differing->name == "grafting kind") &&
       differing->code(saved) == differing->code(ShampooOptions::reference_defaults());
+  // The per-parameter factor rules came later the same day: a checkpoint written before them
+  // factored every dim (an archive without their entries reads as that).
+  const bool every_dim_factored =
+      differing != nullptr &&
+      (differing->name == "precondition_1d" || differing->name == "max_factored_dim") &&
+      differing->code(saved) == differing->code(ShampooOptions::reference_defaults());
   TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name, ": got ",
               differing->describe(saved), " in the checkpoint, expected ",
               differing->describe(current),
@@ -268,6 +274,12 @@ void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t nu
                              "2026-11-28, whose defaults were the reference implementation's, "
                              "loads into one built with ShampooOptions::reference_defaults(lr)"
                            : "",
+              every_dim_factored
+                  ? "; a checkpoint written before precondition_1d and max_factored_dim existed "
+                    "factors every dim: it loads with precondition_1d(true) and "
+                    "max_factored_dim(-1), or, for an optimizer built with the reference's "
+                    "defaults of before 2026-11-28, with ShampooOptions::reference_defaults(lr)"
+                  : "",
               ")");
   step = read_int(group, "step");
   const auto sum = read_optional(group, "lr_sum", c10::IValue(0.0));

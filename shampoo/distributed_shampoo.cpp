@@ -235,7 +235,18 @@ bool DistributedShampoo::is_training() const { return !engine_->eval_mode(); }
 
 ShampooStats DistributedShampoo::stats() const { return engine_->stats(); }
 
-MemorySummary DistributedShampoo::memory_summary() const { return engine_->memory_summary(); }
+MemorySummary DistributedShampoo::memory_summary() const {
+  auto summary = engine_->memory_summary();
+  const auto estimate =
+      detail::estimate_state_size(param_groups_, static_cast<const ShampooOptions&>(defaults()));
+  if (estimate) {
+    for (const auto& p : estimate->params) {
+      summary.params.push_back(
+          {p.param, p.group, p.shape, p.treatment, p.param_bytes, p.state_bytes});
+    }
+  }
+  return summary;
+}
 
 c10::intrusive_ptr<c10d::ProcessGroup> DistributedShampoo::owners_group() const {
   return engine_->distributed_options().process_group();

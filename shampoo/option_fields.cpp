@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <tuple>
@@ -173,6 +174,20 @@ OptionField storage_layout_field(OptionField f) {
   f.storage_layout = true;
   f.read = [read = f.read, key = f.name](InputArchive& a, ShampooOptions& o) {
     if (has_entry(a, key)) read(a, o);
+  };
+  return f;
+}
+
+/// A field added after checkpoints existed: an archive without its entry was written by an
+/// optimizer that behaved as `before` does (the reference's behaviour), and reads as that.
+OptionField added_field(OptionField f, std::function<void(ShampooOptions&)> before) {
+  f.read = [read = f.read, key = f.name, before = std::move(before)](InputArchive& a,
+                                                                     ShampooOptions& o) {
+    if (has_entry(a, key)) {
+      read(a, o);
+    } else {
+      before(o);
+    }
   };
   return f;
 }
@@ -702,6 +717,8 @@ std::vector<OptionField> make_option_fields() {
       betas_field(),
       SHAMPOO_SIMPLE_OPTION(double, beta3, kFloat),
       SHAMPOO_SIMPLE_OPTION(double, epsilon, kFloat),
+      added_field(SHAMPOO_SIMPLE_OPTION(double, relative_epsilon, kFloat),
+                  [](ShampooOptions& o) { o.relative_epsilon(0.0); }),
       SHAMPOO_SIMPLE_OPTION(double, weight_decay, kFloat),
       SHAMPOO_SIMPLE_OPTION(WeightDecayType, weight_decay_type, kStructural),
       SHAMPOO_SIMPLE_OPTION(double, momentum, kFloat),
@@ -709,6 +726,10 @@ std::vector<OptionField> make_option_fields() {
       SHAMPOO_SIMPLE_OPTION(bool, use_nesterov, kStructural),
       SHAMPOO_SIMPLE_OPTION(int64_t, max_preconditioner_dim, kStructural),
       SHAMPOO_SIMPLE_OPTION(bool, use_merge_dims, kStructural),
+      added_field(SHAMPOO_SIMPLE_OPTION(bool, precondition_1d, kStructural),
+                  [](ShampooOptions& o) { o.precondition_1d(true); }),
+      added_field(SHAMPOO_SIMPLE_OPTION(int64_t, max_factored_dim, kStructural),
+                  [](ShampooOptions& o) { o.max_factored_dim(-1); }),
       SHAMPOO_SIMPLE_OPTION(int64_t, precondition_frequency, kStructural),
       start_preconditioning_step_field(),
       SHAMPOO_SIMPLE_OPTION(bool, use_bias_correction, kStructural),

@@ -106,6 +106,12 @@ void ShampooOptions::validate() const {
               "ShampooOptions.weight_decay: got ", weight_decay(), ", expected weight_decay >= 0");
   check_unit_interval(momentum(), "momentum", /*allow_one=*/false);
   check_unit_interval(dampening(), "dampening", /*allow_one=*/true);
+  TORCH_CHECK(max_factored_dim() == -1 || max_factored_dim() >= 1,
+              "ShampooOptions.max_factored_dim: got ", max_factored_dim(),
+              ", expected -1 (no limit) or >= 1");
+  TORCH_CHECK(std::isfinite(relative_epsilon()) && relative_epsilon() >= 0.0,
+              "ShampooOptions.relative_epsilon: got ", relative_epsilon(),
+              ", expected a finite value >= 0");
   TORCH_CHECK(max_preconditioner_dim() >= 1, "ShampooOptions.max_preconditioner_dim: got ",
               max_preconditioner_dim(), ", expected >= 1");
   TORCH_CHECK(precondition_frequency() >= 1, "ShampooOptions.precondition_frequency: got ",
@@ -142,7 +148,10 @@ ShampooOptions ShampooOptions::reference_defaults(double lr) {
   return ShampooOptions(lr)
       .betas({0.9, 1.0})
       .precondition_frequency(1)
-      .grafting(std::monostate{});
+      .grafting(std::monostate{})
+      .relative_epsilon(0.0)
+      .precondition_1d(true)
+      .max_factored_dim(-1);
 }
 
 bool structurally_equal(const ShampooOptions& a, const ShampooOptions& b) {

@@ -99,6 +99,12 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   TORCH_ARG(double, beta3) = -1.0;
   /// Added to the factors before the root (> 0; exactly 0 with PseudoInverseConfig).
   TORCH_ARG(double, epsilon) = 1e-12;
+  /// Relative regularization of root-inverse and eigendecomposed Shampoo's factors (≥ 0): a
+  /// factor A is regularized with ε + relative_epsilon·tr(A) (tr(A) ≥ λ_max(A) for the positive
+  /// semidefinite factors), so that rank-deficient factors, whose small eigenvalues are float32
+  /// rounding, no longer amplify that rounding into the update (docs/math.md, "A relative
+  /// epsilon"). 0 = the absolute ε alone, as the reference.
+  TORCH_ARG(double, relative_epsilon) = 1e-6;
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(WeightDecayType, weight_decay_type) = WeightDecayType::kDecoupled;
   TORCH_ARG(double, momentum) = 0.0;
@@ -108,6 +114,16 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   TORCH_ARG(int64_t, max_preconditioner_dim) = 1024;
   /// Merge small trailing dims while their product stays ≤ max_preconditioner_dim.
   TORCH_ARG(bool, use_merge_dims) = true;
+  /// Kronecker factors for 1-D parameters (every dim but one of size 1: biases, norm scales).
+  /// false: they take the grafting method's update (AdamW's with Adam grafting), whose state is
+  /// the size of the parameter, where factors would cost up to max_preconditioner_dim times it
+  /// (shampoo/factor_choice.h). true: the reference's behaviour. Structural.
+  TORCH_ARG(bool, precondition_1d) = false;
+  /// A parameter dim larger than this (after size-1 dims are dropped and small dims merged,
+  /// before blocking) keeps no Kronecker factor in any block: the vocabulary dim of an embedding
+  /// (-1 = no limit, the reference's behaviour; else ≥ 1). A block left with no factor takes the
+  /// grafting method's update. Structural.
+  TORCH_ARG(int64_t, max_factored_dim) = 4096;
   /// Recompute roots every this many steps (≥ 1).
   TORCH_ARG(int64_t, precondition_frequency) = 50;
   /// First step that preconditions; −1 = precondition_frequency; kNeverStartPreconditioning.

@@ -9,6 +9,7 @@
 
 #include "distributor/block_plan.h"
 #include "preconditioners/preconditioner_factory.h"
+#include "shampoo/factor_choice.h"
 #include "shampoo/virtual_group.h"
 
 namespace shampoo::detail {
@@ -17,11 +18,12 @@ namespace {
 /// Bytes the preconditioner list (its family's estimate, preconditioners/preconditioner_factory.h)
 /// and the grafting state allocate for one block from the start; the grafting part added to
 /// `grafting_bytes`.
-int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64_t>& shape,
-                          int64_t numel, int64_t state_element_size, int64_t& grafting_bytes) {
+int64_t block_state_bytes(const ShampooOptions& options, const BlockPlan& plan,
+                          const std::vector<int64_t>& shape, int64_t numel,
+                          int64_t state_element_size, int64_t& grafting_bytes) {
   BlockLayout layout;
   layout.shape = shape;
-  layout.dim_exponents = dim_exponents(options, static_cast<int64_t>(shape.size()));
+  layout.dim_exponents = block_factor_choice(options, plan, shape).dim_exponents;
   layout.factor_element_size =
       static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
   layout.state_element_size = state_element_size;
@@ -70,14 +72,15 @@ std::optional<StateSizeEstimate> estimate_state_size(
       ParamStateSize entry;
       entry.one_dimensional = true;
       for (const auto& block : plan.blocks) {
-        bytes += block_state_bytes(*options, block.sizes, block.numel, state_element_size,
+        bytes += block_state_bytes(*options, plan, block.sizes, block.numel, state_element_size,
                                    estimate.grafting_bytes);
-        const auto exponents = dim_exponents(*options, static_cast<int64_t>(block.sizes.size()));
+        const auto exponents = block_factor_choice(*options, plan, block.sizes).dim_exponents;
         for (size_t k = 0; k < block.sizes.size(); ++k) {
           if (exponents[k] != 0.0) entry.largest_dim = std::max(entry.largest_dim, block.sizes[k]);
         }
         entry.one_dimensional = entry.one_dimensional && block.sizes.size() == 1;
       }
+      entry.treatment = describe_factor_choice(*options, plan);
       entry.param = param_index;
       entry.group = static_cast<int64_t>(g);
       entry.shape = param.sizes().vec();
@@ -126,16 +129,19 @@ std::string describe_oversized(const ParamStateSize& p) {
   std::string remedy;
   if (p.one_dimensional) {
     remedy = fmt::format(
-        "its blocks are 1-D, each with a {0}x{0} factor and root for {0} elements: exponent 0 "
-        "for 1-D blocks (inverse_exponent_override {{{{1, {{{{shampoo::kAllDims, 0.0}}}}}}}}) "
-        "keeps none, or put it in a param group with a diagonal method "
+        "its blocks are 1-D, each with a {0}x{0} factor and root for {0} elements: "
+        "precondition_1d(false) (the default) gives a 1-D parameter the grafting update and no "
+        "factor; for a parameter merged into 1-D blocks, exponent 0 for 1-D blocks "
+        "(inverse_exponent_override {{{{1, {{{{shampoo::kAllDims, 0.0}}}}}}}}) keeps none, or put "
+        "it in a param group with a diagonal method "
         "(preconditioner(shampoo::AdamPreconditionerConfig{{}}))",
         p.largest_dim);
   } else {
     remedy = fmt::format(
-        "its largest block dim is {0} (a {0}x{0} factor and root per block): exponent 0 for that "
-        "dim (inverse_exponent_override {{{{{1}, {{{{dim, 0.0}}}}}}}}), a smaller "
-        "max_preconditioner_dim, or a diagonal method in a param group of its own",
+        "its largest block dim is {0} (a {0}x{0} factor and root per block): a max_factored_dim "
+        "below the parameter's dim along it (4096 by default) keeps no factor along that dim, as "
+        "does exponent 0 for that dim (inverse_exponent_override {{{{{1}, {{{{dim, 0.0}}}}}}}}); "
+        "or a smaller max_preconditioner_dim, or a diagonal method in a param group of its own",
         p.largest_dim, rank);
   }
   return fmt::format(
@@ -183,8 +189,10 @@ bool warn_if_state_is_large(const std::vector<torch::optim::OptimizerParamGroup>
       oversized.empty() ? "" : " Parameters whose state is above ",
       oversized.empty() ? "" : std::to_string(kParamStateWarningRatio),
       oversized.empty() ? "" : "x their own bytes:", per_param,
-      " Options that shrink the state: use_symmetric_packing (on by default: factors and inverse "
-      "roots as packed triangles); compact_state (bfloat16 or 8-bit inverse roots, bfloat16 "
+      " Options that shrink the state: precondition_1d(false) and max_factored_dim (by default "
+      "1-D parameters and dims above 4096 keep no factor); use_symmetric_packing (on by default: "
+      "factors and inverse roots as packed triangles); compact_state (bfloat16 or 8-bit inverse "
+      "roots, bfloat16 "
       "first-order state; changes the results); a smaller max_preconditioner_dim; "
       "inverse_exponent_override with exponent 0 for a dim, which keeps no factor or root for it "
       "(e.g. {{1, {{shampoo::kAllDims, 0.0}}}} for 1-D blocks); or a diagonal method for such "

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "shampoo/shampoo_options.h"
@@ -39,6 +40,9 @@ struct ParamStateSize {
   bool one_dimensional = false;
   int64_t param_bytes = 0;
   int64_t state_bytes = 0;
+  /// What it gets (describe_factor_choice): "Kronecker factors on every dim", "the grafting
+  /// method's update (a 1-D parameter; ...)", ...
+  std::string treatment;
 };
 
 /// State that DistributedShampoo allocates when it registers parameters, over all blocks (every

@@ -25,6 +25,7 @@ void push_statistics_scalars(const ShampooOptions& options, int64_t t, RowScalar
   scalars.bias_correction2.push_back(
       options.use_bias_correction() && beta2 < 1.0 ? 1.0 - std::pow(beta2, double(t)) : 1.0);
   scalars.epsilon.push_back(options.epsilon());
+  scalars.relative_epsilon.push_back(options.relative_epsilon());
   scalars.step.push_back(t);
 }
 

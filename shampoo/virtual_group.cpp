@@ -9,6 +9,7 @@
 #include "preconditioners/byte_bound.h"
 #include "preconditioners/preconditioner_factory.h"
 #include "preconditioners/rows.h"
+#include "shampoo/factor_choice.h"
 #include "shampoo/param_updates.h"
 #include "shampoo/step_scalars.h"
 #include "update/grafting.h"
@@ -93,19 +94,6 @@ void set_step_chunk_bytes_for_testing(int64_t bytes) { step_chunk_limit.set(byte
 void set_fused_step_for_testing(bool enabled) { fused_step_enabled.store(enabled); }
 int64_t fused_chunks_for_testing() { return fused_chunks.load(); }
 
-std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order) {
-  std::vector<double> exponents(order, 1.0 / (2.0 * static_cast<double>(order)));
-  const auto& overrides = options.inverse_exponent_override();
-  const auto it = overrides.find(order);
-  if (it == overrides.end()) return exponents;
-  const auto all = it->second.find(kAllDims);
-  if (all != it->second.end()) exponents.assign(order, all->second);
-  for (const auto& [dim, exponent] : it->second) {
-    if (dim != kAllDims) exponents[dim] = exponent;
-  }
-  return exponents;
-}
-
 int64_t block_target_order(const ShampooOptions& options) {
   return block_order(options.preconditioner());
 }
@@ -130,15 +118,20 @@ void VirtualGroup::build_stacks(const std::vector<BlockEntry>& blocks,
     const auto& param = params[block.param].param;
     const auto options =
         param.options().dtype(compute_dtype(param.scalar_type())).requires_grad(false);
+    // The parameter decides which dims keep a factor (factor_choice.h): blocks of one shape
+    // with other exponents are another stack.
+    auto choice = block_factor_choice(structure_, params[block.param].plan, block.shape);
     auto it = std::find_if(stacks_.begin(), stacks_.end(), [&](const Stack& s) {
       return s.spec.block_shape == block.shape && s.spec.options.dtype() == options.dtype() &&
-             s.spec.options.device() == options.device();
+             s.spec.options.device() == options.device() &&
+             s.spec.dim_exponents == choice.dim_exponents && s.diagonal == choice.diagonal;
     });
     if (it == stacks_.end()) {
       Stack s;
       s.spec.block_shape = block.shape;
       s.spec.options = options;
-      s.spec.dim_exponents = dim_exponents(structure_, static_cast<int64_t>(block.shape.size()));
+      s.spec.dim_exponents = std::move(choice.dim_exponents);
+      s.diagonal = choice.diagonal;
       stacks_.push_back(std::move(s));
       it = std::prev(stacks_.end());
     }
@@ -362,8 +355,14 @@ ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int
   } else {
     push_statistics_scalars(options, t, st->scalars);
     st->amortize.push_back(amortized_at(structure_, t));
+    // A diagonal block (no factor left by the rules) takes the grafting update alone, as before
+    // preconditioning starts.
+    const bool diagonal = stacks_[s].diagonal;
     st->preconditioned.push_back(
+        !diagonal &&
         matrix_preconditioned_at(structure_, t, preconditioner_->identity_before_amortization()));
+    if (diagonal)
+      c.scalars.direction_mode = static_cast<int32_t>(kernels::DirectionMode::kDiagonal);
     c.gradient_out = st->gradients[i];
     c.filtered_out = st->filtered[i];
     if (chain_takes_view(grad_view)) {

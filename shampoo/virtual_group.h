@@ -158,6 +158,8 @@ class VirtualGroup {
  private:
   struct Stack {
     StackSpec spec;
+    /// No factor left by the per-parameter rules (factor_choice.h): the grafting update alone.
+    bool diagonal = false;
     std::vector<int64_t> blocks;  // engine block indices, one per member (row)
     std::vector<BlockId> ids;     // their ids
   };
@@ -195,10 +197,6 @@ class VirtualGroup {
   std::unique_ptr<PreconditionerList> preconditioner_;
   std::unique_ptr<ElementwiseState> elementwise_;
 };
-
-/// Exponent of the root-inverse preconditioner along each dim of a block of order `order`
-/// (1 / (2·order), or the override; 0 = not preconditioned).
-std::vector<double> dim_exponents(const ShampooOptions& options, int64_t order);
 
 /// The number of dims blocking merges a parameter down to (distributor/block_plan.h): the
 /// family's block order (2 for spectral descent, whose blocks must be matrices; else 1).

@@ -93,13 +93,20 @@ INSTANTIATE_TEST_SUITE_P(
         EstimateCase{"recommended", recommended_options()}),
     [](const auto& info) { return info.param.name; });
 
-TEST(StateSizeWarning, FiresOnceForAThinParameterWithDefaultOptions) {
+TEST(StateSizeWarning, FiresOnceForAThinParameterThatKeepsFactors) {
   // 1×100000: 98 blocks of 1024 elements, each with a 1024×1024 factor and root, packed: ~409 MB
-  // for 0.4 MB of parameters.
+  // for 0.4 MB of parameters, when 1-D parameters are factored (the reference's behaviour). By
+  // default they are not: the state is the grafting's, the parameter's size, and nothing warns.
   const auto params = leaves({{1, 100000}});
   WarningCollector warnings;
   c10::WarningUtils::WarningHandlerGuard guard(&warnings);
-  DistributedShampoo optimizer(params);
+  {
+    DistributedShampoo by_default(params);
+    EXPECT_TRUE(warnings.messages.empty());
+    EXPECT_EQ(by_default.stats().state_bytes, 100000 * 4);
+  }
+  // Factored as the reference does (its dim of 100000 is also above max_factored_dim).
+  DistributedShampoo optimizer(params, ShampooOptions().precondition_1d(true).max_factored_dim(-1));
   ASSERT_EQ(warnings.messages.size(), 1u);
   const auto& message = warnings.messages[0];
   for (const char* expected :

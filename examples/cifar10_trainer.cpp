@@ -103,8 +103,8 @@ struct Evaluation {
 struct TextData {
   int64_t vocabulary_size = 0;
   int64_t bptt = 0;
-  at::Tensor train;  // int64 [sequences, bptt + 1]
-  at::Tensor valid;  // int64 [tokens]
+  at::Tensor train;          // int64 [sequences, bptt + 1]
+  at::Tensor valid;          // int64 [tokens]
   int64_t train_tokens = 0;  // of the whole training stream
 
   void move_to(c10::Device device) {
@@ -148,8 +148,8 @@ at::Tensor model_input(const TrainerModel& model, const ImageDataset& data,
 /// a model that reconstructs, the binary cross-entropy of the pixels (targets: `input`) summed
 /// over each image; for the language model, the cross-entropy of every next token (`labels`:
 /// [N, T]), summed over the tokens or their mean.
-at::Tensor batch_loss(const TrainerModel& model, const at::Tensor& output,
-                      const at::Tensor& input, const at::Tensor& labels, bool sum) {
+at::Tensor batch_loss(const TrainerModel& model, const at::Tensor& output, const at::Tensor& input,
+                      const at::Tensor& labels, bool sum) {
   namespace F = torch::nn::functional;
   if (model.objective() == Objective::kNextToken) {
     auto options = F::CrossEntropyFuncOptions();
@@ -217,7 +217,9 @@ Evaluation evaluate_text(TrainerModel& model,
     loss_sum += batch_loss(model, forward(input), input, target, /*sum=*/true).item<double>();
     tokens += static_cast<double>(target.numel());
   };
-  for (int64_t b = begin; b < end; b += batch_size) add(sequences.slice(0, b, std::min(b + batch_size, end)));
+  for (int64_t b = begin; b < end; b += batch_size) {
+    add(sequences.slice(0, b, std::min(b + batch_size, end)));
+  }
   if (d.rank == d.world_size - 1 && tail.numel() > 1) add(tail.unsqueeze(0));
   if (d.group && d.world_size > 1) {
     std::vector<at::Tensor> sums{at::tensor({loss_sum, tokens}, at::kDouble)};
@@ -610,12 +612,12 @@ void print_setup(Trainer& t) {
         text.valid.numel(), text.vocabulary_size));
   } else {
     const ImageDataset& images = t.data.images;
-    t.log.lead(fmt::format(
-        "Data: {} from {}: {} training examples (of {}), {} test examples, "
-        "{}x{}x{}",
-        dataset_name(config.dataset), config.data_dir.string(), images.train.size(),
-        t.data.full_train_size, images.test.size(), images.channels(), images.height(),
-        images.width()));
+    t.log.lead(
+        fmt::format("Data: {} from {}: {} training examples (of {}), {} test examples, "
+                    "{}x{}x{}",
+                    dataset_name(config.dataset), config.data_dir.string(), images.train.size(),
+                    t.data.full_train_size, images.test.size(), images.channels(), images.height(),
+                    images.width()));
   }
   t.log.lead(
       fmt::format("Model: {}, {} parameters | ranks: {} | global batch {} ({} per rank), "
@@ -702,7 +704,8 @@ double train_step(Trainer& t, const at::Tensor& order, int64_t batch) {
   const int64_t micro_batches = t.config.micro_batches;
   if (t.optimizer) t.optimizer->zero_grad();
   double loss_sum = 0;
-  const auto parts = micro_batches > 1 ? index.chunk(micro_batches) : std::vector<at::Tensor>{index};
+  const auto parts =
+      micro_batches > 1 ? index.chunk(micro_batches) : std::vector<at::Tensor>{index};
   for (size_t m = 0; m < parts.size(); ++m) {
     const Batch b = training_batch(t, parts[m]);
     at::Tensor loss;
@@ -826,11 +829,12 @@ std::optional<Evaluation> train(Trainer& t, int64_t last_epoch) {
         text ? fmt::format(" | Validation Perplexity: {:.2f}", std::exp(evaluation->loss))
         : t.model->reconstructs() ? std::string()
                                   : fmt::format(" | Test Accuracy: {:.4f}", evaluation->accuracy);
-    t.log.lead(fmt::format(
-        "Epoch: {} | {} Loss: {:.4f}{} | Global "
-        "Lifetime Loss: {:.4f} | Time: {:.1f} s (train {:.1f} s, {:.1f} it/s)",
-        epoch, text ? "Validation" : "Test", evaluation->loss, accuracy, global->lifetime_loss, epoch_seconds, train_seconds,
-        static_cast<double>(t.progress.iteration - first_iteration) / train_seconds));
+    t.log.lead(
+        fmt::format("Epoch: {} | {} Loss: {:.4f}{} | Global "
+                    "Lifetime Loss: {:.4f} | Time: {:.1f} s (train {:.1f} s, {:.1f} it/s)",
+                    epoch, text ? "Validation" : "Test", evaluation->loss, accuracy,
+                    global->lifetime_loss, epoch_seconds, train_seconds,
+                    static_cast<double>(t.progress.iteration - first_iteration) / train_seconds));
     if (t.csv) {
       t.csv->add_epoch(epoch, t.progress.iteration, evaluation->loss, evaluation->accuracy,
                        global->lifetime_loss, epoch_seconds);
@@ -847,10 +851,12 @@ void save_parameters(Trainer& t) {
   if (t.fsdp) t.fsdp->gather_all();
   if (t.d.rank == 0) {
     NamedTensors params;
-    for (const auto& item : t.model->named_parameters()) params.emplace_back(item.key(), item.value());
+    for (const auto& item : t.model->named_parameters()) {
+      params.emplace_back(item.key(), item.value());
+    }
     write_parameter_file(t.config.save_params, params);
-    t.log.lead(fmt::format("Parameters: {} ({} tensors)", t.config.save_params.string(),
-                           params.size()));
+    t.log.lead(
+        fmt::format("Parameters: {} ({} tensors)", t.config.save_params.string(), params.size()));
   }
   if (t.fsdp) t.fsdp->release_all();
 }

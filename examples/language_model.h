@@ -8,9 +8,11 @@
 ///
 /// E is one parameter: the embedding lookup and the output projection use the same tensor, so it
 /// gets both gradients and the optimizer sees it once. The LSTM starts every sequence from a
-/// zero state (no state is carried between batches). Parameters in order: embedding [V, d],
-/// lstm.weight_ih [4d, d], lstm.weight_hh [4d, d], lstm.bias_ih [4d], lstm.bias_hh [4d]
-/// (gates i, f, g, o as in torch.nn.LSTM), norm.weight [d], norm.bias [d], output_bias [V].
+/// zero state (no state is carried between batches). Parameters in order (the module's own, then
+/// its submodules'): embedding [V, d], output_bias [V], lstm.weight_ih [4d, d], lstm.weight_hh
+/// [4d, d], lstm.bias_ih [4d], lstm.bias_hh [4d] (gates i, f, g, o as in torch.nn.LSTM),
+/// norm.weight [d], norm.bias [d].
+/// Full sharding runs it as one unit (sharding_units() empty).
 /// Initialization: E uniform in ±0.1, the LSTM uniform in ±1/√d (torch.nn.LSTM's), LayerNorm
 /// ones and zeros, output bias zeros.
 

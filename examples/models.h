@@ -147,7 +147,7 @@ TORCH_MODULE(ResNet);
 /// The --model choices: "convnet", "resnet" (ResNet-8), "smallcnn", "autoencoder" (num_classes
 /// unused).
 std::shared_ptr<TrainerModel> make_image_classifier(const std::string& name, int64_t in_channels,
-                                                       int64_t num_classes, int64_t height,
-                                                       int64_t width);
+                                                    int64_t num_classes, int64_t height,
+                                                    int64_t width);
 
 }  // namespace shampoo::examples

@@ -23,7 +23,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const auto rows = parameter_distances(read_parameter_file(argv[1]), read_parameter_file(argv[2]));
+    const auto rows =
+        parameter_distances(read_parameter_file(argv[1]), read_parameter_file(argv[2]));
     fmt::print("{:<32} {:>14} {:>14}\n", "parameter", "max_rel", "norm_rel");
     for (const auto& row : rows) {
       fmt::print("{:<32} {:>14.6e} {:>14.6e}\n", row.name, row.max_relative, row.norm_relative);

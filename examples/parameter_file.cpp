@@ -43,8 +43,8 @@ NamedTensors read_parameter_file(const std::filesystem::path& path) {
               " does not hold a dict name -> tensor");
   NamedTensors params;
   for (const auto& entry : value.toGenericDict()) {
-    TORCH_CHECK(entry.key().isString() && entry.value().isTensor(), "parameter file: ",
-                path.string(), " does not hold a dict name -> tensor");
+    TORCH_CHECK(entry.key().isString() && entry.value().isTensor(),
+                "parameter file: ", path.string(), " does not hold a dict name -> tensor");
     params.emplace_back(entry.key().toStringRef(), entry.value().toTensor());
   }
   return params;
@@ -63,7 +63,8 @@ ParameterDistance distance(const std::string& name, const at::Tensor& a, const a
   };
   const double max_diff = diff.numel() ? diff.abs().max().item<double>() : 0.0;
   const double max_b = b64.numel() ? b64.abs().max().item<double>() : 0.0;
-  return {name, ratio(max_diff, max_b), ratio(diff.norm().item<double>(), b64.norm().item<double>())};
+  return {name, ratio(max_diff, max_b),
+          ratio(diff.norm().item<double>(), b64.norm().item<double>())};
 }
 
 }  // namespace

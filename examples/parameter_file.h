@@ -1,8 +1,8 @@
 #pragma once
 /// A model's parameters by name in one file (--save-params of the trainer; examples/param_distance
-/// compares two such files): torch::jit::pickle_save of a dict name → tensor (CPU, float as trained),
-/// in the model's order. LibTorch reads it with torch::jit::pickle_load (read_parameter_file below),
-/// Python with torch.load(path).
+/// compares two such files): torch::jit::pickle_save of a dict name → tensor (CPU, float as
+/// trained), in the model's order. LibTorch reads it with torch::jit::pickle_load
+/// (read_parameter_file below), Python with torch.load(path).
 
 #include <ATen/core/Tensor.h>
 

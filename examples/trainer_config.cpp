@@ -95,8 +95,7 @@ void add_data_and_model_flags(CommandLine& cli, TrainerConfig& config) {
                   "--lm-dim], a 1-layer LSTM, LayerNorm, loss the mean token cross-entropy, "
                   "metric the validation perplexity")
       .add("bptt", config.bptt,
-           "--model lm: tokens per training sequence (the LSTM starts each from a zero state)",
-           1)
+           "--model lm: tokens per training sequence (the LSTM starts each from a zero state)", 1)
       .add("lm-dim", config.lm_dim, "--model lm: embedding width and LSTM hidden size", 1)
       .add("lm-dropout", config.lm_dropout,
            "--model lm: dropout after the embedding and before the output projection, in [0, 1) "
@@ -157,7 +156,8 @@ void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues
            1)
       .add("save-params", config.save_params,
            "after training, rank 0 writes the model's parameters by name to this file "
-           "(torch::jit::pickle_save of a dict name -> tensor; examples/param_distance compares two) "
+           "(torch::jit::pickle_save of a dict name -> tensor; examples/param_distance compares "
+           "two) "
            "(none: not written)")
       .add("global-batch-size", config.global_batch_size,
            "examples per iteration over all ranks; every rank takes this / number of ranks, which "
@@ -353,10 +353,10 @@ namespace {
 BatchSizes check_micro_batches(const TrainerConfig& config, BatchSizes sizes,
                                const std::string& ranks) {
   if (sizes.local % config.micro_batches != 0) {
-    throw std::invalid_argument(
-        "--micro-batches: got " + std::to_string(config.micro_batches) +
-        ", which does not divide the local batch of " + std::to_string(sizes.local) +
-        " at " + ranks + "; choose a divisor of " + std::to_string(sizes.local));
+    throw std::invalid_argument("--micro-batches: got " + std::to_string(config.micro_batches) +
+                                ", which does not divide the local batch of " +
+                                std::to_string(sizes.local) + " at " + ranks +
+                                "; choose a divisor of " + std::to_string(sizes.local));
   }
   return sizes;
 }

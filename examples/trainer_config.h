@@ -45,9 +45,9 @@ struct TrainerConfig {
   /// "convnet", "resnet", "smallcnn", "autoencoder" for the images; "lm" for ptb (its default).
   std::string model = "convnet";
   // The language model (--model lm, examples/language_model.h).
-  int64_t bptt = 35;         // tokens per sequence (inputs; targets are shifted by one)
-  int64_t lm_dim = 128;      // embedding width = LSTM hidden size
-  double lm_dropout = 0.0;   // dropout after the embedding and before the output projection
+  int64_t bptt = 35;        // tokens per sequence (inputs; targets are shifted by one)
+  int64_t lm_dim = 128;     // embedding width = LSTM hidden size
+  double lm_dropout = 0.0;  // dropout after the embedding and before the output projection
 
   // Training loop.
   int64_t epochs = 1;

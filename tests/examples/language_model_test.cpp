@@ -76,18 +76,18 @@ TEST(LanguageModel, ForwardIsEmbeddingLstmLayerNormAndTheTiedProjection) {
   auto c = torch::zeros({2, d});
   std::vector<torch::Tensor> outputs;
   for (int64_t t = 0; t < 5; ++t) {
-    const auto gates = torch::nn::functional::linear(x.select(1, t), p["lstm.weight_ih"],
-                                                     p["lstm.bias_ih"]) +
-                       torch::nn::functional::linear(h, p["lstm.weight_hh"], p["lstm.bias_hh"]);
+    const auto gates =
+        torch::nn::functional::linear(x.select(1, t), p["lstm.weight_ih"], p["lstm.bias_ih"]) +
+        torch::nn::functional::linear(h, p["lstm.weight_hh"], p["lstm.bias_hh"]);
     const auto chunks = gates.chunk(4, 1);
     c = torch::sigmoid(chunks[1]) * c + torch::sigmoid(chunks[0]) * torch::tanh(chunks[2]);
     h = torch::sigmoid(chunks[3]) * torch::tanh(c);
     outputs.push_back(h);
   }
   auto out = torch::stack(outputs, 1);
-  out = torch::nn::functional::layer_norm(
-      out, torch::nn::functional::LayerNormFuncOptions({d}).weight(p["norm.weight"]).bias(
-               p["norm.bias"]));
+  out = torch::nn::functional::layer_norm(out, torch::nn::functional::LayerNormFuncOptions({d})
+                                                   .weight(p["norm.weight"])
+                                                   .bias(p["norm.bias"]));
   const auto expected = torch::nn::functional::linear(out, p["embedding"], p["output_bias"]);
   EXPECT_TRUE(torch::allclose(logits, expected, 1e-5, 1e-5))
       << "max abs error " << (logits - expected).abs().max().item<double>();

@@ -74,10 +74,28 @@ void write_tiny_corpus(const fs::path& dir) {
 /// The language model on the tiny corpus: sequences of 10 tokens, d = 16, 8 sequences per step
 /// over all ranks, 2 epochs.
 std::vector<std::string> lm_flags(const fs::path& data_dir, int ranks) {
-  return {"--dataset", "ptb", "--data-dir", data_dir.string(), "--bptt", "10", "--lm-dim", "16",
-          "--epochs", "2", "--global-batch-size", "8", "--local-batch-size",
-          std::to_string(8 / ranks), "--seed", "11", "--log-every", "1000", "--progress", "off",
-          "--threads", "1"};
+  return {"--dataset",
+          "ptb",
+          "--data-dir",
+          data_dir.string(),
+          "--bptt",
+          "10",
+          "--lm-dim",
+          "16",
+          "--epochs",
+          "2",
+          "--global-batch-size",
+          "8",
+          "--local-batch-size",
+          std::to_string(8 / ranks),
+          "--seed",
+          "11",
+          "--log-every",
+          "1000",
+          "--progress",
+          "off",
+          "--threads",
+          "1"};
 }
 
 std::vector<std::string> adam_flags(const std::string& lr) {
@@ -86,16 +104,27 @@ std::vector<std::string> adam_flags(const std::string& lr) {
 
 /// Shampoo with roots every 5 steps from step 10, small blocks (cheap; full-rank factors).
 std::vector<std::string> shampoo_flags() {
-  return {"--optimizer", "shampoo", "--lr", "0.003", "--epsilon", "1e-10", "--grafting", "adam",
-          "--max-preconditioner-dim", "16", "--precondition-frequency", "5",
-          "--start-preconditioning-step", "10"};
+  return {"--optimizer",
+          "shampoo",
+          "--lr",
+          "0.003",
+          "--epsilon",
+          "1e-10",
+          "--grafting",
+          "adam",
+          "--max-preconditioner-dim",
+          "16",
+          "--precondition-frequency",
+          "5",
+          "--start-preconditioning-step",
+          "10"};
 }
 
 /// What param_distance printed and how it ended.
 struct Distance {
   int exit_code = -1;
   std::string output;
-  double max_relative = NAN;   // the "(all)" row
+  double max_relative = NAN;  // the "(all)" row
   double norm_relative = NAN;
 };
 
@@ -142,8 +171,8 @@ TEST_F(LmTrainerTest, ValidationPerplexityDecreases) {
        std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"adam", adam_flags("0.01")}, {"shampoo", shampoo_flags()}}) {
     SCOPED_TRACE(name);
-    const auto run = run_ok(name, 1, lm_flags(data_dir_, 1) + optimizer + std::vector<std::string>{
-                                                                 "--epochs", "3"});
+    const auto run = run_ok(
+        name, 1, lm_flags(data_dir_, 1) + optimizer + std::vector<std::string>{"--epochs", "3"});
     ASSERT_EQ(rows(run.eval, "test_loss"), 3u) << run.log;
     const auto& loss = run.eval.at("test_loss");
     EXPECT_LT(loss[1], loss[0]) << run.log;
@@ -164,9 +193,10 @@ TEST_F(LmTrainerTest, MicroBatchesStepTheParametersOfOneBatch) {
   // SGD: the step is linear in the gradient, so the parameters differ only by the rounding of
   // the gradient's sums (float32), carried through the 63 steps of one epoch.
   const std::vector<std::string> sgd{"--optimizer", "sgd", "--lr", "0.2", "--epochs", "1"};
-  const auto whole = run_ok("whole", 1,
-                            lm_flags(data_dir_, 1) + sgd +
-                                std::vector<std::string>{"--save-params", (dir_ / "whole.pt").string()});
+  const auto whole =
+      run_ok("whole", 1,
+             lm_flags(data_dir_, 1) + sgd +
+                 std::vector<std::string>{"--save-params", (dir_ / "whole.pt").string()});
   const auto micro = run_ok("micro", 1,
                             lm_flags(data_dir_, 1) + sgd +
                                 std::vector<std::string>{"--micro-batches", "2", "--save-params",
@@ -178,11 +208,11 @@ TEST_F(LmTrainerTest, MicroBatchesStepTheParametersOfOneBatch) {
   EXPECT_LT(d.norm_relative, 1e-5) << d.output;
   EXPECT_LT(d.max_relative, 1e-5) << d.output;
   // The comparison can fail: another lr moves the parameters far more than rounding.
-  const auto other = run_ok("other_lr", 1,
-                            lm_flags(data_dir_, 1) +
-                                std::vector<std::string>{"--optimizer", "sgd", "--lr", "0.19",
-                                                         "--epochs", "1", "--save-params",
-                                                         (dir_ / "other.pt").string()});
+  const auto other =
+      run_ok("other_lr", 1,
+             lm_flags(data_dir_, 1) + std::vector<std::string>{"--optimizer", "sgd", "--lr", "0.19",
+                                                               "--epochs", "1", "--save-params",
+                                                               (dir_ / "other.pt").string()});
   const auto far = param_distance(dir_ / "other.pt", dir_ / "whole.pt");
   ASSERT_EQ(far.exit_code, 0) << far.output;
   EXPECT_GT(far.norm_relative, 1e-3) << far.output;
@@ -194,23 +224,25 @@ TEST_F(LmTrainerTest, MicroBatchesStepTheParametersOfOneBatchForTheConvNet) {
   // first step grow to 4e-3 by the tenth), which would test the data, not the accumulation.
   const auto cifar = dir_ / "cifar";
   shampoo::testing::write_cifar10_files(cifar);
-  const auto flags = shampoo::testing::base_flags(cifar, 1) +
-                     std::vector<std::string>{"--optimizer", "sgd", "--lr", "0.01", "--epochs",
-                                              "1"};
-  run_ok("whole", 1, flags + std::vector<std::string>{"--save-params", (dir_ / "whole.pt").string()});
-  const auto micro = run_ok("micro", 1, flags + std::vector<std::string>{
-                                                    "--micro-batches", "4", "--save-params",
-                                                    (dir_ / "micro.pt").string()});
+  const auto flags =
+      shampoo::testing::base_flags(cifar, 1) +
+      std::vector<std::string>{"--optimizer", "sgd", "--lr", "0.01", "--epochs", "1"};
+  run_ok("whole", 1,
+         flags + std::vector<std::string>{"--save-params", (dir_ / "whole.pt").string()});
+  const auto micro =
+      run_ok("micro", 1,
+             flags + std::vector<std::string>{"--micro-batches", "4", "--save-params",
+                                              (dir_ / "micro.pt").string()});
   EXPECT_EQ(rows(micro.train, "loss"), 10u);
   const auto d = param_distance(dir_ / "micro.pt", dir_ / "whole.pt");
   ASSERT_EQ(d.exit_code, 0) << d.output;
   EXPECT_NE(d.output.find("linear.weight"), std::string::npos) << d.output;
   EXPECT_LT(d.norm_relative, 1e-5) << d.output;
   // Files of different models do not match: an error naming the parameter.
-  const auto lm = run_ok("lm", 1,
-                         lm_flags(data_dir_, 1) + adam_flags("0.01") +
-                             std::vector<std::string>{"--epochs", "1", "--save-params",
-                                                      (dir_ / "lm.pt").string()});
+  const auto lm = run_ok(
+      "lm", 1,
+      lm_flags(data_dir_, 1) + adam_flags("0.01") +
+          std::vector<std::string>{"--epochs", "1", "--save-params", (dir_ / "lm.pt").string()});
   const auto mismatch = param_distance(dir_ / "lm.pt", dir_ / "whole.pt");
   EXPECT_EQ(mismatch.exit_code, 1) << mismatch.output;
   EXPECT_NE(mismatch.output.find("do not match"), std::string::npos) << mismatch.output;
@@ -219,17 +251,17 @@ TEST_F(LmTrainerTest, MicroBatchesStepTheParametersOfOneBatchForTheConvNet) {
 TEST_F(LmTrainerTest, ResumedRunEqualsUninterruptedRun) {
   const auto flags = lm_flags(data_dir_, 1) + shampoo_flags();
   const auto uninterrupted = run_ok(
-      "uninterrupted", 1, flags + std::vector<std::string>{"--save-params",
-                                                           (dir_ / "uninterrupted.pt").string()});
+      "uninterrupted", 1,
+      flags + std::vector<std::string>{"--save-params", (dir_ / "uninterrupted.pt").string()});
   const auto checkpoints = (dir_ / "checkpoints").string();
-  const auto stopped = run_ok("resumed", 1, flags + std::vector<std::string>{
-                                                       "--checkpoint-dir", checkpoints,
-                                                       "--stop-after-iteration", "37"});
+  const auto stopped = run_ok("resumed", 1,
+                              flags + std::vector<std::string>{"--checkpoint-dir", checkpoints,
+                                                               "--stop-after-iteration", "37"});
   EXPECT_NE(stopped.log.find("Stopped after iteration 37"), std::string::npos) << stopped.log;
-  const auto resumed = run_ok("resumed", 1, flags + std::vector<std::string>{
-                                                       "--checkpoint-dir", checkpoints,
-                                                       "--save-params",
-                                                       (dir_ / "resumed.pt").string()});
+  const auto resumed =
+      run_ok("resumed", 1,
+             flags + std::vector<std::string>{"--checkpoint-dir", checkpoints, "--save-params",
+                                              (dir_ / "resumed.pt").string()});
   EXPECT_NE(resumed.log.find("Resumed from"), std::string::npos) << resumed.log;
   EXPECT_TRUE(identical(resumed.train.at("loss"), uninterrupted.train.at("loss")));
   EXPECT_TRUE(identical(resumed.eval.at("test_loss"), uninterrupted.eval.at("test_loss")));

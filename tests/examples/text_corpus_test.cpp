@@ -47,8 +47,7 @@ TEST(TextCorpus, EveryLineGivesItsWordsThenEos) {
   Vocabulary vocabulary;
   const auto stream = read_token_stream(dir / "a.txt", vocabulary, /*extend=*/true);
   EXPECT_EQ(stream.scalar_type(), at::kLong);
-  EXPECT_EQ(words(stream, vocabulary),
-            "the cat sat <eos> a cat ran <eos> <eos> the end <eos>");
+  EXPECT_EQ(words(stream, vocabulary), "the cat sat <eos> a cat ran <eos> <eos> the end <eos>");
   // Ids in order of first appearance.
   EXPECT_EQ(values(stream), (std::vector<int64_t>{0, 1, 2, 3, 4, 1, 5, 3, 3, 0, 6, 3}));
   EXPECT_EQ(vocabulary.size(), 7);

@@ -153,8 +153,9 @@ TEST(TrainerFlags, BadValuesAreErrorsNamingTheFlagTheValueAndWhatIsAllowed) {
       {{"--dataset", "ptb", "--lm-dropout", "1"},
        "--lm-dropout: got 1, expected a probability in [0, 1)"},
       {{"--dataset", "ptb", "--bptt", "0"}, "--bptt: got '0', expected an integer >= 1"},
-      {{"--dataset", "imagenet"}, "--dataset: got 'imagenet', expected one of cifar10, "
-                                  "fashion-mnist, ptb"},
+      {{"--dataset", "imagenet"},
+       "--dataset: got 'imagenet', expected one of cifar10, "
+       "fashion-mnist, ptb"},
   };
   for (const auto& [args, expected] : cases) {
     try {
@@ -176,13 +177,13 @@ TEST(TrainerFlags, PtbDefaultsToTheLanguageModelAndItsSettings) {
   EXPECT_EQ(config->lm_dim, 128);
   EXPECT_EQ(config->lm_dropout, 0.0);
   EXPECT_EQ(config->eval_batch_size, 64);  // sequences, not 500 images
-  EXPECT_EQ(config->data_dir, shampoo::examples::default_data_dir(
-                                  shampoo::examples::DatasetKind::kPtb));
+  EXPECT_EQ(config->data_dir,
+            shampoo::examples::default_data_dir(shampoo::examples::DatasetKind::kPtb));
   EXPECT_EQ(config->micro_batches, 1);
   EXPECT_TRUE(config->save_params.empty());
-  const auto set = parse({"--dataset", "ptb", "--model", "lm", "--bptt", "20", "--lm-dim", "64",
-                          "--lm-dropout", "0.25", "--eval-batch-size", "10", "--micro-batches",
-                          "4", "--save-params", "p.pt"});
+  const auto set =
+      parse({"--dataset", "ptb", "--model", "lm", "--bptt", "20", "--lm-dim", "64", "--lm-dropout",
+             "0.25", "--eval-batch-size", "10", "--micro-batches", "4", "--save-params", "p.pt"});
   ASSERT_TRUE(set.has_value());
   EXPECT_EQ(set->bptt, 20);
   EXPECT_EQ(set->lm_dim, 64);

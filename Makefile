@@ -53,9 +53,10 @@ demo: $(CONFIG_STAMP)
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target cifar10_trainer
 	$(BUILD_DIR)/examples/run_demo.sh
 
-# Shampoo against Adam, AdamW and SGD with momentum on the demo's model and data, each over an lr
-# grid; CSV, plot and Markdown table in $(BUILD_DIR)/compare (examples/run_compare.sh.in: the
-# full budget on a GPU, a reduced one of about 15 minutes on a 2-core CPU; COMPARE_* override).
+# Shampoo against Adam, AdamW and SGD with momentum on three workloads (the demo's ConvNet, the
+# deep autoencoder, an LSTM language model on the Penn Treebank), each over an lr grid; CSV, plot
+# and Markdown table per workload in $(BUILD_DIR)/compare (examples/run_compare.sh.in: the full
+# budget on a GPU, a reduced one on a CPU; COMPARE_WORKLOADS and the other COMPARE_* override).
 compare: $(CONFIG_STAMP)
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target cifar10_trainer
 	$(BUILD_DIR)/examples/run_compare.sh

@@ -1,5 +1,6 @@
 /// Image classification trainer: the reference's CIFAR-10 examples (facebookresearch/optimizers,
-/// distributed_shampoo/examples: default_cifar10_example.py, ddp_cifar10_example.py) in LibTorch.
+/// distributed_shampoo/examples: default_cifar10_example.py, ddp_cifar10_example.py) in LibTorch;
+/// also trains a word-level LSTM language model on the Penn Treebank (--dataset ptb --model lm).
 ///
 ///   cifar10_trainer --optimizer shampoo --data-dir data/cifar-10-batches-bin [flags]
 ///   torchrun --no-python --standalone --nproc-per-node 2 cifar10_trainer [flags]
@@ -24,6 +25,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -39,10 +41,13 @@
 #include "examples/cosine_annealing_lr.h"
 #include "examples/distributed_batch_sampler.h"
 #include "examples/image_dataset.h"
+#include "examples/language_model.h"
 #include "examples/loss_metrics.h"
 #include "examples/metrics_csv.h"
 #include "examples/models.h"
+#include "examples/parameter_file.h"
 #include "examples/progress_bar.h"
+#include "examples/text_corpus.h"
 #include "examples/trainer_config.h"
 #include "examples/trainer_device.h"
 #include "examples/trainer_optimizer.h"
@@ -89,23 +94,72 @@ void average_buffers(torch::nn::Module& model, const Distributed& d) {
 }
 
 struct Evaluation {
-  double loss = 0;
-  double accuracy = 0;  // NaN for a model that reconstructs (no classes)
+  double loss = 0;      // the language model: mean token cross-entropy (nats per token)
+  double accuracy = 0;  // NaN for a model that reconstructs (no classes) and the language model
+};
+
+/// --dataset ptb as the trainer reads it: the training stream cut into sequences of bptt + 1
+/// tokens (examples/text_corpus.h), and the validation stream, which evaluation reads whole.
+struct TextData {
+  int64_t vocabulary_size = 0;
+  int64_t bptt = 0;
+  at::Tensor train;          // int64 [sequences, bptt + 1]
+  at::Tensor valid;          // int64 [tokens]
+  int64_t train_tokens = 0;  // of the whole training stream
+
+  void move_to(c10::Device device) {
+    train = train.to(device);
+    valid = valid.to(device);
+  }
+};
+
+/// What the trainer trains on: images, or (--dataset ptb) a text corpus.
+struct TrainingData {
+  ImageDataset images;  // empty for a text corpus
+  TextData text;        // empty for images
+  bool is_text = false;
+  int64_t full_train_size = 0;  // examples (sequences) before --limit-train
+
+  int64_t train_size() const { return is_text ? text.train.size(0) : images.train.size(); }
+  void move_to(c10::Device device) {
+    if (is_text) {
+      text.move_to(device);
+    } else {
+      images.move_to(device);
+    }
+  }
+};
+
+/// A batch's model input and what its output is trained against (labels, the input itself for
+/// the autoencoder, the next tokens for the language model).
+struct Batch {
+  at::Tensor input;
+  at::Tensor target;
 };
 
 /// The model's input for a batch of uint8 images: normalized per channel for the classifiers,
 /// the pixel intensities in [0, 1] for the autoencoder (also its target).
-at::Tensor model_input(const ImageClassifier& model, const ImageDataset& data,
+at::Tensor model_input(const TrainerModel& model, const ImageDataset& data,
                        const at::Tensor& images) {
   return model.reconstructs() ? images.to(at::kFloat).div_(255.0) : data.normalize(images);
 }
 
-/// The loss of a batch, summed over it (`sum`) or its mean: the cross-entropy of the labels, or,
-/// for a model that reconstructs, the binary cross-entropy of the pixels (targets: `input`)
-/// summed over each image.
-at::Tensor batch_loss(const ImageClassifier& model, const at::Tensor& output,
-                      const at::Tensor& input, const at::Tensor& labels, bool sum) {
+/// The loss of a batch, summed over it (`sum`) or its mean: the cross-entropy of the labels; for
+/// a model that reconstructs, the binary cross-entropy of the pixels (targets: `input`) summed
+/// over each image; for the language model, the cross-entropy of every next token (`labels`:
+/// [N, T]), summed over the tokens or their mean.
+at::Tensor batch_loss(const TrainerModel& model, const at::Tensor& output, const at::Tensor& input,
+                      const at::Tensor& labels, bool sum) {
   namespace F = torch::nn::functional;
+  if (model.objective() == Objective::kNextToken) {
+    auto options = F::CrossEntropyFuncOptions();
+    if (sum) {
+      options.reduction(torch::kSum);
+    } else {
+      options.reduction(torch::kMean);
+    }
+    return F::cross_entropy(output.to(at::kFloat).flatten(0, 1), labels.flatten(), options);
+  }
   if (model.reconstructs()) {
     const auto per_image = F::binary_cross_entropy_with_logits(
                                output.to(at::kFloat), input.flatten(1),
@@ -142,16 +196,56 @@ shampoo::AutocastGuard autocast_for(const TrainerConfig& config, c10::Device dev
                                 config.amp != AmpMode::kOff);
 }
 
-/// Test loss and accuracy (none for the autoencoder): every rank evaluates its contiguous share
-/// of the test set and the sums are all-reduced. With --amp the forward passes run under
-/// autocast, as in training.
-Evaluation evaluate(ImageClassifier& model,
+/// The language model's validation loss: the mean cross-entropy of every token of the
+/// validation stream after its first (perplexity = its exp). The stream is cut into sequences
+/// as in training (each from a zero state), plus the shorter tail; every rank evaluates a
+/// contiguous share of the sequences (the last rank also the tail) and the sums of the losses
+/// and of the tokens are all-reduced.
+Evaluation evaluate_text(TrainerModel& model,
+                         const std::function<at::Tensor(const at::Tensor&)>& forward,
+                         const TextData& text, int64_t batch_size, const Distributed& d) {
+  const auto sequences = cut_into_sequences(text.valid, text.bptt);
+  const auto tail = sequence_tail(text.valid, text.bptt);
+  const int64_t n = sequences.size(0);
+  const int64_t begin = n * d.rank / d.world_size;
+  const int64_t end = n * (d.rank + 1) / d.world_size;
+  double loss_sum = 0;
+  double tokens = 0;
+  auto add = [&](const at::Tensor& batch) {
+    const auto input = batch.slice(1, 0, batch.size(1) - 1);
+    const auto target = batch.slice(1, 1);
+    loss_sum += batch_loss(model, forward(input), input, target, /*sum=*/true).item<double>();
+    tokens += static_cast<double>(target.numel());
+  };
+  for (int64_t b = begin; b < end; b += batch_size) {
+    add(sequences.slice(0, b, std::min(b + batch_size, end)));
+  }
+  if (d.rank == d.world_size - 1 && tail.numel() > 1) add(tail.unsqueeze(0));
+  if (d.group && d.world_size > 1) {
+    std::vector<at::Tensor> sums{at::tensor({loss_sum, tokens}, at::kDouble)};
+    d.group->allreduce(sums)->wait();
+    loss_sum = sums[0][0].item<double>();
+    tokens = sums[0][1].item<double>();
+  }
+  return Evaluation{loss_sum / std::max(tokens, 1.0), std::numeric_limits<double>::quiet_NaN()};
+}
+
+/// Test loss and accuracy (none for the autoencoder), or the language model's validation loss:
+/// every rank evaluates its contiguous share of the test set and the sums are all-reduced. With
+/// --amp the forward passes run under autocast, as in training.
+Evaluation evaluate(TrainerModel& model,
                     const std::function<at::Tensor(const at::Tensor&)>& forward,
-                    const ImageDataset& data, int64_t batch_size, const Distributed& d,
+                    const TrainingData& training_data, int64_t batch_size, const Distributed& d,
                     const TrainerConfig& config, c10::Device device) {
   torch::NoGradGuard no_grad;
   const auto autocast = autocast_for(config, device);
   model.eval();
+  if (training_data.is_text) {
+    const auto evaluation = evaluate_text(model, forward, training_data.text, batch_size, d);
+    model.train();
+    return evaluation;
+  }
+  const ImageDataset& data = training_data.images;
   const int64_t n = data.test.size();
   const int64_t begin = n * d.rank / d.world_size;
   const int64_t end = n * (d.rank + 1) / d.world_size;
@@ -183,12 +277,17 @@ Evaluation evaluate(ImageClassifier& model,
 /// What a checkpoint must agree on to be resumed: not the number of ranks, which may change.
 RunSignature run_signature(const TrainerConfig& config, int64_t global_batch_size,
                            int64_t train_examples) {
-  return {{"dataset", dataset_name(config.dataset)},
-          {"model", config.model},
-          {"optimizer", optimizer_name(config.optimizer)},
-          {"global_batch_size", std::to_string(global_batch_size)},
-          {"train_examples", std::to_string(train_examples)},
-          {"seed", std::to_string(config.seed)}};
+  RunSignature signature{{"dataset", dataset_name(config.dataset)},
+                         {"model", config.model},
+                         {"optimizer", optimizer_name(config.optimizer)},
+                         {"global_batch_size", std::to_string(global_batch_size)},
+                         {"train_examples", std::to_string(train_examples)},
+                         {"seed", std::to_string(config.seed)}};
+  if (is_text(config.dataset)) {
+    signature.emplace_back("bptt", std::to_string(config.bptt));
+    signature.emplace_back("lm_dim", std::to_string(config.lm_dim));
+  }
+  return signature;
 }
 
 /// The signature with full sharding: its checkpoints hold the parameters as sharded pieces, which
@@ -242,16 +341,15 @@ ProgressBar make_progress_bar(const TrainerConfig& config, const Distributed& d)
 /// Everything a training run holds, built in the order the steps below need it.
 struct Trainer {
   Trainer(const TrainerConfig& config_, const Distributed& d_, c10::Device device_,
-          ImageDataset data_, int64_t full_train_size_)
+          TrainingData data_)
       : config(config_),
         d(d_),
         device(device_),
         progress_bar(make_progress_bar(config_, d_)),
         log(progress_bar, d_),
         data(std::move(data_)),
-        full_train_size(full_train_size_),
         batch(resolve_batch_sizes(config_, d_.world_size)),
-        sampler(data.train.size(), batch.local, d_.world_size, d_.rank, config_.seed),
+        sampler(data.train_size(), batch.local, d_.world_size, d_.rank, config_.seed),
         metrics(config_.window_size) {}
 
   const TrainerConfig& config;
@@ -259,11 +357,10 @@ struct Trainer {
   c10::Device device;
   ProgressBar progress_bar;
   Log log;
-  ImageDataset data;
-  int64_t full_train_size = 0;
+  TrainingData data;
   BatchSizes batch;
   DistributedBatchSampler sampler;
-  std::shared_ptr<ImageClassifier> model;
+  std::shared_ptr<TrainerModel> model;
   std::optional<TrainingCheckpoint> checkpoint;
   int64_t resumed_from_world_size = 0;  // 0: not resumed
   std::unique_ptr<shampoo::GradientSynchronizer> synchronizer;
@@ -280,13 +377,30 @@ struct Trainer {
   std::optional<MetricsCsv> csv;
 };
 
-/// Every rank holds the (uint8) data set and reads its slices of the global batches.
-ImageDataset load_data(const TrainerConfig& config, int64_t* full_train_size) {
-  ImageDataset data = load_image_dataset(config.dataset, config.data_dir);
-  *full_train_size = data.train.size();
-  if (config.limit_train > 0 && config.limit_train < data.train.size()) {
-    data.train.images = data.train.images.slice(0, 0, config.limit_train);
-    data.train.labels = data.train.labels.slice(0, 0, config.limit_train);
+/// Every rank holds the (uint8) data set, or the corpus, and reads its slices of the global
+/// batches. --limit-train keeps the first training examples (sequences).
+TrainingData load_data(const TrainerConfig& config) {
+  TrainingData data;
+  data.is_text = is_text(config.dataset);
+  if (data.is_text) {
+    const TextCorpus corpus = load_text_corpus(config.data_dir);
+    data.text.vocabulary_size = corpus.vocabulary.size();
+    data.text.bptt = config.bptt;
+    data.text.train = cut_into_sequences(corpus.train, config.bptt);
+    data.text.valid = corpus.valid;
+    data.text.train_tokens = corpus.train.numel();
+    data.full_train_size = data.text.train.size(0);
+    if (config.limit_train > 0 && config.limit_train < data.full_train_size) {
+      data.text.train = data.text.train.slice(0, 0, config.limit_train);
+    }
+    return data;
+  }
+  data.images = load_image_dataset(config.dataset, config.data_dir);
+  ImageDataset& images = data.images;
+  data.full_train_size = images.train.size();
+  if (config.limit_train > 0 && config.limit_train < images.train.size()) {
+    images.train.images = images.train.images.slice(0, 0, config.limit_train);
+    images.train.labels = images.train.labels.slice(0, 0, config.limit_train);
   }
   return data;
 }
@@ -296,7 +410,7 @@ void resume(Trainer& t) {
   const auto& config = t.config;
   t.checkpoint.emplace(
       config.checkpoint_dir, t.d.group,
-      run_signature_of(config, t.batch.global, t.data.train.size()),
+      run_signature_of(config, t.batch.global, t.data.train_size()),
       TrainingCheckpoint::State{t.model.get(), t.fsdp ? &t.fsdp->optimizer() : t.optimizer.get(),
                                 &t.metrics, &t.progress, t.scaler.get()},
       t.device);
@@ -370,7 +484,8 @@ void build_fully_sharded(Trainer& t) {
                          : shampoo::detail::make_process_group(
                                c10::make_intrusive<c10d::HashStore>(), 0, 1,
                                shampoo::kDefaultProcessGroupTimeout, t.device.is_cuda());
-  auto options = shampoo::FullyShardedOptions();
+  // --micro-batches: the reduced gradients of the micro-batches are summed, one step per batch.
+  auto options = shampoo::FullyShardedOptions().accumulation_steps(config.micro_batches);
   if (config.sharding == ShardingMode::kHybrid) {
     const auto hybrid =
         shampoo::make_hybrid_groups(group, hybrid_shard_group_size(config, group->getSize()));
@@ -397,8 +512,15 @@ void build_model_and_optimizer(Trainer& t) {
   const auto& config = t.config;
   // The same seed on every rank (the synchronizer also broadcasts rank 0's weights).
   torch::manual_seed(config.seed);
-  t.model = make_image_classifier(config.model, t.data.channels(), t.data.num_classes,
-                                  t.data.height(), t.data.width());
+  if (t.data.is_text) {
+    t.model = LstmLanguageModel(LanguageModelOptions{t.data.text.vocabulary_size, config.lm_dim,
+                                                     config.lm_dropout})
+                  .ptr();
+  } else {
+    const ImageDataset& images = t.data.images;
+    t.model = make_image_classifier(config.model, images.channels(), images.num_classes,
+                                    images.height(), images.width());
+  }
   // Initialized on the CPU, then moved: the same initial weights on every device.
   t.model->to(t.device);
   for (const auto& p : t.model->parameters()) t.num_parameters += p.numel();
@@ -480,11 +602,23 @@ void print_setup(Trainer& t) {
   const int64_t num_parameters = t.num_parameters;
   t.log.lead(describe_device(config.device, t.device, t.d.world_size));
   t.log.lead(config.command_line);
-  t.log.lead(fmt::format(
-      "Data: {} from {}: {} training examples (of {}), {} test examples, "
-      "{}x{}x{}",
-      dataset_name(config.dataset), config.data_dir.string(), t.data.train.size(),
-      t.full_train_size, t.data.test.size(), t.data.channels(), t.data.height(), t.data.width()));
+  if (t.data.is_text) {
+    const TextData& text = t.data.text;
+    t.log.lead(fmt::format(
+        "Data: {} from {}: {} training examples (of {}): sequences of {} tokens ({} inputs, the "
+        "next {} targets) from {} training tokens; {} validation tokens; vocabulary {} words",
+        dataset_name(config.dataset), config.data_dir.string(), t.data.train_size(),
+        t.data.full_train_size, text.bptt + 1, text.bptt, text.bptt, text.train_tokens,
+        text.valid.numel(), text.vocabulary_size));
+  } else {
+    const ImageDataset& images = t.data.images;
+    t.log.lead(
+        fmt::format("Data: {} from {}: {} training examples (of {}), {} test examples, "
+                    "{}x{}x{}",
+                    dataset_name(config.dataset), config.data_dir.string(), images.train.size(),
+                    t.data.full_train_size, images.test.size(), images.channels(), images.height(),
+                    images.width()));
+  }
   t.log.lead(
       fmt::format("Model: {}, {} parameters | ranks: {} | global batch {} ({} per rank), "
                   "{} iterations per epoch | {} thread(s) per rank",
@@ -549,22 +683,49 @@ void print_setup(Trainer& t) {
   if (t.resumed_from_world_size > 0) t.log.lead(describe_resume(t));
 }
 
-/// One optimizer step on batch `batch` of the epoch's order; returns the local loss.
+/// The training examples `index` (on the data's device) as the model's input and target.
+Batch training_batch(const Trainer& t, const at::Tensor& index) {
+  if (t.data.is_text) {
+    const auto sequences = t.data.text.train.index_select(0, index);
+    const int64_t length = sequences.size(1);
+    return {sequences.slice(1, 0, length - 1), sequences.slice(1, 1, length)};
+  }
+  const ImageDataset& images = t.data.images;
+  return {model_input(*t.model, images, images.train.images.index_select(0, index)),
+          images.train.labels.index_select(0, index)};
+}
+
+/// One optimizer step on batch `batch` of the epoch's order; returns the local loss (the mean
+/// over the rank's batch). With --micro-batches n the batch runs as n equal micro-batches, each
+/// loss divided by n, so the accumulated gradient is the batch's mean; the synchronizer (or the
+/// fully sharded model) communicates once, after the last.
 double train_step(Trainer& t, const at::Tensor& order, int64_t batch) {
   const auto index = t.sampler.local_batch(order, batch);
-  const auto images = model_input(*t.model, t.data, t.data.train.images.index_select(0, index));
-  const auto labels = t.data.train.labels.index_select(0, index);
+  const int64_t micro_batches = t.config.micro_batches;
   if (t.optimizer) t.optimizer->zero_grad();
-  at::Tensor loss;
-  {
-    // The forward pass under --amp's autocast (the loss itself comes out in float32).
-    const auto autocast = autocast_for(t.config, t.device);
-    loss = batch_loss(*t.model, model_forward(t, images), images, labels, /*sum=*/false);
-  }
-  if (t.scaler) {
-    t.scaler->scale(loss).backward();
-  } else {
-    loss.backward();
+  double loss_sum = 0;
+  const auto parts =
+      micro_batches > 1 ? index.chunk(micro_batches) : std::vector<at::Tensor>{index};
+  for (size_t m = 0; m < parts.size(); ++m) {
+    const Batch b = training_batch(t, parts[m]);
+    at::Tensor loss;
+    {
+      // The forward pass under --amp's autocast (the loss itself comes out in float32).
+      const auto autocast = autocast_for(t.config, t.device);
+      loss = batch_loss(*t.model, model_forward(t, b.input), b.input, b.target, /*sum=*/false);
+    }
+    const auto scaled = micro_batches > 1 ? loss / static_cast<double>(micro_batches) : loss;
+    {
+      // Only the last micro-batch's backward synchronizes the accumulated gradients.
+      std::optional<shampoo::GradientSynchronizer::NoSync> no_sync;
+      if (t.synchronizer && m + 1 < parts.size()) no_sync.emplace(*t.synchronizer);
+      if (t.scaler) {
+        t.scaler->scale(scaled).backward();
+      } else {
+        scaled.backward();
+      }
+    }
+    loss_sum += loss.item<double>();
   }
   if (t.synchronizer) t.synchronizer->synchronize();
   if (t.fsdp) {
@@ -576,7 +737,7 @@ double train_step(Trainer& t, const at::Tensor& order, int64_t batch) {
     t.optimizer->step();
   }
   if (t.scheduler) t.scheduler->step();
-  return loss.item<double>();
+  return micro_batches > 1 ? loss_sum / static_cast<double>(micro_batches) : loss_sum;
 }
 
 /// The loss lines of an iteration: every rank's local losses, rank 0's global ones.
@@ -663,14 +824,17 @@ std::optional<Evaluation> train(Trainer& t, int64_t last_epoch) {
     evaluation = evaluate_model(t);
     t.progress.epoch = epoch;
     const double epoch_seconds = seconds_since(epoch_start);
-    const auto accuracy = t.model->reconstructs()
-                              ? std::string()
-                              : fmt::format(" | Test Accuracy: {:.4f}", evaluation->accuracy);
-    t.log.lead(fmt::format(
-        "Epoch: {} | Test Loss: {:.4f}{} | Global "
-        "Lifetime Loss: {:.4f} | Time: {:.1f} s (train {:.1f} s, {:.1f} it/s)",
-        epoch, evaluation->loss, accuracy, global->lifetime_loss, epoch_seconds, train_seconds,
-        static_cast<double>(t.progress.iteration - first_iteration) / train_seconds));
+    const bool text = t.data.is_text;
+    const auto accuracy =
+        text ? fmt::format(" | Validation Perplexity: {:.2f}", std::exp(evaluation->loss))
+        : t.model->reconstructs() ? std::string()
+                                  : fmt::format(" | Test Accuracy: {:.4f}", evaluation->accuracy);
+    t.log.lead(
+        fmt::format("Epoch: {} | {} Loss: {:.4f}{} | Global "
+                    "Lifetime Loss: {:.4f} | Time: {:.1f} s (train {:.1f} s, {:.1f} it/s)",
+                    epoch, text ? "Validation" : "Test", evaluation->loss, accuracy,
+                    global->lifetime_loss, epoch_seconds, train_seconds,
+                    static_cast<double>(t.progress.iteration - first_iteration) / train_seconds));
     if (t.csv) {
       t.csv->add_epoch(epoch, t.progress.iteration, evaluation->loss, evaluation->accuracy,
                        global->lifetime_loss, epoch_seconds);
@@ -678,6 +842,23 @@ std::optional<Evaluation> train(Trainer& t, int64_t last_epoch) {
     save_checkpoint(t, /*within_epoch=*/false);
   }
   return evaluation;
+}
+
+/// --save-params: rank 0 writes the model's parameters by name (collective with full sharding,
+/// whose parameters every rank gathers whole first).
+void save_parameters(Trainer& t) {
+  if (t.config.save_params.empty()) return;
+  if (t.fsdp) t.fsdp->gather_all();
+  if (t.d.rank == 0) {
+    NamedTensors params;
+    for (const auto& item : t.model->named_parameters()) {
+      params.emplace_back(item.key(), item.value());
+    }
+    write_parameter_file(t.config.save_params, params);
+    t.log.lead(
+        fmt::format("Parameters: {} ({} tensors)", t.config.save_params.string(), params.size()));
+  }
+  if (t.fsdp) t.fsdp->release_all();
 }
 
 void print_summary(Trainer& t, const Evaluation& evaluation, Clock::time_point run_start) {
@@ -699,7 +880,10 @@ void print_summary(Trainer& t, const Evaluation& evaluation, Clock::time_point r
         fmt::format("Metrics: {}, {}", t.csv->train_path().string(), t.csv->eval_path().string()));
   }
   t.log.lead(fmt::format("Total time: {:.1f} s", seconds_since(run_start)));
-  if (t.model->reconstructs()) {
+  if (t.data.is_text) {
+    t.log.lead(fmt::format("Final validation perplexity: {:.2f} (loss {:.4f} nats per token)",
+                           std::exp(evaluation.loss), evaluation.loss));
+  } else if (t.model->reconstructs()) {
     t.log.lead(
         fmt::format("Final test loss: {:.4f} (reconstruction, nats per image)", evaluation.loss));
   } else {
@@ -741,11 +925,16 @@ int run(int argc, const char* const* argv) {
   // float32 as on the CPU: cuDNN would run convolutions in TF32 (10-bit mantissa, ~1e-3
   // relative) by default. Lower precision is asked for explicitly, with --amp.
   if (device.is_cuda()) at::globalContext().setAllowTF32CuDNN(false);
+  if (is_text(config.dataset) && config.amp == AmpMode::kFp16 && !device.is_cuda()) {
+    // LibTorch's CPU LSTM (oneDNN) has no fp16 kernel: it fails at the first forward.
+    throw std::invalid_argument(
+        "--amp fp16: the language model's LSTM has no fp16 kernel on the CPU; use --amp bf16, "
+        "--amp off or --device cuda");
+  }
   const Distributed d = join_process_group();
-  int64_t full_train_size = 0;
-  ImageDataset data = load_data(config, &full_train_size);
+  TrainingData data = load_data(config);
   data.move_to(device);
-  Trainer t(config, d, device, std::move(data), full_train_size);
+  Trainer t(config, d, device, std::move(data));
   build_model_and_optimizer(t);
   print_setup(t);
 
@@ -758,6 +947,7 @@ int run(int argc, const char* const* argv) {
   if (!evaluation) {
     evaluation = evaluate_model(t);
   }
+  save_parameters(t);
   print_summary(t, *evaluation, run_start);
   return 0;
 }

@@ -4,24 +4,29 @@
     compare_optimizers.py --trainer BIN --out DIR --device cpu|cuda [--workload W] [options]
 
 `make compare` runs this through <build>/examples/run_compare.sh, which knows the trainer, the
-torchrun launcher and the folder holding matplotlib, once per workload. The workloads, both on
-Fashion-MNIST with examples/cifar10_trainer:
-  convnet      the reference's ConvNet, classification; metric: test accuracy (higher is better)
-  autoencoder  the deep autoencoder (784-1000-500-250-30, mirrored, sigmoid units), on which
-               second-order methods are known to win; metric: the test reconstruction loss
-               (binary cross-entropy in nats per image, lower is better)
+torchrun launcher and the folder holding matplotlib, once per workload. The workloads, with
+examples/cifar10_trainer:
+  convnet      the reference's ConvNet on Fashion-MNIST, classification; metric: test accuracy
+               (higher is better)
+  autoencoder  the deep autoencoder (784-1000-500-250-30, mirrored, sigmoid units) on
+               Fashion-MNIST, on which second-order methods are known to win; metric: the test
+               reconstruction loss (binary cross-entropy in nats per image, lower is better)
+  lm           the word-level LSTM language model (tied embedding of 128, one LSTM layer,
+               LayerNorm) on the Penn Treebank, sequences of 35 tokens; metric: the validation
+               perplexity (exp of the mean token cross-entropy over the validation set, lower is
+               better)
 For every optimizer and every learning rate of its grid (the same grid size for every optimizer)
 and every seed, it trains the workload's model with the same epochs, global batch, lr schedule,
 weight decay and seeds for all; only the optimizer, its lr and its own constants (Adam's epsilon,
 SGD's momentum, Shampoo's settings from the README) differ. Then it writes (STEM: compare for
-convnet, compare_autoencoder for autoencoder)
+convnet, compare_autoencoder for autoencoder, compare_lm for lm)
 
     DIR/STEM.csv   one row per run and epoch: test accuracy and loss, cumulative and per-epoch
                    seconds
     DIR/STEM.png   the metric against steps and against seconds, best lr of each optimizer
     DIR/STEM.md    the table printed at the end, with a caption that states the budget
 
-and keeps every run's metrics and log in DIR/runs/[autoencoder/]<optimizer>-lr<lr>-seed<seed>/.
+and keeps every run's metrics and log in DIR/runs/[autoencoder/|lm/]<optimizer>-lr<lr>-seed<seed>/.
 The best lr of an optimizer is the one with the best final metric (mean over the seeds). While it
 is the largest (smallest) rate of its grid, the grid is widened by the rate times (divided by)
 --widen-factor, at most --widen times; a best lr still at an edge is marked "(edge)" in the
@@ -29,8 +34,8 @@ table. Seconds are the trainer's own epoch times (training plus the evaluation a
 process start-up and data loading are not counted).
 
 Budgets: on cuda the full one; on cpu a reduced one (convnet: 3 epochs, 2 ranks, about 12
-minutes on 2 cores; autoencoder: 10 epochs on 20000 examples, 2 ranks, about 14 minutes). --budget full|reduced
-picks one on any device; flags override either.
+minutes on 2 cores; autoencoder: 10 epochs on 20000 examples, 2 ranks, about 14 minutes; lm: see
+LM_REDUCED_BUDGET). --budget full|reduced picks one on any device; flags override either.
 """
 
 import argparse
@@ -84,24 +89,51 @@ AUTOENCODER_GRID = {
     "sgd": [0.1, 0.03, 0.01],
 }
 
-# The workloads (--workload). metric: the eval.csv column that decides the best lr and the
-# targets; higher: whether a larger value is better; target: the fixed target of the table;
-# files: the stem of the CSV, PNG and table; runs: the folder of the runs under DIR/runs.
+# The language model's rates: Adam's usual range for small LSTM language models; SGD with
+# momentum 0.9 on its tied embedding needs rates near 1.
+LM_GRID = {
+    "shampoo": [0.01, 0.003, 0.001],
+    "adam": [0.01, 0.003, 0.001],
+    "adamw": [0.01, 0.003, 0.001],
+    "sgd": [1.0, 0.3, 0.1],
+}
+# The language model's budgets, in sequences of 35 tokens (26559 in PTB's training set), global
+# batch 32.
+LM_FULL_BUDGET = {"epochs": 10, "limit_train": 0, "seeds": [2022], "ranks": 1}
+LM_REDUCED_BUDGET = {"epochs": 4, "limit_train": 3200, "seeds": [2022], "ranks": 2}
+
+# The workloads (--workload). metric: the key of an epoch's values that decides the best lr and
+# the targets (eval.csv's column, or perplexity = exp(test_loss)); higher: whether a larger value
+# is better; target: the fixed target of the table; batch: the default global batch; evaluated:
+# what the metric is measured on; examples: what a training example is; files: the stem of the
+# CSV, PNG and table; runs: the folder of the runs under DIR/runs.
 WORKLOADS = {
     "convnet": {
-        "title": "ConvNet on Fashion-MNIST", "model": "convnet",
+        "title": "ConvNet on Fashion-MNIST", "model": "convnet", "dataset": "fashion-mnist",
         "metric": "test_accuracy", "metric_name": "test accuracy", "higher": True,
+        "batch": 256, "evaluated": "10000 test images", "examples": "training examples",
         "target": 0.90, "grid": DEFAULT_GRID, "weight_decay": "1e-4",
         "full": FULL_BUDGET, "reduced": REDUCED_BUDGET, "files": "compare", "runs": "",
     },
     "autoencoder": {
         "title": "Deep autoencoder (784-1000-500-250-30, mirrored, sigmoid) on Fashion-MNIST",
-        "model": "autoencoder",
+        "model": "autoencoder", "dataset": "fashion-mnist",
+        "batch": 256, "evaluated": "10000 test images", "examples": "training examples",
         "metric": "test_loss", "metric_name": "test reconstruction loss (nats per image)",
         "higher": False, "target": 240.0, "grid": AUTOENCODER_GRID, "weight_decay": "1e-5",
         "full": {"epochs": 20, "limit_train": 0, "seeds": [2022], "ranks": 1},
         "reduced": {"epochs": 10, "limit_train": 20000, "seeds": [2022], "ranks": 2},
         "files": "compare_autoencoder", "runs": "autoencoder",
+    },
+    "lm": {
+        "title": "LSTM language model (tied embedding 128, 1 layer, LayerNorm) on the Penn Treebank",
+        "model": "lm", "dataset": "ptb",
+        "batch": 32, "evaluated": "the 73760 tokens of the validation set",
+        "examples": "training sequences of 35 tokens",
+        "metric": "perplexity", "metric_name": "validation perplexity",
+        "higher": False, "target": 300.0, "grid": LM_GRID, "weight_decay": "1e-5",
+        "full": LM_FULL_BUDGET, "reduced": LM_REDUCED_BUDGET,
+        "files": "compare_lm", "runs": "lm",
     },
 }
 
@@ -218,6 +250,8 @@ def resolve(args):
         raise UsageError(f"--limit-train: got {args.limit_train}, expected >= 0 (0 = all)")
     if args.ranks < 1:
         raise UsageError(f"--ranks: got {args.ranks}, expected >= 1")
+    if args.batch_size is None:
+        args.batch_size = args.workload["batch"]
     if args.batch_size < 1 or args.batch_size % args.ranks:
         raise UsageError(f"--batch-size: got {args.batch_size}, expected a positive multiple "
                          f"of --ranks ({args.ranks})")
@@ -256,9 +290,9 @@ def format_lr(rate):
     return f"{rate:g}"
 
 
-def describe_budget(budget):
+def describe_budget(budget, what="training examples"):
     examples = f"the first {budget['limit_train']}" if budget["limit_train"] else "all"
-    return (f"{budget['epochs']} epochs on {examples} training examples, {budget['ranks']} "
+    return (f"{budget['epochs']} epochs on {examples} {what}, {budget['ranks']} "
             f"rank(s), seed(s) {','.join(map(str, budget['seeds']))}")
 
 
@@ -272,7 +306,7 @@ def output_path(args, suffix):
 
 
 def trainer_command(args, optimizer, rate, seed, run_dir):
-    flags = ["--device", args.device, "--dataset", "fashion-mnist",
+    flags = ["--device", args.device, "--dataset", args.workload["dataset"],
              "--model", args.workload["model"],
              "--optimizer", optimizer, "--lr", format_lr(rate), *OPTIMIZER_FLAGS[optimizer],
              "--epochs", str(args.epochs), "--local-batch-size", str(args.batch_size // args.ranks),
@@ -295,8 +329,11 @@ def read_run(run_dir, log_path):
     epochs, cumulative = [], 0.0
     for row in rows:
         cumulative += float(row["epoch_seconds"])
+        test_loss = float(row["test_loss"])
+        # The language model's perplexity; for the others exp of their test loss, not used.
+        perplexity = math.exp(test_loss) if test_loss < 700 else math.inf
         epochs.append({"epoch": int(row["epoch"]), "test_accuracy": float(row["test_accuracy"]),
-                       "test_loss": float(row["test_loss"]),
+                       "test_loss": test_loss, "perplexity": perplexity,
                        "epoch_seconds": float(row["epoch_seconds"]),
                        "cumulative_seconds": cumulative, "device": row["device"]})
     with open(log_path, errors="replace") as f:
@@ -460,27 +497,31 @@ def summarize(args, results):
 def write_csv(path, args, results, summary):
     best_rates = {row["optimizer"]: row["lr"] for row in summary}
     examples = args.train_examples[0] if args.train_examples else ""
+    # The language model's metric, exp(test_loss), as a column of its own (after the others).
+    perplexity = args.workload["metric"] == "perplexity"
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(CSV_COLUMNS)
+        writer.writerow(CSV_COLUMNS + (["perplexity"] if perplexity else []))
         for (optimizer, rate, seed), epochs in results.items():
             for e in epochs:
                 writer.writerow([optimizer, format_lr(rate), seed, e["epoch"],
                                  f"{e['test_accuracy']:.6g}", f"{e['test_loss']:.6g}",
                                  f"{e['cumulative_seconds']:.3f}", f"{e['epoch_seconds']:.3f}",
                                  e["device"], args.ranks, examples,
-                                 int(best_rates[optimizer] == rate)])
+                                 int(best_rates[optimizer] == rate)]
+                                + ([f"{e['perplexity']:.6g}"] if perplexity else []))
 
 
 def caption(args, results):
     devices = sorted({e["device"] for epochs in results.values() for e in epochs})
+    examples = args.workload["examples"]
     if args.train_examples:
         used, total = args.train_examples
-        data = (f"all {total} training examples" if used == total
-                else f"a subset of {used} of the {total} training examples")
+        data = (f"all {total} {examples}" if used == total
+                else f"a subset of {used} of the {total} {examples}")
     else:
-        data = (f"the first {args.limit_train} training examples" if args.limit_train
-                else "all training examples")
+        data = (f"the first {args.limit_train} {examples}" if args.limit_train
+                else f"all {examples}")
     grid_size = len(next(iter(args.initial_grid.values())))
     widened = [f"{o} {', '.join(map(format_lr, args.grid[o][len(args.initial_grid[o]):]))}"
                for o in args.optimizers if len(args.grid[o]) > len(args.initial_grid[o])]
@@ -499,7 +540,7 @@ def caption(args, results):
             f"schedule, weight decay {w['weight_decay']} (none on the bias), seed(s) {seeds}; a "
             f"grid of {grid_size} learning rate(s) per optimizer{widening}; device "
             f"{', '.join(devices)}, "
-            f"{rank_text}. Best lr = the {best} final {w['metric_name']} (10000 test images"
+            f"{rank_text}. Best lr = the {best} final {w['metric_name']} ({w['evaluated']}"
             f"{', mean over the seeds' if len(args.seeds) > 1 else ''}); seconds are the "
             f"trainer's epoch times, training plus the evaluation after each epoch, "
             f"start-up excluded. Steps and seconds to a target: at the first epoch whose "
@@ -599,7 +640,8 @@ def plot(path, args, summary, plt):
     by_time.set_xlim(left=0)
     by_time.set_title(f"{short} against time", fontsize=10)
     where = args.device if args.ranks == 1 else f"{args.device}, {args.ranks} ranks"
-    examples = f", {args.train_examples[0]} training examples" if args.train_examples else ""
+    examples = (f", {args.train_examples[0]} {args.workload['examples']}" if args.train_examples
+                else "")
     figure.suptitle(f"{args.workload['title']}, {args.epochs} epoch(s){examples}, {where}",
                     fontsize=11)
     figure.tight_layout()
@@ -610,13 +652,14 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="; ".join(
-            f"{name}: cpu -> the reduced budget, {describe_budget(w['reduced'])}; cuda -> the "
-            f"full budget, {describe_budget(w['full'])}; lr grids "
+            f"{name}: cpu -> the reduced budget, {describe_budget(w['reduced'], w['examples'])}; "
+            f"cuda -> the full budget, {describe_budget(w['full'], w['examples'])}; lr grids "
             + ", ".join(f"{o} {','.join(map(format_lr, r))}" for o, r in w["grid"].items())
             for name, w in WORKLOADS.items()))
     parser.add_argument("--workload", default="convnet",
-                        help="convnet (classification, test accuracy) or autoencoder (the deep "
-                             "autoencoder, test reconstruction loss); default convnet")
+                        help="convnet (classification, test accuracy), autoencoder (the deep "
+                             "autoencoder, test reconstruction loss) or lm (the LSTM language "
+                             "model on the Penn Treebank, validation perplexity); default convnet")
     parser.add_argument("--trainer", required=True, help="the cifar10_trainer binary")
     parser.add_argument("--torchrun", default="", help="torchrun launcher (needed for --ranks > 1)")
     parser.add_argument("--out", required=True, help="output folder")
@@ -639,12 +682,17 @@ def main():
     parser.add_argument("--seeds", help="comma-separated seeds; every (optimizer, lr) runs each "
                                         "(default: 2022)")
     parser.add_argument("--ranks", type=int, help="data-parallel ranks (default: by device)")
-    parser.add_argument("--batch-size", type=int, default=256, help="global batch (default 256)")
+    parser.add_argument("--batch-size", type=int,
+                        help="global batch (default: 256 for convnet and autoencoder, 32 "
+                             "sequences for lm)")
     parser.add_argument("--target", type=float,
                         help="value of the workload's metric whose epochs and seconds the table "
                              "reports (convnet: test accuracy 0.90; autoencoder: test loss "
-                             f"{WORKLOADS['autoencoder']['target']:g})")
-    parser.add_argument("--data-dir", default="", help="Fashion-MNIST folder (trainer's default)")
+                             f"{WORKLOADS['autoencoder']['target']:g}; lm: validation perplexity "
+                             f"{WORKLOADS['lm']['target']:g})")
+    parser.add_argument("--data-dir", default="",
+                        help="the workload's data folder (Fashion-MNIST, or the Penn Treebank for "
+                             "lm; default: the trainer's)")
     parser.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
     parser.add_argument("--report-only", action="store_true",
                         help="train nothing: rebuild the CSV, PNG and table from the runs that "
@@ -657,7 +705,7 @@ def main():
     plt = None if args.no_plot else import_pyplot()  # before hours of training, not after
 
     print(f"Optimizer comparison: {args.workload['title']}, {args.budget_name} budget: "
-          f"{args.epochs} epoch(s), training examples: "
+          f"{args.epochs} epoch(s), {args.workload['examples']}: "
           f"{args.limit_train if args.limit_train else 'all'}, global batch {args.batch_size}, "
           f"seeds {','.join(map(str, args.seeds))}, device {args.device}, {args.ranks} rank(s)")
     print("Learning-rate grid (the same size for every optimizer):")

@@ -7,22 +7,40 @@
 
 #include "examples/cifar10.h"
 #include "examples/fashion_mnist.h"
+#include "examples/text_corpus.h"
 
 namespace shampoo::examples {
 
 DatasetKind parse_dataset_kind(const std::string& name) {
   if (name == "cifar10") return DatasetKind::kCifar10;
   if (name == "fashion-mnist") return DatasetKind::kFashionMnist;
-  throw std::invalid_argument("--dataset: got '" + name + "', expected cifar10 or fashion-mnist");
+  if (name == "ptb") return DatasetKind::kPtb;
+  throw std::invalid_argument("--dataset: got '" + name +
+                              "', expected cifar10, fashion-mnist or ptb");
 }
 
 std::string dataset_name(DatasetKind kind) {
-  return kind == DatasetKind::kCifar10 ? "cifar10" : "fashion-mnist";
+  switch (kind) {
+    case DatasetKind::kCifar10:
+      return "cifar10";
+    case DatasetKind::kFashionMnist:
+      return "fashion-mnist";
+    case DatasetKind::kPtb:
+      return "ptb";
+  }
+  return "?";
 }
 
 std::filesystem::path default_data_dir(DatasetKind kind) {
-  return kind == DatasetKind::kCifar10 ? std::filesystem::path(kCifar10DefaultDir)
-                                       : std::filesystem::path(kFashionMnistDefaultDir);
+  switch (kind) {
+    case DatasetKind::kCifar10:
+      return std::filesystem::path(kCifar10DefaultDir);
+    case DatasetKind::kFashionMnist:
+      return std::filesystem::path(kFashionMnistDefaultDir);
+    case DatasetKind::kPtb:
+      return default_ptb_dir();
+  }
+  return {};
 }
 
 namespace {
@@ -60,6 +78,8 @@ void ImageDataset::move_to(c10::Device device) {
 }
 
 ImageDataset load_image_dataset(DatasetKind kind, const std::filesystem::path& dir) {
+  TORCH_CHECK(!is_text(kind), "load_image_dataset: --dataset ", dataset_name(kind),
+              " is a text corpus, not images");
   ImageDataset data;
   data.kind = kind;
   if (kind == DatasetKind::kCifar10) {

@@ -16,9 +16,14 @@
 
 namespace shampoo::examples {
 
-enum class DatasetKind { kCifar10, kFashionMnist };
+/// The trainer's data sets: two of images, and one text corpus (the Penn Treebank, read by
+/// examples/text_corpus.h, not by load_image_dataset).
+enum class DatasetKind { kCifar10, kFashionMnist, kPtb };
 
-/// "cifar10" or "fashion-mnist" (the --dataset spellings).
+/// Whether `kind` is a text corpus (language modelling) rather than images.
+inline bool is_text(DatasetKind kind) { return kind == DatasetKind::kPtb; }
+
+/// "cifar10", "fashion-mnist" or "ptb" (the --dataset spellings).
 DatasetKind parse_dataset_kind(const std::string& name);
 std::string dataset_name(DatasetKind kind);
 /// The folder a data set is read from when --data-dir is not given.
@@ -54,7 +59,8 @@ struct ImageDataset {
   at::Tensor channel_std_;
 };
 
-/// Loads both splits of `kind` from `dir`. Throws c10::Error naming the missing or broken file.
+/// Loads both splits of `kind` (an image data set) from `dir`. Throws c10::Error naming the
+/// missing or broken file.
 ImageDataset load_image_dataset(DatasetKind kind, const std::filesystem::path& dir);
 
 }  // namespace shampoo::examples

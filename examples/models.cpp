@@ -168,7 +168,7 @@ DeepAutoencoderImpl::sharding_units() {
   return units;
 }
 
-std::shared_ptr<ImageClassifier> make_image_classifier(const std::string& name, int64_t in_channels,
+std::shared_ptr<TrainerModel> make_image_classifier(const std::string& name, int64_t in_channels,
                                                        int64_t num_classes, int64_t height,
                                                        int64_t width) {
   if (name == "convnet") return ConvNet(in_channels, num_classes, height, width).ptr();

@@ -1,7 +1,8 @@
 #pragma once
-/// Models of the example programs. Each is an ImageClassifier: images [N, C, H, W] float in,
+/// Models of the example programs. Each is a TrainerModel: images [N, C, H, W] float in,
 /// logits out: [N, num_classes] for the classifiers, [N, C·H·W] pixel logits for the autoencoder
-/// (reconstructs() true), whose targets are the images themselves.
+/// (objective() kReconstruct), whose targets are the images themselves; or, for the language
+/// model (examples/language_model.h), token ids [N, T] in and next-token logits [N, T, V] out.
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -19,12 +20,21 @@
 
 namespace shampoo::examples {
 
-/// A module that classifies images; lets the trainer hold any of the models below.
-class ImageClassifier : public torch::nn::Module {
+/// What a model's output is trained against; the trainer's loss and metrics follow from it.
+///   kClassify:      logits [N, classes] against labels (cross-entropy; test accuracy)
+///   kReconstruct:   pixel logits [N, C·H·W] against the input's intensities (binary
+///                   cross-entropy summed over an image; no accuracy)
+///   kNextToken:     logits [N, T, V] against the next tokens (mean token cross-entropy;
+///                   perplexity)
+enum class Objective { kClassify, kReconstruct, kNextToken };
+
+/// A module the trainer trains; lets it hold any of the models below.
+class TrainerModel : public torch::nn::Module {
  public:
-  virtual torch::Tensor forward(const torch::Tensor& images) = 0;
+  virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  virtual Objective objective() const { return Objective::kClassify; }
   /// True for a model that reconstructs its input (logits of every pixel) instead of classifying.
-  virtual bool reconstructs() const { return false; }
+  bool reconstructs() const { return objective() == Objective::kReconstruct; }
 
   /// Runs the forward of one unit of full sharding: (unit name, the unit's forward) -> its output.
   using UnitRunner = std::function<torch::Tensor(const std::string& unit,
@@ -51,11 +61,11 @@ class ImageClassifier : public torch::nn::Module {
 /// C·H·W-1000-500-250-30 and mirrored back to C·H·W, logistic (sigmoid) hidden units, a linear
 /// 30-unit code layer, and logits of every pixel out (the loss applies the sigmoid). Inputs and
 /// targets are the pixel intensities in [0, 1].
-class DeepAutoencoderImpl : public ImageClassifier {
+class DeepAutoencoderImpl : public TrainerModel {
  public:
   explicit DeepAutoencoderImpl(int64_t pixels);
   torch::Tensor forward(const torch::Tensor& images) override;
-  bool reconstructs() const override { return true; }
+  Objective objective() const override { return Objective::kReconstruct; }
   /// One unit per layer: "encoder.<i>", "decoder.<i>".
   std::vector<std::pair<std::string, std::vector<torch::Tensor>>> sharding_units() override;
 
@@ -69,7 +79,7 @@ TORCH_MODULE(DeepAutoencoder);
 ///   conv 3x3 (in_channels → 64, stride 1, padding 1, no bias), ReLU,
 ///   linear (64·height·width → num_classes)
 /// Parameters in order: conv.weight [64, C, 3, 3], linear.weight [classes, 64·H·W], linear.bias.
-class ConvNetImpl : public ImageClassifier {
+class ConvNetImpl : public TrainerModel {
  public:
   ConvNetImpl(int64_t in_channels, int64_t num_classes, int64_t height, int64_t width);
   torch::Tensor forward(const torch::Tensor& images) override;
@@ -86,7 +96,7 @@ TORCH_MODULE(ConvNet);
 ///   conv 3x3 (in_channels → 16, padding 1), ReLU, max-pool 2
 ///   conv 3x3 (16 → 32, padding 1), ReLU, max-pool 2
 ///   linear (32·(image_size/4)² → num_classes)
-class SmallCnnImpl : public ImageClassifier {
+class SmallCnnImpl : public TrainerModel {
  public:
   explicit SmallCnnImpl(int64_t in_channels = 1, int64_t num_classes = 10, int64_t image_size = 28);
   torch::Tensor forward(const torch::Tensor& images) override;
@@ -121,7 +131,7 @@ TORCH_MODULE(BasicBlock);
 /// linear 64 → num_classes. Batch normalization: in data-parallel training each rank
 /// normalizes with its own batch and keeps its own running statistics (the trainer averages
 /// them across ranks before evaluating).
-class ResNetImpl : public ImageClassifier {
+class ResNetImpl : public TrainerModel {
  public:
   ResNetImpl(int64_t in_channels, int64_t num_classes, int64_t blocks_per_stage = 1);
   torch::Tensor forward(const torch::Tensor& images) override;
@@ -136,8 +146,8 @@ TORCH_MODULE(ResNet);
 
 /// The --model choices: "convnet", "resnet" (ResNet-8), "smallcnn", "autoencoder" (num_classes
 /// unused).
-std::shared_ptr<ImageClassifier> make_image_classifier(const std::string& name, int64_t in_channels,
-                                                       int64_t num_classes, int64_t height,
-                                                       int64_t width);
+std::shared_ptr<TrainerModel> make_image_classifier(const std::string& name, int64_t in_channels,
+                                                    int64_t num_classes, int64_t height,
+                                                    int64_t width);
 
 }  // namespace shampoo::examples

@@ -1,5 +1,6 @@
 #include "examples/trainer_config.h"
 
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -14,7 +15,8 @@ template <typename T>
 using Names = std::vector<std::pair<std::string, T>>;
 
 const Names<DatasetKind> kDatasets{{"cifar10", DatasetKind::kCifar10},
-                                   {"fashion-mnist", DatasetKind::kFashionMnist}};
+                                   {"fashion-mnist", DatasetKind::kFashionMnist},
+                                   {"ptb", DatasetKind::kPtb}};
 const Names<LrSchedule> kLrSchedules{{"constant", LrSchedule::kConstant},
                                      {"cosine", LrSchedule::kCosine}};
 const Names<ProgressMode> kProgressModes{
@@ -59,29 +61,46 @@ struct FlagValues {
 };
 
 constexpr const char* kSummary =
-    "Trains an image classifier on CIFAR-10 (or Fashion-MNIST) with SGD, Adam, AdamW or\n"
+    "Trains an image classifier on CIFAR-10 (or Fashion-MNIST), or a word-level LSTM language\n"
+    "model on the Penn Treebank (--dataset ptb), with SGD, Adam, AdamW or\n"
     "Distributed Shampoo, in one process or data-parallel under\n"
     "  torchrun --no-python --standalone --nproc-per-node N cifar10_trainer [flags]\n"
     "(each rank trains on its slice of every global batch; gradients are averaged across ranks).\n"
     "Prints the local losses of every rank, the global losses on rank 0, and the test accuracy\n"
-    "after every epoch.";
+    "after every epoch (the language model: the validation perplexity).";
 
 void add_data_and_model_flags(CommandLine& cli, TrainerConfig& config) {
   cli.add_choice("dataset", config.dataset, kDatasets,
                  "data set: cifar10 (the official binary files data_batch_1.bin ... "
-                 "data_batch_5.bin, test_batch.bin) or fashion-mnist (IDX files, .gz or plain)")
+                 "data_batch_5.bin, test_batch.bin), fashion-mnist (IDX files, .gz or plain) or "
+                 "ptb (the Penn Treebank, Mikolov's preprocessed 10k-word version: ptb.train.txt, "
+                 "ptb.valid.txt, ptb.test.txt; for --model lm)")
       .add("data-dir", config.data_dir,
            "folder with the data set's files (none: data/cifar-10-batches-bin for cifar10, "
-           "/usr/share/datasets/fashion-mnist for fashion-mnist)")
+           "/usr/share/datasets/fashion-mnist for fashion-mnist, " +
+               default_data_dir(DatasetKind::kPtb).string() +
+               " for ptb, where scripts/install_deps.sh writes it)")
       .add("limit-train", config.limit_train,
-           "train on the first this many training examples (0 = all)", 0)
-      .add_choice("model", config.model, {"convnet", "resnet", "smallcnn", "autoencoder"},
+           "train on the first this many training examples (ptb: sequences of --bptt + 1 "
+           "tokens, the first N x bptt tokens of the corpus) (0 = all)",
+           0)
+      .add_choice("model", config.model, {"convnet", "resnet", "smallcnn", "autoencoder", "lm"},
                   "convnet: the reference's ConvNet (conv 3x3 to 64 channels, no bias, ReLU, "
                   "linear to 10 classes); resnet: ResNet-8 (CIFAR ResNet, one basic block per "
                   "stage, batch norm); smallcnn: two conv + max-pool layers and a linear layer; "
                   "autoencoder: the deep autoencoder (pixels-1000-500-250-30, mirrored, sigmoid "
                   "units) trained to reconstruct its input (loss: binary cross-entropy of the "
-                  "pixels in [0, 1], summed over an image; no test accuracy)");
+                  "pixels in [0, 1], summed over an image; no test accuracy); lm: the word-level "
+                  "language model of --dataset ptb (its default there): tied embedding [V, "
+                  "--lm-dim], a 1-layer LSTM, LayerNorm, loss the mean token cross-entropy, "
+                  "metric the validation perplexity")
+      .add("bptt", config.bptt,
+           "--model lm: tokens per training sequence (the LSTM starts each from a zero state)", 1)
+      .add("lm-dim", config.lm_dim, "--model lm: embedding width and LSTM hidden size", 1)
+      .add("lm-dropout", config.lm_dropout,
+           "--model lm: dropout after the embedding and before the output projection, in [0, 1) "
+           "(0 = none)",
+           0.0);
 }
 
 /// Where and how precisely the run computes, and what it shards across ranks.
@@ -130,6 +149,16 @@ void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues
            "examples per rank per iteration (global batch = this x number of ranks), unless "
            "--global-batch-size is given",
            1)
+      .add("micro-batches", config.micro_batches,
+           "split each rank's batch into this many equal micro-batches and accumulate their "
+           "gradients (each loss divided by it: the gradient of the whole batch's mean), one "
+           "optimizer step per batch; it must divide the local batch",
+           1)
+      .add("save-params", config.save_params,
+           "after training, rank 0 writes the model's parameters by name to this file "
+           "(torch::jit::pickle_save of a dict name -> tensor; examples/param_distance compares "
+           "two) "
+           "(none: not written)")
       .add("global-batch-size", config.global_batch_size,
            "examples per iteration over all ranks; every rank takes this / number of ranks, which "
            "must divide it. Keeps the batches when a run resumes at another number of ranks "
@@ -143,7 +172,9 @@ void add_training_loop_flags(CommandLine& cli, TrainerConfig& config, FlagValues
                   "constant, or cosine annealing of every group's lr to 0 over the whole run "
                   "(per iteration)")
       .add("eval-batch-size", config.eval_batch_size,
-           "examples per forward pass when evaluating on the test set", 1)
+           "examples per forward pass when evaluating on the test set (ptb: sequences of the "
+           "validation set, default 64)",
+           1)
       .add("threads", config.threads,
            "intra-op CPU threads per rank (0 = LibTorch's default, one per core; 1 avoids "
            "oversubscription when several ranks share the cores)",
@@ -228,6 +259,39 @@ void add_shampoo_flags(CommandLine& cli, TrainerConfig& config, FlagValues& valu
                 "that differ only in float hyperparameters into virtual groups");
 }
 
+constexpr int64_t kTextEvalBatchSize = 64;
+
+/// The language model goes with the text corpus and the image models with the images: --model
+/// defaults to lm for ptb, and a model that cannot read the data set is an error, as are the
+/// language model's flags without it.
+void check_model_and_dataset(const CommandLine& cli, TrainerConfig& config) {
+  const bool text = is_text(config.dataset);
+  if (text && !cli.was_set("model")) config.model = "lm";
+  // A sequence's logits are [T, V] floats (1.4 MB for PTB): 64 sequences per forward pass.
+  if (text && !cli.was_set("eval-batch-size")) config.eval_batch_size = kTextEvalBatchSize;
+  if (text != (config.model == "lm")) {
+    throw std::invalid_argument(
+        "--model: got " + config.model + " with --dataset " + dataset_name(config.dataset) +
+        (text ? "; a text corpus needs --model lm"
+              : "; --model lm needs a text corpus (--dataset ptb), the images need convnet, "
+                "resnet, smallcnn or autoencoder"));
+  }
+  if (config.lm_dropout >= 1) {
+    std::ostringstream value;
+    value << config.lm_dropout;
+    throw std::invalid_argument("--lm-dropout: got " + value.str() +
+                                ", expected a probability in [0, 1)");
+  }
+  if (!text) {
+    for (const char* flag : {"bptt", "lm-dim", "lm-dropout"}) {
+      if (cli.was_set(flag)) {
+        throw std::invalid_argument(std::string("--") + flag + ": given with --model " +
+                                    config.model + "; it sets the language model (--model lm)");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 std::string optimizer_name(OptimizerKind kind) { return name_of(kOptimizers, kind); }
@@ -256,6 +320,7 @@ std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* a
   if (!cli.parse(argc, argv)) return std::nullopt;
 
   if (config.data_dir.empty()) config.data_dir = default_data_dir(config.dataset);
+  check_model_and_dataset(cli, config);
   config.seed = static_cast<uint64_t>(values.seed);
   config.beta1 = values.betas[0];
   config.beta2 = values.betas[1];
@@ -281,10 +346,28 @@ std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* a
   return config;
 }
 
+namespace {
+
+/// --micro-batches must split the local batch evenly (equal micro-batches, so that dividing each
+/// micro-batch's mean loss by their number gives the batch's mean).
+BatchSizes check_micro_batches(const TrainerConfig& config, BatchSizes sizes,
+                               const std::string& ranks) {
+  if (sizes.local % config.micro_batches != 0) {
+    throw std::invalid_argument("--micro-batches: got " + std::to_string(config.micro_batches) +
+                                ", which does not divide the local batch of " +
+                                std::to_string(sizes.local) + " at " + ranks +
+                                "; choose a divisor of " + std::to_string(sizes.local));
+  }
+  return sizes;
+}
+
+}  // namespace
+
 BatchSizes resolve_batch_sizes(const TrainerConfig& config, int64_t world_size) {
   const auto ranks = std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks");
   if (config.global_batch_size == 0) {
-    return BatchSizes{config.local_batch_size * world_size, config.local_batch_size};
+    return check_micro_batches(
+        config, BatchSizes{config.local_batch_size * world_size, config.local_batch_size}, ranks);
   }
   const int64_t global = config.global_batch_size;
   if (global % world_size != 0) {
@@ -301,7 +384,7 @@ BatchSizes resolve_batch_sizes(const TrainerConfig& config, int64_t world_size) 
                                 std::to_string(world_size) + " = " + std::to_string(local) +
                                 " per rank); give only --global-batch-size");
   }
-  return BatchSizes{global, local};
+  return check_micro_batches(config, BatchSizes{global, local}, ranks);
 }
 
 }  // namespace shampoo::examples

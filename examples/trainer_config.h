@@ -41,8 +41,13 @@ struct TrainerConfig {
   // Data and model.
   DatasetKind dataset = DatasetKind::kCifar10;
   std::filesystem::path data_dir;
-  int64_t limit_train = 0;  // 0 = every training example
+  int64_t limit_train = 0;  // 0 = every training example (ptb: every training sequence)
+  /// "convnet", "resnet", "smallcnn", "autoencoder" for the images; "lm" for ptb (its default).
   std::string model = "convnet";
+  // The language model (--model lm, examples/language_model.h).
+  int64_t bptt = 35;        // tokens per sequence (inputs; targets are shifted by one)
+  int64_t lm_dim = 128;     // embedding width = LSTM hidden size
+  double lm_dropout = 0.0;  // dropout after the embedding and before the output projection
 
   // Training loop.
   int64_t epochs = 1;
@@ -51,6 +56,12 @@ struct TrainerConfig {
   int64_t local_batch_size = 128;
   bool local_batch_size_given = false;  // --local-batch-size on the command line
   int64_t global_batch_size = 0;        // 0 = --local-batch-size x ranks
+  /// Each rank's batch split into this many equal micro-batches, their gradients accumulated
+  /// (each loss divided by it, so the gradient is the whole batch's mean), one step per batch.
+  int64_t micro_batches = 1;
+  /// After training, rank 0 writes the model's named parameters here (save_named_parameters);
+  /// empty = not written.
+  std::filesystem::path save_params;
   uint64_t seed = 2022;
   int64_t window_size = 1;
   int64_t log_every = 1;
@@ -126,7 +137,8 @@ struct BatchSizes {
 /// The batch sizes of a run at `world_size` ranks. --global-batch-size G: every rank takes
 /// G / world_size (std::invalid_argument naming the flags and numbers when world_size does not
 /// divide G, or when --local-batch-size is given too and does not agree); otherwise every rank
-/// takes --local-batch-size L, L x world_size in all.
+/// takes --local-batch-size L, L x world_size in all. std::invalid_argument too when
+/// --micro-batches does not divide the local batch.
 BatchSizes resolve_batch_sizes(const TrainerConfig& config, int64_t world_size);
 
 /// Parses and checks argv. Returns nullopt when --help was given (the usage is printed). Throws

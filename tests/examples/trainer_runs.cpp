@@ -57,6 +57,8 @@ bool parse_trainer_test_args(int argc, char** argv, const std::string& program,
       paths.work_dir = value;
     } else if (flag == "--golden-dir") {
       paths.golden_dir = value;
+    } else if (flag == "--param-distance") {
+      paths.param_distance = value;
     } else if (flag == "--record-golden" && record_dir != nullptr) {
       *record_dir = value;
     } else {
@@ -67,6 +69,7 @@ bool parse_trainer_test_args(int argc, char** argv, const std::string& program,
   if (!ok || paths.trainer.empty()) {
     std::cerr << "usage: " << program
               << " --trainer PATH [--torchrun PATH] [--work-dir DIR] [--golden-dir DIR]"
+              << " [--param-distance PATH]"
               << (record_dir != nullptr ? " [--record-golden DIR]" : "") << " [gtest flags]\n";
     return false;
   }

@@ -5,7 +5,7 @@
 /// columns. No LibTorch: the programs only start the trainer and read its files.
 ///
 /// Arguments of such a program (CTest passes them): --trainer PATH [--torchrun PATH]
-/// --work-dir DIR [--golden-dir DIR] [gtest flags].
+/// --work-dir DIR [--golden-dir DIR] [--param-distance PATH] [gtest flags].
 
 #include <gtest/gtest.h>
 
@@ -23,6 +23,7 @@ struct TrainerPaths {
   std::string torchrun;  ///< empty: no torchrun (multi-rank tests skip)
   std::filesystem::path work_dir;
   std::filesystem::path golden_dir;
+  std::string param_distance;  ///< examples/param_distance (--param-distance); empty: not given
 };
 TrainerPaths& trainer_paths();
 

@@ -649,6 +649,13 @@ void print_setup(Trainer& t) {
         t.d.rank, owned, merged);
   }
   t.log.lead(optimizer_line);
+  if (const auto* shampoo_optimizer = t.optimizer ? as_shampoo(*t.optimizer) : nullptr) {
+    // What each parameter gets (shampoo/factor_choice.h): factors on which dims, or the grafting
+    // update.
+    std::string params = shampoo_optimizer->memory_summary().params_to_string();
+    if (!params.empty() && params.back() == '\n') params.pop_back();
+    t.log.lead("Shampoo per parameter:\n" + params);
+  }
   t.log.lead(fmt::format(
       "Mixed precision: {} | sharding: {}",
       config.amp == AmpMode::kOff    ? "off (float32)"

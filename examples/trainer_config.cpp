@@ -245,6 +245,14 @@ void add_shampoo_flags(CommandLine& cli, TrainerConfig& config, FlagValues& valu
       .add_bool("use-merge-dims", config.use_merge_dims,
                 "shampoo: merge small trailing dims while their product stays <= "
                 "--max-preconditioner-dim")
+      .add_bool("precondition-1d", config.precondition_1d,
+                "shampoo: Kronecker factors for 1-D parameters (biases, norm scales); false: "
+                "they take the grafting update")
+      .add("max-factored-dim", config.max_factored_dim,
+           "shampoo: a parameter dim larger than this keeps no Kronecker factor (-1 = no limit)")
+      .add("relative-epsilon", config.relative_epsilon,
+           "shampoo: factors regularized with --epsilon + this x their trace (0 = --epsilon "
+           "alone)")
       .add_choice("compact-state", config.compact_state, kCompactChoices,
                   "shampoo: keep the inverse roots (bf16 or int8) and the first-order state "
                   "(bf16, stochastic rounding) compact; changes the results")

@@ -108,6 +108,9 @@ struct TrainerConfig {
   double grafting_epsilon = 1e-8;
   bool use_bias_correction = true;
   bool use_merge_dims = true;
+  bool precondition_1d = false;
+  int64_t max_factored_dim = 4096;
+  double relative_epsilon = 1e-6;
   CompactChoice compact_state = CompactChoice::kNone;
 
   // Distributed Shampoo.

@@ -110,7 +110,7 @@ struct TrainerConfig {
   bool use_merge_dims = true;
   bool precondition_1d = false;
   int64_t max_factored_dim = 4096;
-  double relative_epsilon = 1e-6;
+  double relative_epsilon = 1e-5;
   CompactChoice compact_state = CompactChoice::kNone;
 
   // Distributed Shampoo.

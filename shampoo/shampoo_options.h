@@ -104,7 +104,7 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   /// semidefinite factors), so that rank-deficient factors, whose small eigenvalues are float32
   /// rounding, no longer amplify that rounding into the update (docs/math.md, "A relative
   /// epsilon"). 0 = the absolute ε alone, as the reference.
-  TORCH_ARG(double, relative_epsilon) = 1e-6;
+  TORCH_ARG(double, relative_epsilon) = 1e-5;
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(WeightDecayType, weight_decay_type) = WeightDecayType::kDecoupled;
   TORCH_ARG(double, momentum) = 0.0;

@@ -257,6 +257,30 @@ def main():
 LM_SEQUENCES = 256  # 8 steps of 32 sequences
 
 
+def read_workload_table(out, stem, name, stdout, phrases, metric_column):
+    """The table STEM.md of a workload: checks that it is what the script printed, that its
+    caption states every phrase and its metric column is `metric_column`; returns (target, rows)
+    with each row's cells, or None when the table has no single header row."""
+    with open(os.path.join(out, stem + ".md")) as f:
+        table = f.read()
+    check(table.strip() in stdout, f"{name}: the printed table differs from the file")
+    lines = table.splitlines()
+    header = [i for i, line in enumerate(lines) if line.startswith("| optimizer | best lr |")]
+    if not check(len(header) == 1, f"{name}: {len(header)} table header rows"):
+        return None
+    caption = "\n".join(lines[:header[0]])
+    for phrase in phrases:
+        check(phrase in caption, f"{name}: the caption does not state {phrase!r}")
+    columns = [c.strip() for c in lines[header[0]].strip("|").split("|")]
+    check(columns[2] == metric_column, f"{name}: table columns {columns}")
+    rows = []
+    for line in lines[header[0] + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return float(columns[4].removeprefix("steps to ")), rows
+
+
 def check_lm(script, work_dir, tiny_args):
     """The language model on a tiny budget: its CSV (perplexity = exp(validation loss)), plot and
     table."""
@@ -294,25 +318,16 @@ def check_lm(script, work_dir, tiny_args):
         check(100 < value < 10000, f"lm {optimizer}: perplexity {value}, expected in (100, 10000)")
         perplexity[optimizer] = value
     check_png(out, "compare_lm.png")
-    with open(os.path.join(out, "compare_lm.md")) as f:
-        table = f.read()
-    check(table.strip() in result.stdout, "lm: the printed table differs from the file")
-    lines = table.splitlines()
-    header = [i for i, line in enumerate(lines) if line.startswith("| optimizer | best lr |")]
-    if not check(len(header) == 1, f"lm: {len(header)} table header rows"):
+    table = read_workload_table(
+        out, "compare_lm", "lm", result.stdout,
+        ("LSTM language model", "Penn Treebank", "lowest final validation perplexity",
+         "73760 tokens of the validation set", "global batch 32",
+         f"a subset of {LM_SEQUENCES} of the 26559 training sequences of 35 tokens"),
+        "final validation perplexity")
+    if table is None:
         return
-    caption = "\n".join(lines[:header[0]])
-    for phrase in ("LSTM language model", "Penn Treebank", "lowest final validation perplexity",
-                   "73760 tokens of the validation set", "global batch 32",
-                   f"a subset of {LM_SEQUENCES} of the 26559 training sequences of 35 tokens"):
-        check(phrase in caption, f"lm: the caption does not state {phrase!r}")
-    columns = [c.strip() for c in lines[header[0]].strip("|").split("|")]
-    check(columns[2] == "final validation perplexity", f"lm: table columns {columns}")
-    target = float(columns[4].removeprefix("steps to "))
-    for line in lines[header[0] + 2:]:
-        if not line.startswith("|"):
-            break
-        row = [c.strip() for c in line.strip("|").split("|")]
+    target, rows = table
+    for row in rows:
         optimizer = row[0]
         if optimizer not in perplexity or len(row) != 10:
             check(False, f"lm: malformed row {row}")
@@ -356,25 +371,15 @@ def check_autoencoder(script, work_dir, tiny_args):
         check(0 < value < 600, f"autoencoder {optimizer}: test loss {value}, expected in (0, 600)")
         loss[optimizer] = value
     check_png(out, "compare_autoencoder.png")
-    with open(os.path.join(out, "compare_autoencoder.md")) as f:
-        table = f.read()
-    check(table.strip() in result.stdout, "autoencoder: the printed table differs from the file")
-    lines = table.splitlines()
-    header = [i for i, line in enumerate(lines) if line.startswith("| optimizer | best lr |")]
-    if not check(len(header) == 1, f"autoencoder: {len(header)} table header rows"):
+    table = read_workload_table(
+        out, "compare_autoencoder", "autoencoder", result.stdout,
+        ("Deep autoencoder", "1 epoch(s)", "lowest final test reconstruction loss",
+         "is at or below it"),
+        "final test reconstruction loss (nats per image)")
+    if table is None:
         return
-    caption = "\n".join(lines[:header[0]])
-    for phrase in ("Deep autoencoder", "1 epoch(s)", "lowest final test reconstruction loss",
-                   "is at or below it"):
-        check(phrase in caption, f"autoencoder: the caption does not state {phrase!r}")
-    columns = [c.strip() for c in lines[header[0]].strip("|").split("|")]
-    check(columns[2] == "final test reconstruction loss (nats per image)",
-          f"autoencoder: table columns {columns}")
-    target = float(columns[4].removeprefix("steps to "))
-    for line in lines[header[0] + 2:]:
-        if not line.startswith("|"):
-            break
-        row = [c.strip() for c in line.strip("|").split("|")]
+    target, rows = table
+    for row in rows:
         optimizer = row[0]
         if optimizer not in loss or len(row) != 10:
             check(False, f"autoencoder: malformed row {row}")

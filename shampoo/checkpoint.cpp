@@ -235,6 +235,27 @@ c10::IValue read_optional(torch::serialize::InputArchive& archive, const std::st
   return archive.try_read(key, value) ? value : fallback;
 }
 
+/// How to load a checkpoint whose structural field `differing` holds the reference's value, the
+/// behaviour of before two changes of the defaults (2026-11-28): ShampooOptions() then had the
+/// reference's defaults (precondition_frequency, grafting), and every dim was factored
+/// (precondition_1d, max_factored_dim did not exist; an archive without them reads as that).
+/// Empty for other differences.
+const char* former_defaults_hint(const OptionField& differing, const ShampooOptions& saved) {
+  if (differing.code(saved) != differing.code(ShampooOptions::reference_defaults())) return "";
+  if (differing.name == "precondition_frequency" || differing.name == "grafting kind") {
+    return "; a checkpoint of an optimizer built with ShampooOptions() before 2026-11-28, whose "
+           "defaults were the reference implementation's, loads into one built with "
+           "ShampooOptions::reference_defaults(lr)";
+  }
+  if (differing.name == "precondition_1d" || differing.name == "max_factored_dim") {
+    return "; a checkpoint written before precondition_1d and max_factored_dim existed factors "
+           "every dim: it loads with precondition_1d(true) and max_factored_dim(-1), or, for an "
+           "optimizer built with the reference's defaults of before 2026-11-28, with "
+           "ShampooOptions::reference_defaults(lr)";
+  }
+  return "";
+}
+
 /// The options and step of param group g, checked against its size and structural options here.
 void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t num_params,
                 const ShampooOptions& current, ShampooOptions& saved, int64_t& step,
@@ -253,34 +274,12 @@ void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t nu
   }
   // The state of a checkpoint loads into either storage layout (use_symmetric_packing).
   const auto* differing = structural_difference(saved, current, /*for_checkpoint=*/true);
-  // The defaults changed (2026-11-28): a checkpoint of an optimizer built with the defaults of
-  // before differs from one built with today's in these fields.
-  const bool old_defaults =
-      differing != nullptr &&
-      (differing->name == "precondition_frequency" || differing->name == "grafting kind") &&
-      differing->code(saved) == differing->code(ShampooOptions::reference_defaults());
-  // The per-parameter factor rules came later the same day: a checkpoint written before them
-  // factored every dim (an archive without their entries reads as that).
-  const bool every_dim_factored =
-      differing != nullptr &&
-      (differing->name == "precondition_1d" || differing->name == "max_factored_dim") &&
-      differing->code(saved) == differing->code(ShampooOptions::reference_defaults());
   TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name, ": got ",
               differing->describe(saved), " in the checkpoint, expected ",
               differing->describe(current),
               " as in this optimizer (a structural option; build the optimizer with the "
               "checkpoint's value",
-              old_defaults ? "; a checkpoint of an optimizer built with ShampooOptions() before "
-                             "2026-11-28, whose defaults were the reference implementation's, "
-                             "loads into one built with ShampooOptions::reference_defaults(lr)"
-                           : "",
-              every_dim_factored
-                  ? "; a checkpoint written before precondition_1d and max_factored_dim existed "
-                    "factors every dim: it loads with precondition_1d(true) and "
-                    "max_factored_dim(-1), or, for an optimizer built with the reference's "
-                    "defaults of before 2026-11-28, with ShampooOptions::reference_defaults(lr)"
-                  : "",
-              ")");
+              former_defaults_hint(*differing, saved), ")");
   step = read_int(group, "step");
   const auto sum = read_optional(group, "lr_sum", c10::IValue(0.0));
   TORCH_CHECK(sum.isDouble() && std::isfinite(sum.toDouble()) && sum.toDouble() >= 0.0,

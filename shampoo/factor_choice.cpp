@@ -74,37 +74,32 @@ BlockFactorChoice block_factor_choice(const ShampooOptions& options, const Block
 std::string describe_factor_choice(const ShampooOptions& options, const BlockPlan& plan) {
   if (!keeps_kronecker_factors(options)) return "a diagonal or descent family (no factors)";
   if (plan.numel() == 0) return "nothing (no elements)";
-  const bool grafting = grafting_kind(options.grafting()) != GraftingKind::kNone;
+  const auto& merged = plan.merged_shape;
+  // Every block has the exponents of the merged shape: the rules look at merged dims only.
+  const auto choice = block_factor_choice(options, plan, merged);
   const char* without_factors =
-      grafting ? "the grafting method's update" : "the identity direction";
+      choice.diagonal ? "the grafting method's update" : "the identity direction";
   if (one_dimensional_rule(options, plan)) {
     return fmt::format("{} (a 1-D parameter; precondition_1d false)", without_factors);
   }
-  const auto& merged = plan.merged_shape;
-  const auto exponents = dim_exponents(options, static_cast<int64_t>(merged.size()));
   std::vector<int64_t> factored;
   std::vector<std::string> reasons;
   for (size_t k = 0; k < merged.size(); ++k) {
-    if (large_dim_rule(options, merged[k])) {
+    if (choice.dim_exponents[k] != 0.0) {
+      factored.push_back(static_cast<int64_t>(k));
+    } else if (large_dim_rule(options, merged[k])) {
       reasons.push_back(fmt::format("dim {}: {} > max_factored_dim {}", k, merged[k],
                                     options.max_factored_dim()));
-    } else if (exponents[k] == 0.0) {
-      reasons.push_back(fmt::format("dim {}: exponent 0 by inverse_exponent_override", k));
     } else {
-      factored.push_back(static_cast<int64_t>(k));
+      reasons.push_back(fmt::format("dim {}: exponent 0 by inverse_exponent_override", k));
     }
   }
   const std::string blocks =
       merged == plan.param_shape ? "" : fmt::format(" (blocked as {})", shape_string(merged));
   if (factored.empty()) {
-    // Every block has the exponents of the merged shape: the rules look at merged dims only.
-    const bool diagonal = block_factor_choice(options, plan, merged).diagonal;
-    return fmt::format("{}{} ({})", diagonal ? without_factors : "the identity direction", blocks,
-                       c10::Join("; ", reasons));
+    return fmt::format("{}{} ({})", without_factors, blocks, c10::Join("; ", reasons));
   }
-  if (reasons.empty()) {
-    return fmt::format("Kronecker factors on every dim{}", blocks);
-  }
+  if (reasons.empty()) return fmt::format("Kronecker factors on every dim{}", blocks);
   return fmt::format("Kronecker factors on dims {}{} ({})", c10::Join(", ", factored), blocks,
                      c10::Join("; ", reasons));
 }

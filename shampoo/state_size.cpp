@@ -18,12 +18,12 @@ namespace {
 /// Bytes the preconditioner list (its family's estimate, preconditioners/preconditioner_factory.h)
 /// and the grafting state allocate for one block from the start; the grafting part added to
 /// `grafting_bytes`.
-int64_t block_state_bytes(const ShampooOptions& options, const BlockPlan& plan,
-                          const std::vector<int64_t>& shape, int64_t numel,
+int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64_t>& shape,
+                          const std::vector<double>& exponents, int64_t numel,
                           int64_t state_element_size, int64_t& grafting_bytes) {
   BlockLayout layout;
   layout.shape = shape;
-  layout.dim_exponents = block_factor_choice(options, plan, shape).dim_exponents;
+  layout.dim_exponents = exponents;
   layout.factor_element_size =
       static_cast<int64_t>(c10::elementSize(options.factor_matrix_dtype()));
   layout.state_element_size = state_element_size;
@@ -72,9 +72,9 @@ std::optional<StateSizeEstimate> estimate_state_size(
       ParamStateSize entry;
       entry.one_dimensional = true;
       for (const auto& block : plan.blocks) {
-        bytes += block_state_bytes(*options, plan, block.sizes, block.numel, state_element_size,
-                                   estimate.grafting_bytes);
         const auto exponents = block_factor_choice(*options, plan, block.sizes).dim_exponents;
+        bytes += block_state_bytes(*options, block.sizes, exponents, block.numel,
+                                   state_element_size, estimate.grafting_bytes);
         for (size_t k = 0; k < block.sizes.size(); ++k) {
           if (exponents[k] != 0.0) entry.largest_dim = std::max(entry.largest_dim, block.sizes[k]);
         }

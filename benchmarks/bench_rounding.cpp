@@ -135,6 +135,7 @@ std::vector<double> parse_doubles(const std::string& text) {
 int main(int argc, char** argv) {
   Setup s;
   std::string epsilons_text = "0,1e-7,1e-6,1e-5,1e-4";
+  std::string dtypes_text = "fp64,fp32";
   int64_t threads = 1;
   std::string json_path, label;
   shampoo::bench::Flags flags("bench_rounding",
@@ -145,6 +146,9 @@ int main(int argc, char** argv) {
       .add("vocab", s.vocab, "vocabulary (rows of the embedding and the output)")
       .add("dim", s.dim, "embedding dim")
       .add("relative-epsilons", epsilons_text, "ShampooOptions::relative_epsilon values to run")
+      .add("factor-dtypes", dtypes_text,
+           "ShampooOptions::factor_matrix_dtype values to run with each (fp64 the default, fp32 "
+           "the reference's)")
       .add("threads", threads, "intra-op threads");
   shampoo::bench::add_output_flags(flags, json_path, label);
   shampoo::bench::parse_flags_or_exit(flags, "bench_rounding", argc, argv);
@@ -160,12 +164,24 @@ int main(int argc, char** argv) {
                      return std::make_unique<torch::optim::AdamW>(
                          std::move(p), torch::optim::AdamWOptions(1e-3).weight_decay(0.0));
                    }});
-  for (const double rel : parse_doubles(epsilons_text)) {
-    cases.push_back({fmt::format("shampoo defaults, relative_epsilon {:g}", rel),
-                     [rel](std::vector<at::Tensor> p) {
-                       return std::make_unique<shampoo::DistributedShampoo>(
-                           std::move(p), shampoo::ShampooOptions(1e-3).relative_epsilon(rel));
-                     }});
+  std::stringstream dtypes(dtypes_text);
+  std::string dtype_name;
+  while (std::getline(dtypes, dtype_name, ',')) {
+    if (dtype_name != "fp64" && dtype_name != "fp32") {
+      fmt::print(stderr, "bench_rounding: --factor-dtypes: got {}, expected fp64 or fp32\n",
+                 dtype_name);
+      return 2;
+    }
+    const auto dtype = dtype_name == "fp64" ? at::kDouble : at::kFloat;
+    for (const double rel : parse_doubles(epsilons_text)) {
+      cases.push_back(
+          {fmt::format("shampoo {} factors, relative_epsilon {:g}", dtype_name, rel),
+           [rel, dtype](std::vector<at::Tensor> p) {
+             return std::make_unique<shampoo::DistributedShampoo>(
+                 std::move(p),
+                 shampoo::ShampooOptions(1e-3).relative_epsilon(rel).factor_matrix_dtype(dtype));
+           }});
+    }
   }
   Json results = Json::array();
   fmt::print("{} steps, batch {} against {} micro-batches; vocab {}, dim {}\n", s.steps, s.batch,

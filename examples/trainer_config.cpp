@@ -41,6 +41,8 @@ const Names<GraftingKind> kGraftings{{"none", GraftingKind::kNone},
                                      {"adam", GraftingKind::kAdam}};
 const Names<CompactChoice> kCompactChoices{
     {"none", CompactChoice::kNone}, {"bf16", CompactChoice::kBf16}, {"int8", CompactChoice::kInt8}};
+const Names<c10::ScalarType> kFactorDtypes{{"fp32", c10::ScalarType::Float},
+                                           {"fp64", c10::ScalarType::Double}};
 const Names<c10::ScalarType> kCommunicationDtypes{{"fp32", c10::ScalarType::Float},
                                                   {"bf16", c10::ScalarType::BFloat16},
                                                   {"fp16", c10::ScalarType::Half}};
@@ -252,7 +254,10 @@ void add_shampoo_flags(CommandLine& cli, TrainerConfig& config, FlagValues& valu
            "shampoo: a parameter dim larger than this keeps no Kronecker factor (-1 = no limit)")
       .add("relative-epsilon", config.relative_epsilon,
            "shampoo: factors regularized with --epsilon + this x their trace (0 = --epsilon "
-           "alone)")
+           "alone; for fp32 factors, whose rounding it damps)")
+      .add_choice("factor-dtype", config.factor_dtype, kFactorDtypes,
+                  "shampoo: dtype of the Kronecker factors and their inverse roots (fp32: the "
+                  "reference's)")
       .add_choice("compact-state", config.compact_state, kCompactChoices,
                   "shampoo: keep the inverse roots (bf16 or int8) and the first-order state "
                   "(bf16, stochastic rounding) compact; changes the results")

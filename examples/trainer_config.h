@@ -110,7 +110,8 @@ struct TrainerConfig {
   bool use_merge_dims = true;
   bool precondition_1d = false;
   int64_t max_factored_dim = 4096;
-  double relative_epsilon = 1e-5;
+  double relative_epsilon = 1e-7;
+  c10::ScalarType factor_dtype = c10::ScalarType::Double;
   CompactChoice compact_state = CompactChoice::kNone;
 
   // Distributed Shampoo.

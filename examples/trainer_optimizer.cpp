@@ -47,6 +47,7 @@ ShampooOptions make_shampoo_options(const TrainerConfig& config) {
       .precondition_1d(config.precondition_1d)
       .max_factored_dim(config.max_factored_dim)
       .relative_epsilon(config.relative_epsilon)
+      .factor_matrix_dtype(config.factor_dtype)
       .precondition_frequency(config.precondition_frequency)
       .start_preconditioning_step(config.start_preconditioning_step)
       .use_bias_correction(config.use_bias_correction)

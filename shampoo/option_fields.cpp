@@ -735,7 +735,8 @@ std::vector<OptionField> make_option_fields() {
       SHAMPOO_SIMPLE_OPTION(bool, use_bias_correction, kStructural),
       grafting_kind_field(),
       grafting_floats_field(),
-      SHAMPOO_SIMPLE_OPTION(c10::ScalarType, factor_matrix_dtype, kStructural),
+      storage_layout_field(
+          SHAMPOO_SIMPLE_OPTION(c10::ScalarType, factor_matrix_dtype, kStructural)),
       storage_layout_field(SHAMPOO_SIMPLE_OPTION(bool, use_symmetric_packing, kStructural)),
       storage_layout_field(SHAMPOO_SIMPLE_OPTION(CompactState, compact_state, kStructural)),
       preconditioner_field(),

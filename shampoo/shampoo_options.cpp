@@ -150,6 +150,7 @@ ShampooOptions ShampooOptions::reference_defaults(double lr) {
       .precondition_frequency(1)
       .grafting(std::monostate{})
       .relative_epsilon(0.0)
+      .factor_matrix_dtype(c10::ScalarType::Float)
       .precondition_1d(true)
       .max_factored_dim(-1);
 }

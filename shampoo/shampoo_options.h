@@ -76,18 +76,19 @@ using Betas = std::tuple<double, double>;
 ///
 /// The defaults are settings that train well as they are, written as one writes
 /// torch::optim::AdamOptions(1e-3): lr 1e-3, betas (0.9, 0.999), inverse roots every 50 steps
-/// (from step 50 on), Adam grafting (β2 0.999, ε 1e-8), ε 1e-12 for the factors, blocks of at
-/// most 1024. The reference implementation's defaults (lr 1e-2, betas (0.9, 1.0), roots every
-/// step, no grafting), for parity work and for recipes written for it, are
-/// ShampooOptions::reference_defaults().
+/// (from step 50 on), Adam grafting (β2 0.999, ε 1e-8), ε 1e-12 for the factors, float64
+/// factors, blocks of at most 1024, no factor for 1-D parameters and dims above 4096. The
+/// reference implementation's defaults (lr 1e-2, betas (0.9, 1.0), roots every step, no
+/// grafting, float32 factors, every dim factored), for parity work and for recipes written for
+/// it, are ShampooOptions::reference_defaults().
 struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOptions> {
   ShampooOptions() = default;
   explicit ShampooOptions(double lr) : lr_(lr) {}
   /// The reference implementation's defaults (facebookresearch/optimizers, DistributedShampoo's
-  /// constructor): lr `lr` (its default 1e-2), betas (0.9, 1.0), roots every step, no grafting;
-  /// every other field as ShampooOptions(). Checkpoints written by optimizers built with
-  /// ShampooOptions() before version 2026-11-28 (when these were the defaults) load into an
-  /// optimizer built with these.
+  /// constructor): lr `lr` (its default 1e-2), betas (0.9, 1.0), roots every step, no grafting,
+  /// float32 factors, every dim factored, an absolute ε; every other field as ShampooOptions().
+  /// Checkpoints written by optimizers built with ShampooOptions() before version 2026-11-28 (when
+  /// these were the defaults) load into an optimizer built with these.
   static ShampooOptions reference_defaults(double lr = 1e-2);
 
   /// Learning rate (≥ 0).
@@ -99,12 +100,14 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   TORCH_ARG(double, beta3) = -1.0;
   /// Added to the factors before the root (> 0; exactly 0 with PseudoInverseConfig).
   TORCH_ARG(double, epsilon) = 1e-12;
-  /// Relative regularization of root-inverse and eigendecomposed Shampoo's factors (≥ 0): a
-  /// factor A is regularized with ε + relative_epsilon·tr(A) (tr(A) ≥ λ_max(A) for the positive
-  /// semidefinite factors), so that rank-deficient factors, whose small eigenvalues are float32
-  /// rounding, no longer amplify that rounding into the update (docs/math.md, "A relative
-  /// epsilon"). 0 = the absolute ε alone, as the reference.
-  TORCH_ARG(double, relative_epsilon) = 1e-5;
+  /// Relative regularization of root-inverse Shampoo's factors (≥ 0): a factor A is regularized
+  /// with ε + relative_epsilon·tr(A) (tr(A) ≥ λ_max(A) for the positive semidefinite factors),
+  /// summed on the host in float64 (docs/math.md, "Factors in float64, a relative epsilon").
+  /// The default 1e-7 goes with the default float64 factors: about the floor that float32
+  /// rounding used to put under the small eigenvalues, now deterministic. With float32 factors,
+  /// 1e-5 keeps runs that differ in rounding together. 0 = the absolute ε alone, as the
+  /// reference.
+  TORCH_ARG(double, relative_epsilon) = 1e-7;
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(WeightDecayType, weight_decay_type) = WeightDecayType::kDecoupled;
   TORCH_ARG(double, momentum) = 0.0;
@@ -132,8 +135,13 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   /// The first-order method whose per-block step size the preconditioned direction takes
   /// (and which steps alone before preconditioning starts); std::monostate = none.
   TORCH_ARG(GraftingConfig, grafting) = AdamGraftingConfig{0.999, 1e-8};
-  /// dtype of the Kronecker factors and roots (Float or Double).
-  TORCH_ARG(c10::ScalarType, factor_matrix_dtype) = c10::ScalarType::Float;
+  /// dtype of the Kronecker factors and their roots (Float or Double); the preconditioning itself
+  /// runs in the parameters' dtype. Double (the default) keeps the factors' accumulation and
+  /// roots free of float32 rounding, which the small eigenvalues would otherwise amplify: a run
+  /// then ends where the same run with other micro-batches or another world size ends, as with
+  /// AdamW (docs/math.md, "Factors in float64, a relative epsilon"). Float: the reference's
+  /// choice, half the bytes. Checkpoints load across its values.
+  TORCH_ARG(c10::ScalarType, factor_matrix_dtype) = c10::ScalarType::Double;
   /// Keep the symmetric matrices of the state (Kronecker factors, inverse roots) as packed lower
   /// triangles: d(d+1)/2 entries instead of d², the same results bit for bit. Structural.
   TORCH_ARG(bool, use_symmetric_packing) = true;

@@ -215,7 +215,7 @@ ShampooOptions every_field_changed() {
       .start_preconditioning_step(11)
       .use_bias_correction(false)
       .grafting(shampoo::RMSpropGraftingConfig{0.875, 1e-9})
-      .factor_matrix_dtype(at::kDouble)
+      .factor_matrix_dtype(at::kFloat)
       .use_symmetric_packing(false)
       .compact_state(shampoo::CompactState::kInt8)
       .preconditioner(
@@ -331,8 +331,6 @@ INSTANTIATE_TEST_SUITE_P(
                        [](ShampooOptions& o) { o.use_bias_correction(false); }},
         StructuralCase{"num_tolerated_failed_amortized_computations",
                        [](ShampooOptions& o) { o.num_tolerated_failed_amortized_computations(7); }},
-        StructuralCase{"factor_matrix_dtype",
-                       [](ShampooOptions& o) { o.factor_matrix_dtype(at::kDouble); }},
         StructuralCase{"max_preconditioner_dim",
                        [](ShampooOptions& o) { o.max_preconditioner_dim(4); }},
         StructuralCase{"start_preconditioning_step",

@@ -1,7 +1,8 @@
 // The per-parameter defaults by cost (shampoo/factor_choice.h): 1-D parameters and dims above
 // max_factored_dim keep no Kronecker factor; a block left without any takes the grafting update,
 // equal to LibTorch's own Adam; the reference preset factors every dim; memory_summary() says
-// what each parameter got. And the relative epsilon: micro-batches stay with one batch.
+// what each parameter got. And rounding: micro-batches stay with one batch (float64 factors, or
+// float32 factors with a relative epsilon).
 #include "shampoo/factor_choice.h"
 
 #include <c10/util/Exception.h>
@@ -89,10 +90,10 @@ TEST(FactorChoice, ALargeDimKeepsNoFactorAndTheOthersStayOneSided) {
   }
   EXPECT_TRUE(at::equal(a, b));
   EXPECT_EQ(by_default.stats().state_bytes, by_override.stats().state_bytes);
-  // 5 blocks, each with one packed 16x16 factor and root (136 floats each).
+  // 5 blocks, each with one packed 16x16 factor and root (136 doubles each).
   const auto summary = by_default.memory_summary();
-  EXPECT_EQ(summary.factors, 5 * 136 * 4);
-  EXPECT_EQ(summary.inverse_roots, 5 * 136 * 4);
+  EXPECT_EQ(summary.factors, 5 * 136 * 8);
+  EXPECT_EQ(summary.inverse_roots, 5 * 136 * 8);
   ASSERT_EQ(summary.params.size(), 1u);
   EXPECT_NE(summary.params[0].treatment.find("dim 0: 5000 > max_factored_dim 4096"),
             std::string::npos)
@@ -116,6 +117,8 @@ TEST(FactorChoice, ABlockWithoutFactorsIsDiagonalAndTheReferencePresetFactorsEve
   EXPECT_TRUE(reference.precondition_1d());
   EXPECT_EQ(reference.max_factored_dim(), -1);
   EXPECT_EQ(reference.relative_epsilon(), 0.0);
+  EXPECT_EQ(reference.factor_matrix_dtype(), at::kFloat);
+  EXPECT_EQ(ShampooOptions().factor_matrix_dtype(), at::kDouble);
   const auto full = shampoo::detail::block_factor_choice(reference, plan, plan.blocks[0].sizes);
   EXPECT_FALSE(full.diagonal);
   EXPECT_EQ(full.dim_exponents, (std::vector<double>{0.25, 0.25}));
@@ -221,19 +224,60 @@ double relative_distance(const std::vector<at::Tensor>& a, const std::vector<at:
   return std::sqrt(diff / ref);
 }
 
-TEST(RelativeEpsilon, FourMicroBatchesEndWhereOneBatchEnds) {
+TEST(RoundingRobustness, FourMicroBatchesEndWhereOneBatchEnds) {
   // Roots every 10 steps from step 10; 150 steps. The gradients of the two runs differ in their
-  // last bits only (the micro-batches' sum rounds otherwise); the absolute ε lets rank-deficient
-  // factors amplify that, the default relative ε does not.
+  // last bits only (the micro-batches' sum rounds otherwise). With float32 factors and the
+  // absolute ε, the roots amplify the rounding of the factors' small eigenvalues; the default
+  // float64 factors hold no such rounding, and a relative ε damps it in float32 factors.
   const auto options = ShampooOptions(1e-3).precondition_frequency(10);
-  const double with_default =
-      relative_distance(train_next_token(options, 4, 150), train_next_token(options, 1, 150));
-  EXPECT_LT(with_default, 1e-4);
-  const auto absolute = ShampooOptions(options).relative_epsilon(0.0);
-  const double with_absolute =
-      relative_distance(train_next_token(absolute, 4, 150), train_next_token(absolute, 1, 150));
-  EXPECT_GT(with_absolute, 10 * with_default)
-      << "the absolute epsilon no longer amplifies rounding here: the test lost its point";
+  const auto distance = [](const ShampooOptions& o) {
+    return relative_distance(train_next_token(o, 4, 150), train_next_token(o, 1, 150));
+  };
+  const double with_default = distance(options);
+  EXPECT_LT(with_default, 1e-5);
+  const auto float32 = ShampooOptions(options).factor_matrix_dtype(at::kFloat);
+  const double with_relative = distance(ShampooOptions(float32).relative_epsilon(1e-5));
+  EXPECT_LT(with_relative, 1e-4);
+  const double with_absolute = distance(float32);
+  EXPECT_GT(with_absolute, 10 * std::max(with_default, with_relative))
+      << "float32 factors with the absolute epsilon no longer amplify rounding here: the test "
+         "lost its point";
+}
+
+TEST(FactorDtype, ACheckpointLoadsAcrossFactorDtypes) {
+  // A float32-factor checkpoint (the reference's dtype, and the default before 2026-11-28)
+  // loads into the float64 default, and back: the factors and roots convert exactly, so the
+  // float32 optimizer resumed through a float64 one steps as the uninterrupted one, bit for bit.
+  auto w = at::zeros({8, 4}, at::requires_grad());
+  const auto f32 = ShampooOptions(1e-2).precondition_frequency(2).factor_matrix_dtype(at::kFloat);
+  DistributedShampoo first({w}, f32);
+  for (int64_t step = 0; step < 5; ++step) {
+    w.mutable_grad() = gradient({8, 4}, step, 1);
+    first.step();
+  }
+  std::stringstream saved;
+  torch::save(first, saved);
+  auto v = w.detach().clone().requires_grad_();
+  DistributedShampoo through({v}, ShampooOptions(1e-2).precondition_frequency(2));
+  torch::load(through, saved);
+  std::stringstream resaved;
+  torch::save(through, resaved);
+  auto u = w.detach().clone().requires_grad_();
+  DistributedShampoo resumed({u}, f32);
+  torch::load(resumed, resaved);
+  for (int64_t step = 5; step < 9; ++step) {
+    w.mutable_grad() = gradient({8, 4}, step, 1);
+    u.mutable_grad() = gradient({8, 4}, step, 1);
+    first.step();
+    resumed.step();
+    ASSERT_TRUE(at::equal(w, u)) << "step " << step;
+  }
+  // The float64 optimizer steps from the loaded state too.
+  const auto before = v.detach().clone();
+  v.mutable_grad() = gradient({8, 4}, 5, 1);
+  through.step();
+  EXPECT_TRUE(at::isfinite(v).all().item<bool>());
+  EXPECT_FALSE(at::equal(v.detach(), before));
 }
 
 }  // namespace

@@ -94,9 +94,10 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return info.param.name; });
 
 TEST(StateSizeWarning, FiresOnceForAThinParameterThatKeepsFactors) {
-  // 1×100000: 98 blocks of 1024 elements, each with a 1024×1024 factor and root, packed: ~409 MB
-  // for 0.4 MB of parameters, when 1-D parameters are factored (the reference's behaviour). By
-  // default they are not: the state is the grafting's, the parameter's size, and nothing warns.
+  // 1×100000: 98 blocks of 1024 elements, each with a 1024×1024 factor and root, packed, in
+  // float64 (the default factor dtype): ~818 MB for 0.4 MB of parameters, when 1-D parameters are
+  // factored (the reference's behaviour). By default they are not: the state is the grafting's, the
+  // parameter's size, and nothing warns.
   const auto params = leaves({{1, 100000}});
   WarningCollector warnings;
   c10::WarningUtils::WarningHandlerGuard guard(&warnings);
@@ -110,16 +111,16 @@ TEST(StateSizeWarning, FiresOnceForAThinParameterThatKeepsFactors) {
   ASSERT_EQ(warnings.messages.size(), 1u);
   const auto& message = warnings.messages[0];
   for (const char* expected :
-       {"409.", "MB", "0.4 MB", "parameter 0", "[1, 100000]", "98 blocks", "max_preconditioner_dim",
+       {"818.", "MB", "0.4 MB", "parameter 0", "[1, 100000]", "98 blocks", "max_preconditioner_dim",
         "inverse_exponent_override", "exponent 0", "diagonal method"}) {
     EXPECT_NE(message.find(expected), std::string::npos) << "missing '" << expected << "' in\n"
                                                          << message;
   }
-  // 97 blocks of 1024 and one of 672, a float factor and root each, packed upper triangles;
+  // 97 blocks of 1024 and one of 672, a double factor and root each, packed upper triangles;
   // and the default Adam grafting's second moment, one float per element.
   using shampoo::detail::packed_size;
   EXPECT_EQ(optimizer.stats().state_bytes,
-            2 * 4 * (97 * packed_size(1024) + packed_size(672)) + 4 * 100000);
+            2 * 8 * (97 * packed_size(1024) + packed_size(672)) + 4 * 100000);
 
   // Once per optimizer: groups added later are not estimated again.
   optimizer.add_param_group(torch::optim::OptimizerParamGroup(leaves({{1, 20000}})));

@@ -77,6 +77,10 @@ TEST(TrainerDefaults, ReachTheOptimizer) {
   EXPECT_EQ(options.precondition_frequency(), library.precondition_frequency());
   EXPECT_EQ(options.grafting(), library.grafting());
   EXPECT_EQ(options.betas(), library.betas());
+  EXPECT_EQ(options.factor_matrix_dtype(), library.factor_matrix_dtype());
+  EXPECT_EQ(options.relative_epsilon(), library.relative_epsilon());
+  EXPECT_EQ(options.precondition_1d(), library.precondition_1d());
+  EXPECT_EQ(options.max_factored_dim(), library.max_factored_dim());
 }
 
 TEST(TrainerFlags, ReachTheConfig) {
@@ -102,7 +106,9 @@ TEST(TrainerFlags, ReachTheConfig) {
                              "--checkpoint-dir",
                              "ckpt",
                              "--device",
-                             "cuda"});
+                             "cuda",
+                             "--factor-dtype",
+                             "fp32"});
   ASSERT_TRUE(config.has_value());
   EXPECT_EQ(config->dataset, shampoo::examples::DatasetKind::kFashionMnist);
   EXPECT_EQ(config->data_dir, shampoo::examples::default_data_dir(config->dataset));
@@ -119,6 +125,7 @@ TEST(TrainerFlags, ReachTheConfig) {
   EXPECT_EQ(config->grafting, GraftingKind::kRmsProp);
   EXPECT_EQ(config->checkpoint_dir, "ckpt");
   EXPECT_EQ(config->device, DeviceChoice::kCuda);
+  EXPECT_EQ(config->factor_dtype, c10::ScalarType::Float);
   EXPECT_NE(config->command_line.find("--betas 0.8,0.99"), std::string::npos);
 }
 
@@ -131,6 +138,7 @@ TEST(TrainerFlags, BadValuesAreErrorsNamingTheFlagTheValueAndWhatIsAllowed) {
       {{"--lrs", "0.1,-1"}, "--lrs: got '0.1,-1', expected numbers >= 0"},
       {{"--betas", "0.9"}, "--betas: got '0.9', expected 2 numbers beta1,beta2"},
       {{"--device", "gpu"}, "--device: got 'gpu', expected one of auto, cpu, cuda"},
+      {{"--factor-dtype", "bf16"}, "--factor-dtype: got 'bf16', expected one of fp32, fp64"},
       {{"--optimizer", "lamb"},
        "--optimizer: got 'lamb', expected one of sgd, adam, adamw, shampoo"},
       {{"--communicate-params=perhaps"}, "--communicate-params: got 'perhaps', expected true or"},

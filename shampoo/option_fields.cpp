@@ -167,9 +167,10 @@ OptionField simple_field(const std::string& name, OptionKind kind, Get get, Set 
       #field, OptionKind::kind, [](const ShampooOptions& o) -> type { return o.field(); }, \
       [](ShampooOptions& o, type v) { o.field(v); })
 
-/// A storage choice (use_symmetric_packing, compact_state): checkpoints hold the state in a form
-/// that loads into any value, so the field is not compared on load, and archives written before
-/// the option existed have no entry and keep the optimizer's value.
+/// A storage choice (use_symmetric_packing, compact_state, factor_matrix_dtype): checkpoints hold
+/// the state in a form that loads into any value (entries convert to the optimizer's dtype and
+/// layout), so the field is not compared on load, and archives written before the option existed
+/// have no entry and keep the optimizer's value.
 OptionField storage_layout_field(OptionField f) {
   f.storage_layout = true;
   f.read = [read = f.read, key = f.name](InputArchive& a, ShampooOptions& o) {

@@ -122,11 +122,18 @@ Distance distance(const std::vector<at::Tensor>& a, const std::vector<at::Tensor
   return d;
 }
 
-std::vector<double> parse_doubles(const std::string& text) {
-  std::vector<double> out;
+/// The comma-separated items of a list flag.
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
   std::stringstream in(text);
   std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::stod(item));
+  while (std::getline(in, item, ',')) out.push_back(item);
+  return out;
+}
+
+std::vector<double> parse_doubles(const std::string& text) {
+  std::vector<double> out;
+  for (const auto& item : split_list(text)) out.push_back(std::stod(item));
   return out;
 }
 
@@ -164,16 +171,15 @@ int main(int argc, char** argv) {
                      return std::make_unique<torch::optim::AdamW>(
                          std::move(p), torch::optim::AdamWOptions(1e-3).weight_decay(0.0));
                    }});
-  std::stringstream dtypes(dtypes_text);
-  std::string dtype_name;
-  while (std::getline(dtypes, dtype_name, ',')) {
+  const auto epsilons = parse_doubles(epsilons_text);
+  for (const auto& dtype_name : split_list(dtypes_text)) {
     if (dtype_name != "fp64" && dtype_name != "fp32") {
       fmt::print(stderr, "bench_rounding: --factor-dtypes: got {}, expected fp64 or fp32\n",
                  dtype_name);
       return 2;
     }
     const auto dtype = dtype_name == "fp64" ? at::kDouble : at::kFloat;
-    for (const double rel : parse_doubles(epsilons_text)) {
+    for (const double rel : epsilons) {
       cases.push_back(
           {fmt::format("shampoo {} factors, relative_epsilon {:g}", dtype_name, rel),
            [rel, dtype](std::vector<at::Tensor> p) {

@@ -6,7 +6,12 @@
 //   2. the elementwise chain of a virtual group: the multi-tensor kernels (one launch per pass)
 //      vs the same math as ATen ops block by block;
 //   3. a training step (forward + backward + optimizer) of the CIFAR-10 ConvNet with
-//      DistributedShampoo (precondition_frequency 100) vs torch::optim::Adam (issue 13: target ≤ 3×).
+//      DistributedShampoo (precondition_frequency 100) vs torch::optim::Adam (issue 13: target ≤
+//      3×);
+//   4. `make compare`'s Fashion-MNIST ConvNet with the trainer's own optimizers (its defaults,
+//      Shampoo at lr 0.001 and Adam at 0.009, batch 256): the plain step and the root step timed
+//      apart, the amortized step against Adam's, for each factor dtype, and the Kineto profile of
+//      plain steps and of one root step (issue 46: where the step's time goes).
 // Without a CUDA device it says so and measures nothing.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -23,10 +28,13 @@
 #include <vector>
 
 #include "benchmarks/bench_support.h"
+#include "benchmarks/kernel_profile.h"
 #include "models.h"
 #include "preconditioners/cuda/cuda_eigh.h"
 #include "preconditioners/cuda/eigh_lanes.h"
 #include "preconditioners/matrix_functions.h"
+#include "trainer_config.h"
+#include "trainer_optimizer.h"
 #include "update/elementwise_chain.h"
 
 namespace {
@@ -289,18 +297,141 @@ Json training_section(int64_t repetitions, int64_t batch, int64_t frequency) {
               {"frequency", frequency}};
 }
 
+/// Section 4: the compare's Fashion-MNIST ConvNet ([64, 1, 3, 3] convolution, [10, 50176] linear
+/// layer and its bias) trained by the trainer's optimizers on random batches of `batch` images.
+struct CompareStep {
+  shampoo::examples::ConvNet model{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  at::Tensor inputs, labels;
+
+  void run() {
+    optimizer->zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(inputs), labels).backward();
+    optimizer->step();
+  }
+};
+
+CompareStep compare_step(shampoo::examples::OptimizerKind kind, double lr, c10::ScalarType factors,
+                         int64_t batch, int64_t frequency) {
+  torch::manual_seed(0);
+  CompareStep s;
+  s.model = shampoo::examples::ConvNet(1, 10, 28, 28);
+  s.model->to(torch::kCUDA);
+  shampoo::examples::TrainerConfig config;
+  config.dataset = shampoo::examples::DatasetKind::kFashionMnist;
+  config.optimizer = kind;
+  config.lr = lr;
+  config.factor_dtype = factors;
+  config.precondition_frequency = frequency;
+  const auto plans = shampoo::examples::plan_param_groups(s.model->named_parameters(), config);
+  s.optimizer = shampoo::examples::make_optimizer(config, plans, nullptr);
+  s.inputs = at::randn({batch, 1, 28, 28}, at::TensorOptions().device(at::kCUDA));
+  s.labels = at::randint(10, {batch}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
+  return s;
+}
+
+/// Wall time of one training iteration, synchronized before and after, in ms.
+double iteration_ms(CompareStep& s) {
+  synchronize();
+  const auto begin = Clock::now();
+  s.run();
+  synchronize();
+  return elapsed_ms(begin, Clock::now());
+}
+
+Json compare_convnet_section(int64_t repetitions, int64_t batch, int64_t frequency,
+                             int64_t profile_steps) {
+  using shampoo::examples::OptimizerKind;
+  fmt::print(
+      "\n4. make compare's Fashion-MNIST ConvNet (trainer defaults, batch {}, "
+      "precondition_frequency {}): Adam lr 0.009 against Shampoo lr 0.001\n",
+      batch, frequency);
+  auto adam = compare_step(OptimizerKind::kAdam, 0.009, at::kDouble, batch, frequency);
+  for (int64_t i = 0; i < 20; ++i) adam.run();
+  std::vector<double> adam_samples;
+  for (int64_t i = 0; i < 10 * repetitions; ++i) adam_samples.push_back(iteration_ms(adam));
+  const double adam_ms = median(adam_samples);
+  fmt::print("  Adam: {:.4g} ms per iteration (median of {})\n", adam_ms, adam_samples.size());
+  Json json{{"batch", batch}, {"frequency", frequency}, {"adam_ms", adam_ms}};
+  for (const auto factors : {at::kDouble, at::kFloat}) {
+    const std::string dtype = factors == at::kDouble ? "fp64" : "fp32";
+    auto shampoo = compare_step(OptimizerKind::kShampoo, 0.001, factors, batch, frequency);
+    auto* opt = dynamic_cast<shampoo::DistributedShampoo*>(shampoo.optimizer.get());
+    TORCH_CHECK(opt != nullptr, "bench_cuda: the trainer's Shampoo is not a DistributedShampoo");
+    // Past the first root computation (the default start is the first step).
+    for (int64_t i = 0; i < frequency + 2; ++i) shampoo.run();
+    std::vector<double> plain, root;
+    for (int64_t i = 0; i < repetitions * frequency; ++i) {
+      const auto before = opt->stats().amortized_computations;
+      const double ms = iteration_ms(shampoo);
+      (opt->stats().amortized_computations == before ? plain : root).push_back(ms);
+    }
+    const double plain_ms = median(plain);
+    const double root_ms = root.empty() ? 0.0 : median(root);
+    const double amortized =
+        (plain_ms * static_cast<double>(frequency - 1) + root_ms) / static_cast<double>(frequency);
+    fmt::print(
+        "  Shampoo, {} factors: plain iteration {:.4g} ms ({:.3g}x Adam), root iteration {:.4g} "
+        "ms ({} of them), amortized {:.4g} ms ({:.3g}x Adam)\n",
+        dtype, plain_ms, plain_ms / adam_ms, root_ms, root.size(), amortized, amortized / adam_ms);
+    json[dtype] = Json{{"plain_ms", plain_ms},
+                       {"root_ms", root_ms},
+                       {"amortized_ms", amortized},
+                       {"ratio", amortized / adam_ms}};
+    if (profile_steps <= 0) continue;
+    // Profile plain steps only: stop before the next root step.
+    while (true) {
+      const auto before = opt->stats().amortized_computations;
+      shampoo.run();
+      if (opt->stats().amortized_computations != before) break;
+    }
+    const int64_t steps = std::min(profile_steps, frequency - 1);
+    const auto profile = shampoo::bench::profile_kernels(at::Device(at::kCUDA), [&] {
+      for (int64_t i = 0; i < steps; ++i) shampoo.run();
+    });
+    fmt::print("  Shampoo, {} factors: kernel profile of {} plain iteration(s):\n", dtype, steps);
+    shampoo::bench::print_kernel_profile(profile, steps, 12);
+    while (true) {
+      const auto before = opt->stats().amortized_computations;
+      auto root_profile =
+          shampoo::bench::profile_kernels(at::Device(at::kCUDA), [&] { shampoo.run(); });
+      if (opt->stats().amortized_computations != before) {
+        fmt::print("  Shampoo, {} factors: kernel profile of one root iteration:\n", dtype);
+        shampoo::bench::print_kernel_profile(root_profile, 1, 12);
+        break;
+      }
+    }
+  }
+  if (profile_steps > 0) {
+    const auto profile = shampoo::bench::profile_kernels(at::Device(at::kCUDA), [&] {
+      for (int64_t i = 0; i < profile_steps; ++i) adam.run();
+    });
+    fmt::print("  Adam: kernel profile of {} iteration(s):\n", profile_steps);
+    shampoo::bench::print_kernel_profile(profile, profile_steps, 8);
+  }
+  return json;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t repetitions = 5, batch = 128, frequency = 100;
+  int64_t repetitions = 5, batch = 128, frequency = 100, compare_batch = 256,
+          compare_frequency = 50, profile_steps = 5;
   std::string json_path, label, sections = "all";
   shampoo::bench::Flags flags("bench_cuda", "GPU roots, elementwise chain and training step");
   flags.add("repetitions", repetitions, "repetitions (medians are over them)", 1)
       .add("batch", batch, "batch size of the training step", 1)
       .add("frequency", frequency, "Shampoo's precondition_frequency in the training step", 1)
-      .add_choice("sections", sections, {"all", "roots", "eigh"},
-                  "all sections, only the roots (1a eigendecompositions, 1b inverse roots), or "
-                  "only 1a");
+      .add("compare-batch", compare_batch, "batch size of section 4 (make compare's)", 1)
+      .add("compare-frequency", compare_frequency,
+           "Shampoo's precondition_frequency in section 4 (the trainer's default)", 2)
+      .add("profile-steps", profile_steps,
+           "section 4: Kineto profiles of this many plain iterations and of one root iteration "
+           "(0 = none)",
+           0)
+      .add_choice("sections", sections, {"all", "roots", "eigh", "training"},
+                  "all sections, only the roots (1a eigendecompositions, 1b inverse roots), "
+                  "only 1a, or only the training steps (3 and 4)");
   shampoo::bench::add_output_flags(flags, json_path, label);
   shampoo::bench::parse_flags_or_exit(flags, "bench_cuda", argc, argv);
   if (!torch::cuda::is_available()) {
@@ -310,11 +441,13 @@ int main(int argc, char** argv) {
   const double load_before = shampoo::bench::load_average();
   Json json{{"benchmark", "bench_cuda"}, {"label", label}, {"machine", nullptr}};
   torch::manual_seed(0);
-  json["eigh"] = eigh_section(repetitions);
-  if (sections != "eigh") json["roots"] = roots_section(repetitions);
-  if (sections == "all") {
-    json["chain"] = chain_section(repetitions);
+  if (sections != "training") json["eigh"] = eigh_section(repetitions);
+  if (sections == "all" || sections == "roots") json["roots"] = roots_section(repetitions);
+  if (sections == "all") json["chain"] = chain_section(repetitions);
+  if (sections == "all" || sections == "training") {
     json["training"] = training_section(repetitions, batch, frequency);
+    json["compare_convnet"] =
+        compare_convnet_section(repetitions, compare_batch, compare_frequency, profile_steps);
   }
   json["machine"] = shampoo::bench::machine_json(load_before, shampoo::bench::load_average());
   if (json_path.empty()) return 0;

@@ -24,6 +24,24 @@ namespace shampoo::detail {
 struct ParamEntry;
 struct BlockEntry;
 
+/// Pairs of equal-shaped views (to[i], from[i]) gathered into fewer pairs, so that an elementwise
+/// op over them (a copy, an add) is one launch per run instead of one per pair: consecutive pairs
+/// whose `to` views are equally spaced views of one storage with the same sizes, strides and
+/// dtype, and whose `from` views are too, become one pair of views [k, sizes...] with that
+/// spacing as the leading stride (the same elements, in the same order). The column blocks of a
+/// matrix and the consecutive rows of a stack are such runs: a [10, 50176] weight in blocks of
+/// 1024 columns is one copy and one add on CUDA, not 49 of each (issue 46). The caller's `to`
+/// views must not overlap one another (blocks of one parameter, rows of one buffer).
+struct StridedRuns {
+  std::vector<at::Tensor> to;
+  std::vector<at::Tensor> from;
+};
+StridedRuns merge_strided_runs(const std::vector<at::Tensor>& to,
+                               const std::vector<at::Tensor>& from);
+
+/// to[i].copy_(from[i]) for every i, one copy per run of merge_strided_runs.
+void copy_in_runs(const std::vector<at::Tensor>& to, const std::vector<at::Tensor>& from);
+
 /// The updates of the blocks of one compute call.
 class StepUpdates {
  public:

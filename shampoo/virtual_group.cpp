@@ -54,6 +54,9 @@ struct VirtualGroup::StackStep {
   std::vector<size_t> chain;         // aligned with rows: index into the chain
   at::Tensor gradients;              // [rows, block_shape]: G' (after L2 weight decay)
   at::Tensor filtered;  // [rows, block_shape]: Ḡ (aliases gradients without filtering)
+  // Gradient blocks the chain cannot read where they lie (column blocks of a matrix on CUDA) and
+  // their rows of `gradients`: copied in runs once the stack's entries are made.
+  std::vector<at::Tensor> copy_to, copy_from;
 };
 
 /// One step of the group: a StackStep per stack and the chain entries of every stepped block.
@@ -329,6 +332,7 @@ VirtualGroup::ChunkStep VirtualGroup::prepare_chunk(const StepInputs& in,
           chain_entry(in, static_cast<int64_t>(s), st.rows.rows[i], i, &st, updates));
       in.computed[b] = true;
     }
+    copy_in_runs(st.copy_to, st.copy_from);
   }
   return chunk_step;
 }
@@ -369,8 +373,9 @@ ChainBlockTensors VirtualGroup::chain_entry(const StepInputs& in, int64_t s, int
       c.grad = grad_view;  // on the CPU also a column block of a matrix, read where it lies
     } else {
       // A column block of a matrix on CUDA: copied once, straight into its row (the pre pass then
-      // reads and rewrites it in place).
-      c.gradient_out.copy_(grad_view);
+      // reads and rewrites it in place), with the stack's other such blocks (prepare_chunk).
+      st->copy_to.push_back(c.gradient_out);
+      st->copy_from.push_back(grad_view);
       c.grad = c.gradient_out;
     }
   }

@@ -16,11 +16,15 @@
 #               Kineto profiler) and its matmul floor, for the settings in LEASE_PROFILE_SOLVERS
 #               (eigh,eigendecomposed by default), with LEASE_PROFILE_FLAGS added (e.g.
 #               "--factor-chunk-mb 32")
+#   convnet     bench_cuda --sections training: the CIFAR-10 ConvNet step against Adam's, and make
+#               compare's Fashion-MNIST ConvNet with the trainer's optimizers, plain and root steps
+#               timed apart for each factor dtype, with Kineto profiles (LEASE_BENCH_FLAGS added);
+#               then bench_step_ops --device cuda: ATen operators per plain step, profiled
 #   demo        the demo (run_demo.sh) on the GPU
 #   compare     make compare on the GPU, the full budget (run_compare.sh)
 # Default stages: "build test perf". $OUT receives at most 8 files: machine.txt, ctest_cuda.log,
 # summary.md, results.json, logs.tar.gz (perf); experiments.txt; profile.txt; demo.txt; compare.md, compare.csv,
-# compare.txt. The last lines printed summarize each stage.
+# compare.txt; convnet.txt. The last lines printed summarize each stage.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-$PWD/device-out}"
@@ -102,6 +106,19 @@ stage_profile() {
   log "profile: $(grep -E '^matmul floor|device busy' "$OUT/profile.txt" | tr '\n' ' ')"
 }
 
+stage_convnet() {
+  local budget=$(( $(left) - 20 ))
+  if [ "$budget" -lt 40 ]; then log "convnet: no time left"; status=1; return; fi
+  [ "$budget" -gt 240 ] && budget=240
+  # shellcheck disable=SC2086
+  timeout "$budget" "$BUILD/benchmarks/bench_cuda" --sections training --repetitions 3 \
+    ${LEASE_BENCH_FLAGS:-} > "$OUT/convnet.txt" 2>&1 || status=1
+  timeout 60 "$BUILD/benchmarks/bench_step_ops" --device cuda --steps 5 --profile 1 \
+    >> "$OUT/convnet.txt" 2>&1 || status=1
+  log "convnet:"
+  grep -E "ms/step|ms per iteration|plain iteration|ATen operators per step" "$OUT/convnet.txt"
+}
+
 stage_demo() {
   local budget=$(( $(left) - 20 ))
   if [ "$budget" -lt 40 ]; then log "demo: no time left"; status=1; return; fi
@@ -126,8 +143,8 @@ stage_compare() {
 for stage in $STAGES; do
   log "$stage ($(left) s left)"
   case "$stage" in
-    build | test | perf | experiment | profile | demo | compare) "stage_$stage" ;;
-    *) log "unknown stage '$stage' (build test perf experiment profile demo compare)"; exit 2 ;;
+    build | test | perf | experiment | profile | convnet | demo | compare) "stage_$stage" ;;
+    *) log "unknown stage '$stage' (build test perf experiment profile convnet demo compare)"; exit 2 ;;
   esac
 done
 log "done, status $status"

@@ -67,8 +67,9 @@ void FullyShardedDataParallel::State::check_param(const ShardedUnit& in, size_t 
 /// The ranks agree on the units (count, then each unit's shapes, dtype and device) before any
 /// other collective, and draw the tag of this object's subgroups.
 int64_t FullyShardedDataParallel::State::agree_on_units() {
-  const int64_t ticket =
-      rank == 0 && world > 1 ? group->getStore()->add("shampoo_fsdp_ticket", 1) : 0;
+  // Drawn at world 1 too when there is a store: over CUDA the worker gets a subgroup there.
+  const auto& store = group->getStore();
+  const int64_t ticket = rank == 0 && store ? store->add("shampoo_fsdp_ticket", 1) : 0;
   const auto counts = detail::gather_int64(*group, {ticket, static_cast<int64_t>(units.size())});
   for (int r = 0; r < world; ++r) {
     TORCH_CHECK(counts[r][1] == counts[0][1], kWho, "the units differ across ranks: rank 0 has ",
@@ -126,9 +127,18 @@ std::string FullyShardedDataParallel::State::describe(const Unit& unit) {
 void FullyShardedDataParallel::State::make_groups(int64_t tag) {
   reduce_group = group;
   step_group = group;
-  if (world == 1) return;
   const auto timeout = detail::group_timeout(*group);
   const auto name = "fsdp_" + std::to_string(tag);
+  if (world == 1) {
+    // An NCCL communicator must not be used by two threads at once (NCCL's thread-safety
+    // rule), and with overlap_step the worker's all-to-alls run while backward gathers on the
+    // autograd thread: over CUDA the worker gets a communicator of its own at world 1 too (seen
+    // on an H200 without it: "unhandled system error" on the gathers, 2 runs in 24).
+    if (options.overlap_step() && detail::has_cuda_backend(*group) && group->getStore()) {
+      step_group = detail::make_subgroup(group, 0, 1, name + "_step", timeout);
+    }
+    return;
+  }
   reduce_group = detail::make_subgroup(group, 0, world, name + "_reduce", timeout);
   if (options.overlap_step()) {
     step_group = detail::make_subgroup(group, 0, world, name + "_step", timeout);

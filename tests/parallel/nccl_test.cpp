@@ -1,12 +1,17 @@
 // The distributed pieces over NCCL on CUDA tensors (skipped without a GPU): DistributedShampoo's
-// Distributor and the GradientSynchronizer. One GPU runs world 1 (every collective still goes
-// through NCCL: the AllGather is issued at any world size); two or more GPUs run one rank per GPU
-// as threads of this process.
+// Distributor, the GradientSynchronizer and full sharding (FullyShardedDataParallel). One GPU runs
+// world 1 (every collective still goes through NCCL: the AllGather is issued at any world size);
+// two or more GPUs run one rank per GPU as threads of this process.
 #include <c10/core/DeviceGuard.h>
 #include <shampoo/shampoo.h>
 #include <torch/cuda.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
 
 #include <functional>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "parallel/process_group.h"
 #include "support/test_support.h"
@@ -15,10 +20,13 @@ namespace {
 
 using shampoo::DistributedOptions;
 using shampoo::DistributedShampoo;
+using shampoo::FullyShardedDataParallel;
+using shampoo::FullyShardedOptions;
 using shampoo::GradientSynchronizer;
 using shampoo::ShampooOptions;
 using shampoo::testing::all_close;
 using shampoo::testing::bit_equal;
+using shampoo::testing::Dataset;
 using shampoo::testing::run_ranks;
 using shampoo::testing::snapshot;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
@@ -140,6 +148,211 @@ TEST(NcclGradientSynchronizer, AveragesGradientsAcrossRanks) {
       ASSERT_TRUE(all_close(params[i].grad().cpu(), expected)) << "rank " << rank << " param " << i;
     }
   });
+}
+
+// Full sharding over NCCL. Every rank is given the whole batch, so that at world 1 and 2 the
+// averaged gradient is the one-process gradient exactly (g + g = 2g and 2g / 2 = g in float32):
+// the parameters after every step must then equal those of the model trained in one process,
+// without a process group, bit for bit (as fully_sharded_test promises against data parallelism
+// on the CPU).
+
+constexpr int kShardedSteps = 6;  // roots at steps 2, 4 and 6 (precondition_frequency 2)
+
+enum class ShardedOptimizer { kShampoo, kAdam };
+
+std::string optimizer_name(ShardedOptimizer which) {
+  return which == ShardedOptimizer::kShampoo ? "shampoo" : "adam";
+}
+
+/// The one-process optimizer over `params`, and the factory of the fully sharded run.
+shampoo::OptimizerFactory factory_of(ShardedOptimizer which) {
+  return [which](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (which == ShardedOptimizer::kAdam) {
+      return std::make_unique<torch::optim::Adam>(
+          params, torch::optim::AdamOptions(0.01).weight_decay(0.01));
+    }
+    return std::make_unique<DistributedShampoo>(params, options());
+  };
+}
+
+/// make_mlp(6, 20, 3) on `device`: weights of 20x6, 20x20 and 3x20, which max_preconditioner_dim
+/// 8 splits into blocks of several shapes (and factors of 3, 4, 6 and 8 rows), and three biases.
+torch::nn::Sequential mlp_on(const at::Device& device) {
+  auto model = shampoo::testing::make_mlp(6, 20, 3, /*seed=*/5);
+  model->to(device);
+  return model;
+}
+
+Dataset batch_on(const at::Device& device) {
+  const auto data = shampoo::testing::make_blobs(96, 6, 3, /*seed=*/21);
+  return {data.inputs.to(device), data.labels.to(device)};
+}
+
+at::Tensor loss_of(const at::Tensor& logits, const Dataset& data) {
+  return torch::nn::functional::cross_entropy(logits, data.labels);
+}
+
+/// Root computations so far of the DistributedShampoo among `optimizers` (0 for none).
+int64_t roots_of(const std::vector<torch::optim::Optimizer*>& optimizers) {
+  int64_t roots = 0;
+  for (auto* optimizer : optimizers) {
+    if (auto* shampoo = dynamic_cast<DistributedShampoo*>(optimizer)) {
+      roots += shampoo->stats().amortized_computations;
+    }
+  }
+  return roots;
+}
+
+/// The model trained in one process on `device`: the loss and the parameters after every step.
+struct OneProcessRun {
+  std::vector<float> losses;
+  std::vector<std::vector<at::Tensor>> params;
+  int64_t roots = 0;
+};
+
+OneProcessRun one_process(ShardedOptimizer which, const at::Device& device) {
+  auto model = mlp_on(device);
+  auto optimizer = factory_of(which)(model->parameters());
+  const auto data = batch_on(device);
+  OneProcessRun run;
+  for (int step = 0; step < kShardedSteps; ++step) {
+    optimizer->zero_grad();
+    auto loss = loss_of(model->forward(data.inputs), data);
+    loss.backward();
+    optimizer->step();
+    run.losses.push_back(loss.item<float>());
+    run.params.push_back(snapshot(model->parameters()));
+  }
+  run.roots = roots_of({optimizer.get()});
+  return run;
+}
+
+/// The same model on `device`, fully sharded over `group` (one unit per Linear layer).
+struct FullyShardedRun {
+  torch::nn::Sequential model;
+  std::unique_ptr<FullyShardedDataParallel> fsdp;
+
+  FullyShardedRun(ShardedOptimizer which, const Group& group, const at::Device& device,
+                  FullyShardedOptions fsdp_options)
+      : model(mlp_on(device)),
+        fsdp(std::make_unique<FullyShardedDataParallel>(shampoo::sequential_units(model),
+                                                        factory_of(which), group, fsdp_options)) {}
+
+  float step(const Dataset& data) {
+    auto loss = loss_of(shampoo::forward_sequential(*fsdp, model, data.inputs), data);
+    loss.backward();  // with overlap_step the units step here, on the worker
+    if (!fsdp->options().overlap_step()) fsdp->step();
+    return loss.item<float>();
+  }
+
+  /// Every parameter's full value (collective).
+  std::vector<at::Tensor> full_values() {
+    std::vector<at::Tensor> out;
+    for (const auto& p : model->parameters()) out.push_back(fsdp->full_value(p));
+    return out;
+  }
+
+  /// Whether every shard this rank keeps lives on `device`.
+  ::testing::AssertionResult shards_on(const at::Device& device) {
+    for (const auto& p : model->parameters()) {
+      if (fsdp->shard_of(p).device() != device) {
+        return ::testing::AssertionFailure() << "a shard is on " << fsdp->shard_of(p).device();
+      }
+    }
+    return ::testing::AssertionSuccess();
+  }
+};
+
+/// World 1, and 2 when there are two GPUs.
+std::vector<int> sharded_worlds() {
+  std::vector<int> worlds{1};
+  if (gpus() >= 2) worlds.push_back(2);
+  return worlds;
+}
+
+/// Trains `which` fully sharded over NCCL at `world` (rank r on GPU r, each given the whole
+/// batch) and compares the loss and every parameter after each step with the one-process run
+/// on the same GPU, bit for bit. Comparisons use EXPECT, so that a rank that differs still
+/// takes part in the other ranks' collectives.
+void expect_fully_sharded_equals_one_process(ShardedOptimizer which, int world,
+                                             const FullyShardedOptions& fsdp_options) {
+  const auto what = optimizer_name(which) +
+                    (fsdp_options.overlap_step() ? " overlapped" : " after backward") + " world " +
+                    std::to_string(world);
+  run_ranks_on_gpus(world, [&](int rank, const Group& group, const at::Device& device) {
+    ASSERT_TRUE(shampoo::detail::has_cuda_backend(*group));
+    const auto expected = one_process(which, device);
+    FullyShardedRun run(which, group, device, fsdp_options);
+    const auto data = batch_on(device);
+    for (int step = 0; step < kShardedSteps; ++step) {
+      const float loss = run.step(data);
+      EXPECT_EQ(loss, expected.losses[step]) << what << " rank " << rank << " step " << step + 1;
+      EXPECT_TRUE(bit_equal(run.full_values(), expected.params[step]))
+          << what << " rank " << rank << " step " << step + 1;
+    }
+    EXPECT_TRUE(run.shards_on(device)) << what << " rank " << rank;
+    EXPECT_EQ(run.fsdp->steps_taken(), kShardedSteps) << what;
+    if (which == ShardedOptimizer::kShampoo && world == 1) {
+      // The roots were computed, as many as in one process: the comparison covers them.
+      EXPECT_GT(expected.roots, 0);
+      EXPECT_EQ(roots_of(run.fsdp->optimizers()), expected.roots) << what;
+    }
+  });
+}
+
+TEST(NcclFullySharded, LosslessShampooEqualsOneProcessBitForBit) {
+  if (gpus() < 1) GTEST_SKIP() << "no CUDA device";
+  for (const int world : sharded_worlds()) {
+    // The defaults: lossless, each unit stepped on the worker during backward.
+    expect_fully_sharded_equals_one_process(ShardedOptimizer::kShampoo, world,
+                                            FullyShardedOptions());
+  }
+}
+
+TEST(NcclFullySharded, OverlapOffAndAdamAlsoMatch) {
+  if (gpus() < 1) GTEST_SKIP() << "no CUDA device";
+  for (const int world : sharded_worlds()) {
+    expect_fully_sharded_equals_one_process(ShardedOptimizer::kShampoo, world,
+                                            FullyShardedOptions().overlap_step(false));
+    for (const bool overlap : {false, true}) {
+      expect_fully_sharded_equals_one_process(ShardedOptimizer::kAdam, world,
+                                              FullyShardedOptions().overlap_step(overlap));
+    }
+  }
+}
+
+// A checkpoint of CUDA shards and optimizer state, saved after 3 steps and loaded into a fresh
+// wrapper, resumes the run as if uninterrupted, bit for bit.
+TEST(NcclFullySharded, CheckpointResumesBitForBit) {
+  if (gpus() < 1) GTEST_SKIP() << "no CUDA device";
+  for (const int world : sharded_worlds()) {
+    for (const auto which : {ShardedOptimizer::kShampoo, ShardedOptimizer::kAdam}) {
+      const auto what = optimizer_name(which) + " world " + std::to_string(world);
+      const auto dir = shampoo::testing::temp_path("nccl_fsdp_" + optimizer_name(which) + "_world" +
+                                                   std::to_string(world));
+      run_ranks_on_gpus(world, [&](int rank, const Group& group, const at::Device& device) {
+        const auto data = batch_on(device);
+        std::vector<at::Tensor> uninterrupted;
+        {
+          FullyShardedRun run(which, group, device, FullyShardedOptions());
+          for (int step = 0; step < kShardedSteps; ++step) run.step(data);
+          uninterrupted = run.full_values();
+        }
+        {
+          FullyShardedRun run(which, group, device, FullyShardedOptions());
+          for (int step = 0; step < kShardedSteps / 2; ++step) run.step(data);
+          shampoo::save_distributed_state(*run.fsdp, dir);
+        }
+        FullyShardedRun resumed(which, group, device, FullyShardedOptions());
+        shampoo::load_distributed_state(*resumed.fsdp, dir);
+        EXPECT_EQ(resumed.fsdp->steps_taken(), kShardedSteps / 2) << what;
+        EXPECT_TRUE(resumed.shards_on(device)) << what << " rank " << rank;
+        for (int step = kShardedSteps / 2; step < kShardedSteps; ++step) resumed.step(data);
+        EXPECT_TRUE(bit_equal(resumed.full_values(), uninterrupted)) << what << " rank " << rank;
+      });
+      shampoo::testing::remove_tree(dir);
+    }
+  }
 }
 
 }  // namespace

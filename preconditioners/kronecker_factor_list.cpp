@@ -26,17 +26,39 @@ KroneckerFactorList::KroneckerFactorList(std::vector<StackSpec> stacks,
                                          MatrixPreconditionerSettings settings)
     : factors_(std::move(stacks), std::move(settings)) {}
 
+namespace {
+
+/// The narrower of two floating dtypes (float32 against float64: float32).
+at::ScalarType narrower(at::ScalarType a, at::ScalarType b) {
+  return c10::elementSize(a) <= c10::elementSize(b) ? a : b;
+}
+
+}  // namespace
+
 int64_t KroneckerFactorList::estimated_factor_bytes(const BlockLayout& layout,
                                                     int64_t symmetric_per_dim,
                                                     int64_t matrices_per_dim,
                                                     int64_t vectors_per_dim) {
+  return estimated_factor_bytes(layout, symmetric_per_dim, matrices_per_dim, vectors_per_dim,
+                                KeptDtype::kFactor);
+}
+
+int64_t KroneckerFactorList::estimated_factor_bytes(const BlockLayout& layout,
+                                                    int64_t symmetric_per_dim,
+                                                    int64_t matrices_per_dim,
+                                                    int64_t vectors_per_dim,
+                                                    KeptDtype symmetric_in) {
+  const int64_t kept_element =
+      symmetric_in == KeptDtype::kFactor || layout.compact != CompactState::kNone
+          ? layout.factor_element_size
+          : std::min(layout.factor_element_size, layout.state_element_size);
   int64_t bytes = 0;
   for (size_t k = 0; k < layout.shape.size(); ++k) {
     if (layout.dim_exponents[k] == 0.0) continue;  // no factor, no kept state
     const int64_t d = layout.shape[k];
     const int64_t symmetric = layout.symmetric_packing ? packed_size(d) : d * d;
     // The kept symmetric states (inverse roots) as SymmetricMatrices stores them.
-    int64_t kept_symmetric = symmetric * layout.factor_element_size;
+    int64_t kept_symmetric = symmetric * kept_element;
     if (layout.compact == CompactState::kBfloat16) kept_symmetric = symmetric * 2;
     if (layout.compact == CompactState::kInt8) {
       const int64_t groups = (symmetric + kCompactGroup - 1) / kCompactGroup;
@@ -50,7 +72,7 @@ int64_t KroneckerFactorList::estimated_factor_bytes(const BlockLayout& layout,
 }
 
 int KroneckerFactorList::add_dim_state(std::string prefix, DimState kind, Start start,
-                                       MemoryKind memory) {
+                                       MemoryKind memory, KeptDtype dtype) {
   const Shape shape = kind == DimState::kMatrix      ? Shape::kDimMatrix
                       : kind == DimState::kSymmetric ? Shape::kDimSymmetric
                                                      : Shape::kDimVector;
@@ -61,7 +83,11 @@ int KroneckerFactorList::add_dim_state(std::string prefix, DimState kind, Start 
     const auto& spec = factors_.spec(s);
     state.tensors[s].resize(spec.block_shape.size());
     state.symmetric[s].resize(spec.block_shape.size());
-    const auto options = spec.options.dtype(factors_.settings().factor_dtype);
+    const auto factor_dtype = factors_.settings().factor_dtype;
+    const bool narrow = dtype == KeptDtype::kNarrowerOfFactorAndCompute &&
+                        factors_.settings().compact == CompactState::kNone;
+    const auto options = spec.options.dtype(
+        narrow ? narrower(factor_dtype, spec.options.dtype().toScalarType()) : factor_dtype);
     for (const int64_t k : factors_.preconditioned_dims(s)) {
       const int64_t d = spec.block_shape[k];
       if (shape == Shape::kDimSymmetric) {

@@ -13,9 +13,14 @@ ShampooPreconditionerList::ShampooPreconditionerList(std::vector<StackSpec> stac
                                                      const RootInvShampooConfig& config,
                                                      MatrixPreconditionerSettings settings)
     : KroneckerFactorList(std::move(stacks), std::move(settings)), config_(config) {
-  // Inverse roots start as the identity (docs/math.md).
-  roots_ =
-      add_dim_state("root_", DimState::kSymmetric, Start::kIdentity, &MemorySummary::inverse_roots);
+  // Inverse roots start as the identity (docs/math.md). The step reads them cast to the blocks'
+  // dtype, so they are kept in it when the factors are wider (float64 factors, float32
+  // parameters); KL-Shampoo's factor update reads them in the factor dtype.
+  const auto kept = factors_.settings().statistics == FactorStatistics::kKL
+                        ? KeptDtype::kFactor
+                        : KeptDtype::kNarrowerOfFactorAndCompute;
+  roots_ = add_dim_state("root_", DimState::kSymmetric, Start::kIdentity,
+                         &MemorySummary::inverse_roots, kept);
 }
 
 at::Tensor ShampooPreconditionerList::kl_operand(int64_t stack, const Rows& rows, int64_t dim,

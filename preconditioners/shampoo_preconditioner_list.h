@@ -13,11 +13,17 @@ class ShampooPreconditionerList final : public KroneckerFactorList {
   ShampooPreconditionerList(std::vector<StackSpec> stacks, const RootInvShampooConfig& config,
                             MatrixPreconditionerSettings settings);
 
-  /// A factor and its root per preconditioned dim.
+  /// A factor and its root per preconditioned dim (the root in the narrower of the factor and
+  /// compute dtypes; KL-Shampoo's in the factor dtype).
   static int64_t estimated_state_bytes(const RootInvShampooConfig& /*config*/,
                                        const BlockLayout& layout) {
     return estimated_factor_bytes(layout, /*symmetric_per_dim=*/1, /*matrices_per_dim=*/0,
-                                  /*vectors_per_dim=*/0);
+                                  /*vectors_per_dim=*/0, KeptDtype::kNarrowerOfFactorAndCompute);
+  }
+  static int64_t estimated_state_bytes(const RootInvKLShampooConfig& /*config*/,
+                                       const BlockLayout& layout) {
+    return estimated_factor_bytes(layout, /*symmetric_per_dim=*/1, /*matrices_per_dim=*/0,
+                                  /*vectors_per_dim=*/0, KeptDtype::kFactor);
   }
 
   using PreconditionerList::precondition;

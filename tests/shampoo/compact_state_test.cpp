@@ -174,11 +174,14 @@ TEST_P(CompactStates, ShrinksTheStateAndTrainsCloseToFloat32) {
     EXPECT_GT(r.inverse_roots, 0) << c.name;
     EXPECT_EQ(m.inverse_roots, 0) << c.name;
   } else if (r.inverse_roots > 0) {
-    // bfloat16: half of float32 (a quarter of float64); 8 bits with a float32 scale per 64
-    // entries and the diagonal apart: a little over a quarter (an eighth).
+    // bfloat16: half of float32, the dtype of the float32 parameters' uncompacted roots also
+    // with float64 factors (KL-Shampoo's are in the factor dtype: a quarter of float64); 8 bits
+    // with a float32 scale per 64 entries and the diagonal apart: a little over a quarter.
     const double ratio =
         static_cast<double>(m.inverse_roots) / static_cast<double>(r.inverse_roots);
-    const bool dbl = c.options.factor_matrix_dtype() == at::kDouble;
+    const bool kl =
+        std::holds_alternative<shampoo::RootInvKLShampooConfig>(c.options.preconditioner());
+    const bool dbl = kl && c.options.factor_matrix_dtype() == at::kDouble;
     if (c.options.compact_state() == CompactState::kBfloat16) {
       EXPECT_DOUBLE_EQ(ratio, dbl ? 0.25 : 0.5) << c.name;
     } else {

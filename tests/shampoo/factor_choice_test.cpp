@@ -90,10 +90,11 @@ TEST(FactorChoice, ALargeDimKeepsNoFactorAndTheOthersStayOneSided) {
   }
   EXPECT_TRUE(at::equal(a, b));
   EXPECT_EQ(by_default.stats().state_bytes, by_override.stats().state_bytes);
-  // 5 blocks, each with one packed 16x16 factor and root (136 doubles each).
+  // 5 blocks, each with one packed 16x16 factor (136 doubles) and root (136 floats: the
+  // parameter's dtype).
   const auto summary = by_default.memory_summary();
   EXPECT_EQ(summary.factors, 5 * 136 * 8);
-  EXPECT_EQ(summary.inverse_roots, 5 * 136 * 8);
+  EXPECT_EQ(summary.inverse_roots, 5 * 136 * 4);
   ASSERT_EQ(summary.params.size(), 1u);
   EXPECT_NE(summary.params[0].treatment.find("dim 0: 5000 > max_factored_dim 4096"),
             std::string::npos)

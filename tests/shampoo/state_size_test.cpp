@@ -111,16 +111,17 @@ TEST(StateSizeWarning, FiresOnceForAThinParameterThatKeepsFactors) {
   ASSERT_EQ(warnings.messages.size(), 1u);
   const auto& message = warnings.messages[0];
   for (const char* expected :
-       {"818.", "MB", "0.4 MB", "parameter 0", "[1, 100000]", "98 blocks", "max_preconditioner_dim",
-        "inverse_exponent_override", "exponent 0", "diagonal method"}) {
+       {"614.0 MB", "MB", "0.4 MB", "parameter 0", "[1, 100000]", "98 blocks",
+        "max_preconditioner_dim", "inverse_exponent_override", "exponent 0", "diagonal method"}) {
     EXPECT_NE(message.find(expected), std::string::npos) << "missing '" << expected << "' in\n"
                                                          << message;
   }
-  // 97 blocks of 1024 and one of 672, a double factor and root each, packed upper triangles;
-  // and the default Adam grafting's second moment, one float per element.
+  // 97 blocks of 1024 and one of 672, a double factor and a float root each (the root in the
+  // parameter's dtype), packed triangles; and the default Adam grafting's second moment, one
+  // float per element.
   using shampoo::detail::packed_size;
   EXPECT_EQ(optimizer.stats().state_bytes,
-            2 * 8 * (97 * packed_size(1024) + packed_size(672)) + 4 * 100000);
+            (8 + 4) * (97 * packed_size(1024) + packed_size(672)) + 4 * 100000);
 
   // Once per optimizer: groups added later are not estimated again.
   optimizer.add_param_group(torch::optim::OptimizerParamGroup(leaves({{1, 20000}})));

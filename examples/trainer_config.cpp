@@ -250,6 +250,9 @@ void add_shampoo_flags(CommandLine& cli, TrainerConfig& config, FlagValues& valu
       .add_bool("precondition-1d", config.precondition_1d,
                 "shampoo: Kronecker factors for 1-D parameters (biases, norm scales); false: "
                 "they take the grafting update")
+      .add_bool("factored-grafting", config.factored_grafting,
+                "shampoo: the grafting second moment of 2-D blocks with a Kronecker factor as row "
+                "and column sums (false: exact, the reference's)")
       .add("max-factored-dim", config.max_factored_dim,
            "shampoo: a parameter dim larger than this keeps no Kronecker factor (-1 = no limit)")
       .add("relative-epsilon", config.relative_epsilon,

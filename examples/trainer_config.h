@@ -109,6 +109,7 @@ struct TrainerConfig {
   bool use_bias_correction = true;
   bool use_merge_dims = true;
   bool precondition_1d = false;
+  bool factored_grafting = true;
   int64_t max_factored_dim = 4096;
   double relative_epsilon = 1e-7;
   c10::ScalarType factor_dtype = c10::ScalarType::Double;

@@ -45,6 +45,7 @@ ShampooOptions make_shampoo_options(const TrainerConfig& config) {
       .max_preconditioner_dim(config.max_preconditioner_dim)
       .use_merge_dims(config.use_merge_dims)
       .precondition_1d(config.precondition_1d)
+      .factored_grafting(config.factored_grafting)
       .max_factored_dim(config.max_factored_dim)
       .relative_epsilon(config.relative_epsilon)
       .factor_matrix_dtype(config.factor_dtype)

@@ -167,7 +167,8 @@ OptionField simple_field(const std::string& name, OptionKind kind, Get get, Set 
       #field, OptionKind::kind, [](const ShampooOptions& o) -> type { return o.field(); }, \
       [](ShampooOptions& o, type v) { o.field(v); })
 
-/// A storage choice (use_symmetric_packing, compact_state, factor_matrix_dtype): checkpoints hold
+/// A storage choice (use_symmetric_packing, compact_state, factor_matrix_dtype,
+/// factored_grafting): checkpoints hold
 /// the state in a form that loads into any value (entries convert to the optimizer's dtype and
 /// layout), so the field is not compared on load, and archives written before the option existed
 /// have no entry and keep the optimizer's value.
@@ -740,6 +741,7 @@ std::vector<OptionField> make_option_fields() {
           SHAMPOO_SIMPLE_OPTION(c10::ScalarType, factor_matrix_dtype, kStructural)),
       storage_layout_field(SHAMPOO_SIMPLE_OPTION(bool, use_symmetric_packing, kStructural)),
       storage_layout_field(SHAMPOO_SIMPLE_OPTION(CompactState, compact_state, kStructural)),
+      storage_layout_field(SHAMPOO_SIMPLE_OPTION(bool, factored_grafting, kStructural)),
       preconditioner_field(),
       inverse_exponent_override_field(),
       SHAMPOO_SIMPLE_OPTION(int64_t, num_tolerated_failed_amortized_computations, kStructural),

@@ -152,7 +152,8 @@ ShampooOptions ShampooOptions::reference_defaults(double lr) {
       .relative_epsilon(0.0)
       .factor_matrix_dtype(c10::ScalarType::Float)
       .precondition_1d(true)
-      .max_factored_dim(-1);
+      .max_factored_dim(-1)
+      .factored_grafting(false);
 }
 
 bool structurally_equal(const ShampooOptions& a, const ShampooOptions& b) {

@@ -135,6 +135,13 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   /// The first-order method whose per-block step size the preconditioned direction takes
   /// (and which steps alone before preconditioning starts); std::monostate = none.
   TORCH_ARG(GraftingConfig, grafting) = AdamGraftingConfig{0.999, 1e-8};
+  /// Keep the grafting second moment V of a 2-D block that has a Kronecker factor as its row and
+  /// column sums (Adafactor's factorization): such a block takes only the grafting norm, and V
+  /// then costs m + k numbers instead of m·k, so that the state stays within twice the
+  /// parameters (docs/math.md, "Factored grafting statistics"). Blocks without a factor keep V
+  /// exact (AdamW's update). false: V exact everywhere, as the reference. Checkpoints load
+  /// across its values (V converts).
+  TORCH_ARG(bool, factored_grafting) = true;
   /// dtype of the Kronecker factors and their roots (Float or Double); the preconditioning itself
   /// runs in the parameters' dtype. Double (the default) keeps the factors' accumulation and
   /// roots free of float32 rounding, which the small eigenvalues would otherwise amplify: a run

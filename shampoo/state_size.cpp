@@ -11,6 +11,7 @@
 #include "preconditioners/preconditioner_factory.h"
 #include "shampoo/factor_choice.h"
 #include "shampoo/virtual_group.h"
+#include "update/elementwise_state.h"
 
 namespace shampoo::detail {
 namespace {
@@ -30,10 +31,14 @@ int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64
   layout.symmetric_packing = options.use_symmetric_packing();
   layout.compact = options.compact_state();
   int64_t bytes = estimated_state_bytes(options.preconditioner(), layout);
-  // Grafting statistics V (bfloat16 when compact).
+  // Grafting statistics V (bfloat16 when compact; factored_grafting: row and column sums).
   if (grafting_method(grafting_kind(options.grafting())).has_state) {
+    const bool factored = options.factored_grafting() && keeps_kronecker_factors(options) &&
+                          factors_second_moment(shape, exponents);
     const int64_t v =
-        numel * (options.compact_state() == CompactState::kNone ? state_element_size : int64_t{2});
+        factored ? (shape[0] + shape[1]) * state_element_size
+                 : numel * (options.compact_state() == CompactState::kNone ? state_element_size
+                                                                           : int64_t{2});
     bytes += v;
     grafting_bytes += v;
   }

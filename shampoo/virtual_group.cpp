@@ -111,7 +111,8 @@ VirtualGroup::VirtualGroup(const ShampooOptions& structure, std::vector<int64_t>
   preconditioner_ = make_preconditioner(structure_, specs, std::move(inject_failure));
   elementwise_ = std::make_unique<ElementwiseState>(
       grafting_kind(structure_.grafting()), specs,
-      /*compact=*/structure_.compact_state() != CompactState::kNone);
+      /*compact=*/structure_.compact_state() != CompactState::kNone,
+      /*factored=*/structure_.factored_grafting() && keeps_kronecker_factors(structure_));
 }
 
 void VirtualGroup::build_stacks(const std::vector<BlockEntry>& blocks,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 namespace shampoo::detail {
 namespace {
@@ -85,17 +86,39 @@ at::Tensor round_bfloat16_stochastic(const at::Tensor& x, uint32_t key) {
   return out;
 }
 
+at::Tensor unfactor_second_moment(const at::Tensor& rows, const at::Tensor& cols) {
+  // r ≥ 0, so Σr = 0 only when r = 0: the product is then 0 and so is V̂ (0 / tiny).
+  const auto total = rows.sum().clamp_min(std::numeric_limits<float>::min());
+  return at::outer(rows, cols).div_(total);
+}
+
+bool factors_second_moment(const std::vector<int64_t>& block_shape,
+                           const std::vector<double>& dim_exponents) {
+  return block_shape.size() == 2 &&
+         std::any_of(dim_exponents.begin(), dim_exponents.end(), [](double e) { return e != 0.0; });
+}
+
 ElementwiseState::ElementwiseState(GraftingKind grafting, const std::vector<StackSpec>& stacks,
-                                   bool compact)
+                                   bool compact, bool factored)
     : stacks_(stacks),
       filter_(stacks.size()),
       diagonal_(stacks.size()),
       momentum_(stacks.size()),
       average_(stacks.size()),
-      compact_(compact) {
+      compact_(compact),
+      rows_(stacks.size()),
+      cols_(stacks.size()) {
   for (const auto& spec : stacks_) average_set_.emplace_back(spec.size(), false);
   if (!grafting_method(grafting).has_state) return;
-  for (size_t s = 0; s < stacks_.size(); ++s) diagonal_[s] = zeros_for(stacks_[s], compact_);
+  for (size_t s = 0; s < stacks_.size(); ++s) {
+    const auto& spec = stacks_[s];
+    if (factored && factors_second_moment(spec.block_shape, spec.dim_exponents)) {
+      rows_[s] = at::zeros({spec.size(), spec.block_shape[0]}, spec.options);
+      cols_[s] = at::zeros({spec.size(), spec.block_shape[1]}, spec.options);
+      continue;
+    }
+    diagonal_[s] = zeros_for(spec, compact_);
+  }
 }
 
 at::Tensor& ElementwiseState::lazy(std::vector<at::Tensor>& states, int64_t stack) {
@@ -114,15 +137,28 @@ void ElementwiseState::bind(int64_t stack, int64_t row, bool filter, bool moment
   };
   if (filter) c.filter_state = bound(lazy(filter_, stack)[row], 0);
   if (diagonal_[stack].defined()) c.diagonal_state = bound(diagonal_[stack][row], 1);
+  if (rows_[stack].defined()) {
+    auto scratch = unfactor_second_moment(rows_[stack][row], cols_[stack][row]);
+    pending_factored_.push_back({stack, row, scratch});
+    c.diagonal_state = scratch;
+  }
   if (momentum) c.momentum_state = bound(lazy(momentum_, stack)[row], 2);
 }
 
 void ElementwiseState::commit() {
   for (auto& p : pending_) round_bfloat16_stochastic_into(p.kept, p.scratch, p.key);
   pending_.clear();
+  for (auto& p : pending_factored_) {
+    rows_[p.stack][p.row].copy_(p.scratch.sum(1));
+    cols_[p.stack][p.row].copy_(p.scratch.sum(0));
+  }
+  pending_factored_.clear();
 }
 
-void ElementwiseState::discard() { pending_.clear(); }
+void ElementwiseState::discard() {
+  pending_.clear();
+  pending_factored_.clear();
+}
 
 void ElementwiseState::bind_average(int64_t stack, int64_t row, const at::Tensor& param_block,
                                     ChainBlockTensors& c) {
@@ -165,6 +201,10 @@ void ElementwiseState::export_member(int64_t stack, int64_t row,
     return compact_ ? t.to(stacks_[stack].options.dtype()) : t.clone();
   };
   if (diagonal_[stack].defined()) out["diagonal"] = copy(diagonal_[stack][row]);
+  if (rows_[stack].defined()) {
+    out["diagonal_rows"] = rows_[stack][row].clone();
+    out["diagonal_cols"] = cols_[stack][row].clone();
+  }
   if (filter_[stack].defined()) out["filter"] = copy(filter_[stack][row]);
   if (momentum_[stack].defined()) out["momentum"] = copy(momentum_[stack][row]);
   if (average_set_[stack][row]) out["average"] = average_[stack][row].clone();
@@ -173,9 +213,31 @@ void ElementwiseState::export_member(int64_t stack, int64_t row,
 void ElementwiseState::import_member(int64_t stack, int64_t row,
                                      const std::map<std::string, at::Tensor>& in) {
   const auto& spec = stacks_[stack];
+  // V in either form: a checkpoint or journal of a factored state loads into an exact one and
+  // the other way round.
+  const bool as_factored = in.count("diagonal") == 0 && in.count("diagonal_rows") != 0;
   if (diagonal_[stack].defined()) {
-    diagonal_[stack][row].copy_(checked_state(in, "diagonal", spec.block_shape,
-                                              diagonal_[stack].options(), spec.names[row]));
+    const auto& options = diagonal_[stack].options();
+    diagonal_[stack][row].copy_(
+        as_factored && spec.block_shape.size() == 2
+            ? unfactor_second_moment(checked_state(in, "diagonal_rows", {spec.block_shape[0]},
+                                                   options, spec.names[row]),
+                                     checked_state(in, "diagonal_cols", {spec.block_shape[1]},
+                                                   options, spec.names[row]))
+            : checked_state(in, "diagonal", spec.block_shape, options, spec.names[row]));
+  }
+  if (rows_[stack].defined()) {
+    const auto& options = rows_[stack].options();
+    if (as_factored) {
+      rows_[stack][row].copy_(
+          checked_state(in, "diagonal_rows", {spec.block_shape[0]}, options, spec.names[row]));
+      cols_[stack][row].copy_(
+          checked_state(in, "diagonal_cols", {spec.block_shape[1]}, options, spec.names[row]));
+    } else {
+      const auto v = checked_state(in, "diagonal", spec.block_shape, options, spec.names[row]);
+      rows_[stack][row].copy_(v.sum(1));
+      cols_[stack][row].copy_(v.sum(0));
+    }
   }
   for (auto [key, states] : {std::pair{"filter", &filter_}, std::pair{"momentum", &momentum_}}) {
     if (in.count(key) == 0) continue;
@@ -195,7 +257,7 @@ void ElementwiseState::add_memory(MemorySummary& out) const {
     for (const auto& t : states) bytes += tensor_bytes(t);
     return bytes;
   };
-  out.grafting += sum(diagonal_);
+  out.grafting += sum(diagonal_) + sum(rows_) + sum(cols_);
   out.filtered_gradient += sum(filter_);
   out.momentum += sum(momentum_);
   out.averaging += sum(average_);

@@ -13,6 +13,17 @@
 /// so the rounding is unbiased and an exponential average does not drift as it would rounded to
 /// nearest. The random bits are a hash of (block, step, state, element): the same at any world
 /// size, chunking or merging of groups.
+///
+/// Factored (ShampooOptions::factored_grafting), the V of a stack of 2-D blocks that keep a
+/// Kronecker factor is kept as its row sums r [n, m] and column sums c [n, k] (Adafactor's
+/// factorization, Shazeer & Stern 2018): m + k numbers per block instead of m·k. A step binds
+/// V̂ = r·cᵀ / Σr (a float scratch the size of the block), the chain updates it as it would V
+/// (V̂ ← β2·V̂ + w·G′², so the newest G′² enters exactly) and reads it for the grafting norm, and
+/// commit() keeps its row and column sums: since those are linear, r ← β2·r + w·rowsum(G′²) and
+/// c likewise, Adafactor's update. Such blocks only take the grafting method's norm (their
+/// direction is the Kronecker preconditioner's), so the grafting state shrinks from the size of
+/// the parameters to a few percent of it. Blocks without factors (1-D, or every dim above
+/// max_factored_dim) take the grafting update itself and keep V exact.
 
 #include <ATen/ATen.h>
 
@@ -30,9 +41,12 @@ namespace shampoo::detail {
 
 class ElementwiseState {
  public:
-  /// `compact`: M, V and B in bfloat16 (see above).
+  /// `compact`: M, V and B in bfloat16; `factored`: V factored where a stack's blocks are 2-D
+  /// and keep a Kronecker factor (see above; not compacted).
   ElementwiseState(GraftingKind grafting, const std::vector<StackSpec>& stacks,
-                   bool compact = false);
+                   bool compact = false, bool factored = false);
+  /// Whether V of stack `stack` is kept factored.
+  bool factored(int64_t stack) const { return rows_[stack].defined(); }
 
   /// Sets the state pointers of block `row` of stack `stack` in `c`: M when `filter`, V when the
   /// grafting method keeps statistics, B when `momentum` (allocating M and B on first use).
@@ -62,8 +76,9 @@ class ElementwiseState {
   /// Drops the stacks allocated (and forgets the rows of Z set) after `before` was taken.
   void release_since(const Allocated& before);
 
-  /// Copies of the state of one member: "filter", "diagonal" (V), "momentum", "average" (Z)
-  /// where they exist.
+  /// Copies of the state of one member: "filter", "diagonal" (V; factored, "diagonal_rows" and
+  /// "diagonal_cols" instead), "momentum", "average" (Z) where they exist. Import takes either
+  /// form of V and converts (V ← r·cᵀ / Σr, or r and c ← V's row and column sums).
   void export_member(int64_t stack, int64_t row, std::map<std::string, at::Tensor>& out) const;
   void import_member(int64_t stack, int64_t row, const std::map<std::string, at::Tensor>& in);
   int64_t state_bytes() const;
@@ -86,7 +101,20 @@ class ElementwiseState {
     uint32_t key;
   };
   std::vector<Pending> pending_;
+  std::vector<at::Tensor> rows_, cols_;  // factored V per stack: [n, m] and [n, k], else undefined
+  struct PendingFactored {
+    int64_t stack, row;
+    at::Tensor scratch;  // V̂ of the block, updated by the chain
+  };
+  std::vector<PendingFactored> pending_factored_;
 };
+
+/// Whether factored_grafting keeps V of a block of this shape and these exponents factored: a 2-D
+/// block with at least one Kronecker factor.
+bool factors_second_moment(const std::vector<int64_t>& block_shape,
+                           const std::vector<double>& dim_exponents);
+/// V̂ = r·cᵀ / Σr of one block from its row sums r [m] and column sums c [k]; zeros while r is.
+at::Tensor unfactor_second_moment(const at::Tensor& rows, const at::Tensor& cols);
 
 /// `x` rounded to bfloat16 stochastically: each element up (in magnitude) with probability equal
 /// to the fraction its truncation cuts off, the random bits a hash of `key` and the element's

@@ -81,6 +81,7 @@ TEST(TrainerDefaults, ReachTheOptimizer) {
   EXPECT_EQ(options.relative_epsilon(), library.relative_epsilon());
   EXPECT_EQ(options.precondition_1d(), library.precondition_1d());
   EXPECT_EQ(options.max_factored_dim(), library.max_factored_dim());
+  EXPECT_EQ(options.factored_grafting(), library.factored_grafting());
 }
 
 TEST(TrainerFlags, ReachTheConfig) {
@@ -108,7 +109,8 @@ TEST(TrainerFlags, ReachTheConfig) {
                              "--device",
                              "cuda",
                              "--factor-dtype",
-                             "fp32"});
+                             "fp32",
+                             "--factored-grafting=false"});
   ASSERT_TRUE(config.has_value());
   EXPECT_EQ(config->dataset, shampoo::examples::DatasetKind::kFashionMnist);
   EXPECT_EQ(config->data_dir, shampoo::examples::default_data_dir(config->dataset));
@@ -126,6 +128,7 @@ TEST(TrainerFlags, ReachTheConfig) {
   EXPECT_EQ(config->checkpoint_dir, "ckpt");
   EXPECT_EQ(config->device, DeviceChoice::kCuda);
   EXPECT_EQ(config->factor_dtype, c10::ScalarType::Float);
+  EXPECT_FALSE(config->factored_grafting);
   EXPECT_NE(config->command_line.find("--betas 0.8,0.99"), std::string::npos);
 }
 

@@ -281,4 +281,73 @@ TEST(FactorDtype, ACheckpointLoadsAcrossFactorDtypes) {
   EXPECT_FALSE(at::equal(v.detach(), before));
 }
 
+TEST(FactoredGrafting, TwoDimensionalBlocksKeepRowAndColumnSumsAndOneDimensionalOnesAnExactV) {
+  // A [40, 60] weight (one block, factors on both dims) and its [40] bias (no factor: the grafting
+  // update itself). Factored, the weight's V is 40 + 60 floats (not merged into one 1-D block: 2400
+  // > max_preconditioner_dim); the first step is the exact one bit for bit (the history is zero),
+  // later ones differ; the bias follows the exact V bit for bit throughout.
+  const auto make = [](uint64_t seed) {
+    return std::vector<at::Tensor>{seeded({40, 60}, seed).requires_grad_(),
+                                   seeded({40}, seed + 1).requires_grad_()};
+  };
+  auto factored_params = make(3);
+  auto exact_params = make(3);
+  const auto options = ShampooOptions(1e-2).precondition_frequency(2);
+  EXPECT_TRUE(options.factored_grafting());
+  EXPECT_FALSE(ShampooOptions::reference_defaults().factored_grafting());
+  DistributedShampoo factored(factored_params, options);
+  DistributedShampoo exact(exact_params, ShampooOptions(options).factored_grafting(false));
+  for (int64_t step = 0; step < 6; ++step) {
+    for (size_t i = 0; i < 2; ++i) {
+      const auto g = gradient(factored_params[i].sizes().vec(), step, 10 + i);
+      factored_params[i].mutable_grad() = g.clone();
+      exact_params[i].mutable_grad() = g.clone();
+    }
+    factored.step();
+    exact.step();
+    EXPECT_TRUE(at::equal(factored_params[1], exact_params[1])) << "bias, step " << step;
+    if (step == 0) {
+      EXPECT_TRUE(at::equal(factored_params[0], exact_params[0])) << "the first step";
+    }
+  }
+  EXPECT_FALSE(at::equal(factored_params[0], exact_params[0]));
+  // Close to the exact V's run: the grafting norm only scales the block's direction.
+  const double moved = (exact_params[0] - seeded({40, 60}, 3)).norm().item<double>();
+  EXPECT_LT((factored_params[0] - exact_params[0]).norm().item<double>(), 0.2 * moved);
+  EXPECT_EQ(factored.memory_summary().grafting, (40 + 60) * 4 + 40 * 4);
+  EXPECT_EQ(exact.memory_summary().grafting, 40 * 60 * 4 + 40 * 4);
+  EXPECT_EQ(factored.stats().state_bytes, factored.memory_summary().state_total());
+}
+
+TEST(FactoredGrafting, CheckpointsLoadAcrossItsValues) {
+  // Saved factored, loaded exact (V = r·cᵀ / Σr), saved again and loaded factored (r and c are
+  // V's row and column sums again, so the same as saved, up to rounding): each optimizer steps.
+  auto w = seeded({40, 30}, 4).requires_grad_();
+  const auto options = ShampooOptions(1e-2).precondition_frequency(2);
+  DistributedShampoo first({w}, options);
+  for (int64_t step = 0; step < 4; ++step) {
+    w.mutable_grad() = gradient({40, 30}, step, 1);
+    first.step();
+  }
+  std::stringstream saved;
+  torch::save(first, saved);
+  auto v = w.detach().clone().requires_grad_();
+  DistributedShampoo exact({v}, ShampooOptions(options).factored_grafting(false));
+  torch::load(exact, saved);
+  std::stringstream resaved;
+  torch::save(exact, resaved);
+  auto u = w.detach().clone().requires_grad_();
+  DistributedShampoo factored({u}, options);
+  torch::load(factored, resaved);
+  for (int64_t step = 4; step < 7; ++step) {
+    for (auto* p : {&w, &v, &u}) p->mutable_grad() = gradient({40, 30}, step, 1);
+    first.step();
+    exact.step();
+    factored.step();
+  }
+  EXPECT_TRUE(at::allclose(u, w, 1e-5, 1e-7));  // through the exact V and back
+  EXPECT_TRUE(at::isfinite(v).all().item<bool>());
+  EXPECT_FALSE(at::equal(v, w));  // the exact V from r·cᵀ / Σr differs from then on
+}
+
 }  // namespace

@@ -140,6 +140,86 @@ TEST(ElementwiseState, AdamStatisticsMatchTheClosedFormOverSteps) {
   EXPECT_TRUE(all_close(exported.at("diagonal"), v[1]));
 }
 
+TEST(FactoredGrafting, RowAndColumnSumsFollowAdafactorAndTheNewestSquareEntersExactly) {
+  // Blocks of 3×2 with factors: V kept as row sums r [3] and column sums c [2]; each step the
+  // chain sees V = β2·r·cᵀ/Σr + (1 − β2)·G² and commit() keeps V's row and column sums.
+  at::manual_seed(2);
+  ElementwiseState state(GraftingKind::kAdam, {spec(2)}, /*compact=*/false, /*factored=*/true);
+  ASSERT_TRUE(state.factored(0));
+  EXPECT_EQ(state.state_bytes(), 2 * (3 + 2) * 8);
+  const shampoo::AdamGraftingConfig adam{0.9, 1e-8};
+  auto r = at::zeros({3}, at::kDouble);
+  auto c = at::zeros({2}, at::kDouble);
+  for (int64_t t = 1; t <= 4; ++t) {
+    const auto g = at::randn({3, 2}, at::kDouble);
+    const auto p = graft_step(state, 1, adam, t, g);
+    state.commit();
+    const auto history = t == 1 ? at::zeros({3, 2}, at::kDouble) : at::outer(r, c) / r.sum();
+    const auto v = adam.beta2 * history + (1.0 - adam.beta2) * g * g;
+    const auto expected = g / ((v / (1 - std::pow(adam.beta2, t))).sqrt() + adam.epsilon);
+    EXPECT_TRUE(all_close(p, expected)) << "step " << t;
+    r = v.sum(1);
+    c = v.sum(0);
+  }
+  std::map<std::string, at::Tensor> exported;
+  state.export_member(0, 1, exported);
+  EXPECT_EQ(exported.count("diagonal"), 0u);
+  EXPECT_TRUE(all_close(exported.at("diagonal_rows"), r));
+  EXPECT_TRUE(all_close(exported.at("diagonal_cols"), c));
+  // The other member was never bound: still zeros, and a discarded binding changes nothing.
+  std::map<std::string, at::Tensor> other;
+  ChainBlockTensors unused;
+  state.bind(0, 0, false, false, unused);
+  unused.diagonal_state.fill_(7.0);
+  state.discard();
+  state.export_member(0, 0, other);
+  EXPECT_TRUE(at::equal(other.at("diagonal_rows"), at::zeros({3}, at::kDouble)));
+}
+
+TEST(FactoredGrafting, OnlyTwoDimensionalBlocksWithAFactorAreFactored) {
+  auto no_factor = spec(1);
+  no_factor.dim_exponents = {0.0, 0.0};  // takes the grafting update itself: V exact
+  auto one_dimensional = spec(1);
+  one_dimensional.block_shape = {5};
+  one_dimensional.dim_exponents = {0.5};
+  auto one_sided = spec(1);
+  one_sided.dim_exponents = {0.0, 0.5};  // an embedding's block: a factor on one dim
+  ElementwiseState state(GraftingKind::kAdam, {no_factor, one_dimensional, one_sided, spec(1)},
+                         /*compact=*/false, /*factored=*/true);
+  EXPECT_FALSE(state.factored(0));
+  EXPECT_FALSE(state.factored(1));
+  EXPECT_TRUE(state.factored(2));
+  EXPECT_TRUE(state.factored(3));
+  EXPECT_EQ(state.state_bytes(), (6 + 5 + 5 + 5) * 8);
+  ElementwiseState exact(GraftingKind::kAdam, {spec(1)}, /*compact=*/false, /*factored=*/false);
+  EXPECT_FALSE(exact.factored(0));
+  ElementwiseState sgd(GraftingKind::kSGD, {spec(1)}, /*compact=*/false, /*factored=*/true);
+  EXPECT_FALSE(sgd.factored(0));  // no V at all
+  EXPECT_EQ(sgd.state_bytes(), 0);
+}
+
+TEST(FactoredGrafting, ImportConvertsBetweenExactAndFactored) {
+  const auto v = at::rand({3, 2}, at::kDouble) + 0.5;
+  ElementwiseState exact(GraftingKind::kAdam, {spec(1)}, /*compact=*/false, /*factored=*/false);
+  exact.import_member(0, 0, {{"diagonal", v}});
+  std::map<std::string, at::Tensor> from_exact;
+  exact.export_member(0, 0, from_exact);
+  ElementwiseState factored(GraftingKind::kAdam, {spec(1)}, /*compact=*/false, /*factored=*/true);
+  factored.import_member(0, 0, from_exact);
+  std::map<std::string, at::Tensor> sums;
+  factored.export_member(0, 0, sums);
+  EXPECT_TRUE(all_close(sums.at("diagonal_rows"), v.sum(1)));
+  EXPECT_TRUE(all_close(sums.at("diagonal_cols"), v.sum(0)));
+  ElementwiseState back(GraftingKind::kAdam, {spec(1)}, /*compact=*/false, /*factored=*/false);
+  back.import_member(0, 0, sums);
+  std::map<std::string, at::Tensor> unfactored;
+  back.export_member(0, 0, unfactored);
+  EXPECT_TRUE(all_close(unfactored.at("diagonal"), at::outer(v.sum(1), v.sum(0)) / v.sum()));
+  // Neither form present: an error naming the member and the entry.
+  shampoo::testing::expect_error([&] { factored.import_member(0, 0, {}); },
+                                 {"block 0", "diagonal"});
+}
+
 TEST(ElementwiseState, SgdKeepsNoStatisticsAndGraftsTheGradient) {
   ElementwiseState state(GraftingKind::kSGD, {spec(1)});
   EXPECT_EQ(state.state_bytes(), 0);
@@ -181,7 +261,8 @@ TEST(GraftingMethods, DropWeightingFactorIsStructuralAndArchived) {
   shampoo::AdamGraftingConfig adam{0.99, 1e-8};
   adam.drop_weighting_factor_on_gsquare = true;
   const auto dropping = shampoo::ShampooOptions::reference_defaults().grafting(adam);
-  const auto keeping = shampoo::ShampooOptions::reference_defaults().grafting(shampoo::AdamGraftingConfig{0.99, 1e-8});
+  const auto keeping = shampoo::ShampooOptions::reference_defaults().grafting(
+      shampoo::AdamGraftingConfig{0.99, 1e-8});
   EXPECT_FALSE(shampoo::structurally_equal(dropping, keeping));
   EXPECT_TRUE(shampoo::structurally_equal(
       dropping, shampoo::ShampooOptions(dropping).grafting(

@@ -326,6 +326,7 @@ VirtualGroup::ChunkStep VirtualGroup::prepare_chunk(const StepInputs& in,
     shape.insert(shape.end(), stack.spec.block_shape.begin(), stack.spec.block_shape.end());
     st.gradients = at::empty(shape, stack.spec.options);
     st.filtered = any_filter ? at::empty(shape, stack.spec.options) : st.gradients;
+    elementwise_->prepare_factored(static_cast<int64_t>(s), st.rows);
     for (int64_t i = 0; i < st.rows.size(); ++i) {
       const int64_t b = stack.blocks[st.rows.rows[i]];
       st.chain.push_back(chunk_step.chain.size());

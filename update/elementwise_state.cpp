@@ -138,11 +138,35 @@ void ElementwiseState::bind(int64_t stack, int64_t row, bool filter, bool moment
   if (filter) c.filter_state = bound(lazy(filter_, stack)[row], 0);
   if (diagonal_[stack].defined()) c.diagonal_state = bound(diagonal_[stack][row], 1);
   if (rows_[stack].defined()) {
-    auto scratch = unfactor_second_moment(rows_[stack][row], cols_[stack][row]);
-    pending_factored_.push_back({stack, row, scratch});
-    c.diagonal_state = scratch;
+    const auto prepared = prepared_factored_.find(stack);
+    if (prepared != prepared_factored_.end()) {
+      auto& p = prepared->second;
+      const auto& r = p.rows.rows;
+      const auto at = std::lower_bound(r.begin(), r.end(), row);
+      TORCH_INTERNAL_ASSERT(at != r.end() && *at == row, "bind: member ", row, " was not prepared");
+      c.diagonal_state = p.scratch[at - r.begin()];
+      p.bound = true;
+    } else {
+      auto scratch = unfactor_second_moment(rows_[stack][row], cols_[stack][row]);
+      pending_factored_.push_back({stack, row, scratch});
+      c.diagonal_state = scratch;
+    }
   }
   if (momentum) c.momentum_state = bound(lazy(momentum_, stack)[row], 2);
+}
+
+void ElementwiseState::prepare_factored(int64_t stack, const Rows& rows) {
+  if (!rows_[stack].defined() || rows.size() == 0) return;
+  const auto gather = [&](const at::Tensor& t) {
+    return rows.consecutive() ? t.narrow(0, rows.rows[0], rows.size())
+                              : t.index_select(0, rows.index(t.device()));
+  };
+  const auto r = gather(rows_[stack]);
+  const auto c = gather(cols_[stack]);
+  // As unfactor_second_moment row by row: each product rounded once, then divided by Σr.
+  const auto total = r.sum(1).clamp_min(std::numeric_limits<float>::min());
+  auto scratch = r.unsqueeze(2).mul(c.unsqueeze(1)).div_(total.view({-1, 1, 1}));
+  prepared_factored_[stack] = {rows, std::move(scratch), false};
 }
 
 void ElementwiseState::commit() {
@@ -153,11 +177,26 @@ void ElementwiseState::commit() {
     cols_[p.stack][p.row].copy_(p.scratch.sum(0));
   }
   pending_factored_.clear();
+  for (auto& [stack, p] : prepared_factored_) {
+    if (!p.bound) continue;
+    const auto row_sums = p.scratch.sum(2);
+    const auto col_sums = p.scratch.sum(1);
+    if (p.rows.consecutive()) {
+      rows_[stack].narrow(0, p.rows.rows[0], p.rows.size()).copy_(row_sums);
+      cols_[stack].narrow(0, p.rows.rows[0], p.rows.size()).copy_(col_sums);
+    } else {
+      const auto index = p.rows.index(row_sums.device());
+      rows_[stack].index_copy_(0, index, row_sums);
+      cols_[stack].index_copy_(0, index, col_sums);
+    }
+  }
+  prepared_factored_.clear();
 }
 
 void ElementwiseState::discard() {
   pending_.clear();
   pending_factored_.clear();
+  prepared_factored_.clear();
 }
 
 void ElementwiseState::bind_average(int64_t stack, int64_t row, const at::Tensor& param_block,

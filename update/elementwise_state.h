@@ -54,8 +54,13 @@ class ElementwiseState {
   /// block index) and `step` (the step being computed) seed its rounding.
   void bind(int64_t stack, int64_t row, bool filter, bool momentum, ChainBlockTensors& c,
             int64_t block = 0, int64_t step = 0);
-  /// Compact: rounds the float copies bound since the last commit into the kept state (nothing
-  /// otherwise). Until then the kept state is unchanged.
+  /// Factored V: forms V̂ of the members `rows` (ascending) of stack `stack` in one batched
+  /// operation, which bind() then hands out row by row, and which commit() sums back in one
+  /// operation per stack (rather than a few launches per block). Without it bind() forms each
+  /// member's V̂ alone; the results are the same (tests).
+  void prepare_factored(int64_t stack, const Rows& rows);
+  /// Compact: rounds the float copies bound since the last commit into the kept state; factored:
+  /// keeps the row and column sums of the V̂ bound. Until then the kept state is unchanged.
   void commit();
   /// Drops the float copies bound and not committed (a step that failed before commit).
   void discard();
@@ -107,6 +112,13 @@ class ElementwiseState {
     at::Tensor scratch;  // V̂ of the block, updated by the chain
   };
   std::vector<PendingFactored> pending_factored_;
+  /// prepare_factored's V̂ of several members of one stack: [k, m, n] for `rows`.
+  struct PreparedFactored {
+    Rows rows;
+    at::Tensor scratch;
+    bool bound = false;  // bind() handed out a row of it
+  };
+  std::map<int64_t, PreparedFactored> prepared_factored_;  // by stack
 };
 
 /// Whether factored_grafting keeps V of a block of this shape and these exponents factored: a 2-D

@@ -138,19 +138,19 @@ void ElementwiseState::bind(int64_t stack, int64_t row, bool filter, bool moment
   if (filter) c.filter_state = bound(lazy(filter_, stack)[row], 0);
   if (diagonal_[stack].defined()) c.diagonal_state = bound(diagonal_[stack][row], 1);
   if (rows_[stack].defined()) {
-    const auto prepared = prepared_factored_.find(stack);
-    if (prepared != prepared_factored_.end()) {
-      auto& p = prepared->second;
-      const auto& r = p.rows.rows;
-      const auto at = std::lower_bound(r.begin(), r.end(), row);
-      TORCH_INTERNAL_ASSERT(at != r.end() && *at == row, "bind: member ", row, " was not prepared");
-      c.diagonal_state = p.scratch[at - r.begin()];
-      p.bound = true;
-    } else {
-      auto scratch = unfactor_second_moment(rows_[stack][row], cols_[stack][row]);
-      pending_factored_.push_back({stack, row, scratch});
-      c.diagonal_state = scratch;
+    // A member bound without prepare_factored is prepared alone.
+    if (prepared_factored_.count(stack) == 0) {
+      Rows alone;
+      alone.rows = {row};
+      prepare_factored(stack, alone);
     }
+    auto& p = prepared_factored_.at(stack);
+    const auto& r = p.rows.rows;
+    const auto at = std::lower_bound(r.begin(), r.end(), row);
+    TORCH_INTERNAL_ASSERT(at != r.end() && *at == row, "ElementwiseState::bind: member ", row,
+                          " of stack ", stack, " is not among the members prepared");
+    c.diagonal_state = p.scratch[at - r.begin()];
+    p.bound = true;
   }
   if (momentum) c.momentum_state = bound(lazy(momentum_, stack)[row], 2);
 }
@@ -172,11 +172,6 @@ void ElementwiseState::prepare_factored(int64_t stack, const Rows& rows) {
 void ElementwiseState::commit() {
   for (auto& p : pending_) round_bfloat16_stochastic_into(p.kept, p.scratch, p.key);
   pending_.clear();
-  for (auto& p : pending_factored_) {
-    rows_[p.stack][p.row].copy_(p.scratch.sum(1));
-    cols_[p.stack][p.row].copy_(p.scratch.sum(0));
-  }
-  pending_factored_.clear();
   for (auto& [stack, p] : prepared_factored_) {
     if (!p.bound) continue;
     const auto row_sums = p.scratch.sum(2);
@@ -195,7 +190,6 @@ void ElementwiseState::commit() {
 
 void ElementwiseState::discard() {
   pending_.clear();
-  pending_factored_.clear();
   prepared_factored_.clear();
 }
 

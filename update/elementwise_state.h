@@ -56,8 +56,8 @@ class ElementwiseState {
             int64_t block = 0, int64_t step = 0);
   /// Factored V: forms V̂ of the members `rows` (ascending) of stack `stack` in one batched
   /// operation, which bind() then hands out row by row, and which commit() sums back in one
-  /// operation per stack (rather than a few launches per block). Without it bind() forms each
-  /// member's V̂ alone; the results are the same (tests).
+  /// operation per stack (rather than a few launches per block). A member bound without it is
+  /// prepared alone.
   void prepare_factored(int64_t stack, const Rows& rows);
   /// Compact: rounds the float copies bound since the last commit into the kept state; factored:
   /// keeps the row and column sums of the V̂ bound. Until then the kept state is unchanged.
@@ -107,12 +107,7 @@ class ElementwiseState {
   };
   std::vector<Pending> pending_;
   std::vector<at::Tensor> rows_, cols_;  // factored V per stack: [n, m] and [n, k], else undefined
-  struct PendingFactored {
-    int64_t stack, row;
-    at::Tensor scratch;  // V̂ of the block, updated by the chain
-  };
-  std::vector<PendingFactored> pending_factored_;
-  /// prepare_factored's V̂ of several members of one stack: [k, m, n] for `rows`.
+  /// prepare_factored's V̂ of members of one stack: [k, m, n] for `rows`, updated by the chain.
   struct PreparedFactored {
     Rows rows;
     at::Tensor scratch;

@@ -38,14 +38,6 @@ at::ScalarType narrower(at::ScalarType a, at::ScalarType b) {
 int64_t KroneckerFactorList::estimated_factor_bytes(const BlockLayout& layout,
                                                     int64_t symmetric_per_dim,
                                                     int64_t matrices_per_dim,
-                                                    int64_t vectors_per_dim) {
-  return estimated_factor_bytes(layout, symmetric_per_dim, matrices_per_dim, vectors_per_dim,
-                                KeptDtype::kFactor);
-}
-
-int64_t KroneckerFactorList::estimated_factor_bytes(const BlockLayout& layout,
-                                                    int64_t symmetric_per_dim,
-                                                    int64_t matrices_per_dim,
                                                     int64_t vectors_per_dim,
                                                     KeptDtype symmetric_in) {
   const int64_t kept_element =

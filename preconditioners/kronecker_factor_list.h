@@ -50,16 +50,20 @@ class KroneckerFactorList : public PreconditionerList {
  protected:
   KroneckerFactorList(std::vector<StackSpec> stacks, MatrixPreconditionerSettings settings);
 
+  /// The dtype a per-dim state is kept in: the factor dtype, or the narrower of the factor dtype
+  /// and the blocks' compute dtype (a state that is only ever read cast to the compute dtype, such
+  /// as root-inverse Shampoo's roots: with float64 factors and float32 parameters they are
+  /// rounded to float32 once, when computed, not at every step, and take half the memory; the
+  /// same bits reach the step). Compact states keep the factor dtype (their encoding rounds from
+  /// it).
+  enum class KeptDtype { kFactor, kNarrowerOfFactorAndCompute };
   /// Bytes of a block's factors plus, per preconditioned dim of size d, `symmetric_per_dim` more
   /// symmetric d×d (packed with layout.symmetric_packing), `matrices_per_dim` d×d and
   /// `vectors_per_dim` d-vectors, all in the factor dtype (the symmetric ones in `symmetric_in`,
   /// see add_dim_state): the estimate of the kept per-dim state.
-  enum class KeptDtype;
   static int64_t estimated_factor_bytes(const BlockLayout& layout, int64_t symmetric_per_dim,
                                         int64_t matrices_per_dim, int64_t vectors_per_dim,
-                                        KeptDtype symmetric_in);
-  static int64_t estimated_factor_bytes(const BlockLayout& layout, int64_t symmetric_per_dim,
-                                        int64_t matrices_per_dim, int64_t vectors_per_dim);
+                                        KeptDtype symmetric_in = KeptDtype::kFactor);
 
   /// How a registered state starts.
   enum class Start { kIdentity, kOnes, kZeros };
@@ -68,13 +72,6 @@ class KroneckerFactorList : public PreconditionerList {
   enum class DimState { kMatrix, kSymmetric, kVector };
   /// What a kept state counts as in memory_summary().
   using MemoryKind = int64_t MemorySummary::*;
-  /// The dtype a per-dim state is kept in: the factor dtype, or the narrower of the factor dtype
-  /// and the blocks' compute dtype (a state that is only ever read cast to the compute dtype, such
-  /// as root-inverse Shampoo's roots: with float64 factors and float32 parameters they are
-  /// rounded to float32 once, when computed, not at every step, and take half the memory; the
-  /// same bits reach the step). Compact states keep the factor dtype (their encoding rounds from
-  /// it).
-  enum class KeptDtype { kFactor, kNarrowerOfFactorAndCompute };
   /// Registers a state kept per preconditioned dim k under "<prefix><k>": [n, d, d] or [n, d]
   /// in `dtype`. Returns its id (registration order).
   int add_dim_state(std::string prefix, DimState kind, Start start, MemoryKind memory,

@@ -49,6 +49,10 @@ bool keeps_kronecker_factors(const ShampooOptions& options) {
   return keeps_kronecker_factors(options.preconditioner());
 }
 
+bool factors_grafting_statistics(const ShampooOptions& options) {
+  return options.factored_grafting() && keeps_kronecker_factors(options);
+}
+
 BlockFactorChoice block_factor_choice(const ShampooOptions& options, const BlockPlan& plan,
                                       const std::vector<int64_t>& block_shape) {
   BlockFactorChoice choice;

@@ -34,6 +34,10 @@ struct BlockFactorChoice {
 /// True when the family of `options.preconditioner()` keeps Kronecker factors (root-inverse,
 /// eigendecomposed and eigenvalue-corrected Shampoo); the rules apply to those only.
 bool keeps_kronecker_factors(const ShampooOptions& options);
+/// Whether factored_grafting is in effect for a group with these options: asked for, and the
+/// family keeps Kronecker factors (which 2-D blocks of the group then factor V is
+/// update/elementwise_state.h's factors_second_moment).
+bool factors_grafting_statistics(const ShampooOptions& options);
 
 /// The exponents of block `block_shape` of a parameter with plan `plan`: dim_exponents() of the
 /// block's order (the inverse_exponent_override), then the rules: no factor for a 1-D parameter

@@ -33,8 +33,8 @@ int64_t block_state_bytes(const ShampooOptions& options, const std::vector<int64
   int64_t bytes = estimated_state_bytes(options.preconditioner(), layout);
   // Grafting statistics V (bfloat16 when compact; factored_grafting: row and column sums).
   if (grafting_method(grafting_kind(options.grafting())).has_state) {
-    const bool factored = options.factored_grafting() && keeps_kronecker_factors(options) &&
-                          factors_second_moment(shape, exponents);
+    const bool factored =
+        factors_grafting_statistics(options) && factors_second_moment(shape, exponents);
     const int64_t v =
         factored ? (shape[0] + shape[1]) * state_element_size
                  : numel * (options.compact_state() == CompactState::kNone ? state_element_size

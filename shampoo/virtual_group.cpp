@@ -112,7 +112,7 @@ VirtualGroup::VirtualGroup(const ShampooOptions& structure, std::vector<int64_t>
   elementwise_ = std::make_unique<ElementwiseState>(
       grafting_kind(structure_.grafting()), specs,
       /*compact=*/structure_.compact_state() != CompactState::kNone,
-      /*factored=*/structure_.factored_grafting() && keeps_kronecker_factors(structure_));
+      /*factored=*/factors_grafting_statistics(structure_));
 }
 
 void VirtualGroup::build_stacks(const std::vector<BlockEntry>& blocks,

@@ -7,6 +7,8 @@
 #include <sstream>
 #include <utility>
 
+#include <unistd.h>
+
 #include "parallel/collectives.h"
 #include "parallel/fully_sharded_state.h"
 #include "parallel/grad_norm_clipping.h"
@@ -320,11 +322,15 @@ void save_full_model(FullyShardedDataParallel& fsdp, const torch::nn::Module& mo
                 "' is gathered; call it between iterations");
     for (auto& slot : unit->params) s.materialize(*unit, slot, "save_full_model's all-gather");
   }
-  if (s.rank == 0) {
+  // One writer per job: rank 0 of replica 0's shard group (under hybrid sharding every replica
+  // holds the same model; two writers would share the temporary file). The temporary name is
+  // the writer's own, so that a second job writing the same path cannot rename its half.
+  const bool writer = s.rank == 0 && s.replica == 0;
+  if (writer) {
     try {
       torch::serialize::OutputArchive archive;
       model.save(archive);
-      const auto temporary = path.string() + ".tmp";
+      const auto temporary = path.string() + ".tmp-" + std::to_string(::getpid());
       archive.save_to(temporary);
       std::filesystem::rename(temporary, path);
     } catch (const std::exception& e) {
@@ -334,11 +340,14 @@ void save_full_model(FullyShardedDataParallel& fsdp, const torch::nn::Module& mo
   for (auto& unit : s.units) {
     for (auto& slot : unit->params) detail::release_full(slot.param, unit->dtype);
   }
-  // Every rank returns once the file is there, or with rank 0's error.
-  const auto flags = detail::gather_int64(*s.group, {error.empty() ? 0 : 1});
+  // Every rank returns once the file is there, or with the writer's error: its flag reaches its
+  // shard group, then every replica.
+  int64_t failed = detail::gather_int64(*s.group, {error.empty() ? 0 : 1})[0][0];
+  if (s.replicas > 1) failed = detail::gather_int64(*s.options.replica_group(), {failed})[0][0];
   TORCH_CHECK(error.empty(), detail::kFsdpWho, "save_full_model: writing ", path.string(),
               " failed: ", error);
-  TORCH_CHECK(flags[0][0] == 0, detail::kFsdpWho, "save_full_model: rank 0 failed to write ",
+  TORCH_CHECK(failed == 0, detail::kFsdpWho, "save_full_model: the writing rank (rank 0",
+              s.replicas > 1 ? " of replica 0's shard group" : "", ") failed to write ",
               path.string(), " (its error says why)");
 }
 

@@ -111,8 +111,8 @@ struct FullyShardedOptions {
   /// shard group (make_hybrid_groups(world).shard). Parameters, gradients and optimizer state are
   /// sharded within the shard group; each gradient is reduced within it and then all-reduced
   /// across the replica group (averaged over every rank of both), so the frequent collectives
-  /// stay within a node and only the reduced shards cross nodes. Null: no replicas. Not yet with
-  /// checkpoints (an error says so).
+  /// stay within a node and only the reduced shards cross nodes. Null: no replicas. Checkpoints
+  /// and save_full_model are written by replica 0 (every replica learns the outcome).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, replica_group) = {};
   /// Hybrid, lossless: each parameter is stepped, and its optimizer state kept, by one replica
   /// only (owners planned over every rank of both groups, as the Distributor's
@@ -323,8 +323,10 @@ class FullyShardedDataParallel : public DistributedCheckpointable, public Scaled
 
 /// Saves the whole model as the same model without sharding saves it (torch::save(model, path)),
 /// so that the unsharded model loads it with torch::load(model, path): every parameter is
-/// gathered in its own dtype (not param_dtype's), rank 0 writes the file (to a temporary name,
-/// then renamed), and the parameters are released again. `model` is the module whose
+/// gathered in its own dtype (not param_dtype's), one rank writes the file (rank 0; under hybrid
+/// sharding rank 0 of replica 0's shard group) to a temporary name of its own, then renames it,
+/// the parameters are released again, and every rank of every replica returns once the file is
+/// there or throws the writer's error. `model` is the module whose
 /// parameters the units hold; its buffers are saved as they are. Collective; between
 /// iterations. (torch::save(model) itself would write the empty [0]-shaped tensors the module
 /// holds while sharded.)

@@ -10,6 +10,7 @@
 #include <torch/serialize.h>
 
 #include <chrono>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -693,6 +694,65 @@ TEST(FullyShardedExport, SaveFullModelIsLoadableByTheUnshardedModel) {
     for (const auto& p : plain->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);
     std::remove(path.c_str());
   }
+}
+
+
+// Under hybrid sharding every rank calls save_full_model, as the full-sharding snippet shows: one
+// rank of the job writes (before, rank 0 of each shard group wrote the same temporary file, and
+// ranks failed with "cannot rename ... model.pt.tmp" or renamed another's half-written file),
+// every rank of both replicas returns once the file is whole, and a failed write is an error on
+// every rank of every replica.
+TEST(FullyShardedExport, HybridSaveFullModelHasOneWriterAndEveryRankLearnsTheOutcome) {
+  const auto dir = std::filesystem::path(shampoo::testing::temp_path("hybrid_full_model"));
+  shampoo::testing::remove_tree(dir);
+  std::filesystem::create_directories(dir);
+  const auto path = dir / "model.pt";
+  std::mutex mutex;
+  std::vector<at::Tensor> expected;
+  run_ranks(
+      4,
+      [&](int rank, const Group& group) {
+        const auto hybrid = shampoo::make_hybrid_groups(group, 2);
+        auto model = make_mlp(64, 384, 8, /*seed=*/5);
+        FullyShardedDataParallel fsdp(shampoo::sequential_units(model), adam_factory(),
+                                      hybrid.shard,
+                                      FullyShardedOptions().replica_group(hybrid.replica));
+        const auto all = shampoo::testing::make_blobs(64, 64, 8, /*seed=*/3);
+        const Dataset data{all.inputs.narrow(0, rank * 16, 16), all.labels.narrow(0, rank * 16, 16)};
+        for (int save = 0; save < 30; ++save) {
+          if (save % 10 == 0) {
+            loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data).backward();
+          }
+          shampoo::detail::gather_int64(*group, {1});  // every rank at the save at once
+          shampoo::save_full_model(fsdp, *model, path);
+          // Once it returned, the file is whole on every rank (a later save replaces it by a
+          // rename, so a reader sees one whole file or the other).
+          auto plain = make_mlp(64, 384, 8, /*seed=*/77);
+          torch::load(plain, path.string());
+          for (const auto& p : plain->parameters()) ASSERT_TRUE(p.isfinite().all().item<bool>());
+        }
+        std::vector<at::Tensor> values;
+        for (const auto& p : model->parameters()) values.push_back(fsdp.full_value(p));
+        if (rank == 0) {
+          std::lock_guard<std::mutex> lock(mutex);
+          expected = values;
+        }
+        // A write that fails is an error on every rank of both replicas.
+        shampoo::testing::expect_error(
+            [&] { shampoo::save_full_model(fsdp, *model, dir / "missing" / "model.pt"); },
+            {"save_full_model", "model.pt"});
+      },
+      kTimeout);
+  auto plain = make_mlp(64, 384, 8, /*seed=*/77);
+  torch::load(plain, path.string());
+  EXPECT_TRUE(bit_equal(shampoo::testing::snapshot(plain->parameters()), expected));
+  // Nothing but the file is left in the folder (no temporary of a second writer).
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    names.push_back(entry.path().filename().string());
+  }
+  EXPECT_EQ(names, std::vector<std::string>{"model.pt"});
+  shampoo::testing::remove_tree(dir);
 }
 
 }  // namespace

@@ -100,12 +100,11 @@ struct Figures {
   int64_t root_calls = 0;         // the batched calls that made them
 };
 
-shampoo::OptimizerFactory factory_of(const Args& args) {
-  const bool adam = args.optimizer == "adam";
-  return [adam](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
-    if (adam) return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3));
-    return std::make_unique<shampoo::DistributedShampoo>(p, shampoo_options(10, 1));
-  };
+shampoo::GroupOptimizerFactory factory_of(const Args& args) {
+  if (args.optimizer == "adam") {
+    return shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-3));
+  }
+  return shampoo::group_optimizer_factory<shampoo::DistributedShampoo>(shampoo_options(10, 1));
 }
 
 /// The workload's units: the embedding, then each block's ten tensors.
@@ -159,7 +158,7 @@ ModeRun make_mode(const std::string& mode, const std::vector<at::Tensor>& params
     run.optimizer = std::make_unique<shampoo::DistributedShampoo>(
         params, shampoo_options(10, 1), shampoo::DistributedOptions().process_group(group));
   } else if (mode == "none") {
-    run.optimizer = factory(params);
+    run.optimizer = factory(torch::optim::OptimizerParamGroup(params));
   } else {
     auto sharded = std::make_unique<shampoo::ShardedOptimizer>(params, factory, group);
     if (mode == "zero2") run.sync->shard_gradients(*sharded);

@@ -98,10 +98,7 @@ ModeFigures run_mode(bool zero2, const std::vector<std::vector<int64_t>>& shapes
   shampoo::GradientSynchronizer sync(
       params, group, shampoo::GradientSynchronizerOptions().bucket_cap_bytes(args.bucket_mb << 20));
   shampoo::ShardedOptimizer optimizer(
-      params,
-      [](std::vector<at::Tensor> p) {
-        return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3));
-      },
+      params, shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-3)),
       group);
   if (zero2) sync.shard_gradients(optimizer);
   f.param_bytes = nbytes_of(params);

@@ -246,7 +246,11 @@ ShardedRow measure_sharded(int world, const std::vector<at::Tensor>& init,
       world, static_cast<int>(args.threads),
       [&](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
         const auto params = clone_params(init);
-        shampoo::ShardedOptimizer optimizer(params, adam_factory(), group);
+        shampoo::ShardedOptimizer optimizer(
+            params,
+            shampoo::group_optimizer_factory<torch::optim::Adam>(
+                torch::optim::AdamOptions(1e-3).betas(std::make_tuple(0.9, 0.999))),
+            group);
         std::vector<double> ms, cpu;
         for (int64_t i = 0; i <= args.sharded_steps; ++i) {
           set_gradients(params, grads);

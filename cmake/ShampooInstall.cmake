@@ -28,6 +28,7 @@ set(SHAMPOO_PUBLIC_HEADERS
   parallel/parameter_owners.h
   parallel/partial_step.h
   parallel/phased_backward_step.h
+  parallel/portable_checkpoint.h
   parallel/process_group.h
   parallel/sharded_optimizer.h
   preconditioners/memory_summary.h
@@ -37,7 +38,8 @@ set(SHAMPOO_PUBLIC_HEADERS
   shampoo/fault_point.h
   shampoo/shampoo.h
   shampoo/shampoo_options.h
-  shampoo/training_checkpoint.h)
+  shampoo/training_checkpoint.h
+  shampoo/wrapped_shampoo.h)
 foreach(header ${SHAMPOO_PUBLIC_HEADERS})
   get_filename_component(folder ${header} DIRECTORY)
   set(destination ${CMAKE_INSTALL_INCLUDEDIR}/shampoo)

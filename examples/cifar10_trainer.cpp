@@ -290,16 +290,6 @@ RunSignature run_signature(const TrainerConfig& config, int64_t global_batch_siz
   return signature;
 }
 
-/// The signature with full sharding: its checkpoints hold the parameters as sharded pieces, which
-/// only a fully sharded run reads (and it reads no other).
-RunSignature run_signature_of(const TrainerConfig& config, int64_t global_batch_size,
-                              int64_t train_examples) {
-  auto signature = run_signature(config, global_batch_size, train_examples);
-  // Hybrid's checkpoints are full sharding's (written by one replica): either mode reads them.
-  if (config.fully_sharded()) signature.emplace_back("sharding", "full");
-  return signature;
-}
-
 /// LibTorch's CPU allocator takes every tensor from malloc. glibc serves blocks above its mmap
 /// threshold (adaptive, up to 32 MiB) with fresh pages from mmap and unmaps them on free, so
 /// every large activation is page-faulted in again: measured 1.5 million page faults and 3x the
@@ -410,7 +400,7 @@ void resume(Trainer& t) {
   const auto& config = t.config;
   t.checkpoint.emplace(
       config.checkpoint_dir, t.d.group,
-      run_signature_of(config, t.batch.global, t.data.train_size()),
+      run_signature(config, t.batch.global, t.data.train_size()),
       TrainingCheckpoint::State{t.model.get(), t.fsdp ? &t.fsdp->optimizer() : t.optimizer.get(),
                                 &t.metrics, &t.progress, t.scaler.get()},
       t.device);
@@ -475,9 +465,13 @@ void build_fully_sharded(Trainer& t) {
   if (named.empty()) named.emplace_back("model", t.model->parameters());
   std::vector<shampoo::ShardedUnit> units;
   for (auto& [name, params] : named) units.push_back({name, params});
-  const shampoo::OptimizerFactory factory = [&config](std::vector<torch::Tensor> params) {
-    ParamGroupPlan plan{{"parameter"}, std::move(params), config.lr, config.weight_decay};
-    return make_optimizer(config, {plan}, nullptr);
+  // This rank's share of the first param group, with that group's options (the other groups
+  // join the optimizer with theirs).
+  const shampoo::GroupOptimizerFactory factory = [&config](torch::optim::OptimizerParamGroup group) {
+    ParamGroupPlan plan{{"parameter"}, group.params(), config.lr, config.weight_decay};
+    auto optimizer = make_optimizer(config, {plan}, nullptr);
+    if (group.has_options()) optimizer->param_groups()[0].set_options(group.options().clone());
+    return optimizer;
   };
   // One process without torchrun: a group of one rank (the units are gathered from it alone).
   auto group = t.d.group ? t.d.group

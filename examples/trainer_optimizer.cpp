@@ -99,10 +99,8 @@ std::unique_ptr<torch::optim::Optimizer> make_libtorch_optimizer(
   if (!shards_state(config, group)) {
     return std::make_unique<Optimizer>(make_groups(plans, defaults), defaults);
   }
-  auto local = [defaults](std::vector<at::Tensor> own) {
-    return std::make_unique<Optimizer>(std::move(own), defaults);
-  };
-  return std::make_unique<ShardedOptimizer>(make_groups(plans, defaults), local, group);
+  return std::make_unique<ShardedOptimizer>(make_groups(plans, defaults),
+                                            group_optimizer_factory<Optimizer>(defaults), group);
 }
 
 }  // namespace

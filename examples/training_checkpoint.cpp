@@ -185,6 +185,10 @@ void TrainingCheckpoint::check_signature(torch::serialize::InputArchive& common)
   RunSignature names = signature_;
   for (const auto& entry : saved) names.push_back(entry);
   for (const auto& [name, unused] : names) {
+    // Checkpoints before 2026-12-02 named full sharding ("sharding" "full"), whose format only a
+    // fully sharded run read; the library now names the layout of such a checkpoint itself, and
+    // its checkpoints since resume under any --sharding.
+    if (name == "sharding") continue;
     const auto there = field(saved, name);
     const auto here = field(signature_, name);
     TORCH_CHECK(there == here, "--checkpoint-dir ", dir_.string(),

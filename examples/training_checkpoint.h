@@ -51,9 +51,9 @@ class TrainingCheckpoint : public shampoo::DistributedCheckpointable {
   /// The training state, owned by the trainer; loading writes into it.
   struct State {
     torch::nn::Module* model = nullptr;
-    /// The run's optimizer; with --sharding full the fully sharded model's optimizer(), whose
-    /// checkpoint holds the model's parameters as sharded pieces (any number of ranks resumes
-    /// them), the model's buffers staying in the common part.
+    /// The run's optimizer; with --sharding full or hybrid the fully sharded model's optimizer(),
+    /// whose checkpoint holds the model's parameters as row pieces. A checkpoint of any
+    /// --sharding resumes under any other, at any number of ranks.
     torch::optim::Optimizer* optimizer = nullptr;
     LossMetrics* metrics = nullptr;
     TrainingProgress* progress = nullptr;

@@ -13,11 +13,12 @@
 #include "parallel/fully_sharded_state.h"
 #include "parallel/grad_norm_clipping.h"
 #include "parallel/grad_ready_hooks.h"
+#include "parallel/process_group.h"
 
 namespace shampoo {
 
 FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> units,
-                                                   OptimizerFactory factory,
+                                                   GroupOptimizerFactory factory,
                                                    c10::intrusive_ptr<c10d::ProcessGroup> group,
                                                    FullyShardedOptions options)
     : state_(std::make_shared<State>()) {
@@ -26,7 +27,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> unit
 
 FullyShardedDataParallel::FullyShardedDataParallel(
     std::vector<ShardedUnit> units, std::vector<torch::optim::OptimizerParamGroup> param_groups,
-    OptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
+    GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
     FullyShardedOptions options)
     : state_(std::make_shared<State>()) {
   TORCH_CHECK(options.step_mode() == ShardedStepMode::kLossless, detail::kFsdpWho,
@@ -38,7 +39,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(
 void FullyShardedDataParallel::init(
     std::vector<ShardedUnit> units,
     std::optional<std::vector<torch::optim::OptimizerParamGroup>> param_groups,
-    OptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
+    GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
     FullyShardedOptions options) {
   TORCH_CHECK(group, detail::kFsdpWho, "the process group is null");
   TORCH_CHECK(factory, detail::kFsdpWho, "the optimizer factory is empty");
@@ -57,6 +58,7 @@ void FullyShardedDataParallel::init(
   s.options = options;
   s.rank = s.group->getRank();
   s.world = s.group->getSize();
+  s.global_ranks = detail::global_ranks(*s.group);
   if (options.replica_group()) {
     s.replicas = options.replica_group()->getSize();
     s.replica = options.replica_group()->getRank();

@@ -13,9 +13,10 @@
 /// goes on with the earlier units. The step is waited on at the unit's next forward.
 ///
 ///   auto units = shampoo::sequential_units(model);   // one unit per layer with parameters
-///   shampoo::FullyShardedDataParallel fsdp(units, [](std::vector<torch::Tensor> p) {
-///     return std::make_unique<shampoo::DistributedShampoo>(p, shampoo::ShampooOptions(1e-3));
-///   }, group);
+///   shampoo::FullyShardedDataParallel fsdp(
+///       units,
+///       shampoo::group_optimizer_factory<shampoo::DistributedShampoo>(shampoo::ShampooOptions(1e-3)),
+///       group);
 ///   auto loss = loss_fn(shampoo::forward_sequential(fsdp, model, x), y);
 ///   loss.backward();                                // reduces and steps, unit by unit
 ///
@@ -32,9 +33,10 @@
 /// have no storage and shape [0] (an ATen op that reads one outside forward(unit, fn) fails on
 /// the shape). Optimizers come from the factory and belong to this object: lossless, one per rank
 /// over the parameters it owns, across every unit, in optimizer()'s param groups (so Shampoo
-/// merges them into virtual groups and batches their roots; the factory is called once, with the
-/// rank's parameters of group 0, and the other groups join it); local shards, one per unit and
-/// rank over its row chunks.
+/// merges them into virtual groups and batches their roots; the factory, a GroupOptimizerFactory,
+/// is called once, with the rank's parameters of group 0 and that group's options, and the other
+/// groups join it); local shards, one per unit and rank over its row chunks (the factory called
+/// once per unit with them, without options).
 ///
 /// Checkpoints (lossless): save_distributed_state(fsdp, dir) / load_distributed_state(fsdp, dir)
 /// store every parameter's rows and every parameter's optimizer state keyed by unit and
@@ -58,6 +60,7 @@
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/loss_scaling.h"
 #include "parallel/optimizer_factory.h"
+#include "parallel/portable_checkpoint.h"
 #include "parallel/sharded_optimizer.h"
 
 namespace shampoo {
@@ -146,7 +149,8 @@ class FullyShardedDataParallel;
 ///   is an error that says so.
 class FullyShardedOptimizer final : public torch::optim::Optimizer,
                                     public DelegatingCheckpointable,
-                                    public ScaledStepping {
+                                    public ScaledStepping,
+                                    public DelegatingPortable {
  public:
   torch::Tensor step(LossClosure closure = nullptr) override;
   /// Hides torch::optim::Optimizer::add_param_group (not virtual; a group added through a
@@ -159,8 +163,9 @@ class FullyShardedOptimizer final : public torch::optim::Optimizer,
   ScaledStepping& scaling_target() override;
 
  protected:
-  /// Checkpoints save and load the whole wrapper.
+  /// Checkpoints (and whole-run checkpoints) save and load the whole wrapper.
   DistributedCheckpointable& checkpoint_delegate() const override;
+  PortableCheckpointable& portable_delegate() const override;
 
  private:
   friend class FullyShardedDataParallel;
@@ -170,14 +175,16 @@ class FullyShardedOptimizer final : public torch::optim::Optimizer,
   FullyShardedDataParallel& owner_;
 };
 
-class FullyShardedDataParallel : public DistributedCheckpointable, public ScaledStepping {
+class FullyShardedDataParallel : public DistributedCheckpointable,
+                                 public ScaledStepping,
+                                 public PortableCheckpointable {
  public:
   /// Shards `units` (the same units, in the same order, on every rank) over `group` and builds
   /// the optimizers with `factory`. Errors: a parameter in two units (or twice in one), one that
   /// is not a contiguous leaf that requires grad, a unit whose parameters differ in device or
   /// dtype, an empty unit, units that differ across ranks (checked before any other collective,
   /// so a mismatch is an error on every rank, not a hang). Collective.
-  FullyShardedDataParallel(std::vector<ShardedUnit> units, OptimizerFactory factory,
+  FullyShardedDataParallel(std::vector<ShardedUnit> units, GroupOptimizerFactory factory,
                            c10::intrusive_ptr<c10d::ProcessGroup> group,
                            FullyShardedOptions options = {});
   /// With the user's param groups, as for any torch::optim optimizer (lossless mode): each group
@@ -196,7 +203,7 @@ class FullyShardedDataParallel : public DistributedCheckpointable, public Scaled
   ///   torch::optim::StepLR schedule(fsdp.optimizer(), 100, 0.5);
   FullyShardedDataParallel(std::vector<ShardedUnit> units,
                            std::vector<torch::optim::OptimizerParamGroup> param_groups,
-                           OptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                           GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
                            FullyShardedOptions options = {});
   ~FullyShardedDataParallel() override;
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
@@ -308,6 +315,19 @@ class FullyShardedDataParallel : public DistributedCheckpointable, public Scaled
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,
                                      PieceReader& pieces) override;
+  /// Whole-run checkpoints that any layout loads (parallel/portable_checkpoint.h, lossless mode):
+  /// replica 0's ranks write their rows of every parameter as the model's row pieces, each owner
+  /// the state of its parameters by name (every replica when the state is split across them),
+  /// and the owners the gradients of an accumulation in progress, which only full sharding
+  /// resumes (at any world size); loading reads this rank's rows, whoever wrote them.
+  std::vector<const torch::optim::OptimizerParamGroup*> portable_groups() const override;
+  int64_t portable_param_step(const at::Tensor& param) const override;
+  int64_t portable_row_pieces() const override;
+  std::vector<int64_t> portable_full_sizes(const at::Tensor& param) const override;
+  bool portable_between_steps() const override;
+  void save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const override;
+  void save_portable_layout(torch::serialize::OutputArchive& layout) const override;
+  std::function<void()> prepare_portable_load(const PortableLoad& load) override;
 
  private:
   friend class FullyShardedOptimizer;
@@ -315,7 +335,7 @@ class FullyShardedDataParallel : public DistributedCheckpointable, public Scaled
                               const std::filesystem::path& path);
   void init(std::vector<ShardedUnit> units,
             std::optional<std::vector<torch::optim::OptimizerParamGroup>> param_groups,
-            OptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
+            GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
             FullyShardedOptions options);
   struct State;
   std::shared_ptr<State> state_;

@@ -24,7 +24,27 @@ at::Tensor FullyShardedDataParallel::State::forward(size_t u,
     if (!pass.is_open() && forward_order.empty()) sync_groups();
     gather(unit, *group);
   }
-  auto out = fn();
+  at::Tensor out;
+  try {
+    out = fn();
+  } catch (const c10::Error& e) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    if (options.reshard_after_forward()) reshard(unit);
+    std::vector<std::string> released;
+    for (const auto& other : units) {
+      if (other.get() != &unit && !other->gathered) released.push_back("'" + other->name + "'");
+    }
+    if (released.empty()) throw;
+    std::string names;
+    for (size_t k = 0; k < released.size(); ++k) names += (k ? ", " : "") + released[k];
+    TORCH_CHECK(false, kWho, "the forward of unit '", unit.name,
+                "' failed: ", e.what_without_backtrace(),
+                "\nWhile it ran, the parameters of the other units (", names,
+                ") were released: they have shape [0] outside their own unit's forward. A unit's "
+                "forward may use its own parameters only; a parameter that two modules share (an "
+                "embedding tied to the output projection) goes into one unit whose forward runs "
+                "for each of them (docs/full_sharding.md, \"Tied weights\")");
+  }
   TORCH_CHECK(out.defined(), kWho, "the forward of unit '", unit.name,
               "' returned an undefined tensor");
   if (out.requires_grad()) {

@@ -149,7 +149,7 @@ void FullyShardedDataParallel::State::save_pieces(PieceWriter& pieces) {
 }
 
 /// A parameter's name in checkpoints: "unit_<u>/param_<i>".
-detail::RankOptimizer::ParamName FullyShardedDataParallel::State::param_name() const {
+ParamNames FullyShardedDataParallel::State::param_name() const {
   return [this](const at::Tensor& p) {
     const auto [u, i] = position_of(p);
     return param_key(u, i);
@@ -260,16 +260,22 @@ std::function<void()> FullyShardedDataParallel::State::prepare_load(
     for (const auto& [shard, rows] : shards) shard.copy_(rows);
     for (const auto& install : installs) install();
     if (auto self = weak.lock()) {
-      self->passes = saved_passes;
-      self->steps = saved_steps;
-      self->passes_since_step = saved_since;
-      for (auto& unit : self->units) {
-        for (auto& slot : unit->params) slot.reduced = at::Tensor();
-      }
-      for (const auto& [slot, gradient] : accumulated) slot->reduced = gradient;
+      self->install_progress(saved_passes, saved_steps, saved_since, accumulated);
     }
     install_groups();
   };
+}
+
+void FullyShardedDataParallel::State::install_progress(
+    int64_t saved_passes, int64_t saved_steps, int64_t saved_since,
+    const std::vector<std::pair<ParamSlot*, at::Tensor>>& accumulated) {
+  passes = saved_passes;
+  steps = saved_steps;
+  passes_since_step = saved_since;
+  for (auto& unit : units) {
+    for (auto& slot : unit->params) slot.reduced = at::Tensor();
+  }
+  for (const auto& [slot, gradient] : accumulated) slot->reduced = gradient;
 }
 
 }  // namespace shampoo

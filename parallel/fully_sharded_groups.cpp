@@ -161,7 +161,7 @@ void FullyShardedDataParallel::State::make_facade(
   std::unique_ptr<torch::optim::OptimizerOptions> defaults;
   std::unique_ptr<torch::optim::OptimizerOptions> first_options;
   {
-    auto probe = factory({smallest->param});
+    auto probe = factory(torch::optim::OptimizerParamGroup({smallest->param}));
     TORCH_CHECK(probe != nullptr, kWho, "the optimizer factory returned null");
     defaults = probe->defaults().clone();
     first_options = probe->param_groups().at(0).options().clone();

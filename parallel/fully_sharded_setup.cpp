@@ -60,8 +60,13 @@ void FullyShardedDataParallel::State::check_param(const ShardedUnit& in, size_t 
               " must own its storage (contiguous, not a view of a larger tensor): its storage is "
               "released while the unit is sharded");
   const auto [it, fresh] = slot_of.emplace(p.unsafeGetTensorImpl(), std::make_pair(u, i));
-  TORCH_CHECK(fresh, kWho, where(), " is also parameter ", it->second.second, " of unit ",
-              it->second.first, "; a parameter belongs to one unit, once");
+  const auto other = it->second.first;
+  TORCH_CHECK(fresh, kWho, where(), " is also parameter ", it->second.second, " of unit ", other,
+              " ('", other == u ? in.name : units.at(other)->name,
+              "'); a parameter belongs to one unit, once. A parameter that two modules share (an "
+              "embedding tied to the output projection) goes into one unit whose forward runs for "
+              "each of them: fsdp.forward(unit, ...) for the embedding and again for the "
+              "projection (docs/full_sharding.md, \"Tied weights\")");
 }
 
 /// The ranks agree on the units (count, then each unit's shapes, dtype and device) before any
@@ -216,7 +221,11 @@ void FullyShardedDataParallel::State::make_shards_and_optimizers() {
         stepped.push_back(slot.shard);
       }
     }
-    if (!stepped.empty()) unit->optimizer = factory(stepped);
+    if (!stepped.empty()) {
+      unit->optimizer = factory(torch::optim::OptimizerParamGroup(stepped));
+      TORCH_CHECK(unit->optimizer != nullptr, kWho, "the optimizer factory returned null");
+      detail::check_factory_optimizer(*unit->optimizer, kWho);
+    }
   }
   if (!lossless()) return;
   rank_optimizer = std::make_unique<detail::RankOptimizer>(factory, kWho);

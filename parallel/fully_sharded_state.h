@@ -107,13 +107,16 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   c10::intrusive_ptr<c10d::ProcessGroup> reduce_group;  // gradient reductions in backward
   c10::intrusive_ptr<c10d::ProcessGroup> step_group;    // the worker's all-to-alls of rows
   FullyShardedOptions options;
-  OptimizerFactory factory;
+  GroupOptimizerFactory factory;
   // Lossless: the one optimizer of this rank, over the parameters it owns in optimizer()'s groups.
   std::unique_ptr<detail::RankOptimizer> rank_optimizer;
   int rank = 0;
   int world = 1;     // ranks of the shard group (group)
   int replicas = 1;  // hybrid: ranks of options.replica_group()
   int replica = 0;   // hybrid: this rank's replica (its rank in the replica group)
+  // The global rank of each rank of the shard group, when it was split from the world group
+  // (make_hybrid_groups); empty otherwise. For messages.
+  std::vector<int> global_ranks;
   // Split across replicas with overlap: the worker's broadcasts and agreements across replicas.
   c10::intrusive_ptr<c10d::ProcessGroup> replica_step_group;
   std::vector<std::unique_ptr<Unit>> units;
@@ -215,6 +218,9 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   std::string non_finite_gradient(const Unit& unit) const;
   std::string failure_message(const Unit& unit, const std::vector<int>& failed,
                               const std::string& here) const;
+  /// "rank(s) 0, 1", or under hybrid sharding "global rank(s) 2, 3 (rank(s) 0, 1 of shard
+  /// group 1)": ranks of the shard group as a message names them.
+  std::string ranks_text(const std::vector<int>& ranks) const;
   static std::string failure_outcome(bool undone);
   void check_step_after_backward(const char* function) const;
   void step_all(const char* function);
@@ -248,12 +254,26 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   void save_groups(torch::serialize::OutputArchive& common);
   std::function<void()> prepare_groups(torch::serialize::InputArchive& common);
   void save_pieces(PieceWriter& pieces);
-  detail::RankOptimizer::ParamName param_name() const;
+  ParamNames param_name() const;
   static int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key);
   static void check_format(torch::serialize::InputArchive& common);
   void check_units(torch::serialize::InputArchive& common);
   at::Tensor read_rows(size_t u, size_t i, int64_t saved_world, PieceReader& pieces);
   std::function<void()> prepare_load(torch::serialize::InputArchive& common, PieceReader& pieces);
+  /// A load's counters and the reduced gradients of an accumulation in progress (both formats).
+  void install_progress(int64_t saved_passes, int64_t saved_steps, int64_t saved_since,
+                        const std::vector<std::pair<ParamSlot*, at::Tensor>>& accumulated);
+
+  // whole-run checkpoints by parameter name (fully_sharded_portable.cpp)
+  int64_t portable_param_step(const at::Tensor& param) const;
+  void save_portable_pieces(PieceWriter& pieces, const PortableSave& save);
+  void save_portable_layout(torch::serialize::OutputArchive& layout) const;
+  std::function<void()> prepare_portable_load(const PortableLoad& load);
+  /// This rank's rows of every parameter from the checkpoint's model, checked against the units.
+  std::vector<std::pair<at::Tensor, at::Tensor>> portable_rows(const PortableLoad& load);
+  /// The reduced gradients of an accumulation in progress that this rank steps on.
+  std::vector<std::pair<ParamSlot*, at::Tensor>> portable_accumulated(const PortableLoad& load,
+                                                                      int64_t passes_since);
 };
 
 }  // namespace shampoo

@@ -181,14 +181,32 @@ std::string FullyShardedDataParallel::State::non_finite_gradient(const Unit& uni
 std::string FullyShardedDataParallel::State::failure_message(const Unit& unit,
                                                              const std::vector<int>& failed,
                                                              const std::string& here) const {
-  std::ostringstream ranks;
-  for (size_t k = 0; k < failed.size(); ++k) ranks << (k ? ", " : "") << failed[k];
   std::ostringstream out;
-  out << kWho << "the step of unit '" << unit.name << "' failed on rank(s) " << ranks.str();
+  out << kWho << "the step of unit '" << unit.name << "' failed on " << ranks_text(failed);
   if (here.empty()) {
     out << " (the error there says why)";
   } else {
-    out << ": on rank " << rank << ", " << here;
+    out << ": on " << ranks_text({rank}) << ", " << here;
+  }
+  return out.str();
+}
+
+std::string FullyShardedDataParallel::State::ranks_text(const std::vector<int>& ranks) const {
+  const auto list = [&](const std::vector<int>& values) {
+    std::ostringstream out;
+    for (size_t k = 0; k < values.size(); ++k) out << (k ? ", " : "") << values[k];
+    return out.str();
+  };
+  const bool hybrid = replicas > 1;
+  std::ostringstream out;
+  if (!global_ranks.empty()) {
+    std::vector<int> global;
+    for (const int r : ranks) global.push_back(global_ranks.at(static_cast<size_t>(r)));
+    out << "global rank(s) " << list(global);
+    if (hybrid) out << " (rank(s) " << list(ranks) << " of shard group " << replica << ")";
+  } else {
+    out << "rank(s) " << list(ranks);
+    if (hybrid) out << " of shard group " << replica;
   }
   return out.str();
 }
@@ -282,12 +300,10 @@ void FullyShardedDataParallel::State::step_all_owned() {
   }
   if (!any) return;
   passes_since_step = 0;
-  std::ostringstream ranks;
-  for (size_t k = 0; k < failed.size(); ++k) ranks << (k ? ", " : "") << failed[k];
   // The gradients were checked finite before (check_finite_before_steps): this is an
   // optimizer's error, which the ranks learn of after their own steps, kept without copies.
   TORCH_CHECK(false, kWho, "the step failed ",
-              failed.empty() ? "in another replica" : "on rank(s) " + ranks.str(),
+              failed.empty() ? "in another replica" : "on " + ranks_text(failed),
               failure.empty() ? " (the error there says why)" : ": here, " + failure,
               "; no parameter changed on any rank, but the optimizer state of the ranks whose "
               "own step went through has advanced (a step after backward keeps no copy to undo "

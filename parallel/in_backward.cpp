@@ -518,6 +518,100 @@ std::function<void()> InBackwardOptimizer::prepare_load(torch::serialize::InputA
   };
 }
 
+namespace {
+
+/// A set's optimizer as a PortableCheckpointable (LibTorch's through `adapter`).
+PortableCheckpointable& portable_of(torch::optim::Optimizer& optimizer,
+                                    std::unique_ptr<detail::ReplicatedPortable>& adapter) {
+  if (auto* portable = as_portable(optimizer)) return *portable;
+  adapter = std::make_unique<detail::ReplicatedPortable>(optimizer);
+  return *adapter;
+}
+
+}  // namespace
+
+std::vector<const torch::optim::OptimizerParamGroup*> InBackwardOptimizer::portable_groups()
+    const {
+  std::vector<const torch::optim::OptimizerParamGroup*> out;
+  for (const auto& set : state_->sets) {
+    std::unique_ptr<detail::ReplicatedPortable> adapter;
+    const auto groups = portable_of(*set.optimizer, adapter).portable_groups();
+    out.insert(out.end(), groups.begin(), groups.end());
+  }
+  return out;
+}
+
+int64_t InBackwardOptimizer::portable_param_step(const at::Tensor& param) const {
+  const auto it = state_->entry_of.find(param.unsafeGetTensorImpl());
+  return it == state_->entry_of.end() ? -1 : state_->steps - state_->entries[it->second].joined;
+}
+
+bool InBackwardOptimizer::portable_supported() const {
+  for (const auto& set : state_->sets) {
+    const auto* portable = as_portable(*set.optimizer);
+    if (portable != nullptr ? !portable->portable_supported()
+                            : !detail::has_param_states(*set.optimizer)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void InBackwardOptimizer::save_portable_pieces(PieceWriter& pieces,
+                                               const PortableSave& save) const {
+  check_not_mid_accumulation(state_->passes, state_->accumulation_steps,
+                             "save_training_checkpoint");
+  for (const auto& set : state_->sets) {
+    std::unique_ptr<detail::ReplicatedPortable> adapter;
+    portable_of(*set.optimizer, adapter).save_portable_pieces(pieces, save);
+  }
+}
+
+void InBackwardOptimizer::save_portable_layout(torch::serialize::OutputArchive& layout) const {
+  layout.write("backward_passes", c10::IValue(state_->passes));
+  layout.write("steps_taken", c10::IValue(state_->steps));
+}
+
+std::function<void()> InBackwardOptimizer::prepare_portable_load(const PortableLoad& load) {
+  std::vector<std::function<void()>> installs;
+  size_t first = 0;
+  for (auto& set : state_->sets) {
+    auto adapter = std::make_shared<std::unique_ptr<detail::ReplicatedPortable>>();
+    auto& portable = portable_of(*set.optimizer, *adapter);
+    PortableLoad part = load;
+    part.layout = nullptr;  // the wrapper's, not the set's
+    const size_t count = portable.portable_groups().size();
+    TORCH_CHECK(first + count <= load.group_options.size(),
+                "InBackwardOptimizer checkpoint: options for ", load.group_options.size(),
+                " param groups, its optimizers have more");
+    part.group_options.assign(load.group_options.begin() + static_cast<std::ptrdiff_t>(first),
+                              load.group_options.begin() + static_cast<std::ptrdiff_t>(first + count));
+    first += count;
+    auto install = portable.prepare_portable_load(part);
+    installs.push_back([adapter, install] { install(); });
+  }
+  int64_t passes = 0;
+  int64_t steps = load.steps_taken;
+  c10::IValue value;
+  if (load.layout && load.layout->try_read("backward_passes", value) && value.isInt()) {
+    passes = value.toInt();
+    if (load.layout->try_read("steps_taken", value) && value.isInt()) steps = value.toInt();
+  }
+  std::vector<int64_t> joined;
+  for (const auto& entry : state_->entries) {
+    const auto it = load.param_steps.find(load.names(entry.param));
+    joined.push_back(it != load.param_steps.end() && it->second >= 0 ? steps - it->second : steps);
+  }
+  return [this, installs, passes, steps, joined] {
+    for (const auto& install : installs) install();
+    state_->passes = passes;
+    state_->steps = steps;
+    for (size_t i = 0; i < joined.size(); ++i) state_->entries[i].joined = joined[i];
+    state_->update_sync();
+    state_->write_state_entries();
+  };
+}
+
 InBackwardOptimizer apply_optimizer_in_backward(std::vector<torch::Tensor> params,
                                                 OptimizerFactory factory) {
   InBackwardOptimizer optimizer;

@@ -25,13 +25,15 @@
 #include "parallel/loss_scaling.h"
 #include "parallel/optimizer_factory.h"
 #include "parallel/parameter_owners.h"
+#include "parallel/portable_checkpoint.h"
 
 namespace shampoo {
 
 class InBackwardOptimizer : public torch::optim::Optimizer,
                             public DistributedCheckpointable,
                             public ParameterOwners,
-                            public ScaledStepping {
+                            public ScaledStepping,
+                            public PortableCheckpointable {
  public:
   InBackwardOptimizer();
   ~InBackwardOptimizer() override;
@@ -110,6 +112,17 @@ class InBackwardOptimizer : public torch::optim::Optimizer,
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,
                                      PieceReader& pieces) override;
+
+  /// Whole-run checkpoints that any layout loads (parallel/portable_checkpoint.h): the sets'
+  /// param groups in order, each set's optimizer saved by parameter name (LibTorch's by rank 0).
+  std::vector<const torch::optim::OptimizerParamGroup*> portable_groups() const override;
+  int64_t portable_param_step(const at::Tensor& param) const override;
+  /// Every set's optimizer saved by parameter (DistributedShampoo, ShardedOptimizer, LibTorch's
+  /// SGD, Adam, AdamW, Adagrad, RMSprop).
+  bool portable_supported() const override;
+  void save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const override;
+  void save_portable_layout(torch::serialize::OutputArchive& layout) const override;
+  std::function<void()> prepare_portable_load(const PortableLoad& load) override;
 
  private:
   struct State;

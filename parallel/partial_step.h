@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,11 +35,15 @@ class PartialStep {
   virtual void save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const = 0;
   /// Reads the pieces of every registered parameter's blocks; the returned function installs
   /// them with each param group's step count and lr sum (as group_step and group_lr_sum give
-  /// them), the groups' options unchanged. Nothing changes unless it runs.
+  /// them) and, when given, the eval mode (in_eval_mode), the groups' options unchanged. Nothing
+  /// changes unless it runs.
   virtual std::function<void()> prepare_block_load(PieceReader& pieces,
                                                    const BlockPieceName& name_of,
                                                    std::vector<int64_t> group_steps,
-                                                   std::vector<double> group_lr_sums) = 0;
+                                                   std::vector<double> group_lr_sums,
+                                                   std::optional<bool> eval_mode) = 0;
+  /// Iterate averaging: whether the parameters hold the evaluation sequence (eval()).
+  virtual bool in_eval_mode() const = 0;
   /// Completed steps of param group `group`, and its Σ lr^p (Schedule-Free; 0 otherwise).
   virtual int64_t group_step(size_t group) const = 0;
   virtual double group_lr_sum(size_t group) const = 0;

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <exception>
 #include <numeric>
+#include <sstream>
 #include <string>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -178,8 +179,28 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup_of(
   // Subgroups of one call never share a first rank, so it names each one's keys.
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       "subgroup_" + tag + "_" + std::to_string(ranks.front()), parent_store);
-  return make_process_group(store, static_cast<int>(position - ranks.begin()),
-                            static_cast<int>(ranks.size()), timeout, has_cuda_backend(*parent));
+  auto group = make_process_group(store, static_cast<int>(position - ranks.begin()),
+                                  static_cast<int>(ranks.size()), timeout, has_cuda_backend(*parent));
+  // The ranks it holds, as the outermost group numbers them (for messages that name ranks).
+  const auto above = global_ranks(*parent);
+  std::string description = kSubgroupDescription;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int rank = above.empty() ? ranks[i] : above.at(static_cast<size_t>(ranks[i]));
+    description += (i ? "," : "") + std::to_string(rank);
+  }
+  group->setGroupDesc(description);
+  return group;
+}
+
+std::vector<int> global_ranks(const c10d::ProcessGroup& group) {
+  const auto& description = group.getGroupDesc();
+  const std::string marker = kSubgroupDescription;
+  if (description.rfind(marker, 0) != 0) return {};
+  std::vector<int> out;
+  std::istringstream in(description.substr(marker.size()));
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::stoi(item));
+  return out;
 }
 
 std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group) {

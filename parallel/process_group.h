@@ -80,6 +80,13 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup_of(
     const c10::intrusive_ptr<c10d::ProcessGroup>& parent, const std::vector<int>& ranks,
     const std::string& tag, std::chrono::milliseconds timeout);
 
+/// The description make_subgroup_of gives its groups, followed by their ranks' global numbers.
+inline constexpr const char* kSubgroupDescription = "shampoo subgroup of global ranks ";
+/// The global rank of each rank of `group` (the ranks of the outermost group it was split from,
+/// by make_subgroup / make_subgroup_of, make_hybrid_groups), for messages; empty for a group that
+/// was not split from another.
+std::vector<int> global_ranks(const c10d::ProcessGroup& group);
+
 /// The timeout of `group`'s CPU backend (kDefaultProcessGroupTimeout when it has none).
 std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group);
 

@@ -18,6 +18,7 @@
 
 #include "parallel/distributed_checkpoint.h"
 #include "parallel/optimizer_factory.h"
+#include "parallel/portable_checkpoint.h"
 
 namespace shampoo::detail {
 
@@ -32,14 +33,14 @@ void set_group_options(torch::optim::OptimizerParamGroup& target,
 class RankOptimizer {
  public:
   /// `who` starts the errors (the wrapper's name).
-  RankOptimizer(OptimizerFactory factory, std::string who);
+  RankOptimizer(GroupOptimizerFactory factory, std::string who);
 
   /// The options of param group k of the user's optimizer.
   using GroupOptions = std::function<const torch::optim::OptimizerOptions&(size_t)>;
   /// Adds `params` (this rank's, holding their full values now) to param group `group`; the
   /// groups before it that the optimizer lacks are made first (empty), group k with
-  /// options_of(k). The optimizer is made by the factory at the first parameter, over those of
-  /// group 0.
+  /// options_of(k). The optimizer is made by the factory at the first parameter, over group 0
+  /// (this rank's parameters of it, possibly none, with options_of(0)).
   void add(size_t group, const std::vector<at::Tensor>& params, const GroupOptions& options_of);
   /// The optimizer; null while the rank owns no parameter.
   torch::optim::Optimizer* get() const { return optimizer_.get(); }
@@ -56,27 +57,17 @@ class RankOptimizer {
   void finish();
   void abort();
 
-  /// The wrapper's name of a parameter (a piece key prefix).
-  using ParamName = std::function<std::string(const at::Tensor&)>;
-  /// Per parameter: name_of(param) + "/optimizer" (the optimizer's kind, and the state of a
-  /// LibTorch optimizer, or the param group's step count of DistributedShampoo), and with
-  /// DistributedShampoo name_of(param) + "/block_<k>" per block. An error for an optimizer of
-  /// another type.
-  void save_pieces(PieceWriter& pieces, const ParamName& name_of) const;
+  /// The state of each of its parameters under the wrapper's name for it
+  /// (detail::save_param_states: name/optimizer, and DistributedShampoo's name/block_<k>), so
+  /// that a checkpoint loads at any world size and into any layout. An error for an optimizer
+  /// whose per-parameter state is not known.
+  void save_pieces(PieceWriter& pieces, const ParamNames& name_of) const;
   /// Reads every parameter's pieces; the returned function installs them (nothing changes
   /// unless it runs).
-  std::function<void()> prepare_load(PieceReader& pieces, const ParamName& name_of);
+  std::function<void()> prepare_load(PieceReader& pieces, const ParamNames& name_of);
 
  private:
-  /// The optimizer's kind in checkpoints: "DistributedShampoo" or LibTorch's name ("Adam", ...);
-  /// an error naming what is supported for any other.
-  std::string kind() const;
-  /// An error unless piece `key` (of parameter `param`) was saved by an optimizer of kind `here`.
-  void check_kind(torch::serialize::InputArchive& head, const std::string& key,
-                  const std::string& param, const std::string& here) const;
-  std::function<void()> prepare_partial_load(PieceReader& pieces, const ParamName& name_of);
-
-  OptimizerFactory factory_;
+  GroupOptimizerFactory factory_;
   std::string who_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };

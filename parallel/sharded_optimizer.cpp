@@ -57,7 +57,7 @@ void ShardedParamState::serialize(torch::serialize::InputArchive& archive) {
 }
 
 ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
-                                   const OptimizerFactory& factory,
+                                   const GroupOptimizerFactory& factory,
                                    c10::intrusive_ptr<c10d::ProcessGroup> group)
     : ShardedOptimizer(
           std::vector<torch::optim::OptimizerParamGroup>{
@@ -65,7 +65,7 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
           factory, std::move(group)) {}
 
 ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
-                                   const OptimizerFactory& factory,
+                                   const GroupOptimizerFactory& factory,
                                    c10::intrusive_ptr<c10d::ProcessGroup> group)
     // The base gets no groups: they are registered here, group 0 before the local optimizer
     // exists (the factory makes it over this rank's share of group 0).
@@ -79,18 +79,14 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
   plan_ = detail::OwnershipPlan(group_->getSize());
   param_groups_.emplace_back(param_groups[0].params());
   group_sizes_.push_back(0);
-  local_ = factory(register_params(0, 0));
+  // The factory gets this rank's parameters of group 0, with the group's options when it has
+  // some (their type is checked against the optimizer's just after).
+  auto first = torch::optim::OptimizerParamGroup(register_params(0, 0));
+  if (param_groups[0].has_options()) first.set_options(param_groups[0].options().clone());
+  local_ = factory(std::move(first));
   TORCH_CHECK(local_ != nullptr, "ShardedOptimizer: the factory returned null");
-  TORCH_CHECK(local_->param_groups().size() == 1,
-              "ShardedOptimizer: the factory made an "
-              "optimizer with ",
-              local_->param_groups().size(),
-              " param groups from one group's parameters; make it build one group, and pass "
-              "your param groups (each with its options) to the ShardedOptimizer constructor");
+  detail::check_factory_optimizer(*local_, "ShardedOptimizer: ");
   defaults_ = local_->defaults().clone();
-  if (param_groups[0].has_options()) {
-    local_->param_groups()[0].set_options(checked_options(param_groups[0].options(), 0));
-  }
   param_groups_[0].set_options(local_->param_groups()[0].options().clone());
   pushed_lrs_.push_back(lr_of(param_groups_[0].options()).value_or(0.0));
   for (size_t g = 1; g < param_groups.size(); ++g) add_param_group(param_groups[g]);
@@ -543,6 +539,61 @@ std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArch
     }
     pull_options_from_local();
     restore_param_steps(*counts);
+  };
+}
+
+std::vector<const torch::optim::OptimizerParamGroup*> ShardedOptimizer::portable_groups() const {
+  sync_before_save();
+  return detail::groups_of(*this);
+}
+
+int64_t ShardedOptimizer::portable_param_step(const at::Tensor& param) const {
+  const auto it = index_of_.find(param.unsafeGetTensorImpl());
+  return it == index_of_.end() ? -1 : steps_ - added_at_[it->second];
+}
+
+void ShardedOptimizer::save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const {
+  sync_before_save();
+  std::vector<at::Tensor> owned;
+  for (const auto& group : local_->param_groups()) {
+    owned.insert(owned.end(), group.params().begin(), group.params().end());
+  }
+  detail::save_param_states(*local_, owned, pieces, save.names, "ShardedOptimizer: ");
+}
+
+void ShardedOptimizer::save_portable_layout(torch::serialize::OutputArchive& layout) const {
+  layout.write("steps", c10::IValue(steps_));
+}
+
+std::function<void()> ShardedOptimizer::prepare_portable_load(const PortableLoad& load) {
+  TORCH_CHECK(load.group_options.size() == param_groups_.size(),
+              "ShardedOptimizer checkpoint: options for ", load.group_options.size(),
+              " param groups, this optimizer has ", param_groups_.size());
+  auto options = std::make_shared<std::vector<std::unique_ptr<torch::optim::OptimizerOptions>>>();
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    options->push_back(detail::read_options(param_groups_[g], *load.group_options[g]));
+  }
+  auto install_states =
+      detail::prepare_param_states(*local_, *load.pieces, load.names, "ShardedOptimizer: ");
+  int64_t steps = load.steps_taken;
+  c10::IValue saved_steps;
+  if (load.layout && load.layout->try_read("steps", saved_steps) && saved_steps.isInt()) {
+    steps = saved_steps.toInt();
+  }
+  std::vector<int64_t> added_at(params_.size(), steps);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto it = load.param_steps.find(load.names(params_[i]));
+    if (it != load.param_steps.end() && it->second >= 0) added_at[i] = steps - it->second;
+  }
+  return [this, options, install_states, steps, added_at] {
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      param_groups_[g].set_options(std::move((*options)[g]));
+    }
+    install_states();
+    push_options_to_local();
+    steps_ = steps;
+    added_at_ = added_at;
+    write_state_entries();
   };
 }
 

@@ -6,8 +6,9 @@
 /// GradientSynchronizer::shard_gradients(optimizer) each rank receives only the gradients of the
 /// parameters it owns (ZeRO-2).
 ///
-///   shampoo::ShardedOptimizer opt(model->parameters(), [](std::vector<torch::Tensor> p) {
-///     return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3)); }, group);
+///   shampoo::ShardedOptimizer opt(
+///       model->parameters(),
+///       shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-3)), group);
 
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
@@ -24,6 +25,7 @@
 #include "parallel/ownership_plan.h"
 #include "parallel/parameter_owners.h"
 #include "parallel/phased_backward_step.h"
+#include "parallel/portable_checkpoint.h"
 
 namespace shampoo {
 
@@ -46,15 +48,17 @@ struct ShardedParamState : torch::optim::OptimizerCloneableParamState<ShardedPar
 class ShardedOptimizer : public torch::optim::Optimizer,
                          public DistributedCheckpointable,
                          public ParameterOwners,
-                         public PhasedBackwardStep {
+                         public PhasedBackwardStep,
+                         public PortableCheckpointable {
  public:
   /// All parameters must share one dtype and device (any floating dtype, any strided layout:
   /// a channels_last weight is gathered in its logical order and written back in its layout).
-  /// Every rank passes the same parameters. The factory makes this rank's local optimizer over
-  /// the parameters it owns (possibly none: LibTorch's optimizers accept an empty list), with one
-  /// param group. An empty list is accepted, as LibTorch's optimizers accept one (add groups
+  /// Every rank passes the same parameters. The factory (a GroupOptimizerFactory) makes this
+  /// rank's local optimizer over its share of the first param group: the parameters of it this
+  /// rank owns (possibly none: LibTorch's optimizers accept an empty list) and the group's
+  /// options when it has some; it returns an optimizer with that one group. An empty list is accepted, as LibTorch's optimizers accept one (add groups
   /// later); step() without parameters is an error.
-  ShardedOptimizer(std::vector<torch::Tensor> params, const OptimizerFactory& factory,
+  ShardedOptimizer(std::vector<torch::Tensor> params, const GroupOptimizerFactory& factory,
                    c10::intrusive_ptr<c10d::ProcessGroup> group);
   /// The user's param groups, as for any torch::optim optimizer: each with its own options of the
   /// local optimizer's type (torch::optim::AdamOptions for a factory that makes an Adam), or
@@ -66,10 +70,11 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   ///   std::vector<torch::optim::OptimizerParamGroup> groups;
   ///   groups.emplace_back(weights, std::make_unique<torch::optim::AdamOptions>(1e-3));
   ///   groups.emplace_back(biases, std::make_unique<torch::optim::AdamOptions>(3e-3));
-  ///   shampoo::ShardedOptimizer opt(std::move(groups), [](std::vector<torch::Tensor> p) {
-  ///     return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3)); }, pg);
+  ///   shampoo::ShardedOptimizer opt(
+  ///       std::move(groups),
+  ///       shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-3)), pg);
   ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
-                   const OptimizerFactory& factory, c10::intrusive_ptr<c10d::ProcessGroup> group);
+                   const GroupOptimizerFactory& factory, c10::intrusive_ptr<c10d::ProcessGroup> group);
 
   /// Steps this rank's parameters, then one AllGather of every rank's updated parameters.
   /// In backward (apply_optimizer_in_backward) the local steps run as gradients arrive and the
@@ -116,6 +121,15 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   void save_pieces(PieceWriter& pieces) const override;
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,
                                      PieceReader& pieces) override;
+
+  /// Whole-run checkpoints that any layout loads (parallel/portable_checkpoint.h): each owner
+  /// writes the local optimizer's state of its parameters by name; loading gives each rank the
+  /// states of the parameters it owns now and the groups' saved options.
+  std::vector<const torch::optim::OptimizerParamGroup*> portable_groups() const override;
+  int64_t portable_param_step(const at::Tensor& param) const override;
+  void save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const override;
+  void save_portable_layout(torch::serialize::OutputArchive& layout) const override;
+  std::function<void()> prepare_portable_load(const PortableLoad& load) override;
 
  private:
   std::vector<torch::Tensor> params_;  // every registered parameter, in registration order

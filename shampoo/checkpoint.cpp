@@ -158,9 +158,7 @@ void ShampooEngine::save(torch::serialize::OutputArchive& archive,
 }
 
 void ShampooEngine::save_pieces(PieceWriter& pieces) const {
-  // Trainer groups after the first hold copies of the first one's blocks.
-  if (distributor_->global_rank() >= distributor_->world_size()) return;
-  save_block_pieces(pieces, piece_key);
+  if (writes_pieces()) save_block_pieces(pieces, piece_key);
 }
 
 void ShampooEngine::save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const {
@@ -256,6 +254,28 @@ const char* former_defaults_hint(const OptionField& differing, const ShampooOpti
   return "";
 }
 
+/// The options of param group g as `archive` holds them, checked: valid, and the structural ones
+/// equal to this optimizer's `current` (the state loads into either storage layout,
+/// use_symmetric_packing).
+ShampooOptions read_saved_options(torch::serialize::InputArchive& archive, size_t g,
+                                  const ShampooOptions& current) {
+  ShampooOptions saved = current;
+  try {
+    saved.serialize(archive);
+    saved.validate();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "checkpoint: param group ", g, ": ", e.msg());
+  }
+  const auto* differing = structural_difference(saved, current, /*for_checkpoint=*/true);
+  TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name, ": got ",
+              differing->describe(saved), " in the checkpoint, expected ",
+              differing->describe(current),
+              " as in this optimizer (a structural option; build the optimizer with the "
+              "checkpoint's value",
+              former_defaults_hint(*differing, saved), ")");
+  return saved;
+}
+
 /// The options and step of param group g, checked against its size and structural options here.
 void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t num_params,
                 const ShampooOptions& current, ShampooOptions& saved, int64_t& step,
@@ -266,20 +286,7 @@ void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t nu
   const int64_t size = read_int(group, "num_params");
   TORCH_CHECK(size == num_params, "checkpoint: param group ", g, " has ", size,
               " parameters there, ", num_params, " here");
-  try {
-    saved.serialize(group);
-    saved.validate();
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "checkpoint: param group ", g, ": ", e.msg());
-  }
-  // The state of a checkpoint loads into either storage layout (use_symmetric_packing).
-  const auto* differing = structural_difference(saved, current, /*for_checkpoint=*/true);
-  TORCH_CHECK(differing == nullptr, "checkpoint: param group ", g, ": ", differing->name, ": got ",
-              differing->describe(saved), " in the checkpoint, expected ",
-              differing->describe(current),
-              " as in this optimizer (a structural option; build the optimizer with the "
-              "checkpoint's value",
-              former_defaults_hint(*differing, saved), ")");
+  saved = read_saved_options(group, g, current);
   step = read_int(group, "step");
   const auto sum = read_optional(group, "lr_sum", c10::IValue(0.0));
   TORCH_CHECK(sum.isDouble() && std::isfinite(sum.toDouble()) && sum.toDouble() >= 0.0,
@@ -389,7 +396,8 @@ std::function<void()> ShampooEngine::prepare_load(
 
 std::function<void()> ShampooEngine::prepare_block_load(
     PieceReader& pieces, const BlockPieceName& name_of, std::vector<int64_t> steps,
-    std::vector<double> lr_sums, std::vector<torch::optim::OptimizerParamGroup>& groups) {
+    std::vector<double> lr_sums, std::optional<bool> eval_mode,
+    std::vector<torch::optim::OptimizerParamGroup>& groups) {
   check_groups(groups);
   TORCH_CHECK(!transaction_.is_open(),
               "checkpoint: cannot load while a step is open (in backward)");
@@ -400,7 +408,7 @@ std::function<void()> ShampooEngine::prepare_block_load(
   for (size_t g = 0; g < groups.size(); ++g) prepared->options.push_back(options_of(groups[g], g));
   prepared->steps = std::move(steps);
   prepared->lr_sums = std::move(lr_sums);
-  prepared->eval_mode = eval_mode_;
+  prepared->eval_mode = eval_mode.value_or(eval_mode_);
   read_block_states(
       *prepared,
       [&](int64_t b) {
@@ -410,5 +418,30 @@ std::function<void()> ShampooEngine::prepare_block_load(
       groups);
   return [this, prepared, &groups] { install(*prepared, groups); };
 }
+
+std::function<void()> ShampooEngine::prepare_saved_options(
+    const std::vector<std::shared_ptr<torch::serialize::InputArchive>>& saved,
+    std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  TORCH_CHECK(saved.size() == groups.size(), "checkpoint: options of ", saved.size(),
+              " param groups for ", groups.size());
+  auto options = std::make_shared<std::vector<ShampooOptions>>();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    options->push_back(read_saved_options(*saved[g], g, options_of(groups[g], g)));
+  }
+  return [this, options, &groups] {
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (const auto& field : option_fields()) {
+        if (field.kind == OptionKind::kFloat) field.copy((*options)[g], options_of(groups[g], g));
+      }
+    }
+  };
+}
+
+bool ShampooEngine::writes_pieces() const {
+  // Trainer groups after the first hold copies of the first one's blocks.
+  return distributor_->global_rank() < distributor_->world_size();
+}
+
+int ShampooEngine::rank() const { return distributor_->rank(); }
 
 }  // namespace shampoo::detail

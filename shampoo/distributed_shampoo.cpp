@@ -150,7 +150,8 @@ void DistributedShampoo::save_block_pieces(PieceWriter& pieces,
 std::function<void()> DistributedShampoo::prepare_block_load(PieceReader& pieces,
                                                              const BlockPieceName& name_of,
                                                              std::vector<int64_t> group_steps,
-                                                             std::vector<double> group_lr_sums) {
+                                                             std::vector<double> group_lr_sums,
+                                                             std::optional<bool> eval_mode) {
   sync_groups_and_state();
   const auto summaries = engine_->param_summaries();
   auto install = engine_->prepare_block_load(
@@ -158,9 +159,45 @@ std::function<void()> DistributedShampoo::prepare_block_load(PieceReader& pieces
       [&](const BlockId& id) {
         return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
       },
-      std::move(group_steps), std::move(group_lr_sums), param_groups_);
+      std::move(group_steps), std::move(group_lr_sums), eval_mode, param_groups_);
   return [this, install] {
     install();
+    write_state_entries();
+  };
+}
+
+std::vector<const torch::optim::OptimizerParamGroup*> DistributedShampoo::portable_groups() const {
+  const_cast<DistributedShampoo&>(*this).sync_groups_and_state();
+  return detail::groups_of(*this);
+}
+
+int64_t DistributedShampoo::portable_param_step(const at::Tensor& param) const {
+  const auto index = engine_->param_index(param);
+  if (index < 0) return -1;
+  const auto summaries = engine_->param_summaries();
+  return engine_->group_step(static_cast<size_t>(summaries.at(static_cast<size_t>(index)).group));
+}
+
+void DistributedShampoo::save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const {
+  if (!engine_->writes_pieces()) return;
+  // Every rank knows the groups' step counts: rank 0 writes them, each owner its blocks.
+  std::vector<at::Tensor> heads;
+  if (engine_->rank() == 0) {
+    for (const auto& group : param_groups_) {
+      heads.insert(heads.end(), group.params().begin(), group.params().end());
+    }
+  }
+  detail::save_param_states(*this, heads, pieces, save.names, "DistributedShampoo: ");
+}
+
+std::function<void()> DistributedShampoo::prepare_portable_load(const PortableLoad& load) {
+  sync_groups_and_state();
+  auto install_options = engine_->prepare_saved_options(load.group_options, param_groups_);
+  auto install_states =
+      detail::prepare_param_states(*this, *load.pieces, load.names, "DistributedShampoo: ");
+  return [this, install_options, install_states] {
+    install_states();
+    install_options();
     write_state_entries();
   };
 }

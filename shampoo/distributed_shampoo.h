@@ -22,6 +22,7 @@
 #include "parallel/parameter_owners.h"
 #include "parallel/partial_step.h"
 #include "parallel/phased_backward_step.h"
+#include "parallel/portable_checkpoint.h"
 #include "preconditioners/memory_summary.h"
 #include "shampoo/fault_point.h"
 #include "shampoo/shampoo_options.h"
@@ -96,7 +97,8 @@ class DistributedShampoo : public torch::optim::Optimizer,
                            public PhasedBackwardStep,
                            public DistributedCheckpointable,
                            public ParameterOwners,
-                           public PartialStep {
+                           public PartialStep,
+                           public PortableCheckpointable {
  public:
   /// Parameters may be Float, Double, BFloat16 or Half, in any strided layout (a channels_last
   /// conv weight is blocked by its logical shape and updated in its layout); bf16 and fp16
@@ -142,6 +144,14 @@ class DistributedShampoo : public torch::optim::Optimizer,
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,
                                      PieceReader& pieces) override;
 
+  /// Whole-run checkpoints that any layout loads (parallel/portable_checkpoint.h): rank 0 of the
+  /// (first) trainer group writes every parameter's group step count, each owner its blocks;
+  /// loading checks the saved groups' structural options and takes their float options.
+  std::vector<const torch::optim::OptimizerParamGroup*> portable_groups() const override;
+  int64_t portable_param_step(const at::Tensor& param) const override;
+  void save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const override;
+  std::function<void()> prepare_portable_load(const PortableLoad& load) override;
+
   /// PartialStep (full sharding: one optimizer per rank over the parameters it owns, stepped
   /// unit by unit, checkpointed per model parameter).
   void step_only(const std::vector<torch::Tensor>& params) override;
@@ -149,7 +159,9 @@ class DistributedShampoo : public torch::optim::Optimizer,
   void save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const override;
   std::function<void()> prepare_block_load(PieceReader& pieces, const BlockPieceName& name_of,
                                            std::vector<int64_t> group_steps,
-                                           std::vector<double> group_lr_sums) override;
+                                           std::vector<double> group_lr_sums,
+                                           std::optional<bool> eval_mode) override;
+  bool in_eval_mode() const override { return !is_training(); }
 
   /// Iterate averaging (ShampooOptions::iterate_averaging; docs/math.md, "Iterate averaging"):
   /// the parameters hold the training sequence y, where gradients are taken. eval() moves the
@@ -166,7 +178,10 @@ class DistributedShampoo : public torch::optim::Optimizer,
   ShampooStats stats() const;
   /// The bytes of optimizer state this rank holds, by kind (factors, inverse roots,
   /// eigenvectors, grafting, filtered gradient, momentum, ...), and the scratch the last step
-  /// kept to be able to undo itself. state_total() equals stats().state_bytes.
+  /// kept to be able to undo itself. state_total() equals stats().state_bytes. It counts what is
+  /// allocated: the β1 filter M and momentum B (each the parameters' size) are allocated at the
+  /// first step that uses them, so before the first step they are not in it (on a small GPT the
+  /// state is 5.6x the parameters before the first step and 6.6x after; bench_state_memory).
   MemorySummary memory_summary() const;
 
   /// ParameterOwners (gradient sharding, GradientSynchronizer::shard_gradients): the rank that

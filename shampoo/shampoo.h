@@ -19,3 +19,4 @@
 #include "shampoo/distributed_shampoo.h"
 #include "shampoo/shampoo_options.h"
 #include "shampoo/training_checkpoint.h"
+#include "shampoo/wrapped_shampoo.h"

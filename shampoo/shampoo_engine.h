@@ -7,6 +7,7 @@
 /// passes its param groups.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,12 +79,23 @@ class ShampooEngine {
                                      std::vector<torch::optim::OptimizerParamGroup>& groups);
   /// The same pieces under a wrapper's own names (`name_of` a block) and without the common
   /// part: the wrapper keeps each param group's step count and lr sum, which the load takes
-  /// (`steps`, `lr_sums`); the groups' options stay.
+  /// (`steps`, `lr_sums`, and the eval mode when given); the groups' options stay.
   using BlockPieceName = std::function<std::string(const BlockId&)>;
   void save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const;
   std::function<void()> prepare_block_load(PieceReader& pieces, const BlockPieceName& name_of,
                                            std::vector<int64_t> steps, std::vector<double> lr_sums,
+                                           std::optional<bool> eval_mode,
                                            std::vector<torch::optim::OptimizerParamGroup>& groups);
+
+  /// Whole-run checkpoints by parameter name (parallel/portable_checkpoint.h): the saved options
+  /// of each param group (serialized), checked against the structural options here; returns what
+  /// installs their float fields. Whether this rank writes its blocks (ranks outside the first
+  /// trainer group hold copies), and its rank in the trainer group.
+  std::function<void()> prepare_saved_options(
+      const std::vector<std::shared_ptr<torch::serialize::InputArchive>>& saved,
+      std::vector<torch::optim::OptimizerParamGroup>& groups);
+  bool writes_pieces() const;
+  int rank() const;
 
   /// Iterate averaging: moves the parameters of the groups with averaging to the evaluation
   /// sequence (`eval`) or back to the training sequence; nothing when already there. Collective

@@ -3,77 +3,30 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
+#include <c10/util/TypeIndex.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
-#include <cstring>
+#include <algorithm>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <typeinfo>
 #include <utility>
 
 #include "parallel/collectives.h"
-#include "parallel/fully_sharded.h"
 #include "parallel/process_group.h"
+#include "shampoo/training_checkpoint_internal.h"
 
 namespace shampoo {
 namespace {
 
-constexpr const char* kWho = "training checkpoint";
-
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
-
-/// The parameters (unless `with_parameters` is false: a fully sharded model saves them itself),
-/// then the buffers, by name (the module's own tensors).
-NamedTensors named_state(const torch::nn::Module& model, bool with_parameters) {
-  NamedTensors named;
-  if (with_parameters) {
-    for (const auto& item : model.named_parameters()) named.emplace_back(item.key(), item.value());
-  }
-  for (const auto& item : model.named_buffers()) named.emplace_back(item.key(), item.value());
-  return named;
-}
-
-void write_named_tensors(torch::serialize::OutputArchive& archive, const NamedTensors& named) {
-  std::string names;
-  for (size_t i = 0; i < named.size(); ++i) {
-    names += named[i].first + "\n";
-    archive.write("tensor_" + std::to_string(i), named[i].second.detach().cpu());
-  }
-  archive.write("names", c10::IValue(names));
-}
-
-NamedTensors read_named_tensors(torch::serialize::InputArchive& archive) {
-  c10::IValue names;
-  TORCH_CHECK(archive.try_read("names", names) && names.isString(), kWho,
-              ": the model's entry is damaged");
-  NamedTensors named;
-  std::istringstream lines(names.toStringRef());
-  std::string name;
-  while (std::getline(lines, name)) {
-    at::Tensor tensor;
-    TORCH_CHECK(archive.try_read("tensor_" + std::to_string(named.size()), tensor), kWho,
-                ": the model's tensor ", name, " is missing");
-    named.emplace_back(name, tensor);
-  }
-  return named;
-}
+constexpr const char* kWho = detail::kTrainingCheckpointWho;
+using detail::NamedTensors;
 
 std::string rank_key(const char* what, int rank, int world) {
   return std::string(what) + "/rank-" + std::to_string(rank) + "-of-" + std::to_string(world);
-}
-
-/// The bytes of a LibTorch optimizer's own archive, as a uint8 tensor (loading then maps its
-/// tensors to the run's device).
-at::Tensor archive_bytes(const torch::optim::Optimizer& optimizer) {
-  torch::serialize::OutputArchive whole;
-  optimizer.save(whole);
-  std::ostringstream out;
-  whole.save_to(out);
-  const auto text = out.str();
-  auto bytes = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
-  std::memcpy(bytes.data_ptr(), text.data(), text.size());
-  return bytes;
 }
 
 void set_generator_state(at::Generator generator, const at::Tensor& state) {
@@ -93,14 +46,65 @@ TrainingCheckpoint::TrainingCheckpoint(TrainingState state,
     rank_ = group_->getRank();
     world_size_ = group_->getSize();
   }
+  for (const auto& item : state_.model->named_parameters()) {
+    names_.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  if (as_portable(*state_.optimizer) == nullptr && detail::has_param_states(*state_.optimizer)) {
+    replicated_ = std::make_unique<detail::ReplicatedPortable>(*state_.optimizer);
+  }
+  // Every rank of the job saves and loads together: a group with fewer ranks than train (a
+  // shard group under hybrid sharding, none under data parallelism) would have two ranks write
+  // the same files.
+  if (const auto* distributed = checkpointable()) {
+    if (const auto inner = distributed->checkpoint_group()) {
+      const int64_t ranks =
+          static_cast<int64_t>(inner->getSize()) * distributed->checkpoint_replicas();
+      TORCH_CHECK(world_size_ == ranks, kWho, ": the optimizer trains on ", ranks, " ranks",
+                  distributed->checkpoint_replicas() > 1
+                      ? " (its shard group times the replicas of hybrid sharding)"
+                      : "",
+                  ", the checkpoint's process group has ", world_size_,
+                  "; give save_training_checkpoint / load_training_checkpoint the group of every "
+                  "rank that trains (the world group)");
+    }
+  }
 }
 
 DistributedCheckpointable* TrainingCheckpoint::checkpointable() const {
   return dynamic_cast<DistributedCheckpointable*>(state_.optimizer);
 }
 
-bool TrainingCheckpoint::fully_sharded() const {
-  return dynamic_cast<FullyShardedOptimizer*>(state_.optimizer) != nullptr;
+PortableCheckpointable* TrainingCheckpoint::portable() const {
+  if (auto* own = as_portable(*state_.optimizer)) {
+    return own->portable_supported() ? own : nullptr;
+  }
+  return replicated_.get();
+}
+
+std::string TrainingCheckpoint::optimizer_kind() const {
+  const auto* distributed = checkpointable();
+  return distributed != nullptr ? distributed->checkpoint_kind() : "replicated";
+}
+
+std::string TrainingCheckpoint::name_of(const at::Tensor& param) const {
+  const auto it = names_.find(param.unsafeGetTensorImpl());
+  TORCH_CHECK(it != names_.end(), kWho,
+              ": the optimizer steps a tensor of shape ", param.sizes(),
+              " that is not one of the model's parameters (TrainingState::model must hold "
+              "every parameter the optimizer steps)");
+  return it->second;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> TrainingCheckpoint::named_state(
+    bool with_parameters) const {
+  NamedTensors named;
+  if (with_parameters) {
+    for (const auto& item : state_.model->named_parameters()) {
+      named.emplace_back(item.key(), item.value());
+    }
+  }
+  for (const auto& item : state_.model->named_buffers()) named.emplace_back(item.key(), item.value());
+  return named;
 }
 
 void TrainingCheckpoint::sync_for_checkpoint() const {
@@ -108,31 +112,20 @@ void TrainingCheckpoint::sync_for_checkpoint() const {
 }
 
 void TrainingCheckpoint::save_common(torch::serialize::OutputArchive& common) const {
-  const auto unit = common.compilation_unit();
   common.write("world_size", c10::IValue(static_cast<int64_t>(world_size_)));
-  auto named = named_state(*state_.model, !fully_sharded());
-  if (!saved_buffers_.empty()) {
-    TORCH_CHECK(saved_buffers_.size() <= named.size(), kWho, ": more saved buffers than tensors");
-    const size_t first_buffer = named.size() - saved_buffers_.size();
-    for (size_t i = 0; i < saved_buffers_.size(); ++i) {
-      named[first_buffer + i].second = saved_buffers_[i];
-    }
-  }
-  torch::serialize::OutputArchive model(unit);
-  write_named_tensors(model, named);
-  common.write("model", model);
-
-  torch::serialize::OutputArchive optimizer(unit);
-  if (const auto* distributed = checkpointable()) {
-    optimizer.write("kind", c10::IValue(distributed->checkpoint_kind()));
-    torch::serialize::OutputArchive own(unit);
-    distributed->save_common(own);
-    optimizer.write("common", own);
+  if (portable() != nullptr) {
+    common.write("format", c10::IValue(detail::kTrainingCheckpointFormat));
+    save_model(common);
+    save_optimizer(common);
   } else {
-    optimizer.write("kind", c10::IValue(std::string("replicated")));
-    optimizer.write("state", archive_bytes(*state_.optimizer));
+    save_common_by_layout(common);
   }
-  common.write("optimizer", optimizer);
+  save_run_common(common);
+}
+
+
+void TrainingCheckpoint::save_run_common(torch::serialize::OutputArchive& common) const {
+  const auto unit = common.compilation_unit();
   if (state_.scaler != nullptr) {
     torch::serialize::OutputArchive scaler(unit);
     state_.scaler->save(scaler);
@@ -160,14 +153,17 @@ void TrainingCheckpoint::save_common(torch::serialize::OutputArchive& common) co
 }
 
 void TrainingCheckpoint::save_pieces(PieceWriter& pieces) const {
-  const auto* distributed = checkpointable();
-  // Hybrid sharding: the replicas hold the same shards, so replica 0 writes them (every rank
-  // still writes its own generators); any rank reads them back, whatever its replica.
-  if (distributed != nullptr &&
-      (distributed->checkpoint_replica() == 0 || distributed->every_replica_writes())) {
+  if (const auto* optimizer = portable()) {
     auto nested = pieces.nested("optimizer/");
-    distributed->save_pieces(nested);
+    const PortableSave save{[this](const at::Tensor& p) { return name_of(p); }, rank_, &pieces};
+    optimizer->save_portable_pieces(nested, save);
+  } else {
+    save_pieces_by_layout(pieces);
   }
+  save_rank_pieces(pieces);
+}
+
+void TrainingCheckpoint::save_rank_pieces(PieceWriter& pieces) const {
   if (state_.random_state) {
     torch::serialize::OutputArchive random;
     random.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
@@ -188,58 +184,6 @@ void TrainingCheckpoint::save_pieces(PieceWriter& pieces) const {
   }
 }
 
-std::function<void()> TrainingCheckpoint::prepare_model(
-    torch::serialize::InputArchive& common) const {
-  torch::serialize::InputArchive archive;
-  TORCH_CHECK(common.try_read("model", archive), kWho, ": no model in the checkpoint");
-  const auto saved = read_named_tensors(archive);
-  const auto live = named_state(*state_.model, !fully_sharded());
-  TORCH_CHECK(saved.size() == live.size(), kWho, ": the model has ", saved.size(),
-              " parameters and buffers there, ", live.size(),
-              " here (a checkpoint of another model?)");
-  for (size_t i = 0; i < live.size(); ++i) {
-    const auto& [name, tensor] = live[i];
-    TORCH_CHECK(saved[i].first == name && saved[i].second.sizes() == tensor.sizes() &&
-                    saved[i].second.dtype() == tensor.dtype(),
-                kWho, ": the model's tensor ", i, " is ", saved[i].first, " ",
-                saved[i].second.sizes(), " (", saved[i].second.dtype(), ") there and ", name, " ",
-                tensor.sizes(), " (", tensor.dtype(), ") here (a checkpoint of another model?)");
-  }
-  return [saved, live] {
-    at::NoGradGuard no_grad;
-    // In place: the optimizer and a gradient synchronizer hold these tensors.
-    for (size_t i = 0; i < live.size(); ++i) live[i].second.copy_(saved[i].second);
-  };
-}
-
-std::function<void()> TrainingCheckpoint::prepare_optimizer(torch::serialize::InputArchive& common,
-                                                            PieceReader& pieces) const {
-  torch::serialize::InputArchive archive;
-  c10::IValue kind;
-  TORCH_CHECK(
-      common.try_read("optimizer", archive) && archive.try_read("kind", kind) && kind.isString(),
-      kWho, ": no optimizer in the checkpoint");
-  auto* distributed = checkpointable();
-  const std::string expected = distributed ? distributed->checkpoint_kind() : "replicated";
-  TORCH_CHECK(kind.toStringRef() == expected, kWho, ": the optimizer there is a ",
-              kind.toStringRef() == "replicated" ? "LibTorch optimizer" : kind.toStringRef(),
-              ", here a ", expected == "replicated" ? "LibTorch optimizer" : expected);
-  if (distributed != nullptr) {
-    torch::serialize::InputArchive own;
-    TORCH_CHECK(archive.try_read("common", own), kWho, ": the optimizer's entry is damaged");
-    auto nested = pieces.nested("optimizer/");
-    return distributed->prepare_load(own, nested);
-  }
-  at::Tensor bytes;
-  TORCH_CHECK(archive.try_read("state", bytes), kWho, ": the optimizer's entry is damaged");
-  const auto contiguous = bytes.contiguous();
-  std::istringstream stream(std::string(static_cast<const char*>(contiguous.data_ptr()),
-                                        static_cast<size_t>(contiguous.numel())));
-  auto whole = std::make_shared<torch::serialize::InputArchive>();
-  whole->load_from(stream, state_.device);
-  auto* optimizer = state_.optimizer;
-  return [optimizer, whole] { optimizer->load(*whole); };
-}
 
 std::function<void()> TrainingCheckpoint::prepare_scaler(
     torch::serialize::InputArchive& common) const {
@@ -341,8 +285,25 @@ std::function<void()> TrainingCheckpoint::prepare_rank_pieces(
 
 std::function<void()> TrainingCheckpoint::prepare_load(torch::serialize::InputArchive& common,
                                                        PieceReader& pieces) {
-  auto install_model = prepare_model(common);
-  auto install_optimizer = prepare_optimizer(common, pieces);
+  std::function<void()> install_model;
+  std::function<void()> install_optimizer;
+  c10::IValue format;
+  if (common.try_read("format", format)) {
+    TORCH_CHECK(format.isInt() && format.toInt() == detail::kTrainingCheckpointFormat, kWho,
+                ": format ", format.isInt() ? format.toInt() : -1, ", this version reads formats 1 and ",
+                detail::kTrainingCheckpointFormat);
+    TORCH_CHECK(portable() != nullptr, kWho,
+                ": the checkpoint holds the optimizer's state by parameter, and this optimizer (a ",
+                c10::demangle(typeid(*state_.optimizer).name()),
+                ") keeps no state that is known per parameter");
+    const auto saved = detail::read_model_entry(common, pieces);
+    install_model = prepare_model(*saved.model);
+    install_optimizer = prepare_optimizer(common, pieces, saved.model);
+  } else {
+    // The optimizer first: a checkpoint of another layout is refused as such.
+    install_optimizer = prepare_optimizer_by_layout(common, pieces);
+    install_model = prepare_model_by_layout(common);
+  }
   auto install_scaler = prepare_scaler(common);
   auto install_values = prepare_values(common);
   auto install_rank = prepare_rank_pieces(common, pieces);
@@ -355,41 +316,6 @@ std::function<void()> TrainingCheckpoint::prepare_load(torch::serialize::InputAr
   };
 }
 
-namespace {
-
-/// Reads the model entry of a training checkpoint of any kind (it loads nothing else).
-class ModelReader final : public DistributedCheckpointable {
- public:
-  explicit ModelReader(std::string kind) : kind_(std::move(kind)) {}
-  std::string checkpoint_kind() const override { return kind_; }
-  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override { return {}; }
-  void save_common(torch::serialize::OutputArchive&) const override {
-    TORCH_INTERNAL_ASSERT(false, "ModelReader only loads");
-  }
-  void save_pieces(PieceWriter&) const override {
-    TORCH_INTERNAL_ASSERT(false, "ModelReader only loads");
-  }
-  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
-                                     PieceReader&) override {
-    torch::serialize::InputArchive archive;
-    TORCH_CHECK(common.try_read("model", archive), kWho, ": no model in the checkpoint");
-    model = read_named_tensors(archive);
-    return [] {};
-  }
-  NamedTensors model;
-
- private:
-  std::string kind_;
-};
-
-}  // namespace
-
-std::vector<std::pair<std::string, at::Tensor>> read_training_checkpoint_model(
-    const std::filesystem::path& dir) {
-  ModelReader reader(read_checkpoint_manifest(dir).kind);
-  load_distributed_state(reader, dir);
-  return reader.model;
-}
 
 void save_training_checkpoint(const std::filesystem::path& dir, const TrainingState& state,
                               c10::intrusive_ptr<c10d::ProcessGroup> group) {

@@ -1,10 +1,21 @@
 #pragma once
 /// A whole training run in one checkpoint: the model's parameters and buffers, the optimizer (any
 /// of this library's, or one of LibTorch's), the GradScaler, the random generators and the
-/// user's own values (step, epoch, position in the data), in one atomic generation of a
-/// world-size-independent checkpoint directory (parallel/distributed_checkpoint.h). Every mode
-/// resumes from it at any number of ranks: one process, data parallelism, state and gradient
-/// sharding (ZeRO-1/2), optimizer-in-backward, full sharding.
+/// user's values (step, epoch, position in the data), in one atomic generation of a
+/// world-size-independent checkpoint directory (parallel/distributed_checkpoint.h).
+///
+/// It resumes under any layout and at any number of ranks, whichever layout wrote it: one
+/// process, data parallelism, state and gradient sharding (ZeRO-1/2), optimizer-in-backward,
+/// full sharding, hybrid sharding. The optimizer state is saved by the model's parameter names
+/// (parallel/portable_checkpoint.h): the user's param groups with their options, and each
+/// parameter's state (DistributedShampoo's blocks and step counts, or the state of LibTorch's
+/// SGD, Adam, AdamW, Adagrad, RMSprop). The resuming run must build the same model, the same
+/// optimizer for every parameter and the same param groups (the same parameters in each; a
+/// difference is an error naming it); what only one layout can resume (full sharding's
+/// gradient accumulation in progress) is an error elsewhere. An optimizer of another type
+/// (LBFGS, one of the user's) is saved whole by rank 0, in the form of format 1, which only the
+/// same layout loads; checkpoints of format 1 (before 2026-12-02) load into the layout that
+/// wrote them.
 ///
 ///   std::map<std::string, c10::IValue> values{{"step", int64_t{0}}, {"epoch", int64_t{0}}};
 ///   shampoo::TrainingState state{model.get(), &optimizer, &scaler, &values};
@@ -15,12 +26,13 @@
 ///   values["step"] = step;
 ///   shampoo::save_training_checkpoint("ckpt", state, group);   // every rank
 ///
-/// Layout of the common part (rank 0): "model" (every parameter and buffer by name, on the CPU;
-/// under full sharding the buffers only, the parameters being the wrapper's pieces), "optimizer"
-/// (a DistributedCheckpointable optimizer's common part, or the whole archive of a LibTorch
-/// optimizer, which every rank holds alike), "grad_scaler", "values". Pieces: "optimizer/..."
-/// (the optimizer's own), "random/rank-R-of-W" (each rank's generators), and with
-/// TrainingState::gradients "gradients/rank-R-of-W".
+/// Layout of the common part (rank 0): "format" (2), "model" (every parameter and buffer by name,
+/// its shape and dtype, its value on the CPU; under full sharding the parameters' values are the
+/// pieces "model/<name>/rows_<r>"), "optimizer" (its kind, the param groups by parameter name
+/// with their options and step counts, the layout's own archive), "grad_scaler", "values".
+/// Pieces: "optimizer/<name>/..." (each parameter's state, by the rank that keeps it),
+/// "random/rank-R-of-W" (each rank's generators), and with TrainingState::gradients
+/// "gradients/rank-R-of-W".
 
 #include <c10/core/Device.h>
 #include <torch/nn/module.h>
@@ -29,13 +41,16 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #include "amp/grad_scaler.h"
 #include "parallel/distributed_checkpoint.h"
+#include "parallel/portable_checkpoint.h"
 
 namespace shampoo {
 
@@ -89,22 +104,46 @@ class TrainingCheckpoint : public DistributedCheckpointable {
                                      PieceReader& pieces) override;
 
  private:
-  /// The optimizer's own checkpointing, or null for a LibTorch optimizer (saved whole).
+  /// The optimizer's own checkpointing, or null for a LibTorch optimizer.
   DistributedCheckpointable* checkpointable() const;
-  bool fully_sharded() const;
-  std::function<void()> prepare_model(torch::serialize::InputArchive& common) const;
-  std::function<void()> prepare_optimizer(torch::serialize::InputArchive& common,
-                                          PieceReader& pieces) const;
+  /// The optimizer saved by parameter name (a LibTorch optimizer through an adapter); null for
+  /// an optimizer whose per-parameter state is not known (saved in format 1).
+  PortableCheckpointable* portable() const;
+  /// The optimizer's checkpoint kind ("replicated" for a LibTorch optimizer).
+  std::string optimizer_kind() const;
+  /// The model's name of a parameter; an error for a tensor that is not one.
+  std::string name_of(const at::Tensor& param) const;
+  /// The parameters (none when `with_parameters` is false) and buffers, by name.
+  std::vector<std::pair<std::string, at::Tensor>> named_state(bool with_parameters) const;
+
+  // format 2: by parameter name (training_checkpoint.cpp)
+  void save_model(torch::serialize::OutputArchive& common) const;
+  void save_optimizer(torch::serialize::OutputArchive& common) const;
+  std::function<void()> prepare_model(const SavedModel& saved) const;
+  std::function<void()> prepare_optimizer(torch::serialize::InputArchive& common, PieceReader& pieces,
+                                          const std::shared_ptr<SavedModel>& model) const;
+  // format 1: the optimizer in its layout's own form (training_checkpoint_by_layout.cpp)
+  void save_common_by_layout(torch::serialize::OutputArchive& common) const;
+  void save_pieces_by_layout(PieceWriter& pieces) const;
+  std::function<void()> prepare_model_by_layout(torch::serialize::InputArchive& common) const;
+  std::function<void()> prepare_optimizer_by_layout(torch::serialize::InputArchive& common,
+                                                    PieceReader& pieces) const;
   std::function<void()> prepare_scaler(torch::serialize::InputArchive& common) const;
   std::function<void()> prepare_values(torch::serialize::InputArchive& common) const;
   std::function<void()> prepare_rank_pieces(torch::serialize::InputArchive& common,
                                             PieceReader& pieces) const;
+
+  /// The generators and gradients of each rank, the scaler and the values (both formats).
+  void save_run_common(torch::serialize::OutputArchive& common) const;
+  void save_rank_pieces(PieceWriter& pieces) const;
 
   TrainingState state_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_ = 0;
   int world_size_ = 1;
   std::vector<at::Tensor> saved_buffers_;
+  std::unique_ptr<detail::ReplicatedPortable> replicated_;  // a LibTorch optimizer's adapter
+  std::unordered_map<const c10::TensorImpl*, std::string> names_;
 };
 
 /// Saves the training run into the checkpoint directory `dir` (a new generation, committed
@@ -120,11 +159,18 @@ void save_training_checkpoint(const std::filesystem::path& dir, const TrainingSt
 bool load_training_checkpoint(const std::filesystem::path& dir, const TrainingState& state,
                               c10::intrusive_ptr<c10d::ProcessGroup> group = {});
 
-/// The model's parameters and buffers (by name, on the CPU) in the training checkpoint committed
-/// in `dir` (also one nested in a checkpoint of its own kind, as the example trainer's), for
-/// tools and tests that compare runs. Under full sharding the parameters are not there (they
-/// are the wrapper's pieces): the buffers only.
+/// The model's parameters and buffers (by name, on the CPU, whole) in the training checkpoint
+/// committed in `dir` (also one nested in a checkpoint of its own kind, as the example
+/// trainer's), whichever layout wrote it (full sharding's rows are put together), without a
+/// process group. (A checkpoint of format 1 written under full sharding holds the buffers only.)
 std::vector<std::pair<std::string, at::Tensor>> read_training_checkpoint_model(
     const std::filesystem::path& dir);
+
+/// Writes the model of the training checkpoint in `dir` as torch::save(model, path) writes the
+/// model, so that the plain model loads it with torch::load(model, path): a model file out of a
+/// checkpoint of any layout (full or hybrid sharding included), in one process, without the
+/// model's code. Atomic (a temporary file of this process, renamed).
+void save_training_checkpoint_model(const std::filesystem::path& dir,
+                                    const std::filesystem::path& path);
 
 }  // namespace shampoo

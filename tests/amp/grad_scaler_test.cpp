@@ -348,9 +348,7 @@ std::unique_ptr<torch::optim::Optimizer> make_sharded(ShardedKind kind,
   }
   return std::make_unique<shampoo::ShardedOptimizer>(
       params,
-      [](std::vector<at::Tensor> p) {
-        return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
-      },
+      shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01)),
       group);
 }
 

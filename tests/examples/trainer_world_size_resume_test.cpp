@@ -41,6 +41,8 @@ std::vector<std::string> global_batch_flags(const fs::path& data_dir) {
 struct ResumeCase {
   std::string name;
   std::vector<std::string> flags;
+  /// Added to the flags of the 2-, 4- and 1-rank runs (e.g. a --sharding each).
+  std::vector<std::vector<std::string>> per_run = {{}, {}, {}};
 };
 
 class WorldSizeResumeTest : public TrainerTest, public ::testing::WithParamInterface<ResumeCase> {
@@ -74,15 +76,18 @@ TEST_P(WorldSizeResumeTest, TwoThenFourThenOneRankEqualsOneUninterruptedRank) {
 
   // One metrics folder for the three runs: each resumed run continues the CSV files.
   const auto checkpoints = dir_ / "checkpoints";
-  const TrainerRun two = run(checkpoints, "resumed", 2,
-                             every + std::vector<std::string>{"--stop-after-iteration", "7"});
+  const auto& per_run = GetParam().per_run;
+  const TrainerRun two =
+      run(checkpoints, "resumed", 2,
+          every + std::vector<std::string>{"--stop-after-iteration", "7"} + per_run[0]);
   EXPECT_NE(two.log.find("ranks: 2 | global batch 32 (16 per rank)"), std::string::npos);
   EXPECT_NE(two.log.find("Stopped after iteration 7"), std::string::npos) << two.log;
-  const TrainerRun four = run(checkpoints, "resumed", 4,
-                              every + std::vector<std::string>{"--stop-after-iteration", "18"});
+  const TrainerRun four =
+      run(checkpoints, "resumed", 4,
+          every + std::vector<std::string>{"--stop-after-iteration", "18"} + per_run[1]);
   EXPECT_NE(four.log.find("ranks: 4 | global batch 32 (8 per rank)"), std::string::npos);
   EXPECT_NE(four.log.find(resumed_line(checkpoints, 0, 7, 2, 4)), std::string::npos) << four.log;
-  const TrainerRun one = run(checkpoints, "resumed", 1, every);
+  const TrainerRun one = run(checkpoints, "resumed", 1, every + per_run[2]);
   EXPECT_NE(one.log.find(resumed_line(checkpoints, 1, 18, 4, 1)), std::string::npos) << one.log;
 
   ASSERT_EQ(rows(one.train, "loss"), 30u) << one.log;
@@ -115,7 +120,15 @@ INSTANTIATE_TEST_SUITE_P(
                    shampoo_flags() + std::vector<std::string>{"--grafting-epsilon", "1e-6", "--lr",
                                                               "1e-4", "--lr-schedule", "cosine"}},
         // Adam: replicated on every rank.
-        ResumeCase{"adam", {"--optimizer", "adam", "--lr", "1e-4", "--epsilon", "1e-6"}}),
+        ResumeCase{"adam", {"--optimizer", "adam", "--lr", "1e-4", "--epsilon", "1e-6"}},
+        // DistributedShampoo moving between layouts: fully sharded at 2 ranks, hybrid 2 x 2 at
+        // 4, one plain process to finish.
+        ResumeCase{"shampoo_layouts",
+                   shampoo_flags() + std::vector<std::string>{"--grafting-epsilon", "1e-6", "--lr",
+                                                              "1e-4", "--lr-schedule", "cosine"},
+                   {{"--sharding", "full"},
+                    {"--sharding", "hybrid", "--shard-group-size", "2"},
+                    {}}}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

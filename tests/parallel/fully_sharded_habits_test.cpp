@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <shampoo/shampoo.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/schedulers/step_lr.h>
@@ -16,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,18 +42,14 @@ using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 constexpr std::chrono::seconds kTimeout{60};
 
-shampoo::OptimizerFactory shampoo_factory() {
-  return [](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-    // Roots every step: the step is long, so a race with the code after backward would show.
-    return std::make_unique<shampoo::DistributedShampoo>(
-        params, shampoo::testing::sharding_shampoo_options(false).precondition_frequency(1));
-  };
+shampoo::GroupOptimizerFactory shampoo_factory() {
+  // Roots every step: the step is long, so a race with the code after backward would show.
+  return shampoo::group_optimizer_factory<shampoo::DistributedShampoo>(
+      shampoo::testing::sharding_shampoo_options(false).precondition_frequency(1));
 }
 
-shampoo::OptimizerFactory adam_factory() {
-  return [](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
-  };
+shampoo::GroupOptimizerFactory adam_factory() {
+  return shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
 }
 
 at::Tensor loss_of(const at::Tensor& logits, const Dataset& data) {
@@ -71,7 +69,7 @@ struct HabitRun {
   std::unique_ptr<FullyShardedDataParallel> fsdp;
 
   HabitRun(const Group& group, bool overlap,
-           const shampoo::OptimizerFactory& factory = shampoo_factory())
+           const shampoo::GroupOptimizerFactory& factory = shampoo_factory())
       : fsdp(std::make_unique<FullyShardedDataParallel>(
             shampoo::sequential_units(model), factory, group,
             FullyShardedOptions().overlap_step(overlap))) {}
@@ -169,7 +167,7 @@ TEST(FullyShardedSmallParameters, AnyRowCountTrainsAtAnyWorldSize) {
             };
             auto plain = make();
             shampoo::GradientSynchronizer sync(plain, group);
-            auto adam = adam_factory()(plain);
+            auto adam = adam_factory()(torch::optim::OptimizerParamGroup(plain));
             auto sharded = make();
             std::vector<shampoo::ShardedUnit> units;
             for (size_t i = 0; i < sharded.size(); i += 2) {
@@ -236,10 +234,10 @@ std::unique_ptr<torch::optim::Optimizer> optimizer_of(
   return std::make_unique<shampoo::DistributedShampoo>(std::move(groups), group_shampoo_options());
 }
 
-shampoo::OptimizerFactory factory_of(Kind kind) {
-  return [kind](std::vector<torch::Tensor> params) {
+shampoo::GroupOptimizerFactory factory_of(Kind kind) {
+  return [kind](torch::optim::OptimizerParamGroup group) {
     std::vector<torch::optim::OptimizerParamGroup> one;
-    one.emplace_back(std::move(params));
+    one.push_back(std::move(group));
     return optimizer_of(kind, std::move(one));
   };
 }
@@ -354,11 +352,60 @@ TEST(FullyShardedOptimizer, UserGroupsAndASchedulerEqualDataParallelismBitForBit
               } else {
                 EXPECT_EQ(kind, Kind::kAdam) << where;
               }
+              // The same through the optimizer the user holds, without a cast.
+              const auto stats = shampoo::shampoo_stats(base);
+              EXPECT_EQ(stats.virtual_groups, kind == Kind::kShampoo ? 1 : 0) << where;
+              const auto summary = shampoo::shampoo_memory_summary(base);
+              EXPECT_EQ(summary.state_total(), stats.state_bytes) << where;
+              EXPECT_EQ(stats.state_bytes > 0, kind == Kind::kShampoo) << where;
             },
             kTimeout);
       }
     }
   }
+}
+
+// The factory is called with this rank's share of the first group and that group's options, so
+// a first group whose structural options differ from the factory's defaults (a smaller
+// max_preconditioner_dim, which blocks the weights otherwise) trains as data parallelism does with
+// the same groups, bit for bit. Before, the factory built its optimizer with its own defaults and
+// the group's options came after: the first step failed ("structural option
+// max_preconditioner_dim ... its value at construction").
+TEST(FullyShardedOptimizer, TheFactoryBuildsFromTheFirstGroupsOptions) {
+  run_ranks(
+      2,
+      [&](int rank, const Group& group) {
+        const auto data = sharding_batch(rank, 2);
+        const auto groups_of = [](torch::nn::Sequential& model) {
+          auto groups = mlp_groups(Kind::kShampoo, model);
+          auto& first = static_cast<shampoo::ShampooOptions&>(groups[0].options());
+          first.max_preconditioner_dim(4);
+          return groups;
+        };
+        auto plain = make_mlp(6, 10, 3, /*seed=*/5);
+        shampoo::GradientSynchronizer sync(plain->parameters(), group);
+        auto reference = optimizer_of(Kind::kShampoo, groups_of(plain));
+        auto model = make_mlp(6, 10, 3, /*seed=*/5);
+        FullyShardedDataParallel fsdp(shampoo::sequential_units(model), groups_of(model),
+                                      factory_of(Kind::kShampoo), group);
+        for (int step = 0; step < 4; ++step) {
+          reference->zero_grad();
+          loss_of(plain->forward(data.inputs), data).backward();
+          sync.synchronize();
+          reference->step();
+          loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data).backward();
+        }
+        std::vector<at::Tensor> values;
+        for (const auto& p : model->parameters()) values.push_back(fsdp.full_value(p));
+        EXPECT_TRUE(bit_equal(values, shampoo::testing::snapshot(plain->parameters())))
+            << "rank " << rank;
+        for (auto* optimizer : fsdp.optimizers()) {
+          const auto& options =
+              static_cast<const shampoo::ShampooOptions&>(optimizer->param_groups()[0].options());
+          EXPECT_EQ(options.max_preconditioner_dim(), 4);
+        }
+      },
+      kTimeout);
 }
 
 // The rank's one LibTorch optimizer steps a unit's parameters on the worker while backward goes
@@ -543,10 +590,10 @@ TEST(FullyShardedHybridFailures, OneReplicasOptimizerErrorFailsEveryReplica) {
             auto model = make_mlp(6, 10, 3, /*seed=*/5);
             FullyShardedDataParallel fsdp(
                 shampoo::sequential_units(model),
-                [&fail, rank](
-                    std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+                [&fail, rank](torch::optim::OptimizerParamGroup group)
+                    -> std::unique_ptr<torch::optim::Optimizer> {
                   static const bool never = false;
-                  return std::make_unique<FailingAdam>(params, rank == 3 ? &fail : &never);
+                  return std::make_unique<FailingAdam>(group.params(), rank == 3 ? &fail : &never);
                 },
                 hybrid.shard,
                 FullyShardedOptions()
@@ -656,6 +703,157 @@ TEST(FullyShardedNonFinite, OneRanksBadGradientFailsEveryRankAndChangesNothing) 
           << ": the iteration after the failure trains as if the bad batch was skipped";
     }
   }
+}
+
+// Under hybrid sharding a failure names global ranks and the shard group: global rank 3's loss is
+// inf, every rank's averaged gradients are then non-finite (they are all-reduced across the
+// replicas), and each rank's error names the owners that found them by their global ranks (before,
+// "rank(s) 0, 1" in every replica, ranks of the shard group).
+TEST(FullyShardedHybridFailures, ErrorsNameGlobalRanksAndTheShardGroup) {
+  for (const bool overlap : {true, false}) {
+    run_ranks(
+        4,
+        [&](int rank, const Group& group) {
+          const auto hybrid = shampoo::make_hybrid_groups(group, 2);
+          auto model = make_mlp(6, 10, 3, /*seed=*/5);
+          FullyShardedDataParallel fsdp(
+              shampoo::sequential_units(model), adam_factory(), hybrid.shard,
+              FullyShardedOptions().overlap_step(overlap).replica_group(hybrid.replica));
+          const auto data = sharding_batch(rank, 4);
+          auto loss = loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data);
+          if (rank == 3) loss = loss * std::numeric_limits<float>::infinity();
+          const int replica = rank / 2;
+          std::string message;
+          try {
+            loss.backward();
+            if (!overlap) fsdp.optimizer().step();
+          } catch (const c10::Error& e) {
+            message = e.what_without_backtrace();
+          }
+          // The owners in this rank's shard group, by global rank: 2r and 2r + 1 for ranks 0 and
+          // 1 of shard group r.
+          std::smatch found;
+          ASSERT_TRUE(std::regex_search(
+              message, found,
+              std::regex("failed on global rank\\(s\\) ([0-9, ]+) \\(rank\\(s\\) ([0-9, ]+) of "
+                         "shard group ([0-9])\\)")))
+              << message;
+          EXPECT_EQ(found[3].str(), std::to_string(replica)) << message;
+          const auto global = found[1].str();
+          const auto local = found[2].str();
+          EXPECT_TRUE((local == "0" && global == std::to_string(2 * replica)) ||
+                      (local == "1" && global == std::to_string(2 * replica + 1)) ||
+                      (local == "0, 1" && global == std::to_string(2 * replica) + ", " +
+                                                        std::to_string(2 * replica + 1)))
+              << message;
+          EXPECT_TRUE(message.find("holds inf or NaN") != std::string::npos ||
+                      message.find("the error there says why") != std::string::npos)
+              << message;
+        },
+        kTimeout);
+  }
+}
+
+// ----- tied weights: an embedding that is also the output projection -----
+
+/// A language model whose output projection is its embedding's weight: embedding (16 x 8), a
+/// tanh layer (8 x 8), logits = h · Wᵀ.
+struct TiedModel {
+  torch::nn::Embedding embedding{torch::nn::EmbeddingOptions(16, 8)};
+  torch::nn::Linear body{torch::nn::LinearOptions(8, 8)};
+  TiedModel() {
+    at::NoGradGuard no_grad;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    for (auto* p : {&embedding->weight, &body->weight, &body->bias}) {
+      p->copy_(at::randn(p->sizes(), gen) * 0.5);
+    }
+  }
+  std::vector<at::Tensor> params() const { return {embedding->weight, body->weight, body->bias}; }
+};
+
+/// 12 tokens and their targets per rank.
+std::pair<at::Tensor, at::Tensor> tokens_of(int rank) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(40 + rank);
+  return {at::randint(16, {12}, gen), at::randint(16, {12}, gen)};
+}
+
+// The layout that works for a tied embedding and head: one unit holds the weight and runs twice
+// per forward (as the embedding, then as the projection); it equals data parallelism over the
+// plain model bit for bit.
+TEST(FullyShardedTiedWeights, OneUnitRunTwicePerForwardEqualsDataParallelism) {
+  for (const bool overlap : {true, false}) {
+    run_ranks(
+        2,
+        [&](int rank, const Group& group) {
+          const auto [ids, targets] = tokens_of(rank);
+          TiedModel plain;
+          shampoo::GradientSynchronizer sync(plain.params(), group);
+          auto adam = adam_factory()(torch::optim::OptimizerParamGroup(plain.params()));
+          TiedModel sharded;
+          FullyShardedDataParallel fsdp(
+              {{"tied", {sharded.embedding->weight}},
+               {"body", {sharded.body->weight, sharded.body->bias}}},
+              adam_factory(), group, FullyShardedOptions().overlap_step(overlap));
+          for (int step = 0; step < 4; ++step) {
+            adam->zero_grad();
+            auto h = at::tanh(plain.body->forward(plain.embedding->forward(ids)));
+            torch::nn::functional::cross_entropy(h.matmul(plain.embedding->weight.t()), targets)
+                .backward();
+            sync.synchronize();
+            adam->step();
+
+            fsdp.optimizer().zero_grad();
+            auto x = fsdp.forward(0, [&] { return sharded.embedding->forward(ids); });
+            x = fsdp.forward(1, [&] { return at::tanh(sharded.body->forward(x)); });
+            auto logits = fsdp.forward(0, [&] { return x.matmul(sharded.embedding->weight.t()); });
+            torch::nn::functional::cross_entropy(logits, targets).backward();
+            fsdp.optimizer().step();
+          }
+          std::vector<at::Tensor> values;
+          for (const auto& p : sharded.params()) values.push_back(fsdp.full_value(p));
+          EXPECT_TRUE(bit_equal(values, shampoo::testing::snapshot(plain.params())))
+              << "overlap " << overlap << " rank " << rank;
+        },
+        kTimeout);
+  }
+}
+
+// The tied weight in two units is an error at construction that names both units and the
+// layout that works; a unit's forward that uses another unit's (released) weight is an error
+// that says what happened (it was ATen's "size mismatch ... vec (0)" alone).
+TEST(FullyShardedTiedWeights, OtherLayoutsAreErrorsThatSayWhatWorks) {
+  run_ranks(
+      2,
+      [&](int rank, const Group& group) {
+        TiedModel model;
+        shampoo::testing::expect_error(
+            [&] {
+              FullyShardedDataParallel fsdp({{"embedding", {model.embedding->weight}},
+                                             {"body", {model.body->weight, model.body->bias}},
+                                             {"head", {model.embedding->weight}}},
+                                            adam_factory(), group);
+            },
+            {"parameter 0 of unit 2 ('head') is also parameter 0 of unit 0 ('embedding')",
+             "goes into one unit whose forward runs for each of them", "Tied weights"});
+        FullyShardedDataParallel fsdp(
+            {{"embedding", {model.embedding->weight}}, {"body", {model.body->weight}},
+             {"head", {model.body->bias}}},
+            adam_factory(), group);
+        const auto [ids, targets] = tokens_of(rank);
+        auto x = fsdp.forward(0, [&] { return model.embedding->forward(ids); });
+        x = fsdp.forward(1, [&] { return at::tanh(at::matmul(x, model.body->weight.t())); });
+        shampoo::testing::expect_error(
+            [&] {
+              fsdp.forward(2, [&] {
+                return x.matmul(model.embedding->weight.t()) + model.body->bias[0];
+              });
+            },
+            {"the forward of unit 'head' failed", "the parameters of the other units ('embedding', "
+             "'body') were released", "Tied weights"});
+        // The unit was released again: the next iteration runs.
+        EXPECT_EQ(model.body->bias.numel(), 0);
+      },
+      kTimeout);
 }
 
 // torch::save(model) under full sharding writes the [0]-shaped tensors the module holds between

@@ -54,15 +54,13 @@ std::string optim_name(Optim optim) {
 
 /// One process's optimizer over `params` (the data-parallel run steps every parameter on every
 /// rank; the fully sharded run steps what the rank owns).
-shampoo::OptimizerFactory factory_of(Optim optim) {
-  return [optim](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-    if (optim == Optim::kAdam) {
-      return std::make_unique<torch::optim::Adam>(
-          params, torch::optim::AdamOptions(0.01).weight_decay(0.01));
-    }
-    return std::make_unique<shampoo::DistributedShampoo>(
-        params, shampoo::testing::sharding_shampoo_options(optim == Optim::kEigenvalueCorrected));
-  };
+shampoo::GroupOptimizerFactory factory_of(Optim optim) {
+  if (optim == Optim::kAdam) {
+    return shampoo::group_optimizer_factory<torch::optim::Adam>(
+        torch::optim::AdamOptions(0.01).weight_decay(0.01));
+  }
+  return shampoo::group_optimizer_factory<shampoo::DistributedShampoo>(
+      shampoo::testing::sharding_shampoo_options(optim == Optim::kEigenvalueCorrected));
 }
 
 at::Tensor loss_of(const at::Tensor& logits, const Dataset& data) {
@@ -78,7 +76,7 @@ struct DataParallelRun {
 
   DataParallelRun(Optim optim, const Group& group)
       : sync(std::make_unique<shampoo::GradientSynchronizer>(model->parameters(), group)),
-        optimizer(factory_of(optim)(model->parameters())) {}
+        optimizer(factory_of(optim)(torch::optim::OptimizerParamGroup(model->parameters()))) {}
 
   float step(const Dataset& data) {
     optimizer->zero_grad();
@@ -177,10 +175,8 @@ std::pair<int64_t, int64_t> first_step_roots(const Group& group, int rank, bool 
   auto model = square_layers();
   FullyShardedDataParallel fsdp(
       shampoo::sequential_units(model),
-      [](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-        return std::make_unique<shampoo::DistributedShampoo>(
-            params, shampoo::testing::sharding_shampoo_options(false).precondition_frequency(1));
-      },
+      shampoo::group_optimizer_factory<shampoo::DistributedShampoo>(
+          shampoo::testing::sharding_shampoo_options(false).precondition_frequency(1)),
       group, FullyShardedOptions().overlap_step(overlap));
   torch::manual_seed(10 + rank);
   const auto input = torch::randn({12, 16});

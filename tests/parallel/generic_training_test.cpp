@@ -165,9 +165,8 @@ std::vector<at::Tensor> run(Mode mode, int world, int rank, const Group& group,
   std::unique_ptr<shampoo::FullyShardedDataParallel> fsdp;
   const bool full = mode == Mode::kFullSharding || mode == Mode::kFullShardingAfterBackward;
   if (full && distributed) {
-    const shampoo::OptimizerFactory factory = [mode](std::vector<at::Tensor> p) {
-      return std::make_unique<shampoo::DistributedShampoo>(p, shampoo_options(mode));
-    };
+    const auto factory =
+        shampoo::group_optimizer_factory<shampoo::DistributedShampoo>(shampoo_options(mode));
     std::vector<torch::optim::OptimizerParamGroup> groups;
     groups.emplace_back(rest, std::make_unique<shampoo::ShampooOptions>(shampoo_options(mode)));
     fsdp = std::make_unique<shampoo::FullyShardedDataParallel>(
@@ -191,13 +190,12 @@ std::vector<at::Tensor> run(Mode mode, int world, int rank, const Group& group,
     if (distributed) options.process_group(group);
     if (mode == Mode::kGradientSharding) options.shard_by_parameter(true);
     if (uses_adam(mode)) {
-      const shampoo::OptimizerFactory adam = [](std::vector<at::Tensor> p) {
-        return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
-      };
+      const auto adam =
+          shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
       if (distributed) {
         optimizer = std::make_unique<shampoo::ShardedOptimizer>(rest, adam, group);
       } else {
-        optimizer = adam(rest);
+        optimizer = adam(torch::optim::OptimizerParamGroup(rest));
       }
     } else {
       optimizer = std::make_unique<shampoo::DistributedShampoo>(rest, shampoo_options(mode),

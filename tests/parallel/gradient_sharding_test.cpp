@@ -133,9 +133,7 @@ TEST(GradientSynchronizerAccumulation, ParameterUsedOnlyInEarlierMicroBatchesIsA
       GradientSynchronizer sync({a, b}, group);
       shampoo::ShardedOptimizer owners(
           {a, b},
-          [](std::vector<at::Tensor> p) {
-            return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
-          },
+          shampoo::group_optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(0.1)),
           group);
       if (sharded) sync.shard_gradients(owners);
       {

@@ -165,9 +165,8 @@ TEST(GradientSynchronizer, ALayerUnfrozenLaterIsAveraged) {
           for (auto& p : first) p.set_requires_grad(false);
         }
         GradientSynchronizer sync(model->parameters(), group);
-        const shampoo::OptimizerFactory adam = [](std::vector<at::Tensor> p) {
-          return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
-        };
+        const auto adam =
+            shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
         shampoo::ShardedOptimizer optimizer(rest, adam, group);
         if (sharded) sync.shard_gradients(optimizer);
         for (int step = 0; step < 6; ++step) {

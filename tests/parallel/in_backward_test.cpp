@@ -345,9 +345,7 @@ TEST(InBackwardDistributed, EqualsDistributedOrdinaryStep) {
         if (which == Which::kShardedAdam) {
           return std::make_unique<shampoo::ShardedOptimizer>(
               p,
-              [](std::vector<torch::Tensor> q) {
-                return std::make_unique<torch::optim::Adam>(q, torch::optim::AdamOptions(0.01));
-              },
+              shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01)),
               group);
         }
         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));

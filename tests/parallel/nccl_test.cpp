@@ -165,14 +165,12 @@ std::string optimizer_name(ShardedOptimizer which) {
 }
 
 /// The one-process optimizer over `params`, and the factory of the fully sharded run.
-shampoo::OptimizerFactory factory_of(ShardedOptimizer which) {
-  return [which](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-    if (which == ShardedOptimizer::kAdam) {
-      return std::make_unique<torch::optim::Adam>(
-          params, torch::optim::AdamOptions(0.01).weight_decay(0.01));
-    }
-    return std::make_unique<DistributedShampoo>(params, options());
-  };
+shampoo::GroupOptimizerFactory factory_of(ShardedOptimizer which) {
+  if (which == ShardedOptimizer::kAdam) {
+    return shampoo::group_optimizer_factory<torch::optim::Adam>(
+        torch::optim::AdamOptions(0.01).weight_decay(0.01));
+  }
+  return shampoo::group_optimizer_factory<DistributedShampoo>(options());
 }
 
 /// make_mlp(6, 20, 3) on `device`: weights of 20x6, 20x20 and 3x20, which max_preconditioner_dim
@@ -212,7 +210,7 @@ struct OneProcessRun {
 
 OneProcessRun one_process(ShardedOptimizer which, const at::Device& device) {
   auto model = mlp_on(device);
-  auto optimizer = factory_of(which)(model->parameters());
+  auto optimizer = factory_of(which)(torch::optim::OptimizerParamGroup(model->parameters()));
   const auto data = batch_on(device);
   OneProcessRun run;
   for (int step = 0; step < kShardedSteps; ++step) {

@@ -16,7 +16,7 @@
 
 namespace {
 
-using shampoo::OptimizerFactory;
+using shampoo::GroupOptimizerFactory;
 using shampoo::ShardedOptimizer;
 using shampoo::testing::bit_equal;
 using shampoo::testing::run_ranks;
@@ -39,23 +39,16 @@ void set_grads(const std::vector<at::Tensor>& params, int step) {
 
 struct Case {
   std::string name;
-  OptimizerFactory factory;
+  GroupOptimizerFactory factory;
 };
 
 std::vector<Case> cases() {
   return {{"adam",
-           [](std::vector<torch::Tensor> p) {
-             return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
-           }},
-          {"adamw",
-           [](std::vector<torch::Tensor> p) {
-             return std::make_unique<torch::optim::AdamW>(
-                 p, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
-           }},
-          {"sgd_momentum", [](std::vector<torch::Tensor> p) {
-             return std::make_unique<torch::optim::SGD>(
-                 p, torch::optim::SGDOptions(0.1).momentum(0.9));
-           }}};
+           shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01))},
+          {"adamw", shampoo::group_optimizer_factory<torch::optim::AdamW>(
+                        torch::optim::AdamWOptions(0.01).weight_decay(0.1))},
+          {"sgd_momentum", shampoo::group_optimizer_factory<torch::optim::SGD>(
+                               torch::optim::SGDOptions(0.1).momentum(0.9))}};
 }
 
 class Sharded : public ::testing::TestWithParam<std::tuple<Case, int>> {};
@@ -63,7 +56,7 @@ class Sharded : public ::testing::TestWithParam<std::tuple<Case, int>> {};
 TEST_P(Sharded, EqualsUnshardedBitForBit) {
   const auto [c, world] = GetParam();
   auto reference = make_params();
-  auto unsharded = c.factory(reference);
+  auto unsharded = c.factory(torch::optim::OptimizerParamGroup(reference));
   std::vector<std::vector<at::Tensor>> trajectory;
   for (int step = 1; step <= 5; ++step) {
     set_grads(reference, step);
@@ -103,7 +96,7 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, Sharded,
 TEST(ShardedCheckpoint, ResumeEqualsUninterrupted) {
   const auto factory = cases()[0].factory;
   auto reference = make_params();
-  auto unsharded = factory(reference);
+  auto unsharded = factory(torch::optim::OptimizerParamGroup(reference));
   for (int step = 1; step <= 6; ++step) {
     set_grads(reference, step);
     unsharded->step();
@@ -143,7 +136,7 @@ class ShardedAnyWorld : public ::testing::TestWithParam<Case> {};
 TEST_P(ShardedAnyWorld, SavedAtWorld2ResumesAtWorld1To4BitForBit) {
   const auto& c = GetParam();
   auto reference = make_params();
-  auto unsharded = c.factory(reference);
+  auto unsharded = c.factory(torch::optim::OptimizerParamGroup(reference));
   for (int step = 1; step <= 6; ++step) {
     set_grads(reference, step);
     unsharded->step();
@@ -194,7 +187,7 @@ TEST(ShardedCheckpoint, WithoutTheLoadTheResumedRunDiffers) {
   // The test above can fail: resuming with fresh optimizer state ends elsewhere.
   const auto factory = cases()[0].factory;
   auto reference = make_params();
-  auto unsharded = factory(reference);
+  auto unsharded = factory(torch::optim::OptimizerParamGroup(reference));
   auto fresh_params = make_params();
   for (int step = 1; step <= 6; ++step) {
     set_grads(reference, step);
@@ -204,7 +197,7 @@ TEST(ShardedCheckpoint, WithoutTheLoadTheResumedRunDiffers) {
       for (size_t i = 0; i < reference.size(); ++i) fresh_params[i].copy_(reference[i]);
     }
   }
-  auto fresh = factory(fresh_params);
+  auto fresh = factory(torch::optim::OptimizerParamGroup(fresh_params));
   for (int step = 4; step <= 6; ++step) {
     set_grads(fresh_params, step);
     fresh->step();
@@ -218,7 +211,9 @@ TEST(ShardedCheckpoint, UnknownLocalOptimizerAndOtherKindAreClearErrors) {
     auto params = make_params();
     ShardedOptimizer lbfgs(
         params,
-        [](std::vector<torch::Tensor> p) { return std::make_unique<torch::optim::LBFGS>(p); },
+        [](torch::optim::OptimizerParamGroup g) -> std::unique_ptr<torch::optim::Optimizer> {
+          return std::make_unique<torch::optim::LBFGS>(g.params());
+        },
         group);
     shampoo::testing::expect_error([&] { shampoo::save_distributed_checkpoint(lbfgs, dir); },
                                    {"SGD, Adam, AdamW, Adagrad or RMSprop"});
@@ -251,10 +246,8 @@ TEST(ShardedErrors, DifferentParametersOnRanks) {
 
 // ----- the user's param groups, through the base class (LibTorch habits) -----
 
-OptimizerFactory adam_factory() {
-  return [](std::vector<torch::Tensor> p) {
-    return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
-  };
+GroupOptimizerFactory adam_factory() {
+  return shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
 }
 
 /// Two groups over make_params(): the matrices (lr 0.01, weight decay 0.1) and the vectors

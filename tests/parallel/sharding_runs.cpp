@@ -60,10 +60,7 @@ OptimizerFactory factory(ShardingKind kind, const c10::intrusive_ptr<c10d::Proce
       case ShardingKind::kShardedAdam:
       case ShardingKind::kInBackwardShardedAdam:
         return std::make_unique<ShardedOptimizer>(
-            p,
-            [](std::vector<at::Tensor> q) {
-              return std::make_unique<torch::optim::Adam>(q, torch::optim::AdamOptions(0.01));
-            },
+            p, shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01)),
             group);
     }
     return nullptr;

@@ -71,12 +71,11 @@ TEST(TorchrunHybrid, EveryLayoutFollowsDataParallelism) {
   const auto loss_of = [&](const at::Tensor& logits) {
     return torch::nn::functional::cross_entropy(logits, data.labels);
   };
-  const shampoo::OptimizerFactory adam = [](std::vector<torch::Tensor> params) {
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
-  };
+  const auto adam =
+      shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
   auto plain = shampoo::testing::make_mlp(6, 10, 3, /*seed=*/5);
   shampoo::GradientSynchronizer sync(plain->parameters(), group);
-  auto plain_adam = adam(plain->parameters());
+  auto plain_adam = adam(torch::optim::OptimizerParamGroup(plain->parameters()));
   std::vector<torch::nn::Sequential> models;
   std::vector<std::unique_ptr<shampoo::FullyShardedDataParallel>> layouts;
   std::vector<int> sizes;
@@ -105,7 +104,9 @@ TEST(TorchrunHybrid, EveryLayoutFollowsDataParallelism) {
       const auto where = std::to_string(sizes[k]) + "x" + std::to_string(world / sizes[k]) +
                          " rank " + std::to_string(rank) + " step " + std::to_string(step);
       EXPECT_NEAR(loss.item<float>(), expected, 1e-5 * std::abs(expected)) << where;
-      if (sizes[k] == world) EXPECT_EQ(loss.item<float>(), full_loss.item<float>()) << where;
+      if (sizes[k] == world) {
+        EXPECT_EQ(loss.item<float>(), full_loss.item<float>()) << where;
+      }
     }
   }
   const auto reference = plain->parameters();

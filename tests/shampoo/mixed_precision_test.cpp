@@ -268,9 +268,7 @@ TEST(LowPrecisionParameters, ShardedOptimizerAndGradientShardingAcceptThem) {
       shampoo::GradientSynchronizer sync(net.params(), group);
       shampoo::ShardedOptimizer optimizer(
           net.params(),
-          [](std::vector<at::Tensor> p) {
-            return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
-          },
+          shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01)),
           group);
       sync.shard_gradients(optimizer);
       const double first = loss_of(net, make_batch(0, 1)).item<double>();

@@ -103,12 +103,14 @@ TEST(TrainingState, MismatchesAreErrorsThatNameThem) {
       [&] {
         shampoo::load_training_checkpoint(dir, {other.ptr().get(), &other_optimizer, &scaler});
       },
-      {"the model's tensor", "a checkpoint of another model?"});
+      {"0.weight is [10, 6] (Float) there and [12, 6] (Float) here",
+       "a checkpoint of another model?"});
   // Another kind of optimizer.
   torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
   expect_error(
       [&] { shampoo::load_training_checkpoint(dir, {model.ptr().get(), &adam, &scaler}); },
-      {"the optimizer there is a DistributedShampoo, here a LibTorch optimizer"});
+      {"param group 0 has options of type torch::optim::AdamOptions here and "
+       "shampoo::ShampooOptions there"});
   EXPECT_FALSE(shampoo::load_training_checkpoint(dir + "_absent", {model.ptr().get(), &adam}));
   shampoo::testing::remove_tree(dir);
 }

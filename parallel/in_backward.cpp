@@ -422,13 +422,18 @@ std::string set_key(size_t i) { return "optimizer_" + std::to_string(i); }
 }  // namespace
 
 c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::checkpoint_group() const {
-  return state_->one_group(
+  auto group = state_->one_group(
       [](const torch::optim::Optimizer& optimizer) -> c10::intrusive_ptr<c10d::ProcessGroup> {
         const auto* inner = as_checkpointable(optimizer);
         return inner != nullptr ? inner->checkpoint_group() : nullptr;
       },
       "uses another process group than the ones before it; a checkpoint is saved and loaded "
       "over one process group");
+  // LibTorch's optimizers alone under data parallelism: the synchronizer's ranks hold them
+  // alike, and rank 0 of its group writes them (without a group every rank would write the
+  // same files).
+  if (!group && state_->sync != nullptr) group = state_->sync->process_group();
+  return group;
 }
 
 void InBackwardOptimizer::sync_for_checkpoint() const {

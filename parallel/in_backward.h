@@ -104,7 +104,8 @@ class InBackwardOptimizer : public torch::optim::Optimizer,
   /// World-size-independent checkpoints (save_distributed_checkpoint): optimizers that support
   /// them (DistributedShampoo, ShardedOptimizer) save their pieces under "optimizer_<i>/";
   /// LibTorch's optimizers, which hold the same state on every rank, are saved once, by rank 0.
-  /// Their process groups must be one and the same (or null).
+  /// Their process groups must be one and the same (or null); with none, the process group of
+  /// the attached GradientSynchronizer (data parallelism), or one process.
   std::string checkpoint_kind() const override { return "InBackwardOptimizer"; }
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
   void sync_for_checkpoint() const override;

@@ -298,6 +298,26 @@ TEST(InBackwardCheckpoint, DataParallelSavedAtWorld2ResumesAtWorld1And4BitForBit
   shampoo::testing::remove_tree(dir);
 }
 
+// LibTorch's optimizers in backward under data parallelism have no process group of their own:
+// a checkpoint saved without a group is written by rank 0 of the attached synchronizer's group,
+// once. (Before, every rank wrote it as the rank 0 of a world of one, into the same files.)
+TEST(InBackwardCheckpoint, LibTorchSetsUnderDataParallelismHaveOneWriter) {
+  const std::filesystem::path dir = shampoo::testing::temp_path("in_backward_libtorch_dir");
+  shampoo::testing::run_ranks(2, [&](int, const Group& group) {
+    auto model = shampoo::testing::make_mlp(6, 12, 3, 5);
+    shampoo::GradientSynchronizer sync(model->parameters(), group);
+    auto opt = shampoo::apply_optimizer_in_backward(model->parameters(), factories()[1].factory);
+    opt.attach(sync);
+    for (int step = 1; step <= 2; ++step) {
+      shampoo::testing::classification_loss(model, batch(step), true);
+    }
+    for (int save = 0; save < 10; ++save) shampoo::save_distributed_checkpoint(opt, dir);
+    shampoo::load_distributed_checkpoint(opt, dir);
+    EXPECT_EQ(shampoo::read_checkpoint_manifest(dir).world_size, 2);
+  });
+  shampoo::testing::remove_tree(dir);
+}
+
 void expect_error(const std::function<void()>& fn, const std::string& fragment) {
   try {
     fn();

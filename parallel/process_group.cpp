@@ -186,7 +186,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup_of(
   std::string description = kSubgroupDescription;
   for (size_t i = 0; i < ranks.size(); ++i) {
     const int rank = above.empty() ? ranks[i] : above.at(static_cast<size_t>(ranks[i]));
-    description += (i ? "," : "") + std::to_string(rank);
+    if (i > 0) description += ',';
+    description += std::to_string(rank);
   }
   group->setGroupDesc(description);
   return group;

@@ -19,7 +19,7 @@ export CCACHE_MAXSIZE ?= 5G
 DEPS_STAMP := $(BUILD_DIR)/.deps-$(TORCH_VERSION)
 CONFIG_STAMP := $(BUILD_DIR)/CMakeCache.txt
 
-.PHONY: all deps configure build test demo compare bench install sanitize clean
+.PHONY: all deps configure build test demo compare bench install sanitize clean python python-test
 
 all: build
 
@@ -44,6 +44,17 @@ build: $(CONFIG_STAMP)
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+# The Python package distributed_shampoo_cpp, built in the build tree ($(BUILD_DIR)/python; the
+# line it prints is the PYTHONPATH to use), and its tests (CTest label python). A wheel of it:
+# pip install --no-build-isolation . (pyproject.toml; docs/python.md).
+python: $(CONFIG_STAMP)
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target shampoo_python
+	@echo "PYTHONPATH=$(abspath $(BUILD_DIR))/python:$$(dirname $$(sed 's|/share/cmake/Torch$$||' $(BUILD_DIR)/.torch-cmake-dir))"
+
+python-test: $(CONFIG_STAMP)
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target shampoo_python cpp_trajectory
+	cd $(BUILD_DIR) && ctest --output-on-failure -L python $(CTEST_ARGS)
 
 # Fashion-MNIST with Distributed Shampoo under torchrun, on the GPUs when nvidia-smi lists one,
 # else on 2 CPU ranks, then the plot of its metrics (examples/run_demo.sh.in; DEMO_DIR,

@@ -8,6 +8,19 @@
 if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
   set(TORCH_CUDA_ARCH_LIST "8.0;9.0")
 endif()
+# `pip install .` (pyproject.toml): the torch that pip builds against, asked from its Python.
+if(SHAMPOO_TORCH_FROM_PYTHON AND NOT Torch_DIR)
+  find_package(Python3 COMPONENTS Interpreter REQUIRED)
+  execute_process(
+    COMMAND "${Python3_EXECUTABLE}" -c "import torch.utils; print(torch.utils.cmake_prefix_path)"
+    OUTPUT_VARIABLE shampoo_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE
+    RESULT_VARIABLE shampoo_torch_found)
+  if(NOT shampoo_torch_found EQUAL 0)
+    message(FATAL_ERROR "torch is not importable by ${Python3_EXECUTABLE}: install torch first, "
+                        "then build with pip install --no-build-isolation .")
+  endif()
+  list(APPEND CMAKE_PREFIX_PATH "${shampoo_torch_prefix}")
+endif()
 find_package(Torch REQUIRED)
 
 # The imported `torch` target brings libtorch (CPU + CUDA when the wheel has it). Collect the

@@ -1,13 +1,18 @@
 # Helpers shared by every target of the project: warnings, sanitizers, precompiled headers.
 
 set(SHAMPOO_WARNINGS -Wall -Wextra -Wno-unused-parameter)
+# Position-independent code (-fPIC) for every target, libraries and executables alike: the
+# libraries are linked into the Python extension module (a shared object), and one flag for all
+# keeps the shared precompiled header valid everywhere (GCC refuses a header built with other
+# -fpic/-fpie settings).
+set(SHAMPOO_PIC $<$<COMPILE_LANGUAGE:CXX>:-fPIC> $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-fPIC>)
 
 # One precompiled header for the whole project, built once and reused by every target that has
 # the same compile flags (all of ours).
 add_library(shampoo_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/pch_anchor.cpp)
 target_link_libraries(shampoo_pch PUBLIC torch)
 target_compile_features(shampoo_pch PUBLIC cxx_std_20)
-target_compile_options(shampoo_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${SHAMPOO_WARNINGS}>)
+target_compile_options(shampoo_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${SHAMPOO_WARNINGS}> ${SHAMPOO_PIC})
 if(SHAMPOO_SANITIZE)
   # The precompiled header must be built with the same sanitizer flags as its users.
   target_compile_options(shampoo_pch PRIVATE -fsanitize=${SHAMPOO_SANITIZE} -fno-omit-frame-pointer)
@@ -18,7 +23,7 @@ endif()
 
 function(shampoo_apply_common target)
   target_compile_features(${target} PUBLIC cxx_std_20)
-  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${SHAMPOO_WARNINGS}>)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${SHAMPOO_WARNINGS}> ${SHAMPOO_PIC})
   if(SHAMPOO_SANITIZE)
     target_compile_options(${target} PRIVATE -fsanitize=${SHAMPOO_SANITIZE} -fno-omit-frame-pointer)
     target_link_options(${target} PRIVATE -fsanitize=${SHAMPOO_SANITIZE})

@@ -278,15 +278,23 @@ struct PieceWriter::Shared {
   torch::serialize::OutputArchive archive;
   std::vector<std::string> keys;
   std::set<std::string> seen;
+  PieceWriter::Sink sink;
 };
 
 PieceWriter::PieceWriter() : shared_(std::make_shared<Shared>()) {}
+
+PieceWriter::PieceWriter(Sink sink) : PieceWriter() { shared_->sink = std::move(sink); }
 
 void PieceWriter::add(const std::string& key, torch::serialize::OutputArchive piece) {
   const auto full = prefix_ + key;
   TORCH_CHECK(!full.empty() && full.find('\n') == std::string::npos, "checkpoint: piece key '",
               full, "' is empty or has a newline");
   TORCH_CHECK(shared_->seen.insert(full).second, "checkpoint: piece '", full, "' was added twice");
+  if (shared_->sink) {
+    shared_->keys.push_back(full);
+    shared_->sink(full, std::move(piece));
+    return;
+  }
   shared_->archive.write("piece_" + std::to_string(shared_->keys.size()), piece);
   shared_->keys.push_back(full);
 }

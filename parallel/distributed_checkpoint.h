@@ -41,6 +41,10 @@ namespace shampoo {
 class PieceWriter {
  public:
   PieceWriter();
+  /// A writer that hands every piece to `sink` (its full key and the piece) instead of keeping
+  /// it in archive(): the Python package's state_dict keeps each piece as a tensor of its own.
+  using Sink = std::function<void(const std::string& key, torch::serialize::OutputArchive piece)>;
+  explicit PieceWriter(Sink sink);
   /// Adds piece `key` (unique in the checkpoint, no newline).
   void add(const std::string& key, torch::serialize::OutputArchive piece);
   PieceWriter nested(const std::string& prefix) const;

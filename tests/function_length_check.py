@@ -10,7 +10,7 @@ import pathlib
 import re
 import sys
 
-FOLDERS = ["amp", "distributor", "parallel", "preconditioners", "shampoo", "update"]
+FOLDERS = ["amp", "distributor", "parallel", "preconditioners", "python", "shampoo", "update"]
 SUFFIXES = {".h", ".cpp", ".cu", ".cuh", ".inc"}
 
 

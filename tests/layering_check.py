@@ -10,6 +10,7 @@ import sys
 
 # folder -> folders it may include (besides itself); docs/architecture.md, "Dependencies".
 ALLOWED = {
+    "python": {"shampoo", "parallel", "distributor", "amp", "update", "preconditioners"},
     "shampoo": {"update", "preconditioners", "distributor", "amp", "parallel"},
     "update": {"preconditioners"},
     "distributor": {"parallel"},

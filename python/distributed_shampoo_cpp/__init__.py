@@ -1,0 +1,44 @@
+"""Distributed Shampoo for LibTorch, from Python: the C++ engine as a torch.optim.Optimizer.
+
+    import distributed_shampoo_cpp as distributed_shampoo   # was: import distributed_shampoo
+    optimizer = distributed_shampoo.DistributedShampoo(model.parameters(), lr=1e-3, ...)
+
+The constructor, defaults and config classes are the reference implementation's
+(facebookresearch/optimizers); docs/python.md says what is supported.
+"""
+
+import torch
+
+from distributed_shampoo_cpp import _C
+
+
+def _check_torch() -> None:
+    found = torch.__version__.split("+")[0]
+    if found != _C.TORCH_VERSION:
+        raise ImportError(
+            f"distributed_shampoo_cpp was built against torch {_C.TORCH_VERSION}, but torch "
+            f"{torch.__version__} is imported; rebuild it against this torch "
+            "(pip install --no-build-isolation .) or install torch==" + _C.TORCH_VERSION)
+
+
+_check_torch()
+
+from distributed_shampoo_cpp import _configs  # noqa: E402
+from distributed_shampoo_cpp.optimizer import DistributedShampoo  # noqa: E402
+
+
+def _is_config(name: str, value: object) -> bool:
+    """The config classes (and their aliases) and the Default* instances of _configs.py."""
+    if name.startswith("_"):
+        return False
+    if isinstance(value, type):
+        return value.__module__ == _configs.__name__
+    return name.startswith("Default")
+
+
+__all__ = ["DistributedShampoo"]
+for _name, _value in vars(_configs).items():
+    if _is_config(_name, _value):
+        globals()[_name] = _value
+        __all__.append(_name)
+__version__ = "0.1.0"

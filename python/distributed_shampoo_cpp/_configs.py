@@ -279,6 +279,27 @@ class DDPDistributedConfig(DistributedConfig):
     process_group: Any = None
 
 
+class FSDPParamAssignmentStrategy(enum.Enum):
+    """How FSDP2's shards are preconditioned. DEFAULT (the only one supported): each rank
+    preconditions the blocks of its own shards, without communication."""
+
+    DEFAULT = enum.auto()
+    REPLICATE = enum.auto()
+    ROUND_ROBIN = enum.auto()
+
+
+@dataclass(kw_only=True)
+class FullyShardDistributedConfig(DistributedConfig):
+    """A model wrapped in FSDP2 (torch.distributed.fsdp.fully_shard): each rank steps its local
+    shards as parameters of their own (blocks within a shard), without communication, as the
+    reference's FullyShardDistributor does."""
+
+    target_parameter_dimensionality: int | float = 1
+    param_assignment_strategy: FSDPParamAssignmentStrategy = FSDPParamAssignmentStrategy.DEFAULT
+    num_sub_groups: int = 1
+    load_balancing_config: Any = None
+
+
 @dataclass
 class ShampooRuntimeConfig:
     eager_nan_check: bool = False

@@ -365,29 +365,46 @@ def engine_options(group: dict) -> dict:
     return out
 
 
-def distributed(config: Any) -> tuple[dict, Any, bool]:
-    """(the engine's distributed options, the process group or None, whether distributed)."""
+def distributed(config: Any) -> tuple[dict, Any, str]:
+    """(the engine's distributed options, the process group or None, the mode: "single", "ddp"
+    or "fully_shard")."""
     out = {"communication_dtype": "float32", "num_trainers_per_group": -1,
            "communicate_params": False, "merge_param_groups": True}
     if config is None or kind(config) == "SingleDeviceDistributedConfig":
         if config is not None:
             Fields(config, "distributed_config").take("target_parameter_dimensionality", 1)
-        return out, None, False
+        return out, None, "single"
+    if kind(config) == "FullyShardDistributedConfig":
+        fields = Fields(config, "distributed_config")
+        fields.require("target_parameter_dimensionality", 1, "the engine blocks every parameter")
+        fields.require("param_assignment_strategy",
+                       lambda v: getattr(v, "name", v) == "DEFAULT",
+                       "each rank steps its own shards (DEFAULT); REPLICATE and ROUND_ROBIN are "
+                       "not supported")
+        fields.require("num_sub_groups", 1, "one pass over every group")
+        load_balancing(fields)
+        fields.done()
+        return out, None, "fully_shard"
     if kind(config) != "DDPDistributedConfig":
         raise unsupported("distributed_config", config,
-                          "SingleDeviceDistributedConfig and DDPDistributedConfig are supported; "
-                          "FSDP, HSDP, fully_shard and hybrid shard configs are not (yet)")
+                          "SingleDeviceDistributedConfig, DDPDistributedConfig and "
+                          "FullyShardDistributedConfig are supported; FSDP (version 1), HSDP and "
+                          "hybrid shard configs are not (yet)")
     fields = Fields(config, "distributed_config")
     fields.require("target_parameter_dimensionality", 1, "the engine blocks every parameter")
     out["communication_dtype"] = dtype_name(fields.take("communication_dtype", torch.float32),
                                             "distributed_config.communication_dtype")
     out["num_trainers_per_group"] = int(fields.take("num_trainers_per_group", -1))
     out["communicate_params"] = bool(fields.take("communicate_params", False))
+    load_balancing(fields)
+    group = fields.take("process_group", None)
+    fields.done()
+    return out, group, "ddp"
+
+
+def load_balancing(fields: Fields) -> None:
     balancing = fields.take("load_balancing_config", None)
     if balancing is not None and kind(getattr(balancing, "cost_model", None)) not in (
             "AlignedMemoryCostModel", "NoneType"):
         raise unsupported("distributed_config.load_balancing_config", balancing,
                           "the engine balances blocks by its own cost model")
-    group = fields.take("process_group", None)
-    fields.done()
-    return out, group, True

@@ -99,12 +99,17 @@ class DistributedShampoo(torch.optim.Optimizer):
             factored_grafting=factored_grafting, use_merge_dims=use_merge_dims,
             compact_state=compact_state)
         super().__init__(params, defaults)
-        options, group, is_distributed = _translate.distributed(distributed_config)
+        options, group, mode = _translate.distributed(distributed_config)
         options["merge_param_groups"] = bool(merge_param_groups)
-        if is_distributed:
+        if mode == "ddp":
             group = self._checked_process_group(group)
         self._distributed_config = distributed_config
-        specs = [(list(g["params"]), self._options_of(g, i)) for i, g in enumerate(self.param_groups)]
+        # FullyShardDistributedConfig: the engine steps each rank's local shards (DTensor
+        # parameters' local tensors); their gradients are handed over at each step.
+        self._shards: list[tuple[torch.Tensor, torch.Tensor]] | None = (
+            [] if mode == "fully_shard" else None)
+        specs = [(self._engine_params(g, i), self._options_of(g, i))
+                 for i, g in enumerate(self.param_groups)]
         self._engine = _engine_call(lambda: _C.Engine(specs, options, group), "DistributedShampoo")
         self._floats: list[tuple] = []
         self._structure: list[tuple] = []
@@ -133,6 +138,26 @@ class DistributedShampoo(torch.optim.Optimizer):
                 ) from None
         return group
 
+    def _engine_params(self, group: dict, index: int) -> list[torch.Tensor]:
+        """The tensors the engine steps for a group: its parameters, or their local shards."""
+        if self._shards is None:
+            return list(group["params"])
+        locals_ = []
+        for j, p in enumerate(group["params"]):
+            if not hasattr(p, "to_local"):
+                raise ValueError(f"FullyShardDistributedConfig: parameter {j} of param group "
+                                 f"{index} is not a DTensor: apply "
+                                 "torch.distributed.fsdp.fully_shard to the model first")
+            with torch.no_grad():
+                local = p.to_local()
+            if local.numel() == 0:
+                raise ValueError(f"FullyShardDistributedConfig: parameter {j} of param group "
+                                 f"{index} (shape {tuple(p.shape)}) has no rows on this rank; "
+                                 "not supported yet (put it in a module that is not sharded)")
+            self._shards.append((p, local))
+            locals_.append(local)
+        return locals_
+
     def _options_of(self, group: dict, index: int) -> dict:
         try:
             return _translate.engine_options(group)
@@ -157,8 +182,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         index = len(self.param_groups) - 1
         try:
             options = self._options_of(group, index)
-            _engine_call(lambda: self._engine.add_param_group(list(group["params"]), options),
-                         "add_param_group")
+            params = self._engine_params(group, index)
+            _engine_call(lambda: self._engine.add_param_group(params, options), "add_param_group")
         except Exception:
             self.param_groups.pop()
             raise
@@ -188,10 +213,23 @@ class DistributedShampoo(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_groups()
-        self._engine.step()
+        if self._shards is None:
+            self._engine.step()
+        else:
+            self._step_shards()
         for i, tensor in enumerate(self._step_tensors):
             tensor.fill_(float(self._engine.group_step(i)))
         return loss
+
+    def _step_shards(self) -> None:
+        """FSDP2: the local shards take their DTensor gradients' local tensors for the step."""
+        try:
+            for p, local in self._shards:
+                local.grad = None if p.grad is None else p.grad.to_local()
+            self._engine.step()
+        finally:
+            for _, local in self._shards:
+                local.grad = None
 
     def train(self) -> None:
         """Iterate averaging: the parameters back to the training sequence (see eval())."""

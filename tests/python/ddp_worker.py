@@ -50,6 +50,11 @@ def main():
           f"{stats['collectives_last_step']} collectives in the last step, expected 1")
     check(stats["bytes_sent_per_step"] > 0, "nothing sent")
 
+    # Trainer groups of one rank each (the reference's num_trainers_per_group, HSDP's analogue
+    # for DDP): every rank holds every block, and the run is still one process's.
+    grouped, optimizer = run(ds.DDPDistributedConfig(num_trainers_per_group=1))
+    check(all(torch.equal(a, e) for a, e in zip(grouped, single)), "num_trainers_per_group=1")
+
     # The model wrapped in PyTorch's DDP (as a user does): the same batches on every rank, so
     # DDP's average is the gradient itself and the run equals one process.
     model = make_model()

@@ -1,5 +1,6 @@
-"""DDPDistributedConfig from Python: tests/python/ddp_worker.py at world 2 under torchrun (Gloo),
-and the errors a user meets without a process group. SHAMPOO_TORCHRUN names the launcher."""
+"""Distributed from Python under torchrun (Gloo), at world 2 and 3: DDPDistributedConfig
+(tests/python/ddp_worker.py) and FSDP2 with FullyShardDistributedConfig (fsdp2_worker.py); the
+errors a user meets without a process group. SHAMPOO_TORCHRUN names the launcher."""
 
 import os
 import subprocess
@@ -15,17 +16,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class DistributedFromPython(unittest.TestCase):
-    def test_world_2_equals_one_process_with_one_allgather_per_step(self):
+    def _launch(self, worker, world):
         torchrun = env("SHAMPOO_TORCHRUN")
         launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
         result = subprocess.run(
-            launcher + ["--standalone", "--nproc-per-node", "2",
-                        os.path.join(HERE, "ddp_worker.py")],
+            launcher + ["--standalone", "--nproc-per-node", str(world),
+                        os.path.join(HERE, worker)],
             capture_output=True, text=True, timeout=300)
-        output = result.stdout + result.stderr
-        self.assertEqual(result.returncode, 0, output[-4000:])
-        self.assertIn("rank 0 of 2 ok", output)
-        self.assertIn("rank 1 of 2 ok", output)
+        return result.returncode, result.stdout + result.stderr
+
+    def test_ddp_config_equals_one_process_with_one_allgather_per_step(self):
+        for world in (2, 3):
+            with self.subTest(world=world):
+                code, output = self._launch("ddp_worker.py", world)
+                self.assertEqual(code, 0, output[-4000:])
+                for rank in range(world):
+                    self.assertIn(f"rank {rank} of {world} ok", output)
+
+    def test_fsdp2_model_steps_its_shards_as_the_reference_does(self):
+        for world in (2, 3):
+            with self.subTest(world=world):
+                code, output = self._launch("fsdp2_worker.py", world)
+                self.assertEqual(code, 0, output[-4000:])
+                for rank in range(world):
+                    self.assertIn(f"fsdp2 rank {rank} of {world} ok", output)
 
     def test_without_torch_distributed_the_error_says_what_to_do(self):
         with self.assertRaisesRegex(ValueError, "init_process_group"):
@@ -43,13 +57,21 @@ class DistributedFromPython(unittest.TestCase):
                                       process_group=NcclOnlyGroup()))
 
     def test_sharded_configs_are_refused_by_name(self):
-        class FullyShardDistributedConfig:  # a stand-in for the reference's class
+        class HybridShardDistributedConfig:  # a stand-in for the reference's class
             def __init__(self):
-                self.param_assignment_strategy = None
+                self.num_trainers_per_group = -1
 
-        with self.assertRaisesRegex(ValueError, "FullyShardDistributedConfig"):
+        with self.assertRaisesRegex(ValueError, "HybridShardDistributedConfig"):
             ds.DistributedShampoo(make_model().parameters(),
-                                  distributed_config=FullyShardDistributedConfig())
+                                  distributed_config=HybridShardDistributedConfig())
+        with self.assertRaisesRegex(ValueError, "ROUND_ROBIN"):
+            ds.DistributedShampoo(make_model().parameters(),
+                                  distributed_config=ds.FullyShardDistributedConfig(
+                                      param_assignment_strategy=(
+                                          ds.FSDPParamAssignmentStrategy.ROUND_ROBIN)))
+        with self.assertRaisesRegex(ValueError, "not a DTensor"):
+            ds.DistributedShampoo(make_model().parameters(),
+                                  distributed_config=ds.FullyShardDistributedConfig())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""One rank of test_distributed.py's FSDP2 case, launched by torchrun: a model wrapped in
+torch.distributed.fsdp.fully_shard, stepped with FullyShardDistributedConfig (each rank its own
+shards, no communication in the optimizer), equals one process stepping every row chunk of every
+parameter as a parameter of its own. Prints "fsdp2 rank R ok"; raises otherwise."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import distributed_shampoo_cpp as ds  # noqa: E402
+from support import loss_of, make_model, train  # noqa: E402
+
+SHAMPOO = dict(lr=0.01, grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
+               precondition_frequency=3, start_preconditioning_step=3)
+STEPS = range(1, 10)
+
+
+def one_process(world):
+    """Every parameter's row chunks (as FSDP2 shards them) stepped as parameters of their own."""
+    model = make_model()
+    chunks = [[c.clone() for c in p.detach().chunk(world, dim=0)] for p in model.parameters()]
+    optimizer = ds.DistributedShampoo([c for cs in chunks for c in cs], **SHAMPOO)
+    for t in STEPS:
+        model.zero_grad()
+        loss_of(model, t).backward()
+        for p, cs in zip(model.parameters(), chunks):
+            for c, g in zip(cs, p.grad.chunk(world, dim=0)):
+                c.grad = g.clone()
+        optimizer.step()
+        with torch.no_grad():
+            for p, cs in zip(model.parameters(), chunks):
+                p.copy_(torch.cat(cs, dim=0))
+    return [p.detach() for p in model.parameters()]
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    expected = one_process(world)
+
+    model = make_model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    optimizer = ds.DistributedShampoo(model.parameters(),
+                                      distributed_config=ds.FullyShardDistributedConfig(),
+                                      **SHAMPOO)
+    train(model, optimizer, STEPS)  # every rank: the same batches
+    for i, (p, e) in enumerate(zip(model.parameters(), expected)):
+        full = p.full_tensor()
+        if not torch.equal(full, e):
+            raise AssertionError(f"rank {rank}: parameter {i} differs from one process by "
+                                 f"{(full - e).abs().max().item():.3e}")
+    # Whole parameters give another run (Shampoo's factors span the rows): the comparison above
+    # sees the chunking.
+    whole = make_model()
+    train(whole, ds.DistributedShampoo(whole.parameters(), **SHAMPOO), STEPS)
+    if torch.equal(next(whole.parameters()).detach(), expected[0]):
+        raise AssertionError(f"rank {rank}: chunked and whole runs agree; the test sees nothing")
+    state = optimizer.state_dict()
+    if len(state["state"]) != len(expected):
+        raise AssertionError(f"rank {rank}: state_dict has {len(state['state'])} entries")
+    print(f"fsdp2 rank {rank} of {world} ok", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -36,6 +36,7 @@ set(SHAMPOO_PUBLIC_HEADERS
   shampoo/checkpoint.h
   shampoo/distributed_shampoo.h
   shampoo/fault_point.h
+  shampoo/lr_schedulers.h
   shampoo/shampoo.h
   shampoo/shampoo_options.h
   shampoo/training_checkpoint.h

@@ -3,6 +3,9 @@
 /// without restarts: lr_t = min_lr + (base_lr − min_lr)·(1 + cos(π·t / total_steps)) / 2, where
 /// base_lr is each param group's lr when the scheduler is made. After total_steps it stays at
 /// min_lr. Call step() once after each optimizer step.
+/// The library's shampoo::CosineAnnealingLr (shampoo/lr_schedulers.h) is PyTorch's recursive
+/// form, equal to it bit for bit; this closed form stays, as the one the trainer's measured runs
+/// used (the two differ in the last bits of a double).
 
 #include <torch/optim/optimizer.h>
 #include <torch/optim/schedulers/lr_scheduler.h>

@@ -17,6 +17,7 @@
 #include "shampoo/checkpoint.h"
 #include "shampoo/config.h"
 #include "shampoo/distributed_shampoo.h"
+#include "shampoo/lr_schedulers.h"
 #include "shampoo/shampoo_options.h"
 #include "shampoo/training_checkpoint.h"
 #include "shampoo/wrapped_shampoo.h"

@@ -18,6 +18,7 @@ set(readme_context_full_sharding model x y loss_fn num_steps group)
 set(readme_context_virtual_groups conv_weights biases)
 set(readme_context_training_checkpoint model x y loss_fn num_steps group)
 set(readme_context_gradient_sharding model x y loss_fn num_steps group)
+set(readme_context_lr_schedule model x y loss_fn num_steps)
 
 # Writes `output` (a C++ file whose main() runs every marked block with its context) and sets
 # `names_var` to the names of the blocks found, in README order.

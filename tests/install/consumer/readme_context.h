@@ -51,4 +51,7 @@ struct training_checkpoint : full_sharding {};
 /// The gradient-sharding snippet: the same.
 struct gradient_sharding : full_sharding {};
 
+/// The learning-rate schedule snippet: the quickstart's model, batch and loss.
+struct lr_schedule : quickstart {};
+
 }  // namespace readme_context

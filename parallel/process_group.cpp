@@ -154,7 +154,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
 
 bool has_cuda_backend(const c10d::ProcessGroup& group) {
   for (const auto& device : group.getDeviceTypes()) {
-    if (device.is_cuda()) return true;
+    if (!device.is_cuda()) continue;
+    // torch.distributed's Gloo groups serve CUDA tensors too (through Gloo): only an NCCL
+    // backend for CUDA makes subgroups ask for NCCL (which a machine without GPUs refuses).
+    auto backend = const_cast<c10d::ProcessGroup&>(group).getBackend(c10::DeviceType::CUDA);
+    return backend && backend->getBackendName() == "nccl";
   }
   return false;
 }

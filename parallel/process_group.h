@@ -90,7 +90,8 @@ std::vector<int> global_ranks(const c10d::ProcessGroup& group);
 /// The timeout of `group`'s CPU backend (kDefaultProcessGroupTimeout when it has none).
 std::chrono::milliseconds group_timeout(c10d::ProcessGroup& group);
 
-/// Whether `group` has a backend for CUDA tensors.
+/// Whether `group` has an NCCL backend for CUDA tensors (a Gloo backend that also serves CUDA
+/// tensors, as torch.distributed's Gloo groups do, does not count).
 bool has_cuda_backend(const c10d::ProcessGroup& group);
 
 }  // namespace detail

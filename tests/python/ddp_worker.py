@@ -14,6 +14,24 @@ from support import make_model, params_of, train  # noqa: E402
 
 SHAMPOO = dict(lr=0.01, grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
                precondition_frequency=3, start_preconditioning_step=3)
+# Where DDP's or FSDP2's gradient average is not exact (a world that is not a power of two: g/3
+# summed three times is not g), the reference's settings (float32 factors, ε 1e-12) amplify that
+# rounding through near-singular factors (measured: 0.12 apart after 9 steps at world 3); this
+# engine's float64 factors with a relative ε keep such runs together (docs/math.md).
+ROBUST = dict(SHAMPOO, relative_epsilon=1e-7,
+              preconditioner_config=ds.RootInvShampooPreconditionerConfig(
+                  factor_matrix_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64))
+
+
+def exact_average(world):
+    return world & (world - 1) == 0
+
+
+def same(a, b, exact):
+    """Bit for bit where the average is exact, else within 5e-4 (measured at world 3: at most
+    9.3e-5 under DDP and 1.3e-5 under FSDP2, for parameters of size ~0.5 that moved 0.09 to 0.42
+    in the run; the reference's settings were 0.12 apart)."""
+    return torch.equal(a, b) if exact else (a - b).abs().max().item() <= 5e-4
 
 
 def groups_of(model):
@@ -23,10 +41,10 @@ def groups_of(model):
             for i, p in enumerate(params)]
 
 
-def run(distributed_config):
+def run(distributed_config, settings=SHAMPOO):
     model = make_model()
     optimizer = ds.DistributedShampoo(groups_of(model), distributed_config=distributed_config,
-                                      **SHAMPOO)
+                                      **settings)
     train(model, optimizer, range(1, 10))  # every rank: the same batches
     return params_of(model), optimizer
 
@@ -56,14 +74,17 @@ def main():
     check(all(torch.equal(a, e) for a, e in zip(grouped, single)), "num_trainers_per_group=1")
 
     # The model wrapped in PyTorch's DDP (as a user does): the same batches on every rank, so
-    # DDP's average is the gradient itself and the run equals one process.
+    # DDP's average is the gradient itself (exactly so at world 2) and the run is one process's.
+    exact = exact_average(world)
+    settings = SHAMPOO if exact else ROBUST
+    expected = single if exact else run(None, settings)[0]
     model = make_model()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = ds.DistributedShampoo(groups_of(model), distributed_config=ds.DDPDistributedConfig(),
-                                      **SHAMPOO)
+                                      **settings)
     train(wrapped, optimizer, range(1, 10))
-    for i, (a, e) in enumerate(zip(params_of(model), single)):
-        check(torch.equal(a, e), f"under DDP, parameter {i} differs by "
+    for i, (a, e) in enumerate(zip(params_of(model), expected)):
+        check(same(a, e, exact), f"under DDP, parameter {i} differs by "
                                  f"{(a - e).abs().max().item():.3e}")
 
     # A group passed in: every rank its own subgroup of one (dist.new_subgroups(1)).

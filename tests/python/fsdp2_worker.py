@@ -17,14 +17,32 @@ from support import loss_of, make_model, train  # noqa: E402
 
 SHAMPOO = dict(lr=0.01, grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
                precondition_frequency=3, start_preconditioning_step=3)
+# Where DDP's or FSDP2's gradient average is not exact (a world that is not a power of two: g/3
+# summed three times is not g), the reference's settings (float32 factors, ε 1e-12) amplify that
+# rounding through near-singular factors (measured: 0.12 apart after 9 steps at world 3); this
+# engine's float64 factors with a relative ε keep such runs together (docs/math.md).
+ROBUST = dict(SHAMPOO, relative_epsilon=1e-7,
+              preconditioner_config=ds.RootInvShampooPreconditionerConfig(
+                  factor_matrix_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64))
+
+
+def exact_average(world):
+    return world & (world - 1) == 0
+
+
+def same(a, b, exact):
+    """Bit for bit where the average is exact, else within 5e-4 (measured at world 3: at most
+    9.3e-5 under DDP and 1.3e-5 under FSDP2, for parameters of size ~0.5 that moved 0.09 to 0.42
+    in the run; the reference's settings were 0.12 apart)."""
+    return torch.equal(a, b) if exact else (a - b).abs().max().item() <= 5e-4
 STEPS = range(1, 10)
 
 
-def one_process(world):
+def one_process(world, settings):
     """Every parameter's row chunks (as FSDP2 shards them) stepped as parameters of their own."""
     model = make_model()
     chunks = [[c.clone() for c in p.detach().chunk(world, dim=0)] for p in model.parameters()]
-    optimizer = ds.DistributedShampoo([c for cs in chunks for c in cs], **SHAMPOO)
+    optimizer = ds.DistributedShampoo([c for cs in chunks for c in cs], **settings)
     for t in STEPS:
         model.zero_grad()
         loss_of(model, t).backward()
@@ -41,24 +59,27 @@ def one_process(world):
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    expected = one_process(world)
+    # FSDP2 averages the ranks' gradients (the same here): exactly at world 2, not at world 3.
+    exact = exact_average(world)
+    settings = SHAMPOO if exact else ROBUST
+    expected = one_process(world, settings)
 
     model = make_model()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     optimizer = ds.DistributedShampoo(model.parameters(),
                                       distributed_config=ds.FullyShardDistributedConfig(),
-                                      **SHAMPOO)
+                                      **settings)
     train(model, optimizer, STEPS)  # every rank: the same batches
     for i, (p, e) in enumerate(zip(model.parameters(), expected)):
         full = p.full_tensor()
-        if not torch.equal(full, e):
+        if not same(full, e, exact):
             raise AssertionError(f"rank {rank}: parameter {i} differs from one process by "
                                  f"{(full - e).abs().max().item():.3e}")
     # Whole parameters give another run (Shampoo's factors span the rows): the comparison above
     # sees the chunking.
     whole = make_model()
-    train(whole, ds.DistributedShampoo(whole.parameters(), **SHAMPOO), STEPS)
-    if torch.equal(next(whole.parameters()).detach(), expected[0]):
+    train(whole, ds.DistributedShampoo(whole.parameters(), **settings), STEPS)
+    if same(next(whole.parameters()).detach(), expected[0], exact):
         raise AssertionError(f"rank {rank}: chunked and whole runs agree; the test sees nothing")
     state = optimizer.state_dict()
     if len(state["state"]) != len(expected):

@@ -9,19 +9,23 @@ The constructor, defaults and config classes are the reference implementation's
 
 import torch
 
-from distributed_shampoo_cpp import _C
+from distributed_shampoo_cpp._build_info import TORCH_VERSION as _BUILT_FOR
 
 
 def _check_torch() -> None:
+    """Before the extension is loaded: one built against another torch would fail to load with
+    an undefined symbol."""
     found = torch.__version__.split("+")[0]
-    if found != _C.TORCH_VERSION:
+    if found != _BUILT_FOR:
         raise ImportError(
-            f"distributed_shampoo_cpp was built against torch {_C.TORCH_VERSION}, but torch "
+            f"distributed_shampoo_cpp was built against torch {_BUILT_FOR}, but torch "
             f"{torch.__version__} is imported; rebuild it against this torch "
-            "(pip install --no-build-isolation .) or install torch==" + _C.TORCH_VERSION)
+            f"(pip install --no-build-isolation .) or install torch=={_BUILT_FOR}")
 
 
 _check_torch()
+
+from distributed_shampoo_cpp import _C  # noqa: E402
 
 from distributed_shampoo_cpp import _configs  # noqa: E402
 from distributed_shampoo_cpp.optimizer import DistributedShampoo  # noqa: E402

@@ -106,7 +106,10 @@ void Engine::load_state_pieces(const std::vector<std::map<std::string, at::Tenso
   std::map<std::string, PieceReader::Location> locations;
   for (size_t i = 0; i < pieces.size(); ++i) {
     for (const auto& [rest, tensor] : pieces[i]) {
-      const auto key = "p" + std::to_string(i) + "/" + rest;
+      std::string key = "p";
+      key += std::to_string(i);
+      key += '/';
+      key += rest;
       (*bytes)[key] = tensor_bytes(tensor, key);
       locations[key] = PieceReader::Location{key, 0};
     }

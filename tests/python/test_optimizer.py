@@ -338,6 +338,10 @@ class Package(unittest.TestCase):
         finally:
             torch.__version__ = saved
 
+    def test_the_recorded_torch_version_is_the_compiled_one(self):
+        from distributed_shampoo_cpp import _C, _build_info
+        self.assertEqual(_build_info.TORCH_VERSION, _C.TORCH_VERSION)
+
     def test_library_warnings_are_python_warnings(self):
         # A 1-D parameter of 2048 with the reference's defaults: a 2048 x 2048 factor and root,
         # 2000x its bytes; the library warns (TORCH_WARN) when the optimizer is built.

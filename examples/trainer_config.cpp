@@ -41,6 +41,10 @@ const Names<GraftingKind> kGraftings{{"none", GraftingKind::kNone},
                                      {"adam", GraftingKind::kAdam}};
 const Names<CompactChoice> kCompactChoices{
     {"none", CompactChoice::kNone}, {"bf16", CompactChoice::kBf16}, {"int8", CompactChoice::kInt8}};
+const Names<WeightDecayChoice> kWeightDecayTypes{{"l2", WeightDecayChoice::kL2},
+                                                 {"decoupled", WeightDecayChoice::kDecoupled},
+                                                 {"corrected", WeightDecayChoice::kCorrected},
+                                                 {"independent", WeightDecayChoice::kIndependent}};
 const Names<c10::ScalarType> kFactorDtypes{{"fp32", c10::ScalarType::Float},
                                            {"fp64", c10::ScalarType::Double}};
 const Names<c10::ScalarType> kCommunicationDtypes{{"fp32", c10::ScalarType::Float},
@@ -224,8 +228,12 @@ void add_optimizer_flags(CommandLine& cli, TrainerConfig& config, FlagValues& va
       .add("dampening", config.dampening, "dampening of the momentum (sgd, shampoo)")
       .add_bool("use-nesterov", config.use_nesterov, "Nesterov momentum (sgd, shampoo)")
       .add_bool("use-decoupled-weight-decay", config.use_decoupled_weight_decay,
-                "shampoo: decoupled (AdamW-style) weight decay; false: L2 added to the gradient. "
-                "adam always uses L2, adamw always decoupled");
+                "shampoo: decoupled (AdamW-style) weight decay; false: L2 added to the gradient "
+                "(= --weight-decay-type l2). adam always uses L2, adamw always decoupled")
+      .add_choice("weight-decay-type", config.weight_decay_type, kWeightDecayTypes,
+                  "shampoo: where weight decay enters: l2 (added to the gradient), decoupled "
+                  "(AdamW's), corrected (decoupled x lr / peak lr, the reference's CORRECTED: "
+                  "follows the schedule), independent (decoupled / peak lr); the peak lr is --lr");
 }
 
 void add_shampoo_flags(CommandLine& cli, TrainerConfig& config, FlagValues& values) {
@@ -255,6 +263,9 @@ void add_shampoo_flags(CommandLine& cli, TrainerConfig& config, FlagValues& valu
                 "and column sums (false: exact, the reference's)")
       .add("max-factored-dim", config.max_factored_dim,
            "shampoo: a parameter dim larger than this keeps no Kronecker factor (-1 = no limit)")
+      .add("trace-scaling", config.trace_scaling,
+           "shampoo: scale each Kronecker factor by its trace^-x before its root, x in (0, 1] "
+           "(the reference's use_trace_scaling and trace_scaling_exponent; 0 = off)")
       .add("relative-epsilon", config.relative_epsilon,
            "shampoo: factors regularized with --epsilon + this x their trace (0 = --epsilon "
            "alone; for fp32 factors, whose rounding it damps)")
@@ -342,6 +353,14 @@ std::optional<TrainerConfig> parse_trainer_config(int argc, const char* const* a
   config.beta2 = values.betas[1];
   config.merge_groups = !values.no_merge_groups;
   config.local_batch_size_given = cli.was_set("local-batch-size");
+  if (!config.use_decoupled_weight_decay) {
+    if (cli.was_set("weight-decay-type") && config.weight_decay_type != WeightDecayChoice::kL2) {
+      throw std::invalid_argument(
+          "--use-decoupled-weight-decay false says L2 weight decay, --weight-decay-type says " +
+          name_of(kWeightDecayTypes, config.weight_decay_type) + "; give one of them");
+    }
+    config.weight_decay_type = WeightDecayChoice::kL2;
+  }
   if (config.checkpoint_every > 0 && config.checkpoint_dir.empty()) {
     throw std::invalid_argument("--checkpoint-every: got " +
                                 std::to_string(config.checkpoint_every) +

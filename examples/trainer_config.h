@@ -36,6 +36,8 @@ enum class AmpMode { kOff, kBf16, kFp16 };
 enum class ShardingMode { kNone, kState, kGradients, kFull, kHybrid };
 /// shampoo::CompactState (--compact-state).
 enum class CompactChoice { kNone, kBf16, kInt8 };
+/// shampoo::WeightDecayType (--weight-decay-type).
+enum class WeightDecayChoice { kL2, kDecoupled, kCorrected, kIndependent };
 
 struct TrainerConfig {
   // Data and model.
@@ -96,7 +98,8 @@ struct TrainerConfig {
   double momentum = 0.0;
   double dampening = 0.0;
   bool use_nesterov = false;
-  bool use_decoupled_weight_decay = true;
+  bool use_decoupled_weight_decay = true;  // false = --weight-decay-type l2
+  WeightDecayChoice weight_decay_type = WeightDecayChoice::kDecoupled;
 
   // Shampoo: the library's defaults (roots every 50 steps, Adam grafting), not the reference's
   // (every step, no grafting: ShampooOptions::reference_defaults()).
@@ -112,6 +115,7 @@ struct TrainerConfig {
   bool factored_grafting = true;
   int64_t max_factored_dim = 4096;
   double relative_epsilon = 1e-7;
+  double trace_scaling = 0.0;  // the trace scaling exponent; 0 = off
   c10::ScalarType factor_dtype = c10::ScalarType::Double;
   CompactChoice compact_state = CompactChoice::kNone;
 

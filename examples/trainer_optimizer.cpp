@@ -31,14 +31,18 @@ GraftingConfig make_grafting(const TrainerConfig& config) {
   return std::monostate{};
 }
 
+// --weight-decay-type names WeightDecayType's values in its order.
+static_assert(static_cast<int>(WeightDecayChoice::kL2) == static_cast<int>(WeightDecayType::kL2) &&
+              static_cast<int>(WeightDecayChoice::kIndependent) ==
+                  static_cast<int>(WeightDecayType::kIndependent));
+
 ShampooOptions make_shampoo_options(const TrainerConfig& config) {
   return ShampooOptions(config.lr)
       .betas({config.beta1, config.beta2})
       .beta3(config.beta3)
       .epsilon(config.epsilon)
       .weight_decay(config.weight_decay)
-      .weight_decay_type(config.use_decoupled_weight_decay ? WeightDecayType::kDecoupled
-                                                           : WeightDecayType::kL2)
+      .weight_decay_type(static_cast<WeightDecayType>(config.weight_decay_type))
       .momentum(config.momentum)
       .dampening(config.dampening)
       .use_nesterov(config.use_nesterov)
@@ -48,6 +52,8 @@ ShampooOptions make_shampoo_options(const TrainerConfig& config) {
       .factored_grafting(config.factored_grafting)
       .max_factored_dim(config.max_factored_dim)
       .relative_epsilon(config.relative_epsilon)
+      .use_trace_scaling(config.trace_scaling != 0.0)
+      .trace_scaling_exponent(config.trace_scaling != 0.0 ? config.trace_scaling : 0.5)
       .factor_matrix_dtype(config.factor_dtype)
       .precondition_frequency(config.precondition_frequency)
       .start_preconditioning_step(config.start_preconditioning_step)

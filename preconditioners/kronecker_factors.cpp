@@ -126,6 +126,13 @@ at::Tensor KroneckerFactors::corrected_factors(int64_t stack, const Rows& rows, 
       row_scalars(scalars.bias_correction2, factor.stored().options(), factor.stored_dims());
   const auto divided = gather_rows(factor.stored(), rows) / bias;
   auto corrected = factor.packed() ? unpack_symmetric(divided, factor.dim()) : divided;
+  if (settings_.trace_scaling_exponent != 0.0) {
+    // docs/math.md "Trace scaling": A·max(tr A, ε)^(−e), the trace of the corrected factor.
+    const auto epsilon = row_scalars(scalars.epsilon, corrected.options(), 2);
+    const auto trace = corrected.diagonal(0, -2, -1).sum(-1, /*keepdim=*/true);
+    const auto scale = at::maximum(trace, epsilon).pow(-settings_.trace_scaling_exponent);
+    corrected = corrected * scale.unsqueeze(-1);
+  }
   const auto finite = stacked_all_finite(corrected);
   for (int64_t i = 0; i < rows.size(); ++i) {
     TORCH_CHECK(finite[i], "Shampoo: the Kronecker factor of ", s.spec.names[rows.rows[i]],

@@ -42,6 +42,9 @@ struct MatrixPreconditionerSettings {
   /// Set by the factory from the config (factor_statistics): KL-Shampoo's configs say kKL.
   FactorStatistics statistics = FactorStatistics::kShampoo;
   int64_t tolerated_failures = 3;
+  /// Trace scaling of the Kronecker factors before every amortized computation: A becomes
+  /// A·max(tr A, ε)^(−exponent); 0 = off (ShampooOptions::use_trace_scaling).
+  double trace_scaling_exponent = 0.0;
   /// Symmetric matrices (factors, inverse roots) as packed lower triangles (symmetric_matrices.h).
   bool symmetric_packing = true;
   /// How the inverse roots are kept (the factors stay in factor_dtype).

@@ -102,11 +102,13 @@ struct Codec<WeightDecayType> {
     a.write(key, c10::IValue(static_cast<int64_t>(v)));
   }
   static WeightDecayType read(InputArchive& a, const std::string& key) {
-    return static_cast<WeightDecayType>(read_index(a, key, 2));
+    return static_cast<WeightDecayType>(read_index(a, key, 4));
   }
   static int64_t code(WeightDecayType v) { return static_cast<int64_t>(v); }
   static std::string describe(WeightDecayType v) {
-    return v == WeightDecayType::kL2 ? "kL2" : "kDecoupled";
+    static constexpr std::array<const char*, 4> kNames = {"kL2", "kDecoupled", "kCorrected",
+                                                          "kIndependent"};
+    return kNames.at(static_cast<size_t>(v));
   }
 };
 
@@ -723,6 +725,8 @@ std::vector<OptionField> make_option_fields() {
                   [](ShampooOptions& o) { o.relative_epsilon(0.0); }),
       SHAMPOO_SIMPLE_OPTION(double, weight_decay, kFloat),
       SHAMPOO_SIMPLE_OPTION(WeightDecayType, weight_decay_type, kStructural),
+      // Checkpoints from before peak_lr: L2 or decoupled decay, which do not read it.
+      added_field(SHAMPOO_SIMPLE_OPTION(double, peak_lr, kFloat), [](ShampooOptions&) {}),
       SHAMPOO_SIMPLE_OPTION(double, momentum, kFloat),
       SHAMPOO_SIMPLE_OPTION(double, dampening, kFloat),
       SHAMPOO_SIMPLE_OPTION(bool, use_nesterov, kStructural),
@@ -744,6 +748,10 @@ std::vector<OptionField> make_option_fields() {
       storage_layout_field(SHAMPOO_SIMPLE_OPTION(bool, factored_grafting, kStructural)),
       preconditioner_field(),
       inverse_exponent_override_field(),
+      added_field(SHAMPOO_SIMPLE_OPTION(bool, use_trace_scaling, kStructural),
+                  [](ShampooOptions& o) { o.use_trace_scaling(false); }),
+      added_field(SHAMPOO_SIMPLE_OPTION(double, trace_scaling_exponent, kStructural),
+                  [](ShampooOptions& o) { o.trace_scaling_exponent(0.5); }),
       SHAMPOO_SIMPLE_OPTION(int64_t, num_tolerated_failed_amortized_computations, kStructural),
       iterate_averaging_field(),
   };

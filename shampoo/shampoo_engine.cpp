@@ -20,6 +20,10 @@
 
 namespace shampoo::detail {
 
+void resolve_peak_lr(ShampooOptions& options) {
+  if (options.peak_lr() == -1.0) options.peak_lr(options.lr());
+}
+
 ShampooOptions& options_of(torch::optim::OptimizerParamGroup& group, size_t index) {
   return const_cast<ShampooOptions&>(
       options_of(static_cast<const torch::optim::OptimizerParamGroup&>(group), index));
@@ -101,6 +105,7 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
   } else {
     options = std::make_unique<ShampooOptions>(defaults_);
   }
+  resolve_peak_lr(static_cast<ShampooOptions&>(*options));
   try {
     static_cast<const ShampooOptions&>(*options).validate();
   } catch (const c10::Error& e) {
@@ -113,8 +118,7 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
   register_added_params(groups);
 }
 
-bool ShampooEngine::register_added_params(
-    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+bool ShampooEngine::register_added_params(std::vector<torch::optim::OptimizerParamGroup>& groups) {
   // torch::optim::Optimizer::add_param_group and add_parameters are not virtual: through a
   // base-class reference they append a group (with a copy of its options, or of the defaults) or
   // parameters (to group 0) to param_groups() without telling this engine. Whatever was appended
@@ -132,6 +136,7 @@ bool ShampooEngine::register_added_params(
     const auto& params = groups[g].params();
     const size_t first = g < registered ? static_cast<size_t>(registry_.group_sizes[g]) : 0;
     if (g < registered && params.size() <= first) continue;  // fewer: check_groups says so
+    if (g >= registered) resolve_peak_lr(options_of(groups[g], g));
     const auto& options = options_of(groups[g], g);
     if (g >= registered) {
       try {
@@ -332,7 +337,8 @@ std::vector<double> max_abs_entries(const std::vector<at::Tensor>& tensors) {
 
 }  // namespace
 
-void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
+void ShampooEngine::collect_gradients(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                      const std::vector<int64_t>& params,
                                       std::vector<std::vector<at::Tensor>>& grad_blocks,
                                       std::vector<double>& grad_abs_max) const {
   std::vector<at::Tensor> grads;
@@ -362,6 +368,15 @@ void ShampooEngine::collect_gradients(const std::vector<int64_t>& params,
                 " (group ", registry_.params[p].group, ", shape ",
                 registry_.params[p].param.sizes(), ") has non-finite values (NaN or inf) at step ",
                 group_steps_[registry_.params[p].group] + 1, "; the step was not applied");
+    const auto& entry = registry_.params[p];
+    int64_t block_numel = 0;
+    for (const auto& block : entry.plan.blocks) block_numel = std::max(block_numel, block.numel);
+    const auto overflow = statistics_overflow(options_of(groups[entry.group], entry.group),
+                                              grads[i].scalar_type(), block_numel, max_abs[i]);
+    TORCH_CHECK(overflow.empty(), "DistributedShampoo: the gradient of parameter ", p, " (group ",
+                entry.group, ", shape ", entry.param.sizes(), ") at step ",
+                group_steps_[entry.group] + 1, ": ", overflow,
+                "; the step was not applied (lower the lr or loss scale, or clip the gradients)");
   }
   for (size_t i = 0; i < grads.size(); ++i) {
     const auto p = grad_owner[i];
@@ -450,7 +465,7 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
   std::vector<double> grad_abs_max(registry_.params.size(), 0.0);
   {
     RECORD_USER_SCOPE("shampoo::collect_gradients");
-    collect_gradients(params, grad_blocks, grad_abs_max);
+    collect_gradients(groups, params, grad_blocks, grad_abs_max);
   }
   RECORD_USER_SCOPE("shampoo::compute");  // plans, journals, writes back; chunks inside
   std::vector<std::vector<at::Tensor>> param_blocks(registry_.params.size());

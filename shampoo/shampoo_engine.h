@@ -31,7 +31,7 @@ class ShampooEngine {
   /// Registers what was appended to `groups` behind the engine's back (through the base class's
   /// add_param_group or add_parameters) as add_group does; returns whether anything was.
   /// Collective in distributed mode when it registers something (the ranks' agreement).
-  bool register_added_params(const std::vector<torch::optim::OptimizerParamGroup>& groups);
+  bool register_added_params(std::vector<torch::optim::OptimizerParamGroup>& groups);
 
   void step(std::vector<torch::optim::OptimizerParamGroup>& groups);
   /// One ordinary step of the registered parameters `params` (indices) only: the others are not
@@ -149,9 +149,10 @@ class ShampooEngine {
                          const std::vector<torch::optim::OptimizerParamGroup>& groups);
   /// Installs a prepared load (does not throw).
   void install(PreparedLoad& prepared, std::vector<torch::optim::OptimizerParamGroup>& groups);
-  /// Block views of the gradients of `params` (checked: shape, dtype, finite values) and the
-  /// max |gradient| of each.
-  void collect_gradients(const std::vector<int64_t>& params,
+  /// Block views of the gradients of `params` (checked: shape, dtype, finite values, squares
+  /// that fit the state: statistics_overflow) and the max |gradient| of each.
+  void collect_gradients(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                         const std::vector<int64_t>& params,
                          std::vector<std::vector<at::Tensor>>& grad_blocks,
                          std::vector<double>& grad_abs_max) const;
   void compute(std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -199,5 +200,8 @@ class ShampooEngine {
 /// The ShampooOptions of a param group (an error naming the group when it has another type).
 ShampooOptions& options_of(torch::optim::OptimizerParamGroup& group, size_t index);
 const ShampooOptions& options_of(const torch::optim::OptimizerParamGroup& group, size_t index);
+
+/// peak_lr −1 becomes the group's lr: done once, when the group is added to the optimizer.
+void resolve_peak_lr(ShampooOptions& options);
 
 }  // namespace shampoo::detail

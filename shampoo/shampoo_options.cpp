@@ -4,6 +4,8 @@
 #include <torch/serialize/archive.h>
 
 #include <cmath>
+#include <type_traits>
+#include <variant>
 
 #include "preconditioners/iterative_roots.h"
 #include "shampoo/option_fields.h"
@@ -68,6 +70,44 @@ void check_iterate_averaging(const IterateAveragingConfig& averaging, double mom
               "): averaging takes the place of momentum");
 }
 
+/// Trace scaling needs a Kronecker family and an exponent in (0, 1] (the reference's range).
+void check_trace_scaling(bool enabled, double exponent,
+                         const PreconditionerConfig& preconditioner) {
+  if (!enabled) return;
+  TORCH_CHECK(std::isfinite(exponent) && exponent > 0.0 && exponent <= 1.0,
+              "ShampooOptions.trace_scaling_exponent: got ", exponent,
+              ", expected a value in (0, 1] with use_trace_scaling");
+  const bool kronecker = std::visit(
+      [](const auto& c) {
+        return requires { detail::factor_statistics(c); };
+      },
+      preconditioner);
+  TORCH_CHECK(kronecker, "ShampooOptions.use_trace_scaling: got true with the ",
+              std::visit([](const auto& c) { return detail::family_name(c); }, preconditioner),
+              ", expected a Kronecker family (root-inverse, eigendecomposed or "
+              "eigenvalue-corrected Shampoo, KL-Shampoo): only Kronecker factors are scaled");
+}
+
+/// A diagonal main preconditioner (SGD, AdaGrad, RMSprop, Adam) is its own first-order method:
+/// the default Adam grafting would rescale its steps to Adam's and run Adam alone until the start
+/// step, so that the family chosen would not be the method run. Grafting must then be chosen.
+void check_diagonal_family_grafting(const ShampooOptions& o) {
+  const bool diagonal = std::visit(
+      [](const auto& c) {
+        return std::is_same_v<typename std::decay_t<decltype(c)>::List,
+                              detail::DiagonalPreconditionerList>;
+      },
+      o.preconditioner());
+  if (!diagonal || o.grafting_given()) return;
+  TORCH_CHECK(false, "ShampooOptions.grafting: left at its default (Adam grafting) with the ",
+              std::visit([](const auto& c) { return detail::family_name(c); }, o.preconditioner()),
+              ", which would then take Adam's step sizes and run as Adam before step ",
+              o.resolved_start_preconditioning_step(),
+              "; expected a grafting chosen for a diagonal main preconditioner: "
+              "grafting(std::monostate{}) for the method itself (= its torch::optim optimizer, "
+              "README \"Diagonal families\"), or the grafting config wanted");
+}
+
 /// ε > 0 with the perturbation, ε = 0 with the pseudo-inverse (the reference's rule).
 void check_epsilon(double epsilon, const PreconditionerConfig& preconditioner) {
   if (uses_pseudo_inverse(preconditioner)) {
@@ -91,6 +131,24 @@ int64_t ShampooOptions::resolved_start_preconditioning_step() const {
                                             : start_preconditioning_step();
 }
 
+double ShampooOptions::decoupled_weight_decay() const {
+  switch (weight_decay_type()) {
+    case WeightDecayType::kL2:
+      return 0.0;
+    case WeightDecayType::kDecoupled:
+      return weight_decay();
+    case WeightDecayType::kCorrected:
+    case WeightDecayType::kIndependent:
+      break;
+  }
+  if (weight_decay() == 0.0) return 0.0;
+  TORCH_CHECK(peak_lr() > 0.0, "ShampooOptions.peak_lr: got ", peak_lr(),
+              ", expected > 0 with weight_decay_type kCorrected or kIndependent (-1 is resolved "
+              "to the group's lr when the group is added to DistributedShampoo)");
+  return weight_decay_type() == WeightDecayType::kCorrected ? weight_decay() * lr() / peak_lr()
+                                                            : weight_decay() / peak_lr();
+}
+
 void ShampooOptions::validate() const {
   TORCH_CHECK(std::isfinite(lr()) && lr() >= 0.0, "ShampooOptions.lr: got ", lr(),
               ", expected lr >= 0");
@@ -104,6 +162,16 @@ void ShampooOptions::validate() const {
   check_epsilon(epsilon(), preconditioner());
   TORCH_CHECK(std::isfinite(weight_decay()) && weight_decay() >= 0.0,
               "ShampooOptions.weight_decay: got ", weight_decay(), ", expected weight_decay >= 0");
+  TORCH_CHECK(peak_lr() == -1.0 || (std::isfinite(peak_lr()) && peak_lr() > 0.0),
+              "ShampooOptions.peak_lr: got ", peak_lr(),
+              ", expected -1 (the group's lr when it is added) or a finite value > 0");
+  const bool scaled_decay = weight_decay_type() == WeightDecayType::kCorrected ||
+                            weight_decay_type() == WeightDecayType::kIndependent;
+  TORCH_CHECK(!scaled_decay || peak_lr() > 0.0 || lr() > 0.0, "ShampooOptions.peak_lr: got ",
+              peak_lr(), " with lr ", lr(),
+              ", expected peak_lr > 0 (or lr > 0, which peak_lr -1 takes) with weight_decay_type "
+              "kCorrected or kIndependent: they divide by peak_lr");
+  check_trace_scaling(use_trace_scaling(), trace_scaling_exponent(), preconditioner());
   check_unit_interval(momentum(), "momentum", /*allow_one=*/false);
   check_unit_interval(dampening(), "dampening", /*allow_one=*/true);
   TORCH_CHECK(max_factored_dim() == -1 || max_factored_dim() >= 1,
@@ -128,6 +196,7 @@ void ShampooOptions::validate() const {
               "ShampooOptions.factor_matrix_dtype: got ", factor_matrix_dtype(),
               ", expected Float or Double");
   detail::check_grafting(grafting());
+  check_diagonal_family_grafting(*this);
   check_preconditioner(preconditioner(), inverse_exponent_override());
   check_iterate_averaging(iterate_averaging(), momentum());
   for (const auto& [order, dims] : inverse_exponent_override()) {

@@ -50,9 +50,17 @@ struct ScheduleFreeConfig {
 using IterateAveragingConfig =
     std::variant<std::monostate, GeneralizedPrimalAveragingConfig, ScheduleFreeConfig>;
 
+/// Where weight decay enters (docs/math.md, "Weight decay"). The value is the code written to
+/// checkpoints: append, never reorder.
 enum class WeightDecayType {
   kL2,         ///< G ← G + wd·W before everything else
   kDecoupled,  ///< P ← P + wd·W after preconditioning (AdamW-style)
+  /// P ← P + wd·(lr_t / peak_lr)·W: decoupled decay whose strength follows the schedule's
+  /// lr_t relative to its peak (the reference's CORRECTED; Defazio 2025, "AdamC").
+  kCorrected,
+  /// P ← P + (wd / peak_lr)·W: decoupled decay independent of the lr (the reference's
+  /// INDEPENDENT); the step then shrinks W by lr_t·wd / peak_lr.
+  kIndependent,
 };
 
 /// Exponent overrides for root-inverse Shampoo, keyed by the order of the block (number of dims)
@@ -110,6 +118,10 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   TORCH_ARG(double, relative_epsilon) = 1e-7;
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(WeightDecayType, weight_decay_type) = WeightDecayType::kDecoupled;
+  /// The lr that kCorrected and kIndependent divide by (> 0). −1 (the default): the group's lr
+  /// when it is added to the optimizer; an lr set later (by hand or by a scheduler) leaves it as
+  /// it is, as the reference's param_group["peak_lr"]. A float field: groups may differ in it.
+  TORCH_ARG(double, peak_lr) = -1.0;
   TORCH_ARG(double, momentum) = 0.0;
   TORCH_ARG(double, dampening) = 0.0;
   TORCH_ARG(bool, use_nesterov) = false;
@@ -133,8 +145,20 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   TORCH_ARG(int64_t, start_preconditioning_step) = -1;
   TORCH_ARG(bool, use_bias_correction) = true;
   /// The first-order method whose per-block step size the preconditioned direction takes
-  /// (and which steps alone before preconditioning starts); std::monostate = none.
-  TORCH_ARG(GraftingConfig, grafting) = AdamGraftingConfig{0.999, 1e-8};
+  /// (and which steps alone before preconditioning starts); std::monostate = none. Default: Adam
+  /// grafting (β2 0.999, ε 1e-8). With a diagonal main preconditioner (SGD, AdaGrad, RMSprop,
+  /// Adam), which is its own first-order method, the default is an error (validate()): set
+  /// std::monostate{} for the method itself, or the grafting wanted.
+ public:
+  ShampooOptions& grafting(const GraftingConfig& grafting) {
+    grafting_ = grafting;
+    grafting_given_ = true;
+    return *this;
+  }
+  const GraftingConfig& grafting() const noexcept { return grafting_; }
+  /// Whether grafting was set (by its setter, reference_defaults or a checkpoint) rather than
+  /// left at its default.
+  bool grafting_given() const noexcept { return grafting_given_; }
   /// Keep the grafting second moment V of a 2-D block that has a Kronecker factor as its row and
   /// column sums (Adafactor's factorization): such a block takes only the grafting norm, and V
   /// then costs m + k numbers instead of m·k, so that the state stays within twice the
@@ -158,12 +182,23 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   TORCH_ARG(CompactState, compact_state) = CompactState::kNone;
   TORCH_ARG(PreconditionerConfig, preconditioner) = RootInvShampooConfig{};
   TORCH_ARG(InverseExponentOverride, inverse_exponent_override) = {};
+  /// Kronecker families: before every amortized computation the bias-corrected factor A becomes
+  /// A·max(tr A, epsilon)^(−trace_scaling_exponent), which brings the factors of different
+  /// blocks to one scale (the reference's use_trace_scaling, arXiv 2506.03595); epsilon is then
+  /// added as usual. Structural.
+  TORCH_ARG(bool, use_trace_scaling) = false;
+  /// The exponent of the trace with use_trace_scaling, in (0, 1]. Structural.
+  TORCH_ARG(double, trace_scaling_exponent) = 0.5;
   /// Consecutive failed root computations of a block tolerated before the step raises (≥ 0).
   TORCH_ARG(int64_t, num_tolerated_failed_amortized_computations) = 3;
   /// Iterate averaging (GPA or Schedule-Free; none by default). Structural. Needs momentum 0
   /// (the reference's classic momentum and averaging are alternatives); decoupled weight decay
   /// then shrinks the averaging sequence Z instead of entering the direction.
   TORCH_ARG(IterateAveragingConfig, iterate_averaging) = std::monostate{};
+
+ private:
+  GraftingConfig grafting_ = AdamGraftingConfig{0.999, 1e-8};
+  bool grafting_given_ = false;
 
  public:
   double get_lr() const override { return lr(); }
@@ -175,6 +210,10 @@ struct ShampooOptions : public torch::optim::OptimizerCloneableOptions<ShampooOp
   double resolved_beta3() const;
   /// start_preconditioning_step with −1 resolved to precondition_frequency.
   int64_t resolved_start_preconditioning_step() const;
+  /// The factor of W added to the preconditioned direction at this lr: wd for kDecoupled,
+  /// wd·lr / peak_lr for kCorrected, wd / peak_lr for kIndependent, 0 for kL2. Throws when
+  /// peak_lr is needed and not resolved (−1).
+  double decoupled_weight_decay() const;
 
   /// Throws c10::Error naming the field, the value and what is allowed.
   void validate() const;

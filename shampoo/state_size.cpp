@@ -139,7 +139,7 @@ std::string describe_oversized(const ParamStateSize& p) {
         "factor; for a parameter merged into 1-D blocks, exponent 0 for 1-D blocks "
         "(inverse_exponent_override {{{{1, {{{{shampoo::kAllDims, 0.0}}}}}}}}) keeps none, or put "
         "it in a param group with a diagonal method "
-        "(preconditioner(shampoo::AdamPreconditionerConfig{{}}))",
+        "(grafting(std::monostate{{}}).preconditioner(shampoo::AdamPreconditionerConfig{{}}))",
         p.largest_dim);
   } else {
     remedy = fmt::format(
@@ -202,7 +202,8 @@ bool warn_if_state_is_large(const std::vector<torch::optim::OptimizerParamGroup>
       "inverse_exponent_override with exponent 0 for a dim, which keeps no factor or root for it "
       "(e.g. {{1, {{shampoo::kAllDims, 0.0}}}} for 1-D blocks); or a diagonal method for such "
       "parameters (a param group of their own with "
-      "preconditioner(shampoo::AdamPreconditionerConfig{}), or another optimizer). (This "
+      "grafting(std::monostate{}).preconditioner(shampoo::AdamPreconditionerConfig{}), or "
+      "another optimizer). (This "
       "warning: state above ",
       kStateSizeWarningRatio, "x the parameters and ", kStateSizeWarningMinBytes >> 20,
       " MiB, or a parameter's above ", kParamStateWarningRatio, "x its bytes and ",

@@ -1,6 +1,12 @@
 #include "shampoo/step_scalars.h"
 
+#include <c10/util/StringUtil.h>
+
 #include <cmath>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <variant>
 
 #include "update/grafting.h"
 
@@ -82,10 +88,10 @@ kernels::ChainScalars chain_scalars(const ShampooOptions& options, int64_t t,
                                     bool communicate_params, double lr_sum) {
   kernels::ChainScalars k;
   const double beta1 = std::get<0>(options.betas());
-  const double weight_decay = options.weight_decay();
   const bool l2 = options.weight_decay_type() == WeightDecayType::kL2;
-  k.l2_weight_decay = l2 ? weight_decay : 0.0;
-  k.decoupled_weight_decay = l2 ? 0.0 : weight_decay;
+  k.l2_weight_decay = l2 ? options.weight_decay() : 0.0;
+  // kDecoupled, kCorrected and kIndependent: one term added to P, its factor set by the type.
+  k.decoupled_weight_decay = options.decoupled_weight_decay();
   k.beta1 = beta1;
   k.beta3 = options.resolved_beta3();
   k.separate_beta3 = beta1 != 0.0 && k.beta3 != beta1;
@@ -108,6 +114,41 @@ kernels::ChainScalars chain_scalars(const ShampooOptions& options, int64_t t,
 bool chain_reads_param(const kernels::ChainScalars& k) {
   return k.l2_weight_decay != 0.0 || k.decoupled_weight_decay != 0.0 ||
          k.output_updated_param != 0 || k.averaging != 0;
+}
+
+namespace {
+
+bool keeps_squares(const ShampooOptions& options) {
+  const auto grafting = grafting_kind(options.grafting());
+  if (grafting != GraftingKind::kNone && grafting != GraftingKind::kSGD) return true;
+  return std::visit(
+      [](const auto& c) {
+        using C = std::decay_t<decltype(c)>;
+        return requires { factor_statistics(c); }
+        || std::is_same_v<C, AdaGradPreconditionerConfig> ||
+            std::is_same_v<C, RMSpropPreconditionerConfig> ||
+            std::is_same_v<C, AdamPreconditionerConfig>;
+      },
+      options.preconditioner());
+}
+
+}  // namespace
+
+std::string statistics_overflow(const ShampooOptions& options, at::ScalarType compute_dtype,
+                                int64_t block_numel, double grad_abs_max) {
+  if (!keeps_squares(options)) return "";
+  const bool float64 =
+      compute_dtype == at::kDouble && options.factor_matrix_dtype() == c10::ScalarType::Double;
+  const double limit = 0.5 * (float64 ? std::numeric_limits<double>::max()
+                                      : static_cast<double>(std::numeric_limits<float>::max()));
+  // Exact in double: grad_abs_max ≤ float32's or float64's max, squared below double's range
+  // for float32 gradients; inf for a float64 one that does not fit, which fails the test too.
+  const double added = grad_abs_max * grad_abs_max * static_cast<double>(block_numel);
+  if (added <= limit) return "";
+  return c10::str("its entries reach ", grad_abs_max, ", whose squares summed over a block of ",
+                  block_numel, " entries (up to ", added, ") would overflow the optimizer state's ",
+                  float64 ? "float64" : "float32", " (which must stay below ", limit,
+                  ") and leave it at inf, the parameter never moving again");
 }
 
 double gradient_bound(const ShampooOptions& options, double grad_abs_max,

@@ -52,6 +52,17 @@ kernels::ChainScalars chain_scalars(const ShampooOptions& options, int64_t t,
 /// written out).
 bool chain_reads_param(const kernels::ChainScalars& scalars);
 
+/// Docs/math.md "Gradients too large for the state": why a gradient whose entries reach
+/// `grad_abs_max` (finite) would overflow the group's state, or "" when it fits. The state keeps
+/// squares of the gradient (Kronecker factors, the second moments of the diagonal families and of
+/// grafting); one step adds at most grad_abs_max² · block_numel to any entry of it (a factor's
+/// contraction, a row sum of factored grafting, a rotated SOAP entry), which must stay within half
+/// the largest value of the dtype that keeps it: float32 unless the compute dtype and the factor
+/// dtype are both float64. A state already at inf would never change again (every later step
+/// then moves the parameter by 0 or NaN).
+std::string statistics_overflow(const ShampooOptions& options, at::ScalarType compute_dtype,
+                                int64_t block_numel, double grad_abs_max);
+
 /// A bound on max |G'| of a block, G' = G + wd·W under L2 weight decay, from max |G|.
 double gradient_bound(const ShampooOptions& options, double grad_abs_max,
                       const at::Tensor& param_block);

@@ -23,6 +23,8 @@ std::unique_ptr<PreconditionerList> make_preconditioner(const ShampooOptions& st
   MatrixPreconditionerSettings settings;
   settings.factor_dtype = structure.factor_matrix_dtype();
   settings.tolerated_failures = structure.num_tolerated_failed_amortized_computations();
+  settings.trace_scaling_exponent =
+      structure.use_trace_scaling() ? structure.trace_scaling_exponent() : 0.0;
   settings.symmetric_packing = structure.use_symmetric_packing();
   settings.compact = structure.compact_state();
   settings.inject_failure = std::move(inject_failure);

@@ -185,8 +185,8 @@ def shampoo_common(fields: Fields, out: dict) -> None:
         fields.take("num_tolerated_failed_amortized_computations", 3))
     out["use_symmetric_packing"] = bool(fields.take("use_symmetric_packing", True))
     fields.require("drop_weighting_factor_on_gsquare", False, "not offered for Kronecker factors")
-    fields.require("use_trace_scaling", False, "trace scaling is not supported yet")
-    fields.take("trace_scaling_exponent", 0.5)  # only read with use_trace_scaling
+    out["use_trace_scaling"] = bool(fields.take("use_trace_scaling", False))
+    out["trace_scaling_exponent"] = float(fields.take("trace_scaling_exponent", 0.5))
 
 
 def same_dtype(fields: Fields, name: str, out: dict) -> None:
@@ -310,10 +310,16 @@ def averaging(config: Any, out: dict) -> None:
 
 def weight_decay_type(value: Any) -> str:
     name = value.name if isinstance(value, enum.Enum) else str(value)
-    if name not in ("L2", "DECOUPLED"):
-        raise unsupported("weight_decay_type", value, "L2 and DECOUPLED are supported "
-                                                     "(CORRECTED and INDEPENDENT not yet)")
+    if name not in ("L2", "DECOUPLED", "CORRECTED", "INDEPENDENT"):
+        raise unsupported("weight_decay_type", value, "L2, DECOUPLED, CORRECTED or INDEPENDENT")
     return name
+
+
+def engine_peak_lr(value: Any) -> float:
+    """A group's peak_lr for the engine: the value when > 0, else -1 (the engine then takes the
+    group's lr, and refuses CORRECTED and INDEPENDENT decay if that is 0)."""
+    value = float(value)
+    return value if value > 0 else -1.0
 
 
 def max_dim(value: Any, where: str) -> int:
@@ -334,7 +340,7 @@ def step_number(value: Any, where: str) -> int:
     return int(value)
 
 
-FLOAT_KEYS = ("lr", "betas", "beta3", "epsilon", "weight_decay")
+FLOAT_KEYS = ("lr", "betas", "beta3", "epsilon", "weight_decay", "peak_lr")
 
 
 def engine_options(group: dict) -> dict:
@@ -344,6 +350,7 @@ def engine_options(group: dict) -> dict:
            "beta3": float(group["beta3"]), "epsilon": float(group["epsilon"]),
            "weight_decay": float(group["weight_decay"]),
            "weight_decay_type": weight_decay_type(group["weight_decay_type"]),
+           "peak_lr": engine_peak_lr(group["peak_lr"]),
            "max_preconditioner_dim": max_dim(group["max_preconditioner_dim"],
                                              "max_preconditioner_dim"),
            "precondition_frequency": int(group["precondition_frequency"]),
@@ -359,7 +366,8 @@ def engine_options(group: dict) -> dict:
            "grafting": grafting(group["grafting_config"]),
            # Defaults for the families that have no factors; shampoo_family overwrites them.
            "factor_matrix_dtype": "float32", "num_tolerated_failed_amortized_computations": 3,
-           "use_symmetric_packing": True, "inverse_exponent_override": {}}
+           "use_symmetric_packing": True, "inverse_exponent_override": {},
+           "use_trace_scaling": False, "trace_scaling_exponent": 0.5}
     out["preconditioner"] = preconditioner(group["preconditioner_config"], out)
     averaging(group["iterate_averaging_config"], out)
     return out

@@ -89,7 +89,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._engine = None
         defaults = dict(
             lr=lr, betas=tuple(betas), beta3=beta3, epsilon=epsilon, weight_decay=weight_decay,
-            weight_decay_type=weight_decay_type, max_preconditioner_dim=max_preconditioner_dim,
+            # As the reference: CORRECTED and INDEPENDENT divide by the constructor's lr, which a
+            # scheduler does not change (a group may give its own peak_lr).
+            peak_lr=lr, weight_decay_type=weight_decay_type, max_preconditioner_dim=max_preconditioner_dim,
             precondition_frequency=precondition_frequency,
             start_preconditioning_step=start_preconditioning_step,
             use_bias_correction=use_bias_correction,
@@ -329,16 +331,18 @@ def _engine_call(fn: Callable[[], Any], what: str) -> Any:
 def _floats_of(group: dict) -> tuple:
     beta1, beta2 = group["betas"]
     return (float(group["lr"]), float(beta1), float(beta2), float(group["beta3"]),
-            float(group["epsilon"]), float(group["weight_decay"]))
+            float(group["epsilon"]), float(group["weight_decay"]),
+            _translate.engine_peak_lr(group["peak_lr"]))
 
 
 def _check_floats(floats: tuple, index: int) -> None:
-    lr, beta1, beta2, beta3, epsilon, weight_decay = floats
+    lr, beta1, beta2, beta3, epsilon, weight_decay, peak_lr = floats
     checks = [("lr", lr, lr >= 0, ">= 0"), ("betas[0]", beta1, 0 <= beta1 < 1, "in [0, 1)"),
               ("betas[1]", beta2, 0 <= beta2 <= 1, "in [0, 1]"),
               ("beta3", beta3, beta3 == -1 or 0 <= beta3 < 1, "-1 or in [0, 1)"),
               ("epsilon", epsilon, epsilon >= 0, ">= 0"),
-              ("weight_decay", weight_decay, weight_decay >= 0, ">= 0")]
+              ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+              ("peak_lr", peak_lr, peak_lr == -1 or peak_lr > 0, "> 0")]
     for name, value, ok, allowed in checks:
         if not (ok and math.isfinite(value)):
             raise ValueError(f"param group {index}: {name}={value!r}; must be {allowed}")
@@ -353,7 +357,7 @@ def _raise_structure_changed(index: int, before: tuple, now: tuple) -> None:
     for name, a, b in zip(names, before, now):
         if a != b:
             raise ValueError(f"param group {index}: {name} changed from {a!r} to {b!r}; only lr, "
-                             "betas, beta3, epsilon and weight_decay may change after "
+                             "betas, beta3, epsilon, weight_decay and peak_lr may change after "
                              "construction (build a new optimizer for another structure)")
 
 
@@ -365,7 +369,7 @@ def _check_saved_group(index: int, saved: dict, group: dict, options: dict) -> N
     if saved_options is None:
         raise ValueError(f"load_state_dict: param group {index} has no engine_options (a "
                          "state_dict of another optimizer?)")
-    floats = ("lr", "beta1", "beta2", "beta3", "epsilon", "weight_decay")
+    floats = ("lr", "beta1", "beta2", "beta3", "epsilon", "weight_decay", "peak_lr")
     for key, value in options.items():
         if key not in floats and saved_options.get(key) != value:
             raise ValueError(f"load_state_dict: param group {index}: {key} is "

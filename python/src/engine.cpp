@@ -56,9 +56,10 @@ Engine::Engine(const std::vector<GroupSpec>& groups, const py::dict& distributed
 void Engine::step() { optimizer_->step(); }
 
 void Engine::set_floats(size_t group, double lr, double beta1, double beta2, double beta3,
-                        double epsilon, double weight_decay) {
+                        double epsilon, double weight_decay, double peak_lr) {
   auto& options = optimizer_->group_options(group);
   options.lr(lr).betas({beta1, beta2}).beta3(beta3).epsilon(epsilon).weight_decay(weight_decay);
+  options.peak_lr(peak_lr);
 }
 
 void Engine::add_param_group(const GroupSpec& group) {

@@ -32,7 +32,7 @@ class Engine {
   void step();
   /// The float hyperparameters of param group `group`, as the Python param_groups hold them now.
   void set_floats(size_t group, double lr, double beta1, double beta2, double beta3,
-                  double epsilon, double weight_decay);
+                  double epsilon, double weight_decay, double peak_lr);
   void add_param_group(const GroupSpec& group);
   int64_t group_step(size_t group) const;
   size_t num_groups() const;

@@ -16,8 +16,8 @@ T get(const py::dict& d, const char* key) {
   try {
     return d[key].cast<T>();
   } catch (const py::cast_error&) {
-    TORCH_CHECK(false, "distributed_shampoo_cpp: option '", key, "' has the wrong type: ",
-                std::string(py::str(d[key])));
+    TORCH_CHECK(false, "distributed_shampoo_cpp: option '", key,
+                "' has the wrong type: ", std::string(py::str(d[key])));
   }
 }
 
@@ -94,8 +94,8 @@ SpectralDescentConfig spectral_from(const py::dict& d) {
   const auto method = get<std::string>(d, "method");
   TORCH_CHECK(method == "newton_schulz" || method == "svd",
               "distributed_shampoo_cpp: unknown orthogonalization ", method);
-  config.method = method == "svd" ? OrthogonalizationMethod::kSVD
-                                  : OrthogonalizationMethod::kNewtonSchulz;
+  config.method =
+      method == "svd" ? OrthogonalizationMethod::kSVD : OrthogonalizationMethod::kNewtonSchulz;
   config.num_iterations = get<int64_t>(d, "num_iterations");
   const auto c = get<std::vector<double>>(d, "coefficients");
   TORCH_CHECK(c.size() == 3, "distributed_shampoo_cpp: coefficients need 3 values");
@@ -176,6 +176,8 @@ void set_scalars(ShampooOptions& o, const py::dict& d) {
       .use_bias_correction(get<bool>(d, "use_bias_correction"))
       .factored_grafting(get<bool>(d, "factored_grafting"))
       .use_symmetric_packing(get<bool>(d, "use_symmetric_packing"))
+      .use_trace_scaling(get<bool>(d, "use_trace_scaling"))
+      .trace_scaling_exponent(get<double>(d, "trace_scaling_exponent"))
       .num_tolerated_failed_amortized_computations(
           get<int64_t>(d, "num_tolerated_failed_amortized_computations"));
 }
@@ -186,11 +188,17 @@ ShampooOptions shampoo_options_from(const py::dict& d) {
   ShampooOptions o(get<double>(d, "lr"));
   set_scalars(o, d);
   const auto decay = get<std::string>(d, "weight_decay_type");
-  TORCH_CHECK(decay == "L2" || decay == "DECOUPLED",
-              "distributed_shampoo_cpp: unknown weight_decay_type ", decay);
-  o.weight_decay_type(decay == "L2" ? WeightDecayType::kL2 : WeightDecayType::kDecoupled);
-  o.factor_matrix_dtype(dtype_from(get<std::string>(d, "factor_matrix_dtype"),
-                                   "factor_matrix_dtype"));
+  const std::map<std::string, WeightDecayType> decay_types{
+      {"L2", WeightDecayType::kL2},
+      {"DECOUPLED", WeightDecayType::kDecoupled},
+      {"CORRECTED", WeightDecayType::kCorrected},
+      {"INDEPENDENT", WeightDecayType::kIndependent}};
+  const auto type = decay_types.find(decay);
+  TORCH_CHECK(type != decay_types.end(), "distributed_shampoo_cpp: unknown weight_decay_type ",
+              decay);
+  o.weight_decay_type(type->second).peak_lr(get<double>(d, "peak_lr"));
+  o.factor_matrix_dtype(
+      dtype_from(get<std::string>(d, "factor_matrix_dtype"), "factor_matrix_dtype"));
   o.compact_state(compact_from(get<std::string>(d, "compact_state")));
   o.grafting(grafting_from(get<py::object>(d, "grafting")));
   o.preconditioner(preconditioner_from(get_dict(d, "preconditioner")));
@@ -205,8 +213,8 @@ DistributedOptions distributed_options_from(const py::dict& d, const py::object&
   if (!process_group.is_none()) {
     o.process_group(process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
   }
-  o.communication_dtype(dtype_from(get<std::string>(d, "communication_dtype"),
-                                   "communication_dtype"));
+  o.communication_dtype(
+      dtype_from(get<std::string>(d, "communication_dtype"), "communication_dtype"));
   o.num_trainers_per_group(get<int64_t>(d, "num_trainers_per_group"));
   o.communicate_params(get<bool>(d, "communicate_params"));
   o.merge_param_groups(get<bool>(d, "merge_param_groups"));

@@ -262,11 +262,12 @@ class ReferenceConfigs(unittest.TestCase):
             (dict(preconditioner_config=RootInvShampooPreconditionerConfig(some_future_field=1)),
              "some_future_field"),
             (dict(preconditioner_config=RootInvShampooPreconditionerConfig(
-                use_trace_scaling=True)), "use_trace_scaling"),
+                use_trace_scaling=True, trace_scaling_exponent=1.5)), "trace_scaling_exponent"),
             (dict(preconditioner_config=ds.RootInvShampooPreconditionerConfig(
                 amortized_computation_config=ds.CoupledHigherOrderConfig(
                     rel_epsilon=1e-3, abs_epsilon=1e-6))), "CoupledHigherOrderConfig"),
-            (dict(weight_decay_type=ds.WeightDecayType.CORRECTED), "CORRECTED"),
+            (dict(weight_decay_type=ds.WeightDecayType.CORRECTED, lr=0.0), "peak_lr"),
+            (dict(weight_decay_type="SOMETHING"), "weight_decay_type"),
             (dict(grafting_config=ds.EigenConfig()), "grafting_config"),
             (dict(lr=-1.0), "lr"),
         ]
@@ -274,6 +275,30 @@ class ReferenceConfigs(unittest.TestCase):
             with self.subTest(fragment):
                 with self.assertRaisesRegex(ValueError, fragment):
                     ds.DistributedShampoo(make_model().parameters(), **kwargs)
+
+
+class WeightDecayTypes(unittest.TestCase):
+    def test_corrected_and_independent_divide_by_the_constructors_lr(self):
+        # SGD as the family, a zero gradient: one step moves W = 1 by -lr * alpha.
+        for name, alpha in (("DECOUPLED", lambda lr: 0.5),
+                            ("CORRECTED", lambda lr: 0.5 * lr / 0.1),
+                            ("INDEPENDENT", lambda lr: 0.5 / 0.1)):
+            with self.subTest(name):
+                w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+                optimizer = ds.DistributedShampoo(
+                    [w], lr=0.1, betas=(0.0, 1.0), weight_decay=0.5,
+                    weight_decay_type=getattr(ds.WeightDecayType, name),
+                    preconditioner_config=ds.SGDPreconditionerConfig())
+                self.assertEqual(optimizer.param_groups[0]["peak_lr"], 0.1)
+                scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+                for lr in (0.1, 0.05):
+                    with torch.no_grad():
+                        w.fill_(1.0)
+                    w.grad = torch.zeros_like(w)
+                    optimizer.step()
+                    self.assertAlmostEqual(w[0].item(), 1.0 - lr * alpha(lr), places=15)
+                    scheduler.step()
+                self.assertEqual(optimizer.param_groups[0]["peak_lr"], 0.1)
 
 
 class ParamGroups(unittest.TestCase):

@@ -206,6 +206,7 @@ ShampooOptions every_field_changed() {
       .epsilon(1e-7)
       .weight_decay(0.0625)
       .weight_decay_type(shampoo::WeightDecayType::kL2)
+      .peak_lr(0.5)
       .momentum(0.375)
       .dampening(0.125)
       .use_nesterov(true)
@@ -222,6 +223,8 @@ ShampooOptions every_field_changed() {
           shampoo::EigenvalueCorrectedShampooConfig{shampoo::EigenbasisMethod::kQR, false})
       .inverse_exponent_override({{2, {{shampoo::kAllDims, 0.25}, {1, 0.0}}}, {1, {{0, 0.5}}}})
       .num_tolerated_failed_amortized_computations(9)
+      .use_trace_scaling(true)
+      .trace_scaling_exponent(0.75)
       .iterate_averaging(shampoo::GeneralizedPrimalAveragingConfig{0.25, 0.625});
 }
 
@@ -234,6 +237,9 @@ TEST(OptionsArchive, EveryFieldRoundTripsThroughAFile) {
   EXPECT_EQ(read.epsilon(), written.epsilon());
   EXPECT_EQ(read.weight_decay(), written.weight_decay());
   EXPECT_EQ(read.weight_decay_type(), written.weight_decay_type());
+  EXPECT_EQ(read.peak_lr(), written.peak_lr());
+  EXPECT_EQ(read.use_trace_scaling(), written.use_trace_scaling());
+  EXPECT_EQ(read.trace_scaling_exponent(), written.trace_scaling_exponent());
   EXPECT_EQ(read.momentum(), written.momentum());
   EXPECT_EQ(read.dampening(), written.dampening());
   EXPECT_EQ(read.use_nesterov(), written.use_nesterov());

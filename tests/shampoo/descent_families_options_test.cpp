@@ -80,6 +80,38 @@ TEST(DescentOptions, BadValuesNameFieldValueAndRange) {
   }
 }
 
+// Issue 58: the default Adam grafting under a diagonal main preconditioner ran Adam, not the
+// family chosen; leaving it at its default is now an error naming what to set. Setting grafting
+// (none, or any grafting, the default's value too) is accepted.
+TEST(DescentOptions, DiagonalFamilyWithTheDefaultGraftingIsRefused) {
+  for (const auto& config : std::vector<shampoo::PreconditionerConfig>{
+           SGDPreconditionerConfig{}, AdaGradPreconditionerConfig{}, RMSpropPreconditionerConfig{},
+           AdamPreconditionerConfig{}}) {
+    const auto left = ShampooOptions(0.1).betas({0.0, 1.0}).preconditioner(config);
+    EXPECT_FALSE(left.grafting_given());
+    expect_error([&] { DistributedShampoo opt(matrices(), left); },
+                 {"ShampooOptions.grafting: left at its default (Adam grafting)", "preconditioner",
+                  "grafting(std::monostate{})", "before step 50"});
+    DistributedShampoo none(matrices(), ShampooOptions(left).grafting(std::monostate{}));
+    DistributedShampoo adam(
+        matrices(), ShampooOptions(left).grafting(shampoo::AdamGraftingConfig{0.999, 1e-8}));
+    // The checkpoint of such a group carries its grafting: a copy read back is accepted.
+    EXPECT_TRUE(
+        shampoo::testing::options_round_trip(ShampooOptions(left).grafting(std::monostate{}))
+            .grafting_given());
+  }
+  // The issue's case: SGD chosen, (1, 2, 3, 100) moves by −lr·G.
+  auto w = at::zeros({4}).requires_grad_();
+  DistributedShampoo sgd(std::vector<at::Tensor>{w},
+                         ShampooOptions(0.1)
+                             .betas({0.0, 1.0})
+                             .grafting(std::monostate{})
+                             .preconditioner(SGDPreconditionerConfig{}));
+  w.mutable_grad() = at::tensor({1.0F, 2.0F, 3.0F, 100.0F});
+  sgd.step();
+  EXPECT_TRUE(at::allclose(w.detach(), at::tensor({-0.1F, -0.2F, -0.3F, -10.0F}))) << w.detach();
+}
+
 TEST(DescentOptions, ReferenceDefaults) {
   const SpectralDescentConfig spectral;
   EXPECT_EQ(spectral.method, OrthogonalizationMethod::kNewtonSchulz);
@@ -178,7 +210,8 @@ ShampooOptions read_archive_without_family_entries(const ShampooOptions& options
 
 TEST(DescentOptions, ArchivesWithoutTheNewEntriesStillLoad) {
   // A checkpoint of root-inverse Shampoo written before this change.
-  const auto old = read_archive_without_family_entries(ShampooOptions::reference_defaults().lr(0.3), 0);
+  const auto old =
+      read_archive_without_family_entries(ShampooOptions::reference_defaults().lr(0.3), 0);
   EXPECT_EQ(old.lr(), 0.3);
   EXPECT_TRUE(old.preconditioner() ==
               shampoo::PreconditionerConfig{shampoo::RootInvShampooConfig{}});

@@ -248,7 +248,8 @@ INSTANTIATE_TEST_SUITE_P(Families, FamilyReference, ::testing::ValuesIn(families
 at::Tensor one_plain_step(const shampoo::PreconditionerConfig& config, const at::Tensor& w0,
                           const at::Tensor& grad) {
   auto w = w0.clone().requires_grad_();
-  DistributedShampoo optimizer({w}, ShampooOptions::reference_defaults(0.5).betas({0.0, 1.0}).preconditioner(config));
+  DistributedShampoo optimizer(
+      {w}, ShampooOptions::reference_defaults(0.5).betas({0.0, 1.0}).preconditioner(config));
   w.mutable_grad() = grad;
   optimizer.step();
   return (w0 - w.detach()) / 0.5;  // the direction P
@@ -356,6 +357,66 @@ TEST_P(DiagonalEqualsTorch, StepForStep) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, DiagonalEqualsTorch, ::testing::ValuesIn(torch_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// Issue 58: each diagonal family built from the library's defaults, ShampooOptions(lr), with only
+// the settings README's "Diagonal families" names, is its torch::optim optimizer. Before, the
+// default Adam grafting and start step 50 ran Adam's steps under the SGD family (SGD moved every
+// entry of a gradient (1, 2, 3, 100) by −lr); now leaving grafting at its default is an error
+// (DescentFamilyOptions.DiagonalFamilyWithTheDefaultGraftingIsRefused).
+std::vector<TorchCase> readme_cases() {
+  using shampoo::AdamPreconditionerConfig;
+  using shampoo::RMSpropPreconditionerConfig;
+  const auto from_defaults = ShampooOptions(0.01).grafting(std::monostate{});
+  const auto undamped = ShampooOptions(from_defaults).betas({0.0, 1.0});
+  return {
+      {"sgd", ShampooOptions(undamped).preconditioner(shampoo::SGDPreconditionerConfig{}),
+       [](auto p) {
+         return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.01));
+       }},
+      {"sgd_momentum",
+       ShampooOptions(undamped).momentum(0.9).preconditioner(shampoo::SGDPreconditionerConfig{}),
+       [](auto p) {
+         return std::make_unique<torch::optim::SGD>(p,
+                                                    torch::optim::SGDOptions(0.01).momentum(0.9));
+       }},
+      {"adam",
+       ShampooOptions(from_defaults)
+           .preconditioner(AdamPreconditionerConfig{.beta2 = 0.999, .epsilon = 1e-8}),
+       [](auto p) {
+         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
+       }},
+      {"adam_l2",
+       ShampooOptions(from_defaults)
+           .weight_decay(0.1)
+           .weight_decay_type(shampoo::WeightDecayType::kL2)
+           .preconditioner(AdamPreconditionerConfig{.beta2 = 0.999, .epsilon = 1e-8}),
+       [](auto p) {
+         return std::make_unique<torch::optim::Adam>(
+             p, torch::optim::AdamOptions(0.01).weight_decay(0.1));
+       }},
+      {"adamw",
+       ShampooOptions(from_defaults)
+           .weight_decay(0.01)
+           .preconditioner(AdamPreconditionerConfig{.beta2 = 0.999, .epsilon = 1e-8}),
+       [](auto p) {
+         return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(0.01));
+       }},
+      {"adagrad", ShampooOptions(undamped).preconditioner(shampoo::AdaGradPreconditionerConfig{}),
+       [](auto p) {
+         return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(0.01));
+       }},
+      {"rmsprop",
+       ShampooOptions(undamped).preconditioner(
+           RMSpropPreconditionerConfig{.beta2 = 0.99, .epsilon = 1e-8}),
+       [](auto p) {
+         return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(0.01));
+       }},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(FromLibraryDefaults, DiagonalEqualsTorch,
+                         ::testing::ValuesIn(readme_cases()),
                          [](const auto& info) { return info.param.name; });
 
 // ----------------------------------------------------------------------------------------------
@@ -557,13 +618,13 @@ TEST(FamilyEquivalence, InBackwardEqualsOrdinaryStepWithMixedFamilies) {
     std::vector<at::Tensor> matrices, others;
     for (const auto& p : params) (p.dim() == 2 ? matrices : others).push_back(p);
     std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(
-        matrices,
-        std::make_unique<ShampooOptions>(
-            ShampooOptions::reference_defaults(0.02).momentum(0.5).preconditioner(shampoo::SpectralDescentConfig{})));
-    groups.emplace_back(
-        others, std::make_unique<ShampooOptions>(
-                    ShampooOptions::reference_defaults(0.01).preconditioner(shampoo::AdamPreconditionerConfig{})));
+    groups.emplace_back(matrices,
+                        std::make_unique<ShampooOptions>(
+                            ShampooOptions::reference_defaults(0.02).momentum(0.5).preconditioner(
+                                shampoo::SpectralDescentConfig{})));
+    groups.emplace_back(others, std::make_unique<ShampooOptions>(
+                                    ShampooOptions::reference_defaults(0.01).preconditioner(
+                                        shampoo::AdamPreconditionerConfig{})));
     return std::make_unique<DistributedShampoo>(groups);
   };
   auto ordinary_model = shampoo::testing::make_mlp(6, 12, 3, 1);

@@ -168,8 +168,9 @@ TEST(FactorChoice, OptionsAreCheckedSavedAndComparedOnLoad) {
   buffer.seekg(0);
   DistributedShampoo same({w, bias}, ShampooOptions(1e-3).precondition_1d(true));
   torch::load(same, buffer);
+  // (peak_lr −1 became the group's lr when the group was added.)
   EXPECT_TRUE(static_cast<const ShampooOptions&>(same.param_groups()[0].options()) ==
-              ShampooOptions(1e-3).precondition_1d(true));
+              ShampooOptions(1e-3).precondition_1d(true).peak_lr(1e-3));
 }
 
 TEST(RelativeEpsilon, IsEpsilonPlusTheRelativeShareOfTheTrace) {

@@ -2,6 +2,7 @@
 // step works, for one process and for two ranks, merged and unmerged groups, at every phase of
 // the step; and a group whose parameters had no gradient is not stepped (torch::optim's rule),
 // with equal step counts on every rank.
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <shampoo/shampoo.h>
 #include <torch/serialize.h>
@@ -9,6 +10,7 @@
 #include <atomic>
 #include <sstream>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "support/test_support.h"
@@ -336,6 +338,99 @@ TEST(FailedStepNatural, BadGradientsChangeNothing) {
   EXPECT_EQ(opt.group_step(1), 2);
 }
 
+struct HugeGradientCase {
+  std::string name;
+  ShampooOptions options;
+};
+
+std::vector<HugeGradientCase> huge_gradient_cases() {
+  using shampoo::AdamPreconditionerConfig;
+  const auto plain = [](auto preconditioner) {
+    return ShampooOptions(0.01).grafting(std::monostate{}).preconditioner(preconditioner);
+  };
+  return {
+      // The library's defaults: float64 factors, Adam grafting in float32, roots at step 50.
+      {"defaults", ShampooOptions(0.01)},
+      {"float32_factors_roots_every_step",
+       ShampooOptions(0.01).factor_matrix_dtype(at::kFloat).precondition_frequency(1)},
+      {"eigenvalue_corrected",
+       ShampooOptions(0.01).preconditioner(shampoo::EigenvalueCorrectedShampooConfig{})},
+      {"eigendecomposed",
+       ShampooOptions(0.01).preconditioner(shampoo::EigendecomposedShampooConfig{})},
+      {"kl_shampoo", ShampooOptions(0.01).preconditioner(shampoo::RootInvKLShampooConfig{})},
+      {"adagrad", plain(shampoo::AdaGradPreconditionerConfig{})},
+      {"rmsprop", plain(shampoo::RMSpropPreconditionerConfig{})},
+      {"adam", plain(AdamPreconditionerConfig{})},
+      {"sign_descent_adagrad_grafting", ShampooOptions(0.01)
+                                            .grafting(shampoo::AdaGradGraftingConfig{1e-10})
+                                            .preconditioner(shampoo::SignDescentConfig{})},
+      {"reference_defaults", ShampooOptions::reference_defaults(0.01)},
+  };
+}
+
+// Issue 58: a finite gradient whose squares overflow a state (every entry 1e25 on a 16x16 weight)
+// left the Adam-grafting second moment at inf under the defaults, and the parameter never moved
+// again, with no error. Now it is an error before anything changes, in every family that keeps
+// squares, and the next step equals that of a twin that never saw it.
+TEST(FailedStepNatural, GradientOverflowingTheStateIsAnErrorThatChangesNothing) {
+  for (const auto& c : huge_gradient_cases()) {
+    SCOPED_TRACE(c.name);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    const auto w0 = at::randn({16, 16}, gen);
+    const auto b0 = at::randn({16}, gen);
+    std::vector<at::Tensor> params{w0.clone().requires_grad_(), b0.clone().requires_grad_()};
+    std::vector<at::Tensor> twin{w0.clone().requires_grad_(), b0.clone().requires_grad_()};
+    DistributedShampoo opt(params, c.options);
+    DistributedShampoo twin_opt(twin, c.options);
+    for (int step = 1; step <= 3; ++step) {
+      set_grads(params, step);
+      set_grads(twin, step);
+      if (step == 2) {
+        params[0].mutable_grad() = at::full({16, 16}, 1e25);
+        const auto before = observe(opt, params);
+        try {
+          opt.step();
+          ADD_FAILURE() << "a gradient of 1e25 entries was accepted";
+        } catch (const c10::Error& e) {
+          const std::string message = e.what_without_backtrace();
+          EXPECT_NE(message.find("would overflow the optimizer state"), std::string::npos)
+              << message;
+          EXPECT_NE(message.find("the step was not applied"), std::string::npos) << message;
+        }
+        EXPECT_TRUE(unchanged(before, observe(opt, params)));
+        set_grads(params, step);
+      }
+      opt.step();
+      twin_opt.step();
+      EXPECT_TRUE(bit_equal(params, twin)) << "after step " << step;
+    }
+    for (const auto& p : params) EXPECT_TRUE(at::isfinite(p).all().item<bool>());
+  }
+}
+
+// The check bounds the squares, not the gradient: a family without squares (SGD, sign descent)
+// takes the same gradient, and float64 statistics take gradients whose squares fit float64.
+TEST(FailedStepNatural, GradientsWhoseSquaresFitTheStateAreTaken) {
+  for (const auto& options : {ShampooOptions(0.01)
+                                  .grafting(std::monostate{})
+                                  .preconditioner(shampoo::SGDPreconditionerConfig{}),
+                              ShampooOptions(0.01)
+                                  .grafting(std::monostate{})
+                                  .preconditioner(shampoo::SignDescentConfig{})}) {
+    auto w = at::zeros({16, 16}).requires_grad_();
+    DistributedShampoo opt(std::vector<at::Tensor>{w}, options);
+    w.mutable_grad() = at::full({16, 16}, 1e25);
+    opt.step();
+    EXPECT_TRUE(at::isfinite(w).all().item<bool>());
+  }
+  auto w = at::zeros({16, 16}, at::kDouble).requires_grad_();
+  DistributedShampoo opt(std::vector<at::Tensor>{w}, ShampooOptions(0.01));
+  w.mutable_grad() = at::full({16, 16}, 1e25, at::kDouble);
+  opt.step();
+  EXPECT_TRUE(at::isfinite(w).all().item<bool>());
+  EXPECT_NE(w.abs().max().item<double>(), 0.0);
+}
+
 /// World 2: after a first step, the second with `spoil(rank, params)` applied to the gradients
 /// fails on both ranks and changes nothing there; `after_failure(opt, rank)` checks more; the
 /// second step then works with good gradients.
@@ -533,17 +628,34 @@ TEST(AgreeBeforeUpdate, NoJournalAtWorldTwoAndTheSameResults) {
   }
 }
 
-// A step that one rank foresees may raise after changing state (a finite gradient whose factor
-// update overflows): that rank asks for the journal in the agreement, every rank keeps it, and
-// when the owner then fails, both ranks undo the step.
+// A step that one rank foresees may raise after changing state (the owner of a block at the limit
+// of its tolerated root failures): that rank asks for the journal in the agreement, every rank
+// keeps it, and when the owner then fails, both ranks undo the step. (This used a gradient of
+// 1e30 entries, whose factor update would overflow; such a gradient is now refused before the
+// agreement: GradientOverflowingTheStateIsAnErrorThatChangesNothing.)
 TEST(AgreeBeforeUpdate, AStepThatMayRaiseJournalsOnEveryRank) {
-  expect_spoiled_second_step_fails_on_both_ranks(
-      [](int /*rank*/, std::vector<at::Tensor>& params) {
-        params[2].mutable_grad() = at::full({3, 4, 2}, 1e30);
-      },
-      [](const DistributedShampoo& opt, int rank) {
-        EXPECT_GT(opt.stats().rollback_bytes_last_step, 0) << "rank " << rank;
-      });
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params();
+    DistributedShampoo opt(make_groups(params, failing_root_options()), failing_root_options(),
+                           DistributedOptions().process_group(group));
+    std::atomic<bool> fail{false};
+    opt.set_failure_injector_for_testing([&](const std::string& block, int64_t) {
+      return fail.load() && block == "parameter 0 block 0";
+    });
+    for (int step = 1; step <= 5; ++step) {  // roots at steps 2 and 4; 4 fails, tolerated
+      fail = step == 4;
+      set_grads(params, step);
+      opt.step();
+      EXPECT_EQ(opt.stats().rollback_bytes_last_step, 0) << "rank " << rank << " step " << step;
+    }
+    fail = true;
+    set_grads(params, 6);
+    expect_failed_step_changes_nothing(opt, params, "rank " + std::to_string(rank));
+    EXPECT_GT(opt.stats().rollback_bytes_last_step, 0) << "rank " << rank;
+    fail = false;
+    opt.step();
+    EXPECT_EQ(opt.group_step(0), 6);
+  });
 }
 
 // A failure no check foresaw, after a step changed state without a copy: the step raises, and

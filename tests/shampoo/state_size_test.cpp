@@ -214,8 +214,9 @@ TEST(StateSizeWarning, SilentWhenTheLongDimIsNotPreconditioned) {
   EXPECT_EQ(unpreconditioned.stats().state_bytes, 100000 * 4);
   // ... or a diagonal method. (Smaller blocks are no remedy for 1-D blocks: with
   // max_preconditioner_dim 64 the state is still 66x the parameter, and the warning says so.)
-  DistributedShampoo diagonal(leaves({{1, 100000}}), recommended_options().preconditioner(
-                                                         shampoo::AdamPreconditionerConfig{}));
+  DistributedShampoo diagonal(leaves({{1, 100000}}),
+                              recommended_options().grafting(std::monostate{}).preconditioner(
+                                  shampoo::AdamPreconditionerConfig{}));
   EXPECT_TRUE(warnings.messages.empty()) << warnings.messages.front();
 }
 

@@ -261,7 +261,7 @@ class ReferenceConfigs(unittest.TestCase):
         cases = [
             (dict(preconditioner_config=RootInvShampooPreconditionerConfig(some_future_field=1)),
              "some_future_field"),
-            (dict(preconditioner_config=RootInvShampooPreconditionerConfig(
+            (dict(preconditioner_config=ds.RootInvShampooPreconditionerConfig(
                 use_trace_scaling=True, trace_scaling_exponent=1.5)), "trace_scaling_exponent"),
             (dict(preconditioner_config=ds.RootInvShampooPreconditionerConfig(
                 amortized_computation_config=ds.CoupledHigherOrderConfig(

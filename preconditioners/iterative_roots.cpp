@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "preconditioners/rows.h"
 
@@ -151,6 +152,52 @@ BatchOutcome coupled_newton(const at::Tensor& A, int64_t p, const RootInvShampoo
   return {X, progress.converged(), progress.iterations()};
 }
 
+/// The coefficients b_0..b_{order−1} of the reference's higher-order step for the root p: the
+/// first terms of the binomial series of (1 − x)^(−1/p), b_i = Π_{j<i} (1 + j·p) / ((j + 1)·p).
+std::vector<double> higher_order_coefficients(int64_t order, int64_t p) {
+  std::vector<double> b{1.0};
+  double numerator = 1.0;
+  double denominator = 1.0;
+  for (int64_t i = 1; i < order; ++i) {
+    numerator *= 1.0 + static_cast<double>((i - 1) * p);
+    denominator *= static_cast<double>(i * p);
+    b.push_back(numerator / denominator);
+  }
+  return b;
+}
+
+/// The reference's coupled higher-order iteration for the root p of A (already regularized,
+/// docs/math.md "Coupled higher order"): z = 1/tr(A), X ← z^(1/p)·I, M ← z·A; the first step is
+/// Newton's (M_p = (1 + 1/p)·I − M/p), every later one M_p = Σ_i b_i·(I − M)^i by Horner's rule;
+/// X ← X·M_p, M ← M_p^p·M, until max|M − I| ≤ tolerance.
+BatchOutcome coupled_higher_order(const at::Tensor& A, int64_t p, const RootInvShampooConfig& s) {
+  const auto eye = at::eye(A.size(1), A.options());
+  const auto z = per_member(1.0 / A.diagonal(0, 1, 2).sum(1));
+  auto X = eye * at::pow(z, 1.0 / static_cast<double>(p));
+  auto M = A * z;
+  Progress progress(distance_to_identity(M, eye), s.tolerance, floor_of(s, A));
+  const auto b = higher_order_coefficients(s.order, p);
+  const double alpha = -1.0 / static_cast<double>(p);
+  bool first = true;
+  iterate(progress, s.max_iterations, [&] {
+    at::Tensor Mp;
+    if (first) {
+      Mp = M * alpha + eye * (1.0 - alpha);
+      first = false;
+    } else {
+      const auto base = eye - M;
+      Mp = base * b[s.order - 1] + eye * b[s.order - 2];
+      for (int64_t i = s.order - 3; i >= 0; --i) Mp = at::bmm(Mp, base) + eye * b[i];
+    }
+    const auto X_next = at::bmm(X, Mp);
+    const auto M_next = at::bmm(batched_power(Mp, p), M);
+    const auto accept = progress.advance(distance_to_identity(M_next, eye));
+    X = keep(accept, X_next, X);
+    M = keep(accept, M_next, M);
+  });
+  return {X, progress.converged(), progress.iterations()};
+}
+
 /// λ_max estimate per matrix (≤ λ_max) by a power iteration on kPowerVectors fixed vectors:
 /// the largest ‖A·v‖ over the unit vectors v of the last iteration. [n].
 at::Tensor power_iteration_estimate(const at::Tensor& A) {
@@ -214,7 +261,17 @@ BatchOutcome newton_db(const at::Tensor& A, int64_t p, const RootInvShampooConfi
 
 BatchOutcome solve_batch(const at::Tensor& A, const at::Tensor& eps, int64_t root,
                          const RootInvShampooConfig& s) {
-  const auto regularized = A + at::eye(A.size(1), A.options()) * eps;
+  const auto eye = at::eye(A.size(1), A.options());
+  if (s.solver == RootSolver::kCoupledHigherOrder) {
+    // The reference's regularization: max(rel·‖A‖∞, abs)·I, ‖A‖∞ the largest absolute row sum;
+    // the Shampoo ε (`eps`) does not enter.
+    const auto norm = A.abs().sum(2).amax(1);
+    const auto ridge = per_member(at::clamp_min(norm * s.rel_epsilon, s.abs_epsilon));
+    auto out = coupled_higher_order(A + eye * ridge, root, s);
+    out.converged = out.converged & at::isfinite(out.values).flatten(1).all(1);
+    return out;
+  }
+  const auto regularized = A + eye * eps;
   auto out = s.solver == RootSolver::kNewtonDB ? newton_db(regularized, root, s)
                                                : coupled_newton(regularized, root, s);
   out.converged = out.converged & at::isfinite(out.values).flatten(1).all(1);

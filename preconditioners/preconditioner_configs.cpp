@@ -2,7 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace shampoo {
 
@@ -87,6 +89,14 @@ void check_config(const RootInvShampooConfig& c, const std::string& where) {
               ", expected >= 1");
   TORCH_CHECK(std::isfinite(c.tolerance) && c.tolerance > 0.0, where, ".tolerance: got ",
               c.tolerance, ", expected > 0");
+  if (c.solver == RootSolver::kCoupledHigherOrder) {
+    TORCH_CHECK(c.order >= 2, where, ".order: got ", c.order,
+                ", expected >= 2 (2 is Newton's method) with kCoupledHigherOrder");
+    TORCH_CHECK(std::isfinite(c.rel_epsilon) && c.rel_epsilon >= 0.0, where, ".rel_epsilon: got ",
+                c.rel_epsilon, ", expected a finite value >= 0");
+    TORCH_CHECK(std::isfinite(c.abs_epsilon) && c.abs_epsilon >= 0.0, where, ".abs_epsilon: got ",
+                c.abs_epsilon, ", expected a finite value >= 0");
+  }
   TORCH_CHECK(std::holds_alternative<PerturbationConfig>(c.rank_deficient_stability), where,
               ".rank_deficient_stability: PseudoInverseConfig needs solver kEigh, got ",
               enumerator_names(c.solver)[static_cast<size_t>(c.solver)],
@@ -101,6 +111,20 @@ void check_config(const EigendecomposedShampooConfig& c, const std::string& wher
 void check_config(const EigenvalueCorrectedShampooConfig& c, const std::string& where) {
   check_enumerator(c.eigenbasis_method, where, "eigenbasis_method",
                    "EigenvalueCorrectedShampooConfig");
+  for (const auto& [order, dims] : c.ignored_basis_change_dims) {
+    TORCH_CHECK(order >= 0, where, ".ignored_basis_change_dims: order ", order,
+                " is not a block order (expected >= 0)");
+    std::vector<int64_t> seen;
+    for (const int64_t dim : dims) {
+      TORCH_CHECK(dim >= 0 && dim <= std::max<int64_t>(order - 1, 0), where,
+                  ".ignored_basis_change_dims[", order, "]: dim ", dim,
+                  " out of range (expected 0..", std::max<int64_t>(order - 1, 0), ")");
+      TORCH_CHECK(std::find(seen.begin(), seen.end(), dim) == seen.end(), where,
+                  ".ignored_basis_change_dims[", order, "]: dim ", dim,
+                  " is listed twice (expected distinct dims)");
+      seen.push_back(dim);
+    }
+  }
 }
 
 void check_config(const SpectralDescentConfig& c, const std::string& where) {

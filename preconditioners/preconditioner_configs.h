@@ -12,9 +12,11 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <type_traits>
 #include <variant>
+#include <vector>
 
 namespace shampoo::detail {
 // The lists that run the families (preconditioners/*_preconditioner_list*.h).
@@ -64,6 +66,11 @@ enum class RootSolver {
   /// multi-vector power iteration; exponent 1/2^k in k passes. Other integer roots use coupled
   /// Newton.
   kNewtonDB,
+  /// The reference's coupled higher-order iteration (its CoupledHigherOrderConfig): A is
+  /// regularized with max(rel_epsilon·‖A‖∞, abs_epsilon)·I (‖A‖∞ the largest absolute row sum,
+  /// an upper bound on λ_max), the Shampoo epsilon and relative_epsilon not entering; one Newton
+  /// step, then steps of order `order` (Horner's rule on I − M). Integer roots only.
+  kCoupledHigherOrder,
 };
 
 /// Rank-deficient stability by perturbation (the default, the reference's PerturbationConfig with
@@ -110,6 +117,13 @@ struct RootInvShampooConfig {
   /// Iterative solvers on CUDA: TensorFloat-32 matrix products (about 5× faster, relative error
   /// near 1e-2; raise `tolerance` to ~3e-2 with it). No effect on CPU.
   bool tf32 = false;
+  /// kCoupledHigherOrder: the order of the iteration (≥ 2; 2 is Newton's), and the relative and
+  /// absolute regularization (≥ 0). The reference's defaults: order 3, tolerance 1e-8 (set it:
+  /// this config's default tolerance is coupled Newton's 1e-6); its rel_epsilon and abs_epsilon
+  /// have no defaults.
+  int64_t order = 3;
+  double rel_epsilon = 0.0;
+  double abs_epsilon = 0.0;
   /// Perturbation by ε (default) or pseudo-inverse (RootSolver::kEigh only).
   RankDeficientStabilityConfig rank_deficient_stability = PerturbationConfig{};
   bool operator==(const RootInvShampooConfig&) const = default;
@@ -127,6 +141,11 @@ struct EigenvalueCorrectedShampooConfig {
   using List = detail::EigenvalueCorrectedPreconditionerList;
   EigenbasisMethod eigenbasis_method = EigenbasisMethod::kEigh;
   bool retry_double_precision = true;
+  /// The reference's ignored_basis_change_dims: by block order (number of dims after blocking),
+  /// the dims whose basis is not changed. Such a dim keeps no factor and no eigenbasis, the
+  /// gradient is not rotated along it; the corrected eigenvalues keep the full block shape (a
+  /// block with every dim ignored is Adam's). Orders ≥ 0, dims in [0, order − 1], no duplicates.
+  std::map<int64_t, std::vector<int64_t>> ignored_basis_change_dims = {};
   bool operator==(const EigenvalueCorrectedShampooConfig&) const = default;
 };
 
@@ -323,8 +342,8 @@ constexpr FactorStatistics factor_statistics(const EigenvalueCorrectedShampooCon
 
 // ---- enumerator names (value order), for messages ---------------------------------------------
 
-inline std::array<const char*, 3> enumerator_names(RootSolver) {
-  return {"kEigh", "kCoupledNewton", "kNewtonDB"};
+inline std::array<const char*, 4> enumerator_names(RootSolver) {
+  return {"kEigh", "kCoupledNewton", "kNewtonDB", "kCoupledHigherOrder"};
 }
 inline std::array<const char*, 2> enumerator_names(EigenbasisMethod) { return {"kEigh", "kQR"}; }
 inline std::array<const char*, 2> enumerator_names(OrthogonalizationMethod) {
@@ -353,6 +372,9 @@ void visit_fields(C& c, F&& f) {
   f("preconditioner_tf32", "tf32", c.tf32);
   f("preconditioner_rank_deficient_stability", "rank_deficient_stability",
     c.rank_deficient_stability);
+  f("preconditioner_higher_order", "order", c.order);
+  f("preconditioner_rel_epsilon", "rel_epsilon", c.rel_epsilon);
+  f("preconditioner_abs_epsilon", "abs_epsilon", c.abs_epsilon);
 }
 template <typename C, typename F>
 requires std::is_base_of_v<EigendecomposedShampooConfig, Plain<C>>
@@ -367,6 +389,8 @@ requires std::is_same_v<Plain<C>, EigenvalueCorrectedShampooConfig>
 void visit_fields(C& c, F&& f) {
   f("preconditioner_eigenbasis_method", "eigenbasis_method", c.eigenbasis_method);
   f("preconditioner_retry_double_precision", "retry_double_precision", c.retry_double_precision);
+  f("preconditioner_ignored_basis_change_dims", "ignored_basis_change_dims",
+    c.ignored_basis_change_dims);
 }
 template <typename C, typename F>
 requires std::is_same_v<Plain<C>, SpectralDescentConfig>

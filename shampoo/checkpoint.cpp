@@ -17,11 +17,14 @@
 #include "shampoo/checkpoint.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
 #include <cmath>
 #include <filesystem>
+#include <string>
+#include <vector>
 
 #include "shampoo/option_fields.h"
 #include "shampoo/shampoo_engine.h"
@@ -257,6 +260,25 @@ const char* former_defaults_hint(const OptionField& differing, const ShampooOpti
 /// The options of param group g as `archive` holds them, checked: valid, and the structural ones
 /// equal to this optimizer's `current` (the state loads into either storage layout,
 /// use_symmetric_packing).
+/// A checkpoint written with other storage options (factor dtype, packing, compact state,
+/// factored grafting) loads, its state converted: say so, naming each (the reference's warning
+/// when a checkpoint's options differ; structural differences are errors above, and the float
+/// options are restored from the checkpoint, as LibTorch's optimizers restore theirs).
+void warn_storage_differences(const ShampooOptions& saved, const ShampooOptions& current,
+                              size_t g) {
+  std::vector<std::string> differences;
+  for (const auto& field : option_fields()) {
+    if (field.storage_layout && field.code(saved) != field.code(current)) {
+      differences.push_back(describe_difference(field, saved, current));
+    }
+  }
+  if (differences.empty()) return;
+  TORCH_WARN("checkpoint: param group ", g,
+             " was saved with other storage options, converted on load (got the checkpoint's, "
+             "expected this optimizer's): ",
+             c10::Join("; ", differences));
+}
+
 ShampooOptions read_saved_options(torch::serialize::InputArchive& archive, size_t g,
                                   const ShampooOptions& current) {
   ShampooOptions saved = current;
@@ -273,6 +295,7 @@ ShampooOptions read_saved_options(torch::serialize::InputArchive& archive, size_
               " as in this optimizer (a structural option; build the optimizer with the "
               "checkpoint's value",
               former_defaults_hint(*differing, saved), ")");
+  warn_storage_differences(saved, current, g);
   return saved;
 }
 

@@ -5,6 +5,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <string>
+#include <variant>
+#include <vector>
 
 #include "preconditioners/preconditioner_factory.h"
 #include "update/grafting.h"
@@ -24,6 +27,19 @@ bool one_dimensional_rule(const ShampooOptions& options, const BlockPlan& plan) 
 
 bool large_dim_rule(const ShampooOptions& options, int64_t merged_dim) {
   return options.max_factored_dim() > 0 && merged_dim > options.max_factored_dim();
+}
+
+/// SOAP's ignored_basis_change_dims for blocks of this order (none for other families).
+std::vector<int64_t> ignored_basis_dims(const ShampooOptions& options, int64_t order) {
+  const auto* soap = std::get_if<EigenvalueCorrectedShampooConfig>(&options.preconditioner());
+  if (soap == nullptr) return {};
+  const auto it = soap->ignored_basis_change_dims.find(order);
+  return it == soap->ignored_basis_change_dims.end() ? std::vector<int64_t>{} : it->second;
+}
+
+bool basis_ignored(const ShampooOptions& options, int64_t order, int64_t dim) {
+  const auto dims = ignored_basis_dims(options, order);
+  return std::find(dims.begin(), dims.end(), dim) != dims.end();
 }
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -59,6 +75,10 @@ BlockFactorChoice block_factor_choice(const ShampooOptions& options, const Block
   const auto order = static_cast<int64_t>(block_shape.size());
   choice.dim_exponents = dim_exponents(options, order);
   if (!keeps_kronecker_factors(options)) return choice;
+  // Asked for, as an exponent-0 override is: the block keeps its family (no diagonal fallback).
+  for (const int64_t k : ignored_basis_dims(options, order)) {
+    if (k < order) choice.dim_exponents[k] = 0.0;
+  }
   TORCH_INTERNAL_ASSERT(plan.merged_shape.size() == block_shape.size());
   bool ruled_out = false;
   const bool one_dimensional = one_dimensional_rule(options, plan);
@@ -91,6 +111,9 @@ std::string describe_factor_choice(const ShampooOptions& options, const BlockPla
   for (size_t k = 0; k < merged.size(); ++k) {
     if (choice.dim_exponents[k] != 0.0) {
       factored.push_back(static_cast<int64_t>(k));
+    } else if (basis_ignored(options, static_cast<int64_t>(merged.size()),
+                             static_cast<int64_t>(k))) {
+      reasons.push_back(fmt::format("dim {}: in ignored_basis_change_dims", k));
     } else if (large_dim_rule(options, merged[k])) {
       reasons.push_back(fmt::format("dim {}: {} > max_factored_dim {}", k, merged[k],
                                     options.max_factored_dim()));

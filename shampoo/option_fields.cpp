@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <utility>
 #include <variant>
+#include <vector>
 
 #include "update/grafting.h"
 
@@ -345,6 +346,22 @@ void append_code(const std::array<double, 3>& v, std::vector<int64_t>& out) {
 template <typename E>
 requires std::is_enum_v<E>
 void append_code(E v, std::vector<int64_t>& out) { out.push_back(static_cast<int64_t>(v)); }
+/// SOAP's ignored dims, flattened: (order, number of dims, dims...) per order, in map order.
+using IgnoredDims = std::map<int64_t, std::vector<int64_t>>;
+std::vector<int64_t> flatten(const IgnoredDims& v) {
+  std::vector<int64_t> out;
+  for (const auto& [order, dims] : v) {
+    out.push_back(order);
+    out.push_back(static_cast<int64_t>(dims.size()));
+    out.insert(out.end(), dims.begin(), dims.end());
+  }
+  return out;
+}
+void append_code(const IgnoredDims& v, std::vector<int64_t>& out) {
+  const auto flat = flatten(v);
+  out.push_back(static_cast<int64_t>(flat.size()));
+  out.insert(out.end(), flat.begin(), flat.end());
+}
 /// (kind, rank_atol bits, rank_rtol bits); zeros for the perturbation.
 void append_code(const RankDeficientStabilityConfig& v, std::vector<int64_t>& out) {
   const auto* c = std::get_if<PseudoInverseConfig>(&v);
@@ -368,6 +385,12 @@ requires std::is_enum_v<E> std::string value_text(E v) {
   const auto i = static_cast<size_t>(v);
   return i < names.size() ? names[i] : c10::str(static_cast<int64_t>(v));
 }
+std::string value_text(const IgnoredDims& v) {
+  std::vector<std::string> parts;
+  for (const auto& [order, dims] : v)
+    parts.push_back(c10::str(order, ": [", c10::Join(", ", dims), "]"));
+  return c10::str("{", c10::Join(", ", parts), "}");
+}
 std::string value_text(const RankDeficientStabilityConfig& v) {
   const auto* c = std::get_if<PseudoInverseConfig>(&v);
   if (c == nullptr) return "perturbation";
@@ -385,6 +408,9 @@ Entries archive_entries(const std::string& key, bool v) {
 }
 Entries archive_entries(const std::string& key, const std::array<double, 3>& v) {
   return {{key, c10::IValue(std::vector<double>(v.begin(), v.end()))}};
+}
+Entries archive_entries(const std::string& key, const IgnoredDims& v) {
+  return {{key, c10::IValue(flatten(v))}};
 }
 template <typename E>
 requires std::is_enum_v<E> Entries archive_entries(const std::string& key, E v) {
@@ -414,6 +440,21 @@ void read_value(InputArchive& a, const std::string& key, std::array<double, 3>& 
               ", expected a list of 3 floats");
   const auto list = value.toDoubleVector();
   std::copy(list.begin(), list.end(), v.begin());
+}
+void read_value(InputArchive& a, const std::string& key, IgnoredDims& v) {
+  const auto value = read_entry(a, key);
+  TORCH_CHECK(value.isIntList(), "ShampooOptions archive: entry '", key, "': got a ",
+              value.tagKind(), ", expected a list of ints");
+  const auto flat = value.toIntVector();
+  v.clear();
+  for (size_t i = 0; i < flat.size();) {
+    TORCH_CHECK(i + 1 < flat.size() && flat[i + 1] >= 0 &&
+                    i + 2 + static_cast<size_t>(flat[i + 1]) <= flat.size(),
+                "ShampooOptions archive: entry '", key, "' is truncated");
+    const auto begin = flat.begin() + static_cast<int64_t>(i) + 2;
+    v[flat[i]] = std::vector<int64_t>(begin, begin + flat[i + 1]);
+    i += 2 + static_cast<size_t>(flat[i + 1]);
+  }
 }
 template <typename E>
 requires std::is_enum_v<E>

@@ -165,6 +165,7 @@ bool ShampooEngine::register_added_params(std::vector<torch::optim::OptimizerPar
     if (a.group >= registered) {
       group_steps_.push_back(0);
       group_lr_sums_.push_back(0.0);
+      group_peak_lrs_.push_back(options_of(groups[a.group], a.group).peak_lr());
     }
   }
   check_ranks_agree(*distributor_, groups, registry_);
@@ -389,6 +390,11 @@ void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& g
                                bool incremental) {
   TORCH_CHECK(broken_.empty(), broken_);
   register_added_params(groups);
+  // Options replaced from outside (a wrapper's push of its copy) may carry peak_lr −1 again.
+  for (size_t g = 0; g < groups.size() && g < group_peak_lrs_.size(); ++g) {
+    auto& options = options_of(groups[g], g);
+    if (options.peak_lr() == -1.0) options.peak_lr(group_peak_lrs_[g]);
+  }
   TORCH_CHECK(!registry_.params.empty(),
               "DistributedShampoo::step(): the optimizer has no parameters (it was built with an "
               "empty parameter list and none were added since); add them with add_param_group "

@@ -184,6 +184,9 @@ class ShampooEngine {
   // Schedule-Free: per param group Σ lr^p over its completed steps (0 without it), and the open
   // step's sums including its terms (committed for the groups that advance).
   std::vector<double> group_lr_sums_;
+  /// Each group's peak_lr as resolved when it was added: a wrapper that pushes its own copy of
+  /// the options (peak_lr −1 there) gets it back at the next step (restore_peak_lrs).
+  std::vector<double> group_peak_lrs_;
   std::vector<double> step_lr_sums_;
   bool eval_mode_ = false;  // iterate averaging: parameters hold the evaluation sequence x
   std::vector<int64_t> group_virtual_;  // virtual group of each param group

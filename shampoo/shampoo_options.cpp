@@ -34,7 +34,8 @@ void check_preconditioner(const PreconditionerConfig& preconditioner,
                   "ShampooOptions.inverse_exponent_override[", order, "][", dim, "]: exponent ",
                   exponent,
                   " is not 1/p for an integer p; the iterative root solvers "
-                  "(kCoupledNewton, kNewtonDB) need integer roots (use RootSolver::kEigh)");
+                  "(kCoupledNewton, kNewtonDB, kCoupledHigherOrder) need integer roots (use "
+                  "RootSolver::kEigh)");
     }
   }
 }
@@ -68,6 +69,22 @@ void check_iterate_averaging(const IterateAveragingConfig& averaging, double mom
   TORCH_CHECK(momentum == 0.0, "ShampooOptions.momentum: got ", momentum,
               ", expected 0 with iterate averaging (", name,
               "): averaging takes the place of momentum");
+}
+
+/// weight_decay ≥ 0; peak_lr −1 or > 0, and > 0 once resolved for the types that divide by it.
+void check_weight_decay(const ShampooOptions& o) {
+  TORCH_CHECK(std::isfinite(o.weight_decay()) && o.weight_decay() >= 0.0,
+              "ShampooOptions.weight_decay: got ", o.weight_decay(),
+              ", expected weight_decay >= 0");
+  TORCH_CHECK(o.peak_lr() == -1.0 || (std::isfinite(o.peak_lr()) && o.peak_lr() > 0.0),
+              "ShampooOptions.peak_lr: got ", o.peak_lr(),
+              ", expected -1 (the group's lr when it is added) or a finite value > 0");
+  const bool scaled_decay = o.weight_decay_type() == WeightDecayType::kCorrected ||
+                            o.weight_decay_type() == WeightDecayType::kIndependent;
+  TORCH_CHECK(!scaled_decay || o.peak_lr() > 0.0 || o.lr() > 0.0, "ShampooOptions.peak_lr: got ",
+              o.peak_lr(), " with lr ", o.lr(),
+              ", expected peak_lr > 0 (or lr > 0, which peak_lr -1 takes) with weight_decay_type "
+              "kCorrected or kIndependent: they divide by peak_lr");
 }
 
 /// Trace scaling needs a Kronecker family and an exponent in (0, 1] (the reference's range).
@@ -160,17 +177,7 @@ void ShampooOptions::validate() const {
               "ShampooOptions.beta3: got ", beta3(),
               ", expected -1 (= beta1) or a value in [0, 1)");
   check_epsilon(epsilon(), preconditioner());
-  TORCH_CHECK(std::isfinite(weight_decay()) && weight_decay() >= 0.0,
-              "ShampooOptions.weight_decay: got ", weight_decay(), ", expected weight_decay >= 0");
-  TORCH_CHECK(peak_lr() == -1.0 || (std::isfinite(peak_lr()) && peak_lr() > 0.0),
-              "ShampooOptions.peak_lr: got ", peak_lr(),
-              ", expected -1 (the group's lr when it is added) or a finite value > 0");
-  const bool scaled_decay = weight_decay_type() == WeightDecayType::kCorrected ||
-                            weight_decay_type() == WeightDecayType::kIndependent;
-  TORCH_CHECK(!scaled_decay || peak_lr() > 0.0 || lr() > 0.0, "ShampooOptions.peak_lr: got ",
-              peak_lr(), " with lr ", lr(),
-              ", expected peak_lr > 0 (or lr > 0, which peak_lr -1 takes) with weight_decay_type "
-              "kCorrected or kIndependent: they divide by peak_lr");
+  check_weight_decay(*this);
   check_trace_scaling(use_trace_scaling(), trace_scaling_exponent(), preconditioner());
   check_unit_interval(momentum(), "momentum", /*allow_one=*/false);
   check_unit_interval(dampening(), "dampening", /*allow_one=*/true);

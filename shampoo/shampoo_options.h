@@ -55,11 +55,12 @@ using IterateAveragingConfig =
 enum class WeightDecayType {
   kL2,         ///< G ← G + wd·W before everything else
   kDecoupled,  ///< P ← P + wd·W after preconditioning (AdamW-style)
-  /// P ← P + wd·(lr_t / peak_lr)·W: decoupled decay whose strength follows the schedule's
-  /// lr_t relative to its peak (the reference's CORRECTED; Defazio 2025, "AdamC").
+  /// P ← P + wd·(lr_t / peak_lr)·W: decoupled decay whose factor follows the schedule's lr_t
+  /// relative to its peak, so a step shrinks W by lr_t²·wd / peak_lr (the reference's CORRECTED;
+  /// Defazio 2025, "AdamC").
   kCorrected,
-  /// P ← P + (wd / peak_lr)·W: decoupled decay independent of the lr (the reference's
-  /// INDEPENDENT); the step then shrinks W by lr_t·wd / peak_lr.
+  /// P ← P + (wd / peak_lr)·W: a factor that does not follow the schedule, so a step shrinks W by
+  /// lr_t·wd / peak_lr (the reference's INDEPENDENT).
   kIndependent,
 };
 

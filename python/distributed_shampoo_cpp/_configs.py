@@ -118,13 +118,14 @@ class CoupledNewtonConfig(RootInvConfig):
 
 @dataclass(kw_only=True)
 class CoupledHigherOrderConfig(RootInvConfig):
-    """Not yet supported by the engine (an error when used)."""
+    """The reference's coupled higher-order inverse root (docs/math.md, "Coupled higher order")."""
 
     rel_epsilon: float
     abs_epsilon: float
     max_iterations: int = 100
     tolerance: float = 1e-8
     order: int = 3
+    disable_tf32: bool = True
 
 
 DefaultEigenConfig = EigenConfig()

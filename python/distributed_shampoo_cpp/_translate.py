@@ -147,7 +147,8 @@ def _perturbation():
 
 
 def root_inv(config: Any, where: str) -> dict:
-    """RootInvConfig (EigenConfig, CoupledNewtonConfig) as the engine's root solver."""
+    """RootInvConfig (EigenConfig, CoupledNewtonConfig, CoupledHigherOrderConfig) as the engine's
+    root solver."""
     if kind(config) == "EigenConfig":
         out = eigendecomposition(config, where)
         if out.pop("eigenbasis_method") != "eigh":
@@ -161,9 +162,21 @@ def root_inv(config: Any, where: str) -> dict:
                "rank_deficient": {"kind": "perturbation"}}
         fields.done()
         return out
-    raise unsupported(where, config, "root-inverse Shampoo takes EigenConfig or "
-                                     "CoupledNewtonConfig (CoupledHigherOrderConfig is not "
-                                     "supported yet)")
+    if kind(config) == "CoupledHigherOrderConfig":
+        fields = Fields(config, where)
+        out = {"solver": "coupled_higher_order", "retry_double_precision": True,
+               "rel_epsilon": float(fields.take("rel_epsilon", None)),
+               "abs_epsilon": float(fields.take("abs_epsilon", None)),
+               "max_iterations": int(fields.take("max_iterations", 100)),
+               "tolerance": float(fields.take("tolerance", 1e-8)),
+               "order": int(fields.take("order", 3)),
+               "rank_deficient": {"kind": "perturbation"}}
+        # The engine never uses TF32 here unless asked (tf32 is not the reference's field).
+        fields.require("disable_tf32", True, "TF32 products are not offered for this solver")
+        fields.done()
+        return out
+    raise unsupported(where, config, "root-inverse Shampoo takes EigenConfig, "
+                                     "CoupledNewtonConfig or CoupledHigherOrderConfig")
 
 
 def exponent_override(value: Any, where: str) -> dict:
@@ -222,7 +235,8 @@ def shampoo_family(config: Any, out: dict) -> dict:
         if precond.pop("rank_deficient")["kind"] != "perturbation":
             raise unsupported(amortized_where, amortized, "SOAP takes PerturbationConfig only")
         precond["kind"] = "eigenvalue_corrected"
-        fields.require("ignored_basis_change_dims", lambda v: not v, "not supported yet")
+        precond["ignored_basis_change_dims"] = ignored_dims(
+            fields.take("ignored_basis_change_dims", {}), where + ".ignored_basis_change_dims")
         same_dtype(fields, "factor_matrix_eigenvectors_dtype", out)
         same_dtype(fields, "corrected_eigenvalues_dtype", out)
     override = fields.take("inverse_exponent_override", {})
@@ -231,6 +245,13 @@ def shampoo_family(config: Any, out: dict) -> dict:
     out["inverse_exponent_override"] = exponent_override(override, where)
     fields.done()
     return precond
+
+
+def ignored_dims(value: Any, where: str) -> dict:
+    """{order: [dims]} with int keys and int lists (the engine checks the ranges)."""
+    if not isinstance(value, dict):
+        raise unsupported(where, value, "a dict {block order: [dims]}")
+    return {int(order): [int(d) for d in dims] for order, dims in value.items()}
 
 
 def _eigh():

@@ -2,7 +2,9 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <map>
 #include <string>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -45,9 +47,18 @@ RankDeficientStabilityConfig rank_deficient_from(const py::dict& d) {
 RootInvShampooConfig root_inv_from(const py::dict& d) {
   RootInvShampooConfig config;
   const auto solver = get<std::string>(d, "solver");
-  TORCH_CHECK(solver == "eigh" || solver == "coupled_newton",
-              "distributed_shampoo_cpp: unknown root solver ", solver);
-  config.solver = solver == "eigh" ? RootSolver::kEigh : RootSolver::kCoupledNewton;
+  const std::map<std::string, RootSolver> solvers{
+      {"eigh", RootSolver::kEigh},
+      {"coupled_newton", RootSolver::kCoupledNewton},
+      {"coupled_higher_order", RootSolver::kCoupledHigherOrder}};
+  const auto found = solvers.find(solver);
+  TORCH_CHECK(found != solvers.end(), "distributed_shampoo_cpp: unknown root solver ", solver);
+  config.solver = found->second;
+  if (config.solver == RootSolver::kCoupledHigherOrder) {
+    config.order = get<int64_t>(d, "order");
+    config.rel_epsilon = get<double>(d, "rel_epsilon");
+    config.abs_epsilon = get<double>(d, "abs_epsilon");
+  }
   config.retry_double_precision = get<bool>(d, "retry_double_precision");
   config.max_iterations = get<int64_t>(d, "max_iterations");
   config.tolerance = get<double>(d, "tolerance");
@@ -122,8 +133,9 @@ PreconditionerConfig preconditioner_from(const py::dict& d) {
   if (kind == "eigendecomposed") return eigendecomposed_from(d);
   if (kind == "eigendecomposed_kl") return EigendecomposedKLShampooConfig{eigendecomposed_from(d)};
   if (kind == "eigenvalue_corrected") {
-    return EigenvalueCorrectedShampooConfig{eigenbasis_from(d),
-                                            get<bool>(d, "retry_double_precision")};
+    return EigenvalueCorrectedShampooConfig{
+        eigenbasis_from(d), get<bool>(d, "retry_double_precision"),
+        get<std::map<int64_t, std::vector<int64_t>>>(d, "ignored_basis_change_dims")};
   }
   if (kind == "spectral_descent") return spectral_from(d);
   if (kind == "sign_descent") return SignDescentConfig{};

@@ -46,11 +46,12 @@ struct Loop {
 /// step `save_at` (and stops) when `save_at` > 0. `late_params` join as a param group of their
 /// own (lr halved) before training, as code that unfreezes a layer adds it.
 void train(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-           const std::vector<at::Tensor>& late_params, const Loop& loop,
-           const std::string& dir, int last, int save_at) {
+           const std::vector<at::Tensor>& late_params, const Loop& loop, const std::string& dir,
+           int last, int save_at) {
   auto late_options = optimizer.defaults().clone();
   late_options->set_lr(late_options->get_lr() * 0.5);
-  optimizer.add_param_group(torch::optim::OptimizerParamGroup(late_params, std::move(late_options)));
+  optimizer.add_param_group(
+      torch::optim::OptimizerParamGroup(late_params, std::move(late_options)));
   std::map<std::string, c10::IValue> values{{"step", int64_t{0}}};
   shampoo::TrainingState state{&model, &optimizer, nullptr, &values};
   const bool resumed = shampoo::load_training_checkpoint(dir, state, loop.group);
@@ -85,18 +86,32 @@ void train(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
 
 // ----- the test's side: the modes, and the runs to compare -----
 
-enum class Mode { kShampoo, kDiagonal, kAdam, kShardedAdam, kGradientSharding, kFullSharding,
-                  kFullShardingAfterBackward };
+enum class Mode {
+  kShampoo,
+  kDiagonal,
+  kAdam,
+  kShardedAdam,
+  kGradientSharding,
+  kFullSharding,
+  kFullShardingAfterBackward
+};
 
 std::string mode_name(Mode mode) {
   switch (mode) {
-    case Mode::kShampoo: return "shampoo";
-    case Mode::kDiagonal: return "diagonal_family";
-    case Mode::kAdam: return "adam";
-    case Mode::kShardedAdam: return "sharded_adam";
-    case Mode::kGradientSharding: return "gradient_sharding_shampoo";
-    case Mode::kFullSharding: return "full_sharding_overlap";
-    case Mode::kFullShardingAfterBackward: return "full_sharding_after_backward";
+    case Mode::kShampoo:
+      return "shampoo";
+    case Mode::kDiagonal:
+      return "diagonal_family";
+    case Mode::kAdam:
+      return "adam";
+    case Mode::kShardedAdam:
+      return "sharded_adam";
+    case Mode::kGradientSharding:
+      return "gradient_sharding_shampoo";
+    case Mode::kFullSharding:
+      return "full_sharding_overlap";
+    case Mode::kFullShardingAfterBackward:
+      return "full_sharding_after_backward";
   }
   return "?";
 }
@@ -117,7 +132,13 @@ Mode reference_of(Mode mode) {
 }
 
 shampoo::ShampooOptions shampoo_options(Mode mode) {
-  auto options = shampoo::ShampooOptions(0.02).precondition_frequency(2).epsilon(1e-8);
+  // The reference's CORRECTED weight decay (issue 58): wd·lr_t/peak_lr follows the scheduler, and
+  // the late group's peak_lr is its own lr when it is added; every mode must agree on both.
+  auto options = shampoo::ShampooOptions(0.02)
+                     .precondition_frequency(2)
+                     .epsilon(1e-8)
+                     .weight_decay(0.05)
+                     .weight_decay_type(shampoo::WeightDecayType::kCorrected);
   if (mode == Mode::kDiagonal) {
     options.preconditioner(shampoo::AdamPreconditionerConfig{}).grafting(std::monostate{});
   }
@@ -181,7 +202,9 @@ std::vector<at::Tensor> run(Mode mode, int world, int rank, const Group& group,
     if (distributed) {
       sync = std::make_unique<shampoo::GradientSynchronizer>(model->parameters(), group);
       // Gradient accumulation over micro-batches: only the last backward synchronizes.
-      loop.before_backward = [&sync](bool last_micro_batch) { sync->set_enabled(last_micro_batch); };
+      loop.before_backward = [&sync](bool last_micro_batch) {
+        sync->set_enabled(last_micro_batch);
+      };
       loop.after_backward = [&sync](bool last_micro_batch) {
         if (last_micro_batch) sync->synchronize();
       };
@@ -198,8 +221,8 @@ std::vector<at::Tensor> run(Mode mode, int world, int rank, const Group& group,
         optimizer = adam(torch::optim::OptimizerParamGroup(rest));
       }
     } else {
-      optimizer = std::make_unique<shampoo::DistributedShampoo>(rest, shampoo_options(mode),
-                                                                options);
+      optimizer =
+          std::make_unique<shampoo::DistributedShampoo>(rest, shampoo_options(mode), options);
     }
   }
   if (mode == Mode::kGradientSharding && distributed) {

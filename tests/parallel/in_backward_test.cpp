@@ -67,6 +67,13 @@ std::vector<FactoryCase> factories() {
       {"distributed_shampoo", shampoo_factory(shampoo_options())},
       {"distributed_shampoo_compact_int8",
        shampoo_factory(shampoo_options().compact_state(shampoo::CompactState::kInt8))},
+      // The reference's newer settings (issue 58) in backward: corrected weight decay, trace
+      // scaling.
+      {"distributed_shampoo_corrected_decay_trace_scaling",
+       shampoo_factory(shampoo_options()
+                           .weight_decay(0.05)
+                           .weight_decay_type(shampoo::WeightDecayType::kCorrected)
+                           .use_trace_scaling(true))},
       {"eigendecomposed_shampoo",
        [](std::vector<torch::Tensor> p) {
          return std::make_unique<shampoo::DistributedShampoo>(
@@ -247,8 +254,10 @@ struct DataParallelRun {
     opt.add({params[0], params[1]}, [group](std::vector<torch::Tensor> p) {
       return std::make_unique<shampoo::DistributedShampoo>(
           p,
-          shampoo::ShampooOptions::reference_defaults(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
-              shampoo::AdamGraftingConfig{}),
+          shampoo::ShampooOptions::reference_defaults(0.02)
+              .epsilon(1e-6)
+              .precondition_frequency(2)
+              .grafting(shampoo::AdamGraftingConfig{}),
           shampoo::DistributedOptions().process_group(group));
     });
     opt.add({params.begin() + 2, params.end()}, factories()[1].factory);
@@ -358,8 +367,10 @@ TEST(InBackwardDistributed, EqualsDistributedOrdinaryStep) {
         if (shampoo_optimizer) {
           return std::make_unique<shampoo::DistributedShampoo>(
               p,
-              shampoo::ShampooOptions::reference_defaults(0.02).epsilon(1e-6).precondition_frequency(2).grafting(
-                  shampoo::AdamGraftingConfig{}),
+              shampoo::ShampooOptions::reference_defaults(0.02)
+                  .epsilon(1e-6)
+                  .precondition_frequency(2)
+                  .grafting(shampoo::AdamGraftingConfig{}),
               shampoo::DistributedOptions().process_group(group));
         }
         if (which == Which::kShardedAdam) {
@@ -399,8 +410,8 @@ TEST(InBackwardDistributed, EqualsDistributedOrdinaryStep) {
 TEST(InBackwardState, EveryParameterHasAnEntryWithItsStepCount) {
   auto model = shampoo::testing::make_mlp(6, 10, 3, /*seed=*/5);
   auto params = model->parameters();
-  auto moved = shampoo::apply_optimizer_in_backward(
-      {params[0], params[1]}, [](std::vector<at::Tensor> p) {
+  auto moved =
+      shampoo::apply_optimizer_in_backward({params[0], params[1]}, [](std::vector<at::Tensor> p) {
         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
       });
   shampoo::InBackwardOptimizer in_backward(std::move(moved));

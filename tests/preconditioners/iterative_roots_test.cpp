@@ -5,7 +5,9 @@
 
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iostream>
 
 #include "preconditioners/matrix_functions.h"
 #include "support/test_support.h"
@@ -100,6 +102,50 @@ INSTANTIATE_TEST_SUITE_P(Solvers, AgainstEigh,
                                            Case{kNewton, at::kFloat, 1e5, 0.25, 1e-6, 1e-3},
                                            Case{kDB, at::kFloat, 1e5, 0.25, 1e-6, 1e-3}));
 
+// The reference's coupled higher-order iteration (issue 58): against eigh of A + ridge·I, the
+// ridge max(rel·‖A‖∞, abs) (both branches), at orders 2 to 4 and roots 2, 4 and 6; a higher order
+// takes no more iterations than Newton's (order 2) on the same matrices.
+TEST(IterativeRoot, CoupledHigherOrderAgainstEigh) {
+  const auto a = conditioned_spd(3, 16, 1e3, 5);
+  for (const int64_t root : {2, 4, 6}) {
+    std::vector<int64_t> newton_iterations;
+    for (const int64_t order : {2, 3, 4}) {
+      for (const bool relative : {true, false}) {
+        auto s = settings(RootSolver::kCoupledHigherOrder, 1e-12);
+        s.order = order;
+        s.rel_epsilon = relative ? 1e-4 : 1e-12;
+        s.abs_epsilon = relative ? 1e-12 : 1e-4;
+        const auto r = shampoo::detail::iterative_inverse_root(a, {0.0, 0.0, 0.0}, root, s);
+        for (int64_t i = 0; i < 3; ++i) {
+          SCOPED_TRACE(::testing::Message() << "root " << root << " order " << order
+                                            << (relative ? " relative" : " absolute") << " " << i);
+          ASSERT_TRUE(r.converged[i]);
+          const double norm = a[i].abs().sum(1).max().item<double>();
+          const double ridge = std::max(s.rel_epsilon * norm, s.abs_epsilon);
+          EXPECT_LE(relative_error(r.values[i], exact_root(a[i], ridge, 1.0 / root)), 1e-10);
+          if (order == 2 && relative) newton_iterations.push_back(r.iterations[i]);
+          if (order > 2 && relative) {
+            EXPECT_LE(r.iterations[i], newton_iterations[i]);
+          }
+        }
+      }
+    }
+  }
+  // The iteration counts of every solver on these matrices (root 4, the same ridge 1e-4·‖A‖∞
+  // for all), reported for docs/math.md.
+  const double ridge = 1e-4 * a.abs().sum(2).amax(1).max().item<double>();
+  for (const auto solver :
+       {RootSolver::kCoupledNewton, RootSolver::kNewtonDB, RootSolver::kCoupledHigherOrder}) {
+    auto s = settings(solver, 1e-12);
+    s.abs_epsilon = ridge;
+    const auto r = shampoo::detail::iterative_inverse_root(a, {ridge, ridge, ridge}, 4, s);
+    std::cout << shampoo::detail::enumerator_names(solver)[static_cast<size_t>(solver)]
+              << " (root 4, condition 1e3, 16x16, float64, tolerance 1e-12): iterations "
+              << r.iterations[0] << " " << r.iterations[1] << " " << r.iterations[2] << "\n";
+    for (int64_t i = 0; i < 3; ++i) EXPECT_TRUE(r.converged[i]) << i;
+  }
+}
+
 TEST(IterativeRoot, DiagonalClosedForm) {
   const auto a = at::diag(at::tensor({1.0, 4.0, 9.0, 16.0})).unsqueeze(0);
   const auto expected = at::diag(at::tensor({1.0, 0.5, 1.0 / 3.0, 0.25}));
@@ -190,8 +236,9 @@ TEST(IterativeRootCuda, MatchesCpuAndRestoresTf32Mode) {
   const auto a = conditioned_spd(6, 256, 1e4, 11).to(at::kFloat);
   const std::vector<double> eps(6, 1e-8), exponents(6, 0.25);
   at::globalContext().setAllowTF32CuBLAS(false);
-  for (const auto method : {kNewton, kDB}) {
+  for (const auto method : {kNewton, kDB, RootSolver::kCoupledHigherOrder}) {
     auto s = settings(method);
+    s.abs_epsilon = 1e-8;  // kCoupledHigherOrder's ridge: the ε of the others
     const auto cpu = stacked_inverse_root(a, eps, exponents, true, &s);
     const auto gpu = stacked_inverse_root(a.cuda(), eps, exponents, true, &s);
     EXPECT_EQ(gpu.solver_fallbacks, 0);

@@ -265,7 +265,9 @@ class ReferenceConfigs(unittest.TestCase):
                 use_trace_scaling=True, trace_scaling_exponent=1.5)), "trace_scaling_exponent"),
             (dict(preconditioner_config=ds.RootInvShampooPreconditionerConfig(
                 amortized_computation_config=ds.CoupledHigherOrderConfig(
-                    rel_epsilon=1e-3, abs_epsilon=1e-6))), "CoupledHigherOrderConfig"),
+                    rel_epsilon=1e-3, abs_epsilon=1e-6, disable_tf32=False))), "disable_tf32"),
+            (dict(preconditioner_config=ds.EigenvalueCorrectedShampooPreconditionerConfig(
+                ignored_basis_change_dims={2: [5]})), "ignored_basis_change_dims"),
             (dict(weight_decay_type=ds.WeightDecayType.CORRECTED, lr=0.0), "peak_lr"),
             (dict(weight_decay_type="SOMETHING"), "weight_decay_type"),
             (dict(grafting_config=ds.EigenConfig()), "grafting_config"),

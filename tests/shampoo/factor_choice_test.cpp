@@ -261,7 +261,27 @@ TEST(FactorDtype, ACheckpointLoadsAcrossFactorDtypes) {
   torch::save(first, saved);
   auto v = w.detach().clone().requires_grad_();
   DistributedShampoo through({v}, ShampooOptions(1e-2).precondition_frequency(2));
-  torch::load(through, saved);
+  {
+    // The load says that the checkpoint's storage options differ, naming them (issue 58).
+    struct Collector : c10::WarningHandler {
+      void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+      std::vector<std::string> messages;
+    } warnings;
+    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    torch::load(through, saved);
+    ASSERT_EQ(warnings.messages.size(), 1U);
+    const auto& message = warnings.messages[0];
+    EXPECT_NE(message.find("param group 0 was saved with other storage options"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("factor_matrix_dtype: got Float, expected Double"), std::string::npos)
+        << message;
+    // A checkpoint of the same options loads without a word.
+    std::stringstream same;
+    torch::save(first, same);
+    DistributedShampoo again({w.detach().clone().requires_grad_()}, f32);
+    torch::load(again, same);
+    EXPECT_EQ(warnings.messages.size(), 1U);
+  }
   std::stringstream resaved;
   torch::save(through, resaved);
   auto u = w.detach().clone().requires_grad_();

@@ -368,4 +368,36 @@ TEST(TrainerDevice, CudaOnThisMachine) {
   }
 }
 
+// The reference's newer settings as trainer flags (issue 58): --weight-decay-type and
+// --trace-scaling reach the optimizer; the old boolean and the new flag cannot contradict.
+TEST(TrainerFlags, WeightDecayTypeAndTraceScalingReachTheOptimizer) {
+  const auto options_of = [](std::vector<const char*> args) {
+    const auto config = parse(std::move(args));
+    EXPECT_TRUE(config.has_value());
+    torch::nn::Linear model(8, 4);
+    const auto plans = shampoo::examples::plan_param_groups(model->named_parameters(), *config);
+    const auto optimizer = shampoo::examples::make_optimizer(*config, plans, nullptr);
+    auto* shampoo_optimizer = dynamic_cast<shampoo::DistributedShampoo*>(optimizer.get());
+    EXPECT_NE(shampoo_optimizer, nullptr);
+    return shampoo::ShampooOptions(shampoo_optimizer->group_options(0));
+  };
+  EXPECT_EQ(options_of({}).weight_decay_type(), shampoo::WeightDecayType::kDecoupled);
+  EXPECT_FALSE(options_of({}).use_trace_scaling());
+  EXPECT_EQ(options_of({"--weight-decay-type", "corrected"}).weight_decay_type(),
+            shampoo::WeightDecayType::kCorrected);
+  EXPECT_EQ(options_of({"--weight-decay-type", "independent"}).weight_decay_type(),
+            shampoo::WeightDecayType::kIndependent);
+  EXPECT_EQ(options_of({"--use-decoupled-weight-decay=false"}).weight_decay_type(),
+            shampoo::WeightDecayType::kL2);
+  const auto traced = options_of({"--trace-scaling", "0.25"});
+  EXPECT_TRUE(traced.use_trace_scaling());
+  EXPECT_EQ(traced.trace_scaling_exponent(), 0.25);
+  try {
+    parse({"--use-decoupled-weight-decay=false", "--weight-decay-type", "corrected"});
+    ADD_FAILURE() << "contradicting flags were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("give one of them"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace

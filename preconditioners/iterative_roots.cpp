@@ -131,18 +131,19 @@ struct BatchOutcome {
   at::Tensor iterations;  // [n] long
 };
 
-/// The reference's coupled inverse Newton iteration for the root p of A (already regularized):
-/// z = (p + 1) / (2‖A‖_F), X ← z^(1/p)·I, M ← z·A, then X ← X·M_p, M ← M_p^p·M with
-/// M_p = (1 + 1/p)·I − M/p, until max|M − I| ≤ tolerance.
-BatchOutcome coupled_newton(const at::Tensor& A, int64_t p, const RootInvShampooConfig& s) {
+/// The coupled iteration for the root p of A (already regularized) from the scale z ([n, 1, 1]):
+/// X ← z^(1/p)·I, M ← z·A, then X ← X·M_p, M ← M_p^p·M with M_p = polynomial(M, I, k) at
+/// iteration k (from 0), until max|M − I| ≤ tolerance.
+template <typename Polynomial>
+BatchOutcome coupled_iteration(const at::Tensor& A, int64_t p, const at::Tensor& z,
+                               const RootInvShampooConfig& s, Polynomial&& polynomial) {
   const auto eye = at::eye(A.size(1), A.options());
-  const auto z = per_member((p + 1.0) / (2.0 * at::linalg_vector_norm(A, 2, {1, 2})));
   auto X = eye * at::pow(z, 1.0 / static_cast<double>(p));
   auto M = A * z;
   Progress progress(distance_to_identity(M, eye), s.tolerance, floor_of(s, A));
-  const double alpha = -1.0 / static_cast<double>(p);
+  int64_t k = 0;
   iterate(progress, s.max_iterations, [&] {
-    const auto Mp = M * alpha + eye * (1.0 - alpha);
+    const auto Mp = polynomial(M, eye, k++);
     const auto X_next = at::bmm(X, Mp);
     const auto M_next = at::bmm(batched_power(Mp, p), M);
     const auto accept = progress.advance(distance_to_identity(M_next, eye));
@@ -150,6 +151,21 @@ BatchOutcome coupled_newton(const at::Tensor& A, int64_t p, const RootInvShampoo
     M = keep(accept, M_next, M);
   });
   return {X, progress.converged(), progress.iterations()};
+}
+
+/// Newton's step polynomial M_p = (1 + 1/p)·I − M/p.
+at::Tensor newton_polynomial(const at::Tensor& M, const at::Tensor& eye, int64_t p) {
+  const double alpha = -1.0 / static_cast<double>(p);
+  return M * alpha + eye * (1.0 - alpha);
+}
+
+/// The reference's coupled inverse Newton iteration: z = (p + 1) / (2‖A‖_F), Newton's step
+/// polynomial throughout.
+BatchOutcome coupled_newton(const at::Tensor& A, int64_t p, const RootInvShampooConfig& s) {
+  const auto z = per_member((p + 1.0) / (2.0 * at::linalg_vector_norm(A, 2, {1, 2})));
+  return coupled_iteration(A, p, z, s, [p](const at::Tensor& M, const at::Tensor& eye, int64_t) {
+    return newton_polynomial(M, eye, p);
+  });
 }
 
 /// The coefficients b_0..b_{order−1} of the reference's higher-order step for the root p: the
@@ -166,36 +182,19 @@ std::vector<double> higher_order_coefficients(int64_t order, int64_t p) {
   return b;
 }
 
-/// The reference's coupled higher-order iteration for the root p of A (already regularized,
-/// docs/math.md "Coupled higher order"): z = 1/tr(A), X ← z^(1/p)·I, M ← z·A; the first step is
-/// Newton's (M_p = (1 + 1/p)·I − M/p), every later one M_p = Σ_i b_i·(I − M)^i by Horner's rule;
-/// X ← X·M_p, M ← M_p^p·M, until max|M − I| ≤ tolerance.
+/// The reference's coupled higher-order iteration (docs/math.md "Coupled higher order"):
+/// z = 1/tr(A); the first step is Newton's, every later one M_p = Σ_i b_i·(I − M)^i by Horner's
+/// rule.
 BatchOutcome coupled_higher_order(const at::Tensor& A, int64_t p, const RootInvShampooConfig& s) {
-  const auto eye = at::eye(A.size(1), A.options());
   const auto z = per_member(1.0 / A.diagonal(0, 1, 2).sum(1));
-  auto X = eye * at::pow(z, 1.0 / static_cast<double>(p));
-  auto M = A * z;
-  Progress progress(distance_to_identity(M, eye), s.tolerance, floor_of(s, A));
   const auto b = higher_order_coefficients(s.order, p);
-  const double alpha = -1.0 / static_cast<double>(p);
-  bool first = true;
-  iterate(progress, s.max_iterations, [&] {
-    at::Tensor Mp;
-    if (first) {
-      Mp = M * alpha + eye * (1.0 - alpha);
-      first = false;
-    } else {
-      const auto base = eye - M;
-      Mp = base * b[s.order - 1] + eye * b[s.order - 2];
-      for (int64_t i = s.order - 3; i >= 0; --i) Mp = at::bmm(Mp, base) + eye * b[i];
-    }
-    const auto X_next = at::bmm(X, Mp);
-    const auto M_next = at::bmm(batched_power(Mp, p), M);
-    const auto accept = progress.advance(distance_to_identity(M_next, eye));
-    X = keep(accept, X_next, X);
-    M = keep(accept, M_next, M);
+  return coupled_iteration(A, p, z, s, [&](const at::Tensor& M, const at::Tensor& eye, int64_t k) {
+    if (k == 0) return newton_polynomial(M, eye, p);
+    const auto base = eye - M;
+    auto Mp = base * b[s.order - 1] + eye * b[s.order - 2];
+    for (int64_t i = s.order - 3; i >= 0; --i) Mp = at::bmm(Mp, base) + eye * b[i];
+    return Mp;
   });
-  return {X, progress.converged(), progress.iterations()};
 }
 
 /// λ_max estimate per matrix (≤ λ_max) by a power iteration on kPowerVectors fixed vectors:

@@ -8,6 +8,7 @@
 #include <variant>
 
 #include "preconditioners/iterative_roots.h"
+#include "preconditioners/preconditioner_factory.h"
 #include "shampoo/option_fields.h"
 #include "update/grafting.h"
 
@@ -94,12 +95,8 @@ void check_trace_scaling(bool enabled, double exponent,
   TORCH_CHECK(std::isfinite(exponent) && exponent > 0.0 && exponent <= 1.0,
               "ShampooOptions.trace_scaling_exponent: got ", exponent,
               ", expected a value in (0, 1] with use_trace_scaling");
-  const bool kronecker = std::visit(
-      [](const auto& c) {
-        return requires { detail::factor_statistics(c); };
-      },
-      preconditioner);
-  TORCH_CHECK(kronecker, "ShampooOptions.use_trace_scaling: got true with the ",
+  TORCH_CHECK(detail::keeps_kronecker_factors(preconditioner),
+              "ShampooOptions.use_trace_scaling: got true with the ",
               std::visit([](const auto& c) { return detail::family_name(c); }, preconditioner),
               ", expected a Kronecker family (root-inverse, eigendecomposed or "
               "eigenvalue-corrected Shampoo, KL-Shampoo): only Kronecker factors are scaled");

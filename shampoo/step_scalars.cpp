@@ -5,9 +5,9 @@
 #include <cmath>
 #include <limits>
 #include <string>
-#include <type_traits>
 #include <variant>
 
+#include "preconditioners/preconditioner_factory.h"
 #include "update/grafting.h"
 
 namespace shampoo::detail {
@@ -121,15 +121,11 @@ namespace {
 bool keeps_squares(const ShampooOptions& options) {
   const auto grafting = grafting_kind(options.grafting());
   if (grafting != GraftingKind::kNone && grafting != GraftingKind::kSGD) return true;
-  return std::visit(
-      [](const auto& c) {
-        using C = std::decay_t<decltype(c)>;
-        return requires { factor_statistics(c); }
-        || std::is_same_v<C, AdaGradPreconditionerConfig> ||
-            std::is_same_v<C, RMSpropPreconditionerConfig> ||
-            std::is_same_v<C, AdamPreconditionerConfig>;
-      },
-      options.preconditioner());
+  const auto& family = options.preconditioner();
+  return keeps_kronecker_factors(family) ||
+         std::holds_alternative<AdaGradPreconditionerConfig>(family) ||
+         std::holds_alternative<RMSpropPreconditionerConfig>(family) ||
+         std::holds_alternative<AdamPreconditionerConfig>(family);
 }
 
 }  // namespace

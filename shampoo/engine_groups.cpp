@@ -1,0 +1,285 @@
+// ShampooEngine's param groups: registering groups and parameters (also those appended through
+// the torch::optim::Optimizer base class), their block plans, merging groups into virtual groups
+// and rebuilding them, the checks that a group's structure did not change.
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <variant>
+#include <vector>
+
+#include "shampoo/option_fields.h"
+#include "shampoo/rank_agreement.h"
+#include "shampoo/shampoo_engine.h"
+
+namespace shampoo::detail {
+
+namespace {
+
+/// The block plans of a new group's parameters. A family whose blocks must have a given order
+/// (spectral descent: 2-D blocks, its list's kBlockOrder) makes a parameter whose plan has a block
+/// of another order an error naming it, its shape, its blocks and the ways out (docs/math.md,
+/// "Spectral descent").
+std::vector<BlockPlan> block_plans(const ShampooOptions& options,
+                                   const std::vector<at::Tensor>& params, size_t group,
+                                   size_t first_param) {
+  std::vector<BlockPlan> plans;
+  const int64_t order = block_target_order(options);
+  const char* family =
+      std::visit([](const auto& c) { return family_name(c); }, options.preconditioner());
+  for (size_t i = 0; i < params.size(); ++i) {
+    plans.push_back(make_block_plan(params[i].sizes(), options.max_preconditioner_dim(),
+                                    options.use_merge_dims(), order));
+    if (order == 1) continue;
+    for (size_t b = 0; b < plans.back().blocks.size(); ++b) {
+      const auto& shape = plans.back().blocks[b].sizes;
+      TORCH_CHECK(
+          static_cast<int64_t>(shape.size()) == order, "param group ", group, ": parameter ", i,
+          " (parameter ", first_param + i, " overall, shape ", params[i].sizes(), "): ", family,
+          " preconditions ", order, "-D blocks only, but its block ", b, " has shape ",
+          at::IntArrayRef(shape), " (", shape.size(),
+          "-D). Blocking drops size-1 dims, merges trailing dims down to ", order,
+          " while their product stays <= max_preconditioner_dim (",
+          options.max_preconditioner_dim(), ", use_merge_dims ",
+          options.use_merge_dims() ? "true" : "false",
+          ") and splits dims larger than it. Put the parameters of other orders (biases, norm "
+          "scales, scalars) into a param group with another preconditioner, or, for a parameter "
+          "of more dims, enable use_merge_dims and raise max_preconditioner_dim so that its dims "
+          "merge into ",
+          order);
+    }
+  }
+  return plans;
+}
+
+}  // namespace
+
+ShampooEngine::ShampooEngine(const ShampooOptions& defaults, DistributedOptions distributed)
+    : defaults_(defaults), distributed_(std::move(distributed)) {
+  defaults_.validate();
+  distributed_.validate();
+  DistributorConfig config;
+  config.process_group = distributed_.process_group();
+  config.communication_dtype = distributed_.communication_dtype();
+  config.num_trainers_per_group = distributed_.num_trainers_per_group();
+  config.communicate_params = distributed_.communicate_params();
+  config.shard_by_parameter = distributed_.shard_by_parameter();
+  distributor_ = std::make_unique<Distributor>(std::move(config));
+}
+
+void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
+                              std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  // Groups appended through the base class first, so that this one keeps its index.
+  register_added_params(groups);
+  const size_t index = groups.size();
+  std::unique_ptr<torch::optim::OptimizerOptions> options;
+  if (group.has_options()) {
+    const auto* shampoo_options = dynamic_cast<const ShampooOptions*>(&group.options());
+    TORCH_CHECK(shampoo_options != nullptr, "param group ", index,
+                ": options must be shampoo::ShampooOptions (got another optimizer's options)");
+    options = std::make_unique<ShampooOptions>(*shampoo_options);
+  } else {
+    options = std::make_unique<ShampooOptions>(defaults_);
+  }
+  try {
+    static_cast<const ShampooOptions&>(*options).validate();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "param group ", index, ": ", e.msg());
+  }
+  registry_.check_new_params(group.params(), index);
+  block_plans(static_cast<const ShampooOptions&>(*options), group.params(), index,
+              registry_.params.size());
+  groups.emplace_back(group.params(), std::move(options));
+  register_added_params(groups);
+}
+
+bool ShampooEngine::register_added_params(std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  // torch::optim::Optimizer::add_param_group and add_parameters are not virtual: through a
+  // base-class reference they append a group (with a copy of its options, or of the defaults) or
+  // parameters (to group 0) to param_groups() without telling this engine. Whatever was appended
+  // since the last call is registered here, as DistributedShampoo::add_param_group registers it:
+  // checked in full first, then blocks, owners and virtual groups (merged where it can be).
+  const size_t registered = group_steps_.size();
+  struct Added {
+    size_t group;
+    size_t first;  // of the group's parameters, the first not registered
+    std::vector<BlockPlan> plans;
+  };
+  std::vector<Added> added;
+  std::unordered_map<const void*, size_t> claimed;  // among the parameters being added
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& params = groups[g].params();
+    const size_t first = g < registered ? static_cast<size_t>(registry_.group_sizes[g]) : 0;
+    if (g < registered && params.size() <= first) continue;  // fewer: check_groups says so
+    const auto& options = options_of(groups[g], g);
+    if (g >= registered) {
+      try {
+        options.validate();
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "param group ", g,
+                    " (added through torch::optim::Optimizer): ", e.msg());
+      }
+    }
+    registry_.check_new_params(params, g, first);
+    for (size_t i = first; i < params.size(); ++i) {
+      const auto [it, fresh] = claimed.emplace(params[i].unsafeGetTensorImpl(), g);
+      TORCH_CHECK(fresh, "param group ", g, ": parameter ", i, " is also in param group ",
+                  it->second, " (a tensor may belong to one group only)");
+    }
+    const std::vector<at::Tensor> fresh_params(params.begin() + static_cast<int64_t>(first),
+                                               params.end());
+    added.push_back({g, first, block_plans(options, fresh_params, g, registry_.params.size())});
+  }
+  if (added.empty()) return false;
+  for (auto& a : added) {
+    const auto& params = groups[a.group].params();
+    registry_.add(
+        std::vector<at::Tensor>(params.begin() + static_cast<int64_t>(a.first), params.end()),
+        static_cast<int64_t>(a.group), std::move(a.plans));
+    if (a.group >= registered) {
+      group_steps_.push_back(0);
+      group_lr_sums_.push_back(0.0);
+      auto& options = options_of(groups[a.group], a.group);
+      resolve_peak_lr(options);
+      group_peak_lrs_.push_back(options.peak_lr());
+    }
+  }
+  check_ranks_agree(*distributor_, groups, registry_);
+  rebuild(groups, /*require_all=*/false);
+  return true;
+}
+
+void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                            bool require_all) {
+  auto states = export_states();
+  retire_counters();
+  virtual_groups_ = build_virtual_groups(groups);
+  for (auto& vg : virtual_groups_) vg->import_states(states, require_all);
+}
+
+void ShampooEngine::retire_counters() {
+  for (const auto& vg : virtual_groups_) {
+    retired_counters_.computations += vg->counters().computations;
+    retired_counters_.failures += vg->counters().failures;
+    retired_counters_.retried_in_double += vg->counters().retried_in_double;
+    retired_counters_.solver_fallbacks += vg->counters().solver_fallbacks;
+    retired_counters_.batched_calls += vg->counters().batched_calls;
+  }
+}
+
+void ShampooEngine::merge_groups(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                 std::vector<ShampooOptions>& structures,
+                                 std::vector<std::vector<int64_t>>& members) {
+  // Front end: param group -> virtual group (first structurally equal one of the same parameter
+  // dtype when merging: a virtual group runs one elementwise chain, of one dtype).
+  std::vector<std::optional<at::ScalarType>> dtypes;  // none while a virtual group has no params
+  group_virtual_.assign(groups.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& options = options_of(groups[g], g);
+    const auto& group_params = groups[g].params();
+    const auto dtype = group_params.empty()
+                           ? std::nullopt
+                           : std::optional<at::ScalarType>(group_params.front().scalar_type());
+    int64_t vg = -1;
+    if (distributed_.merge_param_groups()) {
+      for (size_t k = 0; k < structures.size(); ++k) {
+        if (structurally_equal(structures[k], options) &&
+            (!dtype || !dtypes[k] || *dtype == *dtypes[k])) {
+          vg = static_cast<int64_t>(k);
+          break;
+        }
+      }
+    }
+    if (vg == -1) {
+      vg = static_cast<int64_t>(structures.size());
+      structures.push_back(options);
+      dtypes.emplace_back();
+      members.emplace_back();
+    }
+    if (dtype) dtypes[vg] = dtype;
+    members[vg].push_back(static_cast<int64_t>(g));
+    group_virtual_[g] = vg;
+  }
+}
+
+std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  std::vector<ShampooOptions> structures;
+  std::vector<std::vector<int64_t>> members;
+  merge_groups(groups, structures, members);
+  for (auto& block : registry_.blocks)
+    block.virtual_group = group_virtual_[registry_.params[block.param].group];
+
+  // Owners of blocks not yet known to the distributor. Communication units: one for everything
+  // when merging (one AllGather per step), one per virtual group otherwise.
+  const int64_t known = distributor_->num_blocks();
+  std::vector<DistributedBlock> fresh;
+  for (int64_t b = known; b < static_cast<int64_t>(registry_.blocks.size()); ++b) {
+    DistributedBlock d;
+    d.id = registry_.blocks[b].id;
+    d.numel = registry_.blocks[b].numel;
+    d.unit = distributed_.merge_param_groups() ? 0 : registry_.blocks[b].virtual_group;
+    d.device = registry_.params[registry_.blocks[b].param].param.device();
+    fresh.push_back(d);
+  }
+  const auto owners = distributor_->add_blocks(fresh);
+  for (size_t i = 0; i < owners.size(); ++i) registry_.blocks[known + i].owner = owners[i];
+
+  std::vector<std::unique_ptr<VirtualGroup>> built;
+  for (size_t k = 0; k < structures.size(); ++k) {
+    std::vector<int64_t> owned;
+    for (int64_t b = 0; b < static_cast<int64_t>(registry_.blocks.size()); ++b) {
+      if (registry_.blocks[b].virtual_group == static_cast<int64_t>(k) && distributor_->owns(b)) {
+        owned.push_back(b);
+      }
+    }
+    built.push_back(std::make_unique<VirtualGroup>(structures[k], members[k], std::move(owned),
+                                                   registry_.blocks, registry_.params,
+                                                   inject_failure_));
+  }
+  return built;
+}
+
+std::map<BlockId, BlockState> ShampooEngine::export_states() const {
+  std::map<BlockId, BlockState> states;
+  for (const auto& vg : virtual_groups_) vg->export_states(states);
+  return states;
+}
+
+void ShampooEngine::check_groups(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+  // Groups and parameters appended through the base class are registered before this check
+  // (register_added_params); what is left is a removal.
+  TORCH_CHECK(groups.size() == group_steps_.size(), "DistributedShampoo: ", groups.size(),
+              " param groups, but ", group_steps_.size(), " were registered; ",
+              groups.size() < group_steps_.size()
+                  ? "param groups cannot be removed, build a new optimizer instead"
+                  : "groups added through the base class are registered at the next step(), "
+                    "save, train() or eval() (a collective in distributed mode), not here");
+  for (size_t g = 0; g < groups.size(); ++g) {
+    TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == registry_.group_sizes[g],
+                "DistributedShampoo: param group ", g, " has ", groups[g].params().size(),
+                " parameters, but ", registry_.group_sizes[g],
+                " were registered; parameters cannot be removed from a group, build a new "
+                "optimizer instead");
+    const auto& options = options_of(groups[g], g);
+    const auto& structure = virtual_groups_[group_virtual_[g]]->structural_options();
+    const auto* changed = structural_difference(options, structure);
+    TORCH_CHECK(changed == nullptr, "DistributedShampoo: param group ", g, ": structural option ",
+                describe_difference(*changed, options, structure),
+                " (its value at construction); only the float options (",
+                option_names(OptionKind::kFloat),
+                ") may change after construction, build a new optimizer instead");
+    try {
+      options.validate();
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "param group ", g, ": ", e.msg());
+    }
+  }
+}
+
+}  // namespace shampoo::detail

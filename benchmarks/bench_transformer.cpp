@@ -111,7 +111,7 @@ Args parse_args(int argc, char** argv) {
               "(benchmarks/RESULTS.md).");
   flags.add_choice("device", args.device, {"cuda", "cpu"}, "device of the parameters")
       .add("solvers", args.solvers,
-           "comma-separated root solver settings: eigh, coupled-newton, newton-db, "
+           "comma-separated root solver settings: eigh, coupled-newton, newton-db, newton-schulz, "
            "newton-db-tf32, coupled-newton-tf32; or the other preconditioner families: "
            "eigendecomposed, kl-root-inverse, kl-eigendecomposed, eigenvalue-corrected, "
            "spectral-descent (2-D tensors; the others "
@@ -217,10 +217,12 @@ SolverSetting solver_setting(const std::string& name) {
     c.solver = RootSolver::kCoupledNewton;
   } else if (name == "newton-db" || name == "newton-db-tf32") {
     c.solver = RootSolver::kNewtonDB;
+  } else if (name == "newton-schulz") {
+    c.solver = RootSolver::kNewtonSchulz;
   } else {
     throw std::invalid_argument(
         fmt::format("--solvers: got '{}', expected a comma-separated list of eigh, coupled-newton, "
-                    "newton-db, newton-db-tf32, coupled-newton-tf32 or the families "
+                    "newton-db, newton-db-tf32, coupled-newton-tf32, newton-schulz or the families "
                     "eigendecomposed, kl-root-inverse, kl-eigendecomposed, eigenvalue-corrected, "
                     "spectral-descent, sign-descent, "
                     "adam-preconditioner",
@@ -252,6 +254,10 @@ std::string solver_name(shampoo::RootSolver s) {
       return "coupled_newton";
     case shampoo::RootSolver::kNewtonDB:
       return "newton_db";
+    case shampoo::RootSolver::kCoupledHigherOrder:
+      return "coupled_higher_order";
+    case shampoo::RootSolver::kNewtonSchulz:
+      return "newton_schulz";
   }
   return "unknown";
 }

@@ -16,6 +16,8 @@
 #include <sstream>
 #include <tuple>
 
+#include "parallel/collectives.h"
+
 namespace shampoo {
 namespace fs = std::filesystem;
 
@@ -172,18 +174,11 @@ std::pair<int, int> rank_and_size(const c10::intrusive_ptr<c10d::ProcessGroup>& 
   return {group->getRank(), group->getSize()};
 }
 
-/// AllGather of a few int64 values over `group` (its CPU backend); result[r] = rank r's values.
+/// AllGather of a few int64 values over `group` (collectives.h); without a group, this rank's.
 std::vector<std::vector<int64_t>> gather_values(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                                 const std::vector<int64_t>& values) {
   if (!group) return {values};
-  const auto n = static_cast<int64_t>(values.size());
-  auto send = at::tensor(values, at::TensorOptions().dtype(at::kLong));
-  auto receive = at::empty({group->getSize() * n}, send.options());
-  group->getBackend(c10::DeviceType::CPU)->_allgather_base(receive, send)->wait();
-  std::vector<std::vector<int64_t>> out(group->getSize());
-  const auto* data = receive.data_ptr<int64_t>();
-  for (int r = 0; r < group->getSize(); ++r) out[r].assign(data + r * n, data + (r + 1) * n);
-  return out;
+  return detail::gather_int64(*group, values);
 }
 
 /// After a gather whose first value is each rank's "ok": this rank's own error first, else an

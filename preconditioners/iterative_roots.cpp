@@ -33,6 +33,10 @@ constexpr double kFloorTf32 = 5e-2;
 /// went negative (an indefinite A + ε·I) and grows without bound. Such a matrix stops at once
 /// (unconverged: eigh takes over) instead of iterating until it overflows.
 constexpr double kDivergence = 1.1;
+/// Newton–Schulz runs a fixed schedule: a result whose max|Z·Y − I| exceeds this after a pass
+/// did not land on the root (an input outside the schedule's range, or indefinite) and is
+/// computed by eigh. The reference's higher-order solver raises above the same 0.1.
+constexpr double kNewtonSchulzResidual = 0.1;
 
 /// Sets cuBLAS's TF32 mode for its lifetime and restores the previous mode.
 class Tf32Mode {
@@ -258,6 +262,41 @@ BatchOutcome newton_db(const at::Tensor& A, int64_t p, const RootInvShampooConfi
   return {Z * at::pow(scale, -1.0 / static_cast<double>(p)), converged, iterations};
 }
 
+/// The reference's Newton–Schulz inverse root of A (regularized), p = 2^k, k ≥ 1
+/// (docs/math.md "Newton–Schulz"): k passes; each scales B by α = max(‖B‖_F, 1e-8), starts
+/// Y = B/α, Z = I, and for every (a, b, c) of the schedule sets T = Z·Y, P = b·T + c·T²,
+/// Y ← a·Y + Y·P, Z ← a·Z + P·Z (p(x) = a·x + b·x³ + c·x⁵ on the square roots of Y's
+/// eigenvalues); the next pass takes B = √α·Y (B^(1/2)), the last returns Z/√α. No convergence
+/// check: a member is accepted when its result is finite and max|Z·Y − I| ≤ kNewtonSchulzResidual
+/// after every pass (the reference keeps any result; a rejected one is computed by eigh).
+BatchOutcome newton_schulz(const at::Tensor& A, int64_t p, const RootInvShampooConfig& s) {
+  const auto eye = at::eye(A.size(1), A.options());
+  auto B = A;
+  at::Tensor Z;
+  auto accepted = at::ones({A.size(0)}, A.options().dtype(at::kBool));
+  int64_t passes = 0;
+  for (int64_t q = p; q > 1; q /= 2, ++passes) {
+    const auto alpha = per_member(at::clamp_min(at::linalg_vector_norm(B, 2, {1, 2}), 1e-8));
+    auto Y = B / alpha;
+    Z = eye.expand(B.sizes()).contiguous();
+    for (const auto& [a, b, c] : s.coefficients) {
+      const auto T = at::bmm(Z, Y);
+      const auto P = at::baddbmm(T, T, T, b, c);
+      Y = at::baddbmm(Y, Y, P, a, 1.0);
+      Z = at::baddbmm(Z, P, Z, a, 1.0);
+    }
+    const auto residual = distance_to_identity(at::bmm(Z, Y), eye);
+    accepted = accepted & (residual <= kNewtonSchulzResidual);
+    if (q > 2) {
+      B = Y * at::sqrt(alpha);
+    } else {
+      Z = Z / at::sqrt(alpha);
+    }
+  }
+  const auto steps = passes * static_cast<int64_t>(s.coefficients.size());
+  return {Z, accepted, at::full({A.size(0)}, steps, A.options().dtype(at::kLong))};
+}
+
 BatchOutcome solve_batch(const at::Tensor& A, const at::Tensor& eps, int64_t root,
                          const RootInvShampooConfig& s) {
   const auto eye = at::eye(A.size(1), A.options());
@@ -267,6 +306,13 @@ BatchOutcome solve_batch(const at::Tensor& A, const at::Tensor& eps, int64_t roo
     const auto norm = A.abs().sum(2).amax(1);
     const auto ridge = per_member(at::clamp_min(norm * s.rel_epsilon, s.abs_epsilon));
     auto out = coupled_higher_order(A + eye * ridge, root, s);
+    out.converged = out.converged & at::isfinite(out.values).flatten(1).all(1);
+    return out;
+  }
+  if (s.solver == RootSolver::kNewtonSchulz) {
+    // The reference's ridge: the Shampoo ε floored at relative_epsilon·‖A‖_F.
+    const auto floor = per_member(at::linalg_vector_norm(A, 2, {1, 2})) * s.relative_epsilon;
+    auto out = newton_schulz(A + eye * at::maximum(floor, eps), root, s);
     out.converged = out.converged & at::isfinite(out.values).flatten(1).all(1);
     return out;
   }
@@ -300,7 +346,9 @@ int64_t integer_root(double exponent) {
 IterativeRootResult iterative_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                            int64_t root, const RootInvShampooConfig& settings) {
   TORCH_INTERNAL_ASSERT(A.dim() == 3 && A.size(1) == A.size(2) && root >= 1);
-  TORCH_INTERNAL_ASSERT(settings.solver != RootSolver::kNewtonDB || newton_db_supports(root));
+  TORCH_INTERNAL_ASSERT(
+      (settings.solver != RootSolver::kNewtonDB && settings.solver != RootSolver::kNewtonSchulz) ||
+      newton_db_supports(root));
   const int64_t n = A.size(0);
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(epsilons.size()) == n);
   const Tf32Mode tf32(settings.tf32 && A.is_cuda());

@@ -1,11 +1,13 @@
 #pragma once
 /// Matmul-only inverse roots of stacks of symmetric positive definite matrices (docs/math.md,
 /// "Inverse-root solvers"): the coupled inverse Newton iteration with the reference's semantics,
-/// and coupled Newton–Schulz (inverse-free Denman–Beavers) square-root passes scaled by a power
-/// iteration. Every matrix of a batch iterates on its own: a matrix stops when it has converged
-/// (or reached its precision floor) and is then frozen, so its result and iteration count do not
-/// depend on the other matrices of the batch. Convergence is checked on the device; the host
-/// reads the batch's "anyone still active" flag once every few iterations, never per matrix.
+/// coupled Newton–Schulz (inverse-free Denman–Beavers) square-root passes scaled by a power
+/// iteration, the reference's coupled higher-order iteration, and the reference's fixed-schedule
+/// Newton–Schulz passes (no convergence check, no host read during the iteration). Every matrix of
+/// a batch iterates on its own: a matrix stops when it has converged (or reached its precision
+/// floor) and is then frozen, so its result and iteration count do not depend on the other matrices
+/// of the batch. Convergence is checked on the device; the host reads the batch's "anyone still
+/// active" flag once every few iterations, never per matrix.
 
 #include <ATen/ATen.h>
 
@@ -26,13 +28,14 @@ struct IterativeRootResult {
 };
 
 /// X_i ≈ (A_i + ε_i·I)^(−1/root) for the stack A [n, d, d], ε [n] (as `epsilons`), root ≥ 1, by
-/// `settings.solver` (kCoupledNewton or kNewtonDB) with its max_iterations (per pass for
-/// Newton–DB), tolerance on max|M − I| and tf32. Newton–DB needs root a power of two; callers
-/// route other roots to coupled Newton.
+/// `settings.solver` (kCoupledNewton, kNewtonDB, kCoupledHigherOrder or kNewtonSchulz) with its
+/// max_iterations (per pass for Newton–DB), tolerance on max|M − I| and tf32 (Newton–Schulz: its
+/// schedule, no tolerance). Newton–DB and Newton–Schulz need root a power of two; callers route
+/// Newton–DB's other roots to coupled Newton, Newton–Schulz's are refused at construction.
 IterativeRootResult iterative_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                            int64_t root, const RootInvShampooConfig& settings);
 
-/// Whether Newton–DB computes the root `root` (a power of two ≥ 2).
+/// Whether Newton–DB and Newton–Schulz compute the root `root` (a power of two ≥ 2).
 bool newton_db_supports(int64_t root);
 
 /// The integer root p with exponent == 1/p (up to rounding), or 0 when 1/exponent is not an

@@ -246,6 +246,10 @@ StackedMatrixResult solver_inverse_root(const at::Tensor& A, const std::vector<d
     if (s.solver == RootSolver::kNewtonDB && !newton_db_supports(root)) {
       s.solver = RootSolver::kCoupledNewton;
     }
+    TORCH_CHECK(s.solver != RootSolver::kNewtonSchulz || newton_db_supports(root),
+                "RootSolver::kNewtonSchulz computes roots that are powers of two (>= 2), got the "
+                "root ",
+                root, " (exponent ", exponent, ")");
     auto unsolved = solve_rows(A, epsilons, rows, root, s, result.values);
     // TF32 cannot resolve a factor whose condition exceeds ~1e3 (its rounding makes it
     // indefinite): those go through the iteration again in float32 before eigh.

@@ -13,6 +13,20 @@ const RootInvShampooConfig* root_inverse_config(const PreconditionerConfig& conf
   return std::get_if<RootInvKLShampooConfig>(&config);
 }
 
+std::vector<std::array<double, 3>> default_newton_schulz_coefficients() {
+  // The reference's defaults (NewtonSchulzRootInvConfig in its matrix_functions_types.py).
+  return {{8.28721201814563, -23.595886519098837, 17.300387312530933},
+          {4.107059111542203, -2.9478499167379106, 0.5448431082926601},
+          {3.9486908534822946, -2.9089021159629490, 0.5518191394370137},
+          {3.3184196573706015, -2.4884880243148740, 0.5100489401237200},
+          {2.300652019954817, -1.6689039845747493, 0.4188073119525673},
+          {1.891301407787398, -1.2679958271945868, 0.3768040894852483},
+          {1.8750014808534479, -1.2500016453999487, 0.3750001645474248},
+          {1.875, -1.25, 0.375},
+          {1.875, -1.25, 0.375},
+          {1.875, -1.25, 0.375}};
+}
+
 const EigendecomposedShampooConfig* eigendecomposed_config(const PreconditionerConfig& config) {
   if (const auto* c = std::get_if<EigendecomposedShampooConfig>(&config)) return c;
   return std::get_if<EigendecomposedKLShampooConfig>(&config);
@@ -78,6 +92,20 @@ void check_stability(const RankDeficientStabilityConfig& stability, const std::s
       ", expected rank_rtol >= 0 or kDtypeRankRtol (-1)");
 }
 
+/// kNewtonSchulz's fields, as the reference's NewtonSchulzRootInvConfig checks them (and
+/// relative_epsilon's range; its warning about the last triple is the engine's, once per group).
+void check_newton_schulz(const RootInvShampooConfig& c, const std::string& where) {
+  TORCH_CHECK(std::isfinite(c.relative_epsilon) && c.relative_epsilon >= 0.0, where,
+              ".relative_epsilon: got ", c.relative_epsilon, ", expected a finite value >= 0");
+  TORCH_CHECK(!c.coefficients.empty(), where,
+              ".coefficients: empty, expected one (a, b, c) per Newton–Schulz iteration");
+  for (size_t i = 0; i < c.coefficients.size(); ++i) {
+    const auto& [a, b, k] = c.coefficients[i];
+    TORCH_CHECK(std::isfinite(a) && std::isfinite(b) && std::isfinite(k), where, ".coefficients[",
+                i, "]: got (", a, ", ", b, ", ", k, "), expected finite numbers");
+  }
+}
+
 }  // namespace
 
 void check_config(const RootInvShampooConfig& c, const std::string& where) {
@@ -97,6 +125,7 @@ void check_config(const RootInvShampooConfig& c, const std::string& where) {
     TORCH_CHECK(std::isfinite(c.abs_epsilon) && c.abs_epsilon >= 0.0, where, ".abs_epsilon: got ",
                 c.abs_epsilon, ", expected a finite value >= 0");
   }
+  if (c.solver == RootSolver::kNewtonSchulz) check_newton_schulz(c, where);
   TORCH_CHECK(std::holds_alternative<PerturbationConfig>(c.rank_deficient_stability), where,
               ".rank_deficient_stability: PseudoInverseConfig needs solver kEigh, got ",
               enumerator_names(c.solver)[static_cast<size_t>(c.solver)],

@@ -71,7 +71,17 @@ enum class RootSolver {
   /// an upper bound on λ_max), the Shampoo epsilon and relative_epsilon not entering; one Newton
   /// step, then steps of order `order` (Horner's rule on I − M). Integer roots only.
   kCoupledHigherOrder,
+  /// The reference's Newton–Schulz inverse root (its NewtonSchulzRootInvConfig): A is regularized
+  /// with max(relative_epsilon·‖A‖_F, ε)·I, then each of log2(p) square-root passes runs the
+  /// coupled Newton–Schulz iteration for a fixed schedule of odd quintics (`coefficients`), with
+  /// no convergence check. Roots that are powers of two (≥ 2) only: another root is an error at
+  /// construction naming the parameter.
+  kNewtonSchulz,
 };
+
+/// The reference's default schedule for kNewtonSchulz (its NewtonSchulzRootInvConfig: a 10-step
+/// Polar Express schedule, arXiv 2505.16932): (a, b, c) of p(x) = a·x + b·x³ + c·x⁵ per iteration.
+std::vector<std::array<double, 3>> default_newton_schulz_coefficients();
 
 /// Rank-deficient stability by perturbation (the default, the reference's PerturbationConfig with
 /// its default perturb_before_computation = true): ε·I is added to the factor before the
@@ -124,6 +134,12 @@ struct RootInvShampooConfig {
   int64_t order = 3;
   double rel_epsilon = 0.0;
   double abs_epsilon = 0.0;
+  /// kNewtonSchulz: the ridge's floor relative to ‖A‖_F (≥ 0; the ridge is
+  /// max(relative_epsilon·‖A‖_F, ε)), and the schedule: one (a, b, c) per iteration (non-empty,
+  /// finite; a last triple that does not sum to 1 warns: the iteration then has no fixed point at
+  /// the root). The reference's defaults. max_iterations and tolerance do not apply.
+  double relative_epsilon = 1e-6;
+  std::vector<std::array<double, 3>> coefficients = default_newton_schulz_coefficients();
   /// Perturbation by ε (default) or pseudo-inverse (RootSolver::kEigh only).
   RankDeficientStabilityConfig rank_deficient_stability = PerturbationConfig{};
   bool operator==(const RootInvShampooConfig&) const = default;
@@ -342,8 +358,8 @@ constexpr FactorStatistics factor_statistics(const EigenvalueCorrectedShampooCon
 
 // ---- enumerator names (value order), for messages ---------------------------------------------
 
-inline std::array<const char*, 4> enumerator_names(RootSolver) {
-  return {"kEigh", "kCoupledNewton", "kNewtonDB", "kCoupledHigherOrder"};
+inline std::array<const char*, 5> enumerator_names(RootSolver) {
+  return {"kEigh", "kCoupledNewton", "kNewtonDB", "kCoupledHigherOrder", "kNewtonSchulz"};
 }
 inline std::array<const char*, 2> enumerator_names(EigenbasisMethod) { return {"kEigh", "kQR"}; }
 inline std::array<const char*, 2> enumerator_names(OrthogonalizationMethod) {
@@ -360,7 +376,7 @@ inline std::array<const char*, 2> enumerator_names(SignDescentScale) { return {"
 // fingerprints, descriptions and checkpoints are made from it (shampoo/option_fields.cpp).
 // Keys shared by several families (retry, eigenbasis method, rank-deficient stability) are one
 // archive entry. Member types: bool, int64_t, double, std::array<double, 3>, an enum with
-// enumerator_names, RankDeficientStabilityConfig.
+// enumerator_names, RankDeficientStabilityConfig, a list of (a, b, c) triples, SOAP's ignored dims.
 
 template <typename C, typename F>
 requires std::is_base_of_v<RootInvShampooConfig, Plain<C>>
@@ -375,6 +391,8 @@ void visit_fields(C& c, F&& f) {
   f("preconditioner_higher_order", "order", c.order);
   f("preconditioner_rel_epsilon", "rel_epsilon", c.rel_epsilon);
   f("preconditioner_abs_epsilon", "abs_epsilon", c.abs_epsilon);
+  f("preconditioner_relative_epsilon", "relative_epsilon", c.relative_epsilon);
+  f("preconditioner_newton_schulz_coefficients", "coefficients", c.coefficients);
 }
 template <typename C, typename F>
 requires std::is_base_of_v<EigendecomposedShampooConfig, Plain<C>>

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <optional>
@@ -12,6 +13,8 @@
 #include <variant>
 #include <vector>
 
+#include "preconditioners/iterative_roots.h"
+#include "shampoo/factor_choice.h"
 #include "shampoo/option_fields.h"
 #include "shampoo/rank_agreement.h"
 #include "shampoo/shampoo_engine.h"
@@ -24,6 +27,43 @@ namespace {
 /// (spectral descent: 2-D blocks, its list's kBlockOrder) makes a parameter whose plan has a block
 /// of another order an error naming it, its shape, its blocks and the ways out (docs/math.md,
 /// "Spectral descent").
+/// RootSolver::kNewtonSchulz computes roots that are powers of two only (as the reference, which
+/// refuses other roots at construction): a parameter with a block whose exponent along some dim
+/// is another 1/p is an error naming it, the block, the dim and the way out.
+void check_newton_schulz_roots(const ShampooOptions& options, const BlockPlan& plan,
+                               const std::string& parameter) {
+  const auto* config = root_inverse_config(options.preconditioner());
+  if (config == nullptr || config->solver != RootSolver::kNewtonSchulz) return;
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    const auto& shape = plan.blocks[b].sizes;
+    const auto exponents = block_factor_choice(options, plan, shape).dim_exponents;
+    for (size_t k = 0; k < exponents.size(); ++k) {
+      const double e = exponents[k];
+      TORCH_CHECK(e == 0.0 || newton_db_supports(integer_root(e)), parameter, ": block ", b,
+                  " has shape ", at::IntArrayRef(shape), " (order ", shape.size(),
+                  ") and the inverse exponent ", e, " along dim ", k,
+                  ", but RootSolver::kNewtonSchulz computes roots 1/p for p a power of two "
+                  "(blocks of order 1, 2 and 4 by default). Give this parameter a param group "
+                  "with another solver, or set inverse_exponent_override for order ",
+                  shape.size(), " to such an exponent");
+    }
+  }
+}
+
+/// The reference's warning about a Newton–Schulz schedule whose last (a, b, c) does not sum to 1
+/// (the iteration then has no fixed point at the root), once per param group when it is added.
+void warn_newton_schulz_schedule(const ShampooOptions& options, size_t group) {
+  const auto* config = root_inverse_config(options.preconditioner());
+  if (config == nullptr || config->solver != RootSolver::kNewtonSchulz) return;
+  const auto& last = config->coefficients.back();
+  const double sum = last[0] + last[1] + last[2];
+  if (std::abs(sum - 1.0) <= 1e-9 * std::max(1.0, std::abs(sum))) return;
+  TORCH_WARN("param group ", group, ": preconditioner.coefficients: the last (a, b, c) sums to ",
+             sum,
+             ", not 1: the Newton–Schulz iteration has no fixed point at 1 and ends in a band "
+             "around the inverse root, not at it");
+}
+
 std::vector<BlockPlan> block_plans(const ShampooOptions& options,
                                    const std::vector<at::Tensor>& params, size_t group,
                                    size_t first_param) {
@@ -34,6 +74,10 @@ std::vector<BlockPlan> block_plans(const ShampooOptions& options,
   for (size_t i = 0; i < params.size(); ++i) {
     plans.push_back(make_block_plan(params[i].sizes(), options.max_preconditioner_dim(),
                                     options.use_merge_dims(), order));
+    check_newton_schulz_roots(
+        options, plans.back(),
+        c10::str("param group ", group, ": parameter ", i, " (parameter ", first_param + i,
+                 " overall, shape ", params[i].sizes(), ")"));
     if (order == 1) continue;
     for (size_t b = 0; b < plans.back().blocks.size(); ++b) {
       const auto& shape = plans.back().blocks[b].sizes;
@@ -135,6 +179,9 @@ bool ShampooEngine::register_added_params(std::vector<torch::optim::OptimizerPar
     added.push_back({g, first, block_plans(options, fresh_params, g, registry_.params.size())});
   }
   if (added.empty()) return false;
+  for (const auto& a : added) {
+    if (a.first == 0) warn_newton_schulz_schedule(options_of(groups[a.group], a.group), a.group);
+  }
   for (auto& a : added) {
     const auto& params = groups[a.group].params();
     registry_.add(

@@ -37,6 +37,12 @@ void append_code(bool v, std::vector<int64_t>& out) { out.push_back(v ? 1 : 0); 
 void append_code(const std::array<double, 3>& v, std::vector<int64_t>& out) {
   for (const double x : v) out.push_back(double_bits(x));
 }
+/// Newton–Schulz's schedule: (number of triples, each triple's bits).
+using Triples = std::vector<std::array<double, 3>>;
+void append_code(const Triples& v, std::vector<int64_t>& out) {
+  out.push_back(static_cast<int64_t>(v.size()));
+  for (const auto& t : v) append_code(t, out);
+}
 template <typename E>
 requires std::is_enum_v<E>
 void append_code(E v, std::vector<int64_t>& out) { out.push_back(static_cast<int64_t>(v)); }
@@ -73,6 +79,11 @@ std::string value_text(bool v) { return v ? "true" : "false"; }
 std::string value_text(const std::array<double, 3>& v) {
   return c10::str("(", v[0], ", ", v[1], ", ", v[2], ")");
 }
+std::string value_text(const Triples& v) {
+  std::vector<std::string> parts;
+  for (const auto& t : v) parts.push_back(value_text(t));
+  return c10::str("[", c10::Join(", ", parts), "]");
+}
 template <typename E>
 requires std::is_enum_v<E> std::string value_text(E v) {
   const auto names = enumerator_names(v);
@@ -102,6 +113,11 @@ Entries archive_entries(const std::string& key, bool v) {
 }
 Entries archive_entries(const std::string& key, const std::array<double, 3>& v) {
   return {{key, c10::IValue(std::vector<double>(v.begin(), v.end()))}};
+}
+Entries archive_entries(const std::string& key, const Triples& v) {
+  std::vector<double> flat;
+  for (const auto& t : v) flat.insert(flat.end(), t.begin(), t.end());
+  return {{key, c10::IValue(flat)}};
 }
 Entries archive_entries(const std::string& key, const IgnoredDims& v) {
   return {{key, c10::IValue(flatten(v))}};
@@ -134,6 +150,15 @@ void read_value(InputArchive& a, const std::string& key, std::array<double, 3>& 
               ", expected a list of 3 floats");
   const auto list = value.toDoubleVector();
   std::copy(list.begin(), list.end(), v.begin());
+}
+void read_value(InputArchive& a, const std::string& key, Triples& v) {
+  const auto value = read_entry(a, key);
+  TORCH_CHECK(value.isDoubleList() && value.toDoubleVector().size() % 3 == 0,
+              "ShampooOptions archive: entry '", key, "': got a ", value.tagKind(),
+              ", expected a list of floats, three per (a, b, c)");
+  const auto flat = value.toDoubleVector();
+  v.clear();
+  for (size_t i = 0; i < flat.size(); i += 3) v.push_back({flat[i], flat[i + 1], flat[i + 2]});
 }
 void read_value(InputArchive& a, const std::string& key, IgnoredDims& v) {
   const auto value = read_entry(a, key);

@@ -31,12 +31,18 @@ void check_preconditioner(const PreconditionerConfig& preconditioner,
   if (c == nullptr || c->solver == RootSolver::kEigh) return;
   for (const auto& [order, dims] : overrides) {
     for (const auto& [dim, exponent] : dims) {
-      TORCH_CHECK(exponent == 0.0 || detail::integer_root(exponent) != 0,
+      TORCH_CHECK(c->solver != RootSolver::kNewtonSchulz || exponent == 0.0 ||
+                      detail::newton_db_supports(detail::integer_root(exponent)),
                   "ShampooOptions.inverse_exponent_override[", order, "][", dim, "]: exponent ",
                   exponent,
-                  " is not 1/p for an integer p; the iterative root solvers "
-                  "(kCoupledNewton, kNewtonDB, kCoupledHigherOrder) need integer roots (use "
-                  "RootSolver::kEigh)");
+                  " is not 1/p for p a power of two >= 2; RootSolver::kNewtonSchulz computes "
+                  "only those roots (use another solver)");
+      TORCH_CHECK(
+          exponent == 0.0 || detail::integer_root(exponent) != 0,
+          "ShampooOptions.inverse_exponent_override[", order, "][", dim, "]: exponent ", exponent,
+          " is not 1/p for an integer p; the iterative root solvers "
+          "(kCoupledNewton, kNewtonDB, kCoupledHigherOrder, kNewtonSchulz) need integer roots (use "
+          "RootSolver::kEigh)");
     }
   }
 }

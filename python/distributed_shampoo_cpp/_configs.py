@@ -128,6 +128,22 @@ class CoupledHigherOrderConfig(RootInvConfig):
     disable_tf32: bool = True
 
 
+def _default_newton_schulz_coefficients() -> list[list[float]]:
+    # The reference's default schedule (a 10-step Polar Express schedule), the engine's default.
+    from distributed_shampoo_cpp._C import default_newton_schulz_coefficients
+    return [list(t) for t in default_newton_schulz_coefficients()]
+
+
+@dataclass(kw_only=True)
+class NewtonSchulzRootInvConfig(RootInvConfig):
+    """The reference's fixed-schedule Newton-Schulz inverse root (docs/math.md, "Newton-Schulz
+    inverse roots"): roots that are powers of two only."""
+
+    relative_epsilon: float = 1e-6
+    disable_tf32: bool = True
+    coefficients: list[list[float]] = field(default_factory=_default_newton_schulz_coefficients)
+
+
 DefaultEigenConfig = EigenConfig()
 DefaultEigendecompositionConfig = EighEigendecompositionConfig()
 

@@ -147,8 +147,8 @@ def _perturbation():
 
 
 def root_inv(config: Any, where: str) -> dict:
-    """RootInvConfig (EigenConfig, CoupledNewtonConfig, CoupledHigherOrderConfig) as the engine's
-    root solver."""
+    """RootInvConfig (EigenConfig, CoupledNewtonConfig, CoupledHigherOrderConfig,
+    NewtonSchulzRootInvConfig) as the engine's root solver."""
     if kind(config) == "EigenConfig":
         out = eigendecomposition(config, where)
         if out.pop("eigenbasis_method") != "eigh":
@@ -175,8 +175,21 @@ def root_inv(config: Any, where: str) -> dict:
         fields.require("disable_tf32", True, "TF32 products are not offered for this solver")
         fields.done()
         return out
+    if kind(config) == "NewtonSchulzRootInvConfig":
+        fields = Fields(config, where)
+        coefficients = fields.take("coefficients", None)
+        out = {"solver": "newton_schulz", "retry_double_precision": True,
+               "relative_epsilon": float(fields.take("relative_epsilon", 1e-6)),
+               "max_iterations": 100, "tolerance": 1e-6,
+               "rank_deficient": {"kind": "perturbation"}}
+        if coefficients is not None:
+            out["coefficients"] = [[float(x) for x in triple] for triple in coefficients]
+        fields.require("disable_tf32", True, "TF32 products are not offered for this solver")
+        fields.done()
+        return out
     raise unsupported(where, config, "root-inverse Shampoo takes EigenConfig, "
-                                     "CoupledNewtonConfig or CoupledHigherOrderConfig")
+                                     "CoupledNewtonConfig, CoupledHigherOrderConfig or "
+                                     "NewtonSchulzRootInvConfig")
 
 
 def exponent_override(value: Any, where: str) -> dict:

@@ -60,5 +60,13 @@ PYBIND11_MODULE(_C, m) {
   // The torch this module was compiled against; __init__.py compares it with the torch imported.
   m.attr("TORCH_VERSION") = TORCH_VERSION;
   m.attr("WITH_CUDA") = static_cast<bool>(SHAMPOO_WITH_CUDA);
+  // NewtonSchulzRootInvConfig's default schedule, the engine's (one list of the numbers).
+  m.def("default_newton_schulz_coefficients", [] {
+    std::vector<std::vector<double>> out;
+    for (const auto& t : shampoo::default_newton_schulz_coefficients()) {
+      out.emplace_back(t.begin(), t.end());
+    }
+    return out;
+  });
   bind_engine(m);
 }

@@ -50,7 +50,8 @@ RootInvShampooConfig root_inv_from(const py::dict& d) {
   const std::map<std::string, RootSolver> solvers{
       {"eigh", RootSolver::kEigh},
       {"coupled_newton", RootSolver::kCoupledNewton},
-      {"coupled_higher_order", RootSolver::kCoupledHigherOrder}};
+      {"coupled_higher_order", RootSolver::kCoupledHigherOrder},
+      {"newton_schulz", RootSolver::kNewtonSchulz}};
   const auto found = solvers.find(solver);
   TORCH_CHECK(found != solvers.end(), "distributed_shampoo_cpp: unknown root solver ", solver);
   config.solver = found->second;
@@ -58,6 +59,17 @@ RootInvShampooConfig root_inv_from(const py::dict& d) {
     config.order = get<int64_t>(d, "order");
     config.rel_epsilon = get<double>(d, "rel_epsilon");
     config.abs_epsilon = get<double>(d, "abs_epsilon");
+  }
+  if (config.solver == RootSolver::kNewtonSchulz) {
+    config.relative_epsilon = get<double>(d, "relative_epsilon");
+    if (d.contains("coefficients")) {
+      config.coefficients.clear();
+      for (const auto& t : get<std::vector<std::vector<double>>>(d, "coefficients")) {
+        TORCH_CHECK(t.size() == 3, "NewtonSchulzRootInvConfig.coefficients: got a triple of ",
+                    t.size(), " numbers, expected (a, b, c) for p(x) = a x + b x^3 + c x^5");
+        config.coefficients.push_back({t[0], t[1], t[2]});
+      }
+    }
   }
   config.retry_double_precision = get<bool>(d, "retry_double_precision");
   config.max_iterations = get<int64_t>(d, "max_iterations");

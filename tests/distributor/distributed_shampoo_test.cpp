@@ -92,6 +92,11 @@ std::vector<DistributedCase> cases() {
                              .solver = shampoo::RootSolver::kCoupledNewton})},
       {"newton_db", ShampooOptions(base).preconditioner(
                         shampoo::RootInvShampooConfig{.solver = shampoo::RootSolver::kNewtonDB})},
+      // Newton–Schulz computes roots that are powers of two: the 3-D weight gets 1/8.
+      {"newton_schulz", ShampooOptions(base)
+                            .preconditioner(shampoo::RootInvShampooConfig{
+                                .solver = shampoo::RootSolver::kNewtonSchulz})
+                            .inverse_exponent_override({{3, {{shampoo::kAllDims, 0.125}}}})},
       {"eigendecomposed",
        ShampooOptions(base).preconditioner(shampoo::EigendecomposedShampooConfig{})},
       {"eigendecomposed_qr_grafting",

@@ -1,6 +1,7 @@
-// The matmul-only inverse-root solvers (coupled Newton, Newton–DB; docs/math.md, "Inverse-root
-// solvers") against float64 eigh: well- and ill-conditioned stacks, closed forms, the fallback
-// to eigh, independence of the batch, mixed exponents; CUDA ≡ CPU (skipped without a GPU).
+// The matmul-only inverse-root solvers (coupled Newton, Newton–DB, coupled higher order,
+// Newton–Schulz; docs/math.md, "Inverse-root solvers") against float64 eigh: well- and
+// ill-conditioned stacks, closed forms, the fallback to eigh, independence of the batch, mixed
+// exponents; CUDA ≡ CPU (skipped without a GPU).
 #include "preconditioners/iterative_roots.h"
 
 #include <torch/cuda.h>
@@ -134,15 +135,96 @@ TEST(IterativeRoot, CoupledHigherOrderAgainstEigh) {
   // The iteration counts of every solver on these matrices (root 4, the same ridge 1e-4·‖A‖∞
   // for all), reported for docs/math.md.
   const double ridge = 1e-4 * a.abs().sum(2).amax(1).max().item<double>();
-  for (const auto solver :
-       {RootSolver::kCoupledNewton, RootSolver::kNewtonDB, RootSolver::kCoupledHigherOrder}) {
+  for (const auto solver : {RootSolver::kCoupledNewton, RootSolver::kNewtonDB,
+                            RootSolver::kCoupledHigherOrder, RootSolver::kNewtonSchulz}) {
     auto s = settings(solver, 1e-12);
     s.abs_epsilon = ridge;
+    s.relative_epsilon = 0.0;  // kNewtonSchulz's ridge: the ε of the others
     const auto r = shampoo::detail::iterative_inverse_root(a, {ridge, ridge, ridge}, 4, s);
     std::cout << shampoo::detail::enumerator_names(solver)[static_cast<size_t>(solver)]
               << " (root 4, condition 1e3, 16x16, float64, tolerance 1e-12): iterations "
               << r.iterations[0] << " " << r.iterations[1] << " " << r.iterations[2] << "\n";
     for (int64_t i = 0; i < 3; ++i) EXPECT_TRUE(r.converged[i]) << i;
+  }
+}
+
+/// (A + r·I)^(−1/p) with the Newton–Schulz ridge r = max(relative_epsilon·‖A‖_F, ε), in float64.
+at::Tensor newton_schulz_expected(const at::Tensor& A, double epsilon, int64_t root,
+                                  const RootInvShampooConfig& s) {
+  const double norm = A.to(at::kDouble).norm().item<double>();
+  return exact_root(A, std::max(s.relative_epsilon * norm, epsilon), 1.0 / root);
+}
+
+// The reference's Newton–Schulz inverse root (issue 58): against float64 eigh of A + ridge·I on
+// well-conditioned stacks (condition 1e3, 24x24) at roots 2, 4 and 8, float64 and float32, with
+// the reference's default schedule; the iteration count is fixed (10 per square-root pass).
+TEST(IterativeRoot, NewtonSchulzAgainstEigh) {
+  const auto a64 = conditioned_spd(4, 24, 1e3, 9);
+  const auto s = settings(RootSolver::kNewtonSchulz);
+  ASSERT_EQ(s.coefficients.size(), 10u);
+  for (const auto dtype : {at::kDouble, at::kFloat}) {
+    const auto a = a64.to(dtype);
+    for (const int64_t root : {2, 4, 8}) {
+      const auto r =
+          shampoo::detail::iterative_inverse_root(a, std::vector<double>(4, 1e-10), root, s);
+      double worst = 0.0;
+      for (int64_t i = 0; i < 4; ++i) {
+        SCOPED_TRACE(::testing::Message() << dtype << " root " << root << " matrix " << i);
+        ASSERT_TRUE(r.converged[i]);
+        EXPECT_EQ(r.iterations[i], 10 * static_cast<int64_t>(std::log2(root)));
+        worst = std::max(
+            worst, relative_error(r.values[i], newton_schulz_expected(a64[i], 1e-10, root, s)));
+      }
+      std::cout << "Newton-Schulz " << dtype << " root " << root
+                << " (condition 1e3, 24x24): " << r.iterations[0] << " iterations, relative error "
+                << worst << "\n";
+      EXPECT_LE(worst, dtype == at::kDouble ? 1e-12 : 2e-5);
+    }
+  }
+}
+
+// The Shampoo ε takes over from the relative floor when it is larger: the ridge is the max.
+TEST(IterativeRoot, NewtonSchulzRidgeIsTheLargerOfEpsilonAndTheRelativeFloor) {
+  const auto a = conditioned_spd(2, 12, 1e2, 4);
+  auto s = settings(RootSolver::kNewtonSchulz);
+  for (const double epsilon : {1e-12, 1e-2}) {
+    for (const double relative : {1e-6, 1e-3}) {
+      s.relative_epsilon = relative;
+      const auto r = shampoo::detail::iterative_inverse_root(a, {epsilon, epsilon}, 4, s);
+      for (int64_t i = 0; i < 2; ++i) {
+        ASSERT_TRUE(r.converged[i]);
+        EXPECT_LE(relative_error(r.values[i], newton_schulz_expected(a[i], epsilon, 4, s)), 1e-10)
+            << "epsilon " << epsilon << " relative " << relative;
+      }
+    }
+  }
+}
+
+// No convergence check during the schedule: a result that did not land on the root (a schedule
+// too short for the spectrum, or an indefinite A + ridge·I) is computed by eigh, as every
+// solver's unconverged matrices are; the reference would return it as is.
+TEST(IterativeRoot, NewtonSchulzResultsOffTheRootAreComputedByEigh) {
+  const auto a = conditioned_spd(3, 16, 1e3, 3);
+  const std::vector<double> eps(3, 1e-10), exponents(3, 0.25);
+  const auto eigh = stacked_inverse_root(a, eps, exponents, true);
+  auto s = settings(RootSolver::kNewtonSchulz);
+  s.coefficients = {{1.875, -1.25, 0.375}};
+  auto r = stacked_inverse_root(a, eps, exponents, true, &s);
+  EXPECT_EQ(r.solver_fallbacks, 3);
+  EXPECT_TRUE(bit_equal(r.values, eigh.values));
+  const auto indefinite = at::diag(at::tensor({-1.0, 2.0, 3.0})).unsqueeze(0);
+  s = settings(RootSolver::kNewtonSchulz);
+  r = stacked_inverse_root(indefinite, {0.1}, {0.5}, true, &s);
+  EXPECT_EQ(r.solver_fallbacks, 1);
+  EXPECT_TRUE(bit_equal(r.values, stacked_inverse_root(indefinite, {0.1}, {0.5}, true).values));
+}
+
+TEST(IterativeRoot, NewtonSchulzRefusesRootsThatAreNotPowersOfTwo) {
+  const auto a = conditioned_spd(1, 6, 1e2, 2);
+  const auto s = settings(RootSolver::kNewtonSchulz);
+  for (const double exponent : {1.0 / 6.0, 1.0}) {
+    shampoo::testing::expect_error([&] { stacked_inverse_root(a, {1e-8}, {exponent}, true, &s); },
+                                   {"kNewtonSchulz computes roots that are powers of two"});
   }
 }
 
@@ -189,7 +271,7 @@ TEST(IterativeRoot, ResultOfAMatrixDoesNotDependOnTheBatch) {
   auto a = at::cat({conditioned_spd(3, 12, 1e3, 1), conditioned_spd(2, 12, 1e6, 2)}).to(at::kFloat);
   const std::vector<double> eps{1e-8, 1e-6, 1e-8, 1e-10, 1e-8};
   const std::vector<double> exponents(5, 0.25);
-  for (const auto method : {kNewton, kDB}) {
+  for (const auto method : {kNewton, kDB, RootSolver::kNewtonSchulz}) {
     const auto s = settings(method);
     const auto stacked = stacked_inverse_root(a, eps, exponents, true, &s);
     for (int64_t i = 0; i < 5; ++i) {
@@ -236,9 +318,11 @@ TEST(IterativeRootCuda, MatchesCpuAndRestoresTf32Mode) {
   const auto a = conditioned_spd(6, 256, 1e4, 11).to(at::kFloat);
   const std::vector<double> eps(6, 1e-8), exponents(6, 0.25);
   at::globalContext().setAllowTF32CuBLAS(false);
-  for (const auto method : {kNewton, kDB, RootSolver::kCoupledHigherOrder}) {
+  for (const auto method :
+       {kNewton, kDB, RootSolver::kCoupledHigherOrder, RootSolver::kNewtonSchulz}) {
     auto s = settings(method);
-    s.abs_epsilon = 1e-8;  // kCoupledHigherOrder's ridge: the ε of the others
+    s.abs_epsilon = 1e-8;      // kCoupledHigherOrder's ridge: the ε of the others
+    s.relative_epsilon = 0.0;  // kNewtonSchulz's ridge: the ε of the others
     const auto cpu = stacked_inverse_root(a, eps, exponents, true, &s);
     const auto gpu = stacked_inverse_root(a.cuda(), eps, exponents, true, &s);
     EXPECT_EQ(gpu.solver_fallbacks, 0);

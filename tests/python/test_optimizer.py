@@ -249,6 +249,36 @@ class RootInvShampooPreconditionerConfig:  # the reference's fields, one of them
     some_future_field: int = 0
 
 
+def newton_schulz_run(config):
+    model = make_model()
+    kwargs = dict(SHAMPOO, epsilon=1e-4, preconditioner_config=ds.RootInvShampooPreconditionerConfig(
+        amortized_computation_config=config))
+    train(model, two_groups(model, **kwargs), range(1, 13))
+    return params_of(model)
+
+
+class NewtonSchulzRoots(unittest.TestCase):
+    """The reference's NewtonSchulzRootInvConfig reaches the engine's Newton-Schulz solver with its
+    fields: near the eigh run where the ridge is ε, its default schedule the engine's, and its
+    relative_epsilon and coefficients followed."""
+
+    def test_newton_schulz_config_reaches_the_solver(self):
+        eigh = newton_schulz_run(ds.EigenConfig())
+        default = newton_schulz_run(ds.NewtonSchulzRootInvConfig())
+        for a, e in zip(default, eigh):
+            torch.testing.assert_close(a, e, rtol=1e-3, atol=1e-4)
+        self.assertEqual(len(ds.NewtonSchulzRootInvConfig().coefficients), 10)
+        explicit = newton_schulz_run(ds.NewtonSchulzRootInvConfig(
+            coefficients=ds.NewtonSchulzRootInvConfig().coefficients))
+        assert_bit_equal(self, explicit, default, "the default schedule written out")
+        ridged = newton_schulz_run(ds.NewtonSchulzRootInvConfig(relative_epsilon=0.5))
+        shorter = newton_schulz_run(ds.NewtonSchulzRootInvConfig(
+            coefficients=ds.NewtonSchulzRootInvConfig().coefficients[:3]))
+        for other in (ridged, shorter):
+            self.assertGreater(max((a - d).abs().max().item() for a, d in zip(other, default)),
+                               0.0)
+
+
 class ReferenceConfigs(unittest.TestCase):
     def test_the_references_objects_are_read_by_class_name_and_fields(self):
         ours, theirs = make_model(), make_model()
@@ -266,6 +296,12 @@ class ReferenceConfigs(unittest.TestCase):
             (dict(preconditioner_config=ds.RootInvShampooPreconditionerConfig(
                 amortized_computation_config=ds.CoupledHigherOrderConfig(
                     rel_epsilon=1e-3, abs_epsilon=1e-6, disable_tf32=False))), "disable_tf32"),
+            (dict(preconditioner_config=ds.RootInvShampooPreconditionerConfig(
+                amortized_computation_config=ds.NewtonSchulzRootInvConfig(disable_tf32=False))),
+             "disable_tf32"),
+            (dict(preconditioner_config=ds.RootInvShampooPreconditionerConfig(
+                amortized_computation_config=ds.NewtonSchulzRootInvConfig(coefficients=[]))),
+             "coefficients"),
             (dict(preconditioner_config=ds.EigenvalueCorrectedShampooPreconditionerConfig(
                 ignored_basis_change_dims={2: [5]})), "ignored_basis_change_dims"),
             (dict(weight_decay_type=ds.WeightDecayType.CORRECTED, lr=0.0), "peak_lr"),

@@ -1,16 +1,18 @@
 // The reference's newer settings (issue 58): weight decay CORRECTED and INDEPENDENT with peak_lr,
-// trace scaling, SOAP's ignored_basis_change_dims, the coupled higher-order root solver. Float64
-// runs replayed against golden data that the reference implementation itself wrote
+// trace scaling, SOAP's ignored_basis_change_dims, the coupled higher-order and Newton–Schulz root
+// solvers. Float64 runs replayed against golden data that the reference implementation itself wrote
 // (make_reference_golden.py: parameters, gradients, the lr of every step, the parameters after
 // every step), then the options: validation, peak_lr's resolution, archives (round trip, archives
 // written before the fields existed), the trainer's and every mode's use through the options table.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <shampoo/option_fields.h>
 #include <shampoo/shampoo.h>
 #include <torch/optim/schedulers/step_lr.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -520,6 +522,105 @@ TEST(CoupledHigherOrder, BadValuesNameTheFieldAndTheValue) {
   EXPECT_EQ(c.abs_epsilon, 1e-9);
   const auto soap = shampoo::testing::options_round_trip(soap_ignoring({{2, {1}}, {3, {0, 2}}}));
   EXPECT_TRUE(soap.preconditioner() == soap_ignoring({{2, {1}}, {3, {0, 2}}}).preconditioner());
+}
+
+// ----------------------------------------------------------------------------------------------
+// The reference's Newton–Schulz inverse root (NewtonSchulzRootInvConfig).
+// ----------------------------------------------------------------------------------------------
+
+ShampooOptions newton_schulz(double relative_epsilon = 1e-6,
+                             std::vector<std::array<double, 3>> coefficients =
+                                 shampoo::default_newton_schulz_coefficients()) {
+  shampoo::RootInvShampooConfig c;
+  c.solver = shampoo::RootSolver::kNewtonSchulz;
+  c.relative_epsilon = relative_epsilon;
+  c.coefficients = std::move(coefficients);
+  return ShampooOptions(0.1).preconditioner(c);
+}
+
+TEST(NewtonSchulz, BadValuesNameTheFieldAndTheValue) {
+  const std::vector<at::Tensor> params{at::ones({3, 2}).requires_grad_()};
+  expect_error([&] { DistributedShampoo o(params, newton_schulz(1e-6, {})); },
+               {"preconditioner.coefficients: empty"});
+  expect_error(
+      [&] {
+        DistributedShampoo o(params, newton_schulz(1e-6, {{1.0, NAN, 0.0}}));
+      },
+      {"preconditioner.coefficients[0]: got (1, nan, 0)", "expected finite"});
+  expect_error([&] { DistributedShampoo o(params, newton_schulz(-1.0)); },
+               {"preconditioner.relative_epsilon: got -1"});
+  expect_error(
+      [&] {
+        DistributedShampoo o(params,
+                             newton_schulz().inverse_exponent_override({{2, {{0, 1.0 / 6.0}}}}));
+      },
+      {"inverse_exponent_override[2][0]", "not 1/p for p a power of two", "kNewtonSchulz"});
+  // A last triple that does not sum to 1 is allowed, with a warning (as the reference).
+  struct Collector : c10::WarningHandler {
+    void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+    std::vector<std::string> messages;
+  } warnings;
+  {
+    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    DistributedShampoo o(params, newton_schulz(1e-6, {{3.4445, -4.7750, 2.0315}}));
+  }
+  ASSERT_EQ(warnings.messages.size(), 1U);
+  EXPECT_NE(warnings.messages[0].find("sums to 0.701"), std::string::npos) << warnings.messages[0];
+  const auto read = shampoo::testing::options_round_trip(
+      newton_schulz(1e-4, {{1.5, -0.5, 0.0}, {1.875, -1.25, 0.375}}));
+  EXPECT_TRUE(read.preconditioner() ==
+              newton_schulz(1e-4, {{1.5, -0.5, 0.0}, {1.875, -1.25, 0.375}}).preconditioner());
+  EXPECT_FALSE(read.preconditioner() == newton_schulz(1e-4).preconditioner());
+}
+
+// Blocks whose root is not a power of two (order 3: exponent 1/6) are refused when the
+// parameter is added, by name, as the reference refuses them at construction; an override that
+// makes the root a power of two is accepted.
+TEST(NewtonSchulz, ABlockWhoseRootIsNotAPowerOfTwoIsAnErrorNamingTheParameter) {
+  const std::vector<at::Tensor> params{at::ones({3, 2}).requires_grad_(),
+                                       at::ones({3, 4, 5}).requires_grad_()};
+  expect_error([&] { DistributedShampoo o(params, newton_schulz().use_merge_dims(false)); },
+               {"parameter 1 (parameter 1 overall, shape [3, 4, 5])", "block 0 has shape [3, 4, 5]",
+                "exponent 0.1666", "kNewtonSchulz computes roots 1/p for p a power of two"});
+  DistributedShampoo accepted(params,
+                              newton_schulz().use_merge_dims(false).inverse_exponent_override(
+                                  {{3, {{shampoo::kAllDims, 0.125}}}}));
+  for (const auto& p : params) p.mutable_grad() = at::ones_like(p);
+  accepted.step();
+}
+
+// With ε above the relative floor and well-conditioned factors the ridge is ε, as eigh's: every
+// step's parameters within 1e-9 of the same run with eigh roots (float64, roots every step).
+TEST(NewtonSchulz, StepsLikeEighWhenTheRidgeIsEpsilon) {
+  const auto run = [](shampoo::RootSolver solver) {
+    auto w = at::zeros({6, 4}, at::kDouble).requires_grad_();
+    auto b = at::zeros({4}, at::kDouble).requires_grad_();
+    shampoo::RootInvShampooConfig c;
+    c.solver = solver;
+    DistributedShampoo opt(std::vector<at::Tensor>{w, b}, ShampooOptions(0.01)
+                                                              .epsilon(1e-3)
+                                                              .factor_matrix_dtype(at::kDouble)
+                                                              .precondition_frequency(1)
+                                                              .start_preconditioning_step(1)
+                                                              .grafting(std::monostate{})
+                                                              .preconditioner(c));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
+    std::vector<at::Tensor> trajectory;
+    for (int t = 0; t < 8; ++t) {
+      w.mutable_grad() = at::randn({6, 4}, gen, at::kDouble);
+      b.mutable_grad() = at::randn({4}, gen, at::kDouble);
+      opt.step();
+      trajectory.push_back(at::cat({w.detach().flatten(), b.detach()}));
+    }
+    EXPECT_EQ(opt.stats().root_solver_fallbacks, 0);
+    return trajectory;
+  };
+  const auto eigh = run(shampoo::RootSolver::kEigh);
+  const auto schulz = run(shampoo::RootSolver::kNewtonSchulz);
+  for (size_t t = 0; t < eigh.size(); ++t) {
+    const double scale = eigh[t].abs().max().item<double>();
+    EXPECT_LE((schulz[t] - eigh[t]).abs().max().item<double>(), 1e-9 * scale) << "step " << t + 1;
+  }
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -117,7 +117,8 @@ TEST(VirtualGroups, RootsAreOneBatchedCallPerStackAndDim) {
 }
 
 TEST(VirtualGroups, MergedEqualsUnmergedBitForBitWithEveryRootSolver) {
-  for (const auto solver : {shampoo::RootSolver::kCoupledNewton, shampoo::RootSolver::kNewtonDB}) {
+  for (const auto solver : {shampoo::RootSolver::kCoupledNewton, shampoo::RootSolver::kNewtonDB,
+                            shampoo::RootSolver::kNewtonSchulz}) {
     auto merged_params = make_params(5);
     auto unmerged_params = make_params(5);
     auto with_solver = [&](const std::vector<at::Tensor>& params) {

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "preconditioners/diagonal_coefficients.h"
 #include "preconditioners/memory_summary.h"
 #include "preconditioners/preconditioner_configs.h"
 #include "preconditioners/rows.h"

@@ -1,8 +1,9 @@
 #pragma once
 /// What the rows of the options table (option_fields.cpp) share: checked reads of a
 /// ShampooOptions archive entry, which name the entry and what it should hold, and the code of a
-/// float (its bits); and the preconditioner row, built in preconditioner_option_field.cpp from
-/// each family's fields.
+/// float (its bits); and the rows built in files of their own: the preconditioner row
+/// (preconditioner_option_field.cpp, from each family's fields) and the structured rows
+/// (structured_option_fields.cpp).
 
 #include <torch/serialize/input-archive.h>
 
@@ -28,5 +29,9 @@ int64_t double_bits(double value);
 
 /// The preconditioner row: the family's kind and every family's fields (visit_fields).
 OptionField preconditioner_field();
+
+/// The rows of inverse_exponent_override and iterate_averaging (structured_option_fields.cpp).
+OptionField inverse_exponent_override_field();
+OptionField iterate_averaging_field();
 
 }  // namespace shampoo::detail

@@ -180,12 +180,6 @@ bool VirtualGroup::may_raise(const StepInputs& in) const {
   return may_raise;
 }
 
-BlockState VirtualGroup::export_member(int64_t s, int64_t r) const {
-  auto state = preconditioner_->export_member(s, r);
-  elementwise_->export_member(s, r, state);
-  return state;
-}
-
 void VirtualGroup::save(const StepInputs& in, StepJournal::GroupMark& mark, bool first_save,
                         StepJournal& journal) const {
   if (first_save) {
@@ -462,30 +456,6 @@ void VirtualGroup::switch_sequence(bool to_eval, const std::vector<ParamEntry>& 
   }
   if (!distributor.distributed()) {
     for (const auto& [p, tensor] : work) write_back(params[p].param, tensor);
-  }
-}
-
-void VirtualGroup::export_states(std::map<BlockId, BlockState>& out) const {
-  for (size_t s = 0; s < stacks_.size(); ++s) {
-    for (int64_t r = 0; r < stacks_[s].spec.size(); ++r) {
-      out[stacks_[s].ids[r]] = export_member(static_cast<int64_t>(s), r);
-    }
-  }
-}
-
-void VirtualGroup::import_states(const std::map<BlockId, BlockState>& states, bool require_all) {
-  for (size_t s = 0; s < stacks_.size(); ++s) {
-    const auto& stack = stacks_[s];
-    for (int64_t r = 0; r < stack.spec.size(); ++r) {
-      const auto it = states.find(stack.ids[r]);
-      if (it == states.end()) {
-        TORCH_CHECK(!require_all, "checkpoint: no state for ", stack.spec.names[r],
-                    " (the checkpoint was written for another model or another rank layout)");
-        continue;
-      }
-      preconditioner_->import_member(static_cast<int64_t>(s), r, it->second);
-      elementwise_->import_member(static_cast<int64_t>(s), r, it->second);
-    }
   }
 }
 

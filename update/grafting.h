@@ -14,6 +14,7 @@
 #include <utility>
 #include <variant>
 
+#include "preconditioners/diagonal_coefficients.h"
 #include "preconditioners/preconditioner_configs.h"
 #include "update/elementwise_chain_kernels.h"
 

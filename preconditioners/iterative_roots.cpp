@@ -333,7 +333,7 @@ int64_t batch_size(const at::Tensor& A) {
 
 }  // namespace
 
-bool newton_db_supports(int64_t root) { return root >= 2 && (root & (root - 1)) == 0; }
+bool power_of_two_root(int64_t root) { return root >= 2 && (root & (root - 1)) == 0; }
 
 int64_t integer_root(double exponent) {
   if (!(exponent > 0.0)) return 0;
@@ -348,7 +348,7 @@ IterativeRootResult iterative_inverse_root(const at::Tensor& A, const std::vecto
   TORCH_INTERNAL_ASSERT(A.dim() == 3 && A.size(1) == A.size(2) && root >= 1);
   TORCH_INTERNAL_ASSERT(
       (settings.solver != RootSolver::kNewtonDB && settings.solver != RootSolver::kNewtonSchulz) ||
-      newton_db_supports(root));
+      power_of_two_root(root));
   const int64_t n = A.size(0);
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(epsilons.size()) == n);
   const Tf32Mode tf32(settings.tf32 && A.is_cuda());

@@ -35,8 +35,8 @@ struct IterativeRootResult {
 IterativeRootResult iterative_inverse_root(const at::Tensor& A, const std::vector<double>& epsilons,
                                            int64_t root, const RootInvShampooConfig& settings);
 
-/// Whether Newton–DB and Newton–Schulz compute the root `root` (a power of two ≥ 2).
-bool newton_db_supports(int64_t root);
+/// Whether `root` is a power of two ≥ 2: the roots Newton–DB and Newton–Schulz compute.
+bool power_of_two_root(int64_t root);
 
 /// The integer root p with exponent == 1/p (up to rounding), or 0 when 1/exponent is not an
 /// integer.

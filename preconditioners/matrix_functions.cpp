@@ -243,10 +243,10 @@ StackedMatrixResult solver_inverse_root(const at::Tensor& A, const std::vector<d
       continue;
     }
     auto s = settings;
-    if (s.solver == RootSolver::kNewtonDB && !newton_db_supports(root)) {
+    if (s.solver == RootSolver::kNewtonDB && !power_of_two_root(root)) {
       s.solver = RootSolver::kCoupledNewton;
     }
-    TORCH_CHECK(s.solver != RootSolver::kNewtonSchulz || newton_db_supports(root),
+    TORCH_CHECK(s.solver != RootSolver::kNewtonSchulz || power_of_two_root(root),
                 "RootSolver::kNewtonSchulz computes roots that are powers of two (>= 2), got the "
                 "root ",
                 root, " (exponent ", exponent, ")");

@@ -23,10 +23,6 @@ namespace shampoo::detail {
 
 namespace {
 
-/// The block plans of a new group's parameters. A family whose blocks must have a given order
-/// (spectral descent: 2-D blocks, its list's kBlockOrder) makes a parameter whose plan has a block
-/// of another order an error naming it, its shape, its blocks and the ways out (docs/math.md,
-/// "Spectral descent").
 /// RootSolver::kNewtonSchulz computes roots that are powers of two only (as the reference, which
 /// refuses other roots at construction): a parameter with a block whose exponent along some dim
 /// is another 1/p is an error naming it, the block, the dim and the way out.
@@ -39,7 +35,7 @@ void check_newton_schulz_roots(const ShampooOptions& options, const BlockPlan& p
     const auto exponents = block_factor_choice(options, plan, shape).dim_exponents;
     for (size_t k = 0; k < exponents.size(); ++k) {
       const double e = exponents[k];
-      TORCH_CHECK(e == 0.0 || newton_db_supports(integer_root(e)), parameter, ": block ", b,
+      TORCH_CHECK(e == 0.0 || power_of_two_root(integer_root(e)), parameter, ": block ", b,
                   " has shape ", at::IntArrayRef(shape), " (order ", shape.size(),
                   ") and the inverse exponent ", e, " along dim ", k,
                   ", but RootSolver::kNewtonSchulz computes roots 1/p for p a power of two "
@@ -64,6 +60,10 @@ void warn_newton_schulz_schedule(const ShampooOptions& options, size_t group) {
              "around the inverse root, not at it");
 }
 
+/// The block plans of a new group's parameters. A family whose blocks must have a given order
+/// (spectral descent: 2-D blocks, its list's kBlockOrder) makes a parameter whose plan has a block
+/// of another order an error naming it, its shape, its blocks and the ways out (docs/math.md,
+/// "Spectral descent").
 std::vector<BlockPlan> block_plans(const ShampooOptions& options,
                                    const std::vector<at::Tensor>& params, size_t group,
                                    size_t first_param) {

@@ -32,7 +32,7 @@ void check_preconditioner(const PreconditionerConfig& preconditioner,
   for (const auto& [order, dims] : overrides) {
     for (const auto& [dim, exponent] : dims) {
       TORCH_CHECK(c->solver != RootSolver::kNewtonSchulz || exponent == 0.0 ||
-                      detail::newton_db_supports(detail::integer_root(exponent)),
+                      detail::power_of_two_root(detail::integer_root(exponent)),
                   "ShampooOptions.inverse_exponent_override[", order, "][", dim, "]: exponent ",
                   exponent,
                   " is not 1/p for p a power of two >= 2; RootSolver::kNewtonSchulz computes "

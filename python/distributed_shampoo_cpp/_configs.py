@@ -136,8 +136,8 @@ def _default_newton_schulz_coefficients() -> list[list[float]]:
 
 @dataclass(kw_only=True)
 class NewtonSchulzRootInvConfig(RootInvConfig):
-    """The reference's fixed-schedule Newton-Schulz inverse root (docs/math.md, "Newton-Schulz
-    inverse roots"): roots that are powers of two only."""
+    """The reference's fixed-schedule Newton-Schulz inverse root (docs/math.md#newton-schulz):
+    roots that are powers of two only."""
 
     relative_epsilon: float = 1e-6
     disable_tf32: bool = True

@@ -18,7 +18,7 @@ namespace {
 using shampoo::RootInvShampooConfig;
 using shampoo::RootSolver;
 using shampoo::detail::integer_root;
-using shampoo::detail::newton_db_supports;
+using shampoo::detail::power_of_two_root;
 using shampoo::detail::stacked_inverse_root;
 using shampoo::testing::all_close;
 using shampoo::testing::bit_equal;
@@ -307,10 +307,10 @@ TEST(IterativeRoot, IntegerRoots) {
   EXPECT_EQ(integer_root(0.3), 0);
   EXPECT_EQ(integer_root(0.0), 0);
   EXPECT_EQ(integer_root(2.0), 0);
-  EXPECT_TRUE(newton_db_supports(2));
-  EXPECT_TRUE(newton_db_supports(8));
-  EXPECT_FALSE(newton_db_supports(6));
-  EXPECT_FALSE(newton_db_supports(1));
+  EXPECT_TRUE(power_of_two_root(2));
+  EXPECT_TRUE(power_of_two_root(8));
+  EXPECT_FALSE(power_of_two_root(6));
+  EXPECT_FALSE(power_of_two_root(1));
 }
 
 TEST(IterativeRootCuda, MatchesCpuAndRestoresTf32Mode) {

@@ -11,6 +11,8 @@
 #include <memory>
 #include <string>
 
+#include "parallel/communication/collectives.h"
+
 namespace shampoo {
 namespace {
 
@@ -97,7 +99,7 @@ void GradScaler::combine(at::Tensor& found_inf) const {
   const auto& group = options_.process_group();
   if (!group || group->getSize() == 1) return;
   std::vector<at::Tensor> tensors{found_inf};
-  group->getBackend(found_inf.device().type())->allreduce(tensors)->wait();
+  detail::start_all_reduce(*group, tensors)->wait();
 }
 
 void GradScaler::unscale_for(const void* key, const std::vector<at::Tensor>& grads) {

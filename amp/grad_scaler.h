@@ -50,8 +50,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "parallel/distributed_checkpoint.h"
-#include "parallel/loss_scaling.h"
+#include "parallel/checkpoints/distributed_checkpoint.h"
+#include "parallel/optimizers/loss_scaling.h"
 
 namespace shampoo {
 

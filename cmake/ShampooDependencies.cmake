@@ -36,9 +36,9 @@ if(EXISTS "${SHAMPOO_TORCH_LIB_DIR}/libc10_cuda.so")
 endif()
 
 # Gloo headers: the torch wheel ships ProcessGroupGloo.hpp but not the gloo headers it includes.
-# Exactly one translation unit (parallel/gloo_backend.cpp) includes it, compiled against
-# Debian's libgloo-dev headers, and it must not emit any gloo code: the only gloo that runs is the
-# copy inside libtorch_cpu. tests/parallel/gloo_object_check.cmake enforces that.
+# Exactly one translation unit (parallel/communication/gloo_backend.cpp) includes it, compiled
+# against Debian's libgloo-dev headers, and it must not emit any gloo code: the only gloo that runs
+# is the copy inside libtorch_cpu. tests/parallel/gloo_object_check.cmake enforces that.
 find_path(SHAMPOO_GLOO_INCLUDE_DIR gloo/rendezvous/store.h)
 if(NOT SHAMPOO_GLOO_INCLUDE_DIR)
   message(FATAL_ERROR "gloo headers not found: install Debian's libgloo-dev (make deps does)")

@@ -18,19 +18,19 @@ set(SHAMPOO_PUBLIC_HEADERS
   amp/autocast_guard.h
   amp/grad_scaler.h
   parallel/clip_grad_norm.h
-  parallel/distributed_checkpoint.h
-  parallel/fully_sharded.h
-  parallel/gradient_synchronizer.h
-  parallel/in_backward.h
-  parallel/loss_scaling.h
-  parallel/optimizer_factory.h
-  parallel/ownership_plan.h
-  parallel/parameter_owners.h
-  parallel/partial_step.h
-  parallel/phased_backward_step.h
-  parallel/portable_checkpoint.h
-  parallel/process_group.h
-  parallel/sharded_optimizer.h
+  parallel/checkpoints/distributed_checkpoint.h
+  parallel/full_sharding/fully_sharded.h
+  parallel/data_parallel/gradient_synchronizer.h
+  parallel/in_backward/in_backward.h
+  parallel/optimizers/loss_scaling.h
+  parallel/optimizers/optimizer_factory.h
+  parallel/communication/ownership_plan.h
+  parallel/optimizers/parameter_owners.h
+  parallel/optimizers/partial_step.h
+  parallel/optimizers/phased_backward_step.h
+  parallel/optimizers/portable_checkpoint.h
+  parallel/communication/process_group.h
+  parallel/state_sharding/sharded_optimizer.h
   preconditioners/memory_summary.h
   preconditioners/preconditioner_configs.h
   shampoo/checkpoint.h

@@ -7,9 +7,9 @@
 #include <map>
 #include <string>
 
-#include "parallel/collectives.h"
-#include "parallel/ownership_plan.h"
-#include "parallel/process_group.h"
+#include "parallel/communication/collectives.h"
+#include "parallel/communication/ownership_plan.h"
+#include "parallel/communication/process_group.h"
 
 namespace shampoo::detail {
 
@@ -136,9 +136,8 @@ int64_t Distributor::exchange(bool failed) {
     }
     const auto n = static_cast<int64_t>(flags.size());
     unit.send.narrow(0, 0, n).copy_(at::from_blob(flags.data(), {n}, at::kFloat));
-    const auto device_type = unit.send.device().type();
     try {
-      group_->getBackend(device_type)->_allgather_base(unit.receive, unit.send)->wait();
+      detail::start_all_gather(*group_, unit.receive, unit.send)->wait();
     } catch (const std::exception& e) {
       TORCH_CHECK(false, collective_failure("the AllGather of this step", global_rank_, e));
     }
@@ -179,7 +178,7 @@ std::vector<Distributor::Readiness> Distributor::agree(Readiness mine) {
   words[rank_].fill_(static_cast<int64_t>(mine));
   std::vector<at::Tensor> tensors{words};
   try {
-    group_->getBackend(device.type())->allreduce(tensors)->wait();
+    detail::start_all_reduce(*group_, tensors)->wait();
   } catch (const std::exception& e) {
     TORCH_CHECK(false, collective_failure("the agreement before the step", global_rank_, e));
   }

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "distributor/block_plan.h"
-#include "parallel/ownership_plan.h"
+#include "parallel/communication/ownership_plan.h"
 
 namespace shampoo::detail {
 

@@ -1,8 +1,8 @@
 #pragma once
 /// The checkpoint of a training run in --checkpoint-dir: one world-size-independent checkpoint
-/// directory (parallel/distributed_checkpoint.h) that every rank writes together and that a run
-/// at any number of ranks resumes from. Its MANIFEST is the commit point: a save killed at any
-/// moment leaves the previous checkpoint complete.
+/// directory (parallel/checkpoints/distributed_checkpoint.h) that every rank writes together and
+/// that a run at any number of ranks resumes from. Its MANIFEST is the commit point: a save killed
+/// at any moment leaves the previous checkpoint complete.
 ///
 /// The model, the optimizer, the GradScaler and the random generators are the library's
 /// training checkpoint (shampoo/training_checkpoint.h: "model", "optimizer", "grad_scaler" in the
@@ -31,7 +31,7 @@
 
 #include "amp/grad_scaler.h"
 #include "examples/loss_metrics.h"
-#include "parallel/distributed_checkpoint.h"
+#include "parallel/checkpoints/distributed_checkpoint.h"
 #include "shampoo/training_checkpoint.h"
 
 namespace shampoo::examples {

@@ -6,10 +6,10 @@
 #include <optional>
 #include <vector>
 
-#include "parallel/fully_sharded.h"
-#include "parallel/grad_norm_clipping.h"
-#include "parallel/in_backward.h"
-#include "parallel/parameter_owners.h"
+#include "parallel/data_parallel/spread_grad_norm.h"
+#include "parallel/full_sharding/fully_sharded.h"
+#include "parallel/in_backward/in_backward.h"
+#include "parallel/optimizers/parameter_owners.h"
 
 namespace shampoo {
 namespace {

@@ -12,8 +12,8 @@
 //                                             other's checkpoints)
 // Loading validates everything against the optimizer first and swaps the new state in only when
 // every block was read: a failed load leaves the optimizer as it was.
-// World-size-independent checkpoint directories (parallel/distributed_checkpoint.h) use the same
-// entries without blocks/ as their common part, and one piece "block/p<P>_b<B>" per block.
+// World-size-independent checkpoint directories (parallel/checkpoints/distributed_checkpoint.h) use
+// the same entries without blocks/ as their common part, and one piece "block/p<P>_b<B>" per block.
 #include "shampoo/checkpoint.h"
 
 #include <c10/util/Exception.h>

@@ -18,11 +18,11 @@
 #include <string>
 #include <vector>
 
-#include "parallel/distributed_checkpoint.h"
-#include "parallel/parameter_owners.h"
-#include "parallel/partial_step.h"
-#include "parallel/phased_backward_step.h"
-#include "parallel/portable_checkpoint.h"
+#include "parallel/checkpoints/distributed_checkpoint.h"
+#include "parallel/optimizers/parameter_owners.h"
+#include "parallel/optimizers/partial_step.h"
+#include "parallel/optimizers/phased_backward_step.h"
+#include "parallel/optimizers/portable_checkpoint.h"
 #include "preconditioners/memory_summary.h"
 #include "shampoo/fault_point.h"
 #include "shampoo/shampoo_options.h"
@@ -133,8 +133,8 @@ class DistributedShampoo : public torch::optim::Optimizer,
   void load(torch::serialize::InputArchive& archive) override;
 
   /// World-size-independent checkpoints: shampoo::save_distributed_checkpoint(optimizer, dir) /
-  /// load_distributed_checkpoint (parallel/distributed_checkpoint.h). One piece per block,
-  /// written by its owner in the first trainer group; loading at any world size (and any
+  /// load_distributed_checkpoint (parallel/checkpoints/distributed_checkpoint.h). One piece per
+  /// block, written by its owner in the first trainer group; loading at any world size (and any
   /// num_trainers_per_group, merged or not) reads the blocks each rank owns now.
   std::string checkpoint_kind() const override { return "DistributedShampoo"; }
   c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
@@ -144,9 +144,9 @@ class DistributedShampoo : public torch::optim::Optimizer,
   std::function<void()> prepare_load(torch::serialize::InputArchive& common,
                                      PieceReader& pieces) override;
 
-  /// Whole-run checkpoints that any layout loads (parallel/portable_checkpoint.h): rank 0 of the
-  /// (first) trainer group writes every parameter's group step count, each owner its blocks;
-  /// loading checks the saved groups' structural options and takes their float options.
+  /// Whole-run checkpoints that any layout loads (parallel/optimizers/portable_checkpoint.h): rank
+  /// 0 of the (first) trainer group writes every parameter's group step count, each owner its
+  /// blocks; loading checks the saved groups' structural options and takes their float options.
   std::vector<const torch::optim::OptimizerParamGroup*> portable_groups() const override;
   int64_t portable_param_step(const at::Tensor& param) const override;
   void save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const override;

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "parallel/collectives.h"
+#include "parallel/communication/collectives.h"
 #include "shampoo/option_fields.h"
 #include "shampoo/shampoo_engine.h"
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "distributor/distributor.h"
-#include "parallel/distributed_checkpoint.h"
+#include "parallel/checkpoints/distributed_checkpoint.h"
 #include "shampoo/distributed_shampoo.h"
 #include "shampoo/param_registry.h"
 #include "shampoo/step_transaction.h"
@@ -68,10 +68,10 @@ class ShampooEngine {
             const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
   void load(torch::serialize::InputArchive& archive,
             std::vector<torch::optim::OptimizerParamGroup>& groups);
-  /// World-size-independent checkpoints (parallel/distributed_checkpoint.h): the header, model
-  /// and groups as every rank has them; one piece per block this rank owns ("block/p3_b1"),
-  /// none on ranks outside the first trainer group (replicas); and a load that reads the blocks
-  /// this rank owns now, whichever rank saved them.
+  /// World-size-independent checkpoints (parallel/checkpoints/distributed_checkpoint.h): the
+  /// header, model and groups as every rank has them; one piece per block this rank owns
+  /// ("block/p3_b1"), none on ranks outside the first trainer group (replicas); and a load that
+  /// reads the blocks this rank owns now, whichever rank saved them.
   void save_common(torch::serialize::OutputArchive& archive,
                    const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
   void save_pieces(PieceWriter& pieces) const;
@@ -87,9 +87,9 @@ class ShampooEngine {
                                            std::optional<bool> eval_mode,
                                            std::vector<torch::optim::OptimizerParamGroup>& groups);
 
-  /// Whole-run checkpoints by parameter name (parallel/portable_checkpoint.h): the saved options
-  /// of each param group (serialized), checked against the structural options here; returns what
-  /// installs their float fields. Whether this rank writes its blocks (ranks outside the first
+  /// Whole-run checkpoints by parameter name (parallel/optimizers/portable_checkpoint.h): the saved
+  /// options of each param group (serialized), checked against the structural options here; returns
+  /// what installs their float fields. Whether this rank writes its blocks (ranks outside the first
   /// trainer group hold copies), and its rank in the trainer group.
   std::function<void()> prepare_saved_options(
       const std::vector<std::shared_ptr<torch::serialize::InputArchive>>& saved,

@@ -15,8 +15,8 @@
 #include <typeinfo>
 #include <utility>
 
-#include "parallel/collectives.h"
-#include "parallel/process_group.h"
+#include "parallel/communication/collectives.h"
+#include "parallel/communication/process_group.h"
 #include "shampoo/training_checkpoint_internal.h"
 
 namespace shampoo {

@@ -2,13 +2,13 @@
 /// A whole training run in one checkpoint: the model's parameters and buffers, the optimizer (any
 /// of this library's, or one of LibTorch's), the GradScaler, the random generators and the
 /// user's values (step, epoch, position in the data), in one atomic generation of a
-/// world-size-independent checkpoint directory (parallel/distributed_checkpoint.h).
+/// world-size-independent checkpoint directory (parallel/checkpoints/distributed_checkpoint.h).
 ///
 /// It resumes under any layout and at any number of ranks, whichever layout wrote it: one
 /// process, data parallelism, state and gradient sharding (ZeRO-1/2), optimizer-in-backward,
 /// full sharding, hybrid sharding. The optimizer state is saved by the model's parameter names
-/// (parallel/portable_checkpoint.h): the user's param groups with their options, and each
-/// parameter's state (DistributedShampoo's blocks and step counts, or the state of LibTorch's
+/// (parallel/optimizers/portable_checkpoint.h): the user's param groups with their options, and
+/// each parameter's state (DistributedShampoo's blocks and step counts, or the state of LibTorch's
 /// SGD, Adam, AdamW, Adagrad, RMSprop). The resuming run must build the same model, the same
 /// optimizer for every parameter and the same param groups (the same parameters in each; a
 /// difference is an error naming it); what only one layout can resume (full sharding's
@@ -43,14 +43,14 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <unordered_map>
 #include <utility>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #include "amp/grad_scaler.h"
-#include "parallel/distributed_checkpoint.h"
-#include "parallel/portable_checkpoint.h"
+#include "parallel/checkpoints/distributed_checkpoint.h"
+#include "parallel/optimizers/portable_checkpoint.h"
 
 namespace shampoo {
 

@@ -11,7 +11,7 @@
 #include <memory>
 #include <sstream>
 
-#include "parallel/fully_sharded.h"
+#include "parallel/full_sharding/fully_sharded.h"
 #include "shampoo/training_checkpoint.h"
 #include "shampoo/training_checkpoint_internal.h"
 

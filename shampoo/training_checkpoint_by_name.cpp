@@ -1,6 +1,7 @@
 // Whole-run checkpoints of format 2: the model by name (values whole, or full sharding's row
-// pieces) and the optimizer by parameter name (parallel/portable_checkpoint.h): the param groups
-// with their options, matched to this run's by their parameters' names, and each layout's pieces.
+// pieces) and the optimizer by parameter name (parallel/optimizers/portable_checkpoint.h): the
+// param groups with their options, matched to this run's by their parameters' names, and each
+// layout's pieces.
 #include <c10/util/Exception.h>
 #include <c10/util/TypeIndex.h>
 #include <torch/serialize/input-archive.h>

@@ -4,17 +4,17 @@
 /// form). Internal: not installed.
 
 #include <ATen/ATen.h>
-#include <torch/serialize/input-archive.h>
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
-
-#include "parallel/portable_checkpoint.h"
 
 #include <map>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "parallel/optimizers/portable_checkpoint.h"
 
 namespace shampoo::detail {
 

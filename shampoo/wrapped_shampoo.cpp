@@ -1,9 +1,9 @@
 // DistributedShampoo inside the wrappers: found through the optimizer the user holds.
 #include "shampoo/wrapped_shampoo.h"
 
-#include "parallel/fully_sharded.h"
-#include "parallel/in_backward.h"
-#include "parallel/sharded_optimizer.h"
+#include "parallel/full_sharding/fully_sharded.h"
+#include "parallel/in_backward/in_backward.h"
+#include "parallel/state_sharding/sharded_optimizer.h"
 
 namespace shampoo {
 

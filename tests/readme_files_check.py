@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Every source file of a library folder is named in that folder's README.md (issue 59): a new
-file without a line there fails `make test`. A file is named by its name or its path below the
-folder, in backquotes; `name.{h,cpp}` names both files, `cuda/*.cu`-style globs are not used.
+"""Every source file of a library folder is named in that folder's README.md, or in its
+sub-folder's when the sub-folder has one (parallel/'s), so that a new file without a line there
+fails `make test` (issue 59). A file is named by its name or its path below the README's folder,
+in backquotes; `name.{h,cpp}` names both files, `cuda/*.cu`-style globs are not used.
 
 Usage: readme_files_check.py <source root>. Prints every file its README does not name and
 exits 1 when there is one."""
@@ -38,17 +39,23 @@ def main():
     missing = []
     for folder in FOLDERS:
         base = root / folder
-        readme = base / "README.md"
-        if not readme.exists():
+        if not (base / "README.md").exists():
             missing.append(f"{folder}/: no README.md")
             continue
-        names = named(readme.read_text())
         for path in sorted(base.rglob("*")):
             if path.suffix not in SUFFIXES or "__pycache__" in path.parts:
                 continue
-            relative = path.relative_to(base).as_posix()
-            if path.name not in names and relative not in names:
-                missing.append(f"{folder}/{relative}: not named in {folder}/README.md")
+            # The README nearest above the file: a sub-folder with its own README (parallel/'s)
+            # names its files there, by name or path below it.
+            holder = path.parent
+            while holder != base and not (holder / "README.md").exists():
+                holder = holder.parent
+            readme = holder / "README.md"
+            relative = path.relative_to(holder).as_posix()
+            if path.name not in named(readme.read_text()) and relative not in named(
+                    readme.read_text()):
+                missing.append(f"{path.relative_to(root).as_posix()}: not named in "
+                               f"{readme.relative_to(root).as_posix()}")
     for line in missing:
         print(line)
     print(f"folder READMEs: {len(missing)} file(s) not named")

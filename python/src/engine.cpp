@@ -4,8 +4,8 @@
 
 #include <sstream>
 
-#include "parallel/distributed_checkpoint.h"
-#include "parallel/portable_checkpoint.h"
+#include "parallel/checkpoints/distributed_checkpoint.h"
+#include "parallel/optimizers/portable_checkpoint.h"
 #include "python/src/options_from_python.h"
 
 namespace py = pybind11;

@@ -51,7 +51,8 @@ class Engine {
   pybind11::dict stats() const;
   pybind11::dict memory_summary() const;
 
-  /// World-size-independent checkpoints of the optimizer (parallel/distributed_checkpoint.h).
+  /// World-size-independent checkpoints of the optimizer
+  /// (parallel/checkpoints/distributed_checkpoint.h).
   void save_checkpoint(const std::string& dir) const;
   void load_checkpoint(const std::string& dir);
 

@@ -20,7 +20,7 @@ endfunction()
 
 run_step("install" ${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${prefix}")
 foreach(required include/shampoo/shampoo.h include/shampoo/config.h
-                 include/shampoo/parallel/process_group.h
+                 include/shampoo/parallel/communication/process_group.h
                  lib/cmake/DistributedShampoo/DistributedShampooConfig.cmake)
   if(NOT EXISTS "${prefix}/${required}")
     message(FATAL_ERROR "install tree lacks ${required}")

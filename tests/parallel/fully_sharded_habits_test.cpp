@@ -22,8 +22,8 @@
 #include <thread>
 #include <vector>
 
-#include "parallel/collectives.h"
-#include "parallel/grad_ready_hooks.h"
+#include "parallel/communication/collectives.h"
+#include "parallel/data_parallel/grad_ready_hooks.h"
 #include "parallel/sharding_runs.h"
 #include "support/test_support.h"
 

@@ -17,7 +17,7 @@
 #include <tuple>
 #include <vector>
 
-#include "parallel/collectives.h"
+#include "parallel/communication/collectives.h"
 #include "parallel/sharding_runs.h"
 #include "support/test_support.h"
 

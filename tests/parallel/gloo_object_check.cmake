@@ -1,5 +1,6 @@
-# Script mode. OBJECT: the objects of shampoo_parallel (;-list). Fails if gloo_backend's object
-# references or defines any symbol of namespace gloo (mangled _ZN4gloo / N4gloo).
+# Script mode. OBJECT: the objects of shampoo_parallel_communication (;-list). Fails if
+# gloo_backend's object references or defines any symbol of namespace gloo (mangled _ZN4gloo /
+# N4gloo).
 set(found "")
 foreach(object ${OBJECT})
   if(object MATCHES "gloo_backend")

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "parallel/process_group.h"
+#include "parallel/communication/process_group.h"
 #include "support/test_support.h"
 
 namespace {

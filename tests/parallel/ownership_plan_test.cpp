@@ -1,6 +1,6 @@
 // The ownership plan (docs/math.md "Distribution"): LPT by cost, ties to the lowest rank; the
 // owner-major layout of one AllGather.
-#include "parallel/ownership_plan.h"
+#include "parallel/communication/ownership_plan.h"
 
 #include "support/test_support.h"
 

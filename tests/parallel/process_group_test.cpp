@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "parallel/collectives.h"
+#include "parallel/communication/collectives.h"
 #include "support/test_support.h"
 
 namespace {

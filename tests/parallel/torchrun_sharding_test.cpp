@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "parallel/collectives.h"
+#include "parallel/communication/collectives.h"
 #include "parallel/sharding_runs.h"
 
 namespace {

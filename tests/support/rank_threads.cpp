@@ -12,7 +12,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
-#include "parallel/process_group.h"
+#include "parallel/communication/process_group.h"
 
 namespace shampoo::testing {
 namespace {

@@ -1,0 +1,116 @@
+#include "parallel/full_sharding/rank_optimizer.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/TypeIndex.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "parallel/full_sharding/unit_undo.h"
+#include "parallel/optimizers/libtorch_optimizers.h"
+#include "parallel/optimizers/partial_step.h"
+#include "parallel/optimizers/phased_backward_step.h"
+#include "parallel/optimizers/portable_checkpoint.h"
+
+namespace shampoo::detail {
+RankOptimizer::RankOptimizer(GroupOptimizerFactory factory, std::string who)
+    : factory_(std::move(factory)), who_(std::move(who)) {}
+
+void RankOptimizer::add(size_t group, const std::vector<at::Tensor>& params,
+                        const GroupOptions& options_of) {
+  if (!optimizer_) {
+    if (params.empty()) return;
+    optimizer_ = factory_(torch::optim::OptimizerParamGroup(
+        group == 0 ? params : std::vector<at::Tensor>{}, options_of(0).clone()));
+    TORCH_CHECK(optimizer_ != nullptr, who_, "the optimizer factory returned null");
+    check_factory_optimizer(*optimizer_, who_);
+    set_options(0, options_of(0));
+    if (group == 0) return;
+  }
+  auto& groups = optimizer_->param_groups();
+  if (group < groups.size()) {
+    auto& list = groups[group].params();
+    list.insert(list.end(), params.begin(), params.end());
+  }
+  while (groups.size() <= group) {
+    const size_t k = groups.size();
+    // The base class's add_param_group: DistributedShampoo registers it below.
+    optimizer_->torch::optim::Optimizer::add_param_group(torch::optim::OptimizerParamGroup(
+        k == group ? params : std::vector<at::Tensor>{}, options_of(k).clone()));
+  }
+  if (auto* partial = dynamic_cast<PartialStep*>(optimizer_.get())) partial->register_appended();
+}
+
+void set_group_options(torch::optim::OptimizerParamGroup& target,
+                       const torch::optim::OptimizerOptions& options, size_t group,
+                       const std::string& who) {
+  TORCH_CHECK(typeid(options) == typeid(target.options()), who, "param group ", group,
+              ": its options are a ", c10::demangle(typeid(options).name()),
+              ", but the factory's optimizer takes ",
+              c10::demangle(typeid(target.options()).name()),
+              " (give the group options of that type, or none for the factory's)");
+  target.set_options(options.clone());
+}
+
+void RankOptimizer::set_options(size_t group, const torch::optim::OptimizerOptions& options) {
+  if (!optimizer_ || group >= optimizer_->param_groups().size()) return;
+  set_group_options(optimizer_->param_groups()[group], options, group, who_);
+}
+
+void RankOptimizer::step(const std::vector<at::Tensor>& params, bool in_pass, UnitUndo* undo) {
+  if (params.empty()) return;
+  TORCH_INTERNAL_ASSERT(optimizer_ != nullptr);
+  if (auto* partial = dynamic_cast<PartialStep*>(optimizer_.get())) {
+    auto* phased = dynamic_cast<PhasedBackwardStep*>(optimizer_.get());
+    if (!in_pass || phased == nullptr) {
+      partial->step_only(params);
+      return;
+    }
+    if (!phased->backward_step_open()) phased->begin_backward_step();
+    phased->step_parameters(params);
+    return;
+  }
+  if (undo != nullptr) {
+    if (libtorch_optimizer_name(*optimizer_).empty()) {
+      undo->complete = false;  // an optimizer of another type: its step cannot be undone
+    } else {
+      for (const auto& p : params) {
+        void* key = p.unsafeGetTensorImpl();
+        const auto it = optimizer_->state().find(key);
+        undo->states.push_back({optimizer_.get(), key,
+                                it == optimizer_->state().end()
+                                    ? nullptr
+                                    : copy_param_state(*optimizer_, *it->second)});
+      }
+    }
+  }
+  // `params` only: another unit's parameters may be getting their gradients meanwhile (the
+  // step runs on the worker during backward).
+  step_only(*optimizer_, params);
+}
+
+void RankOptimizer::finish() {
+  auto* phased = dynamic_cast<PhasedBackwardStep*>(optimizer_.get());
+  if (phased != nullptr && phased->backward_step_open()) phased->finish_backward_step();
+}
+
+void RankOptimizer::abort() {
+  auto* phased = dynamic_cast<PhasedBackwardStep*>(optimizer_.get());
+  if (phased != nullptr && phased->backward_step_open()) phased->abort_backward_step();
+}
+
+void RankOptimizer::save_pieces(PieceWriter& pieces, const ParamNames& name_of) const {
+  if (!optimizer_) return;
+  std::vector<at::Tensor> params;
+  for (const auto& group : optimizer_->param_groups()) {
+    params.insert(params.end(), group.params().begin(), group.params().end());
+  }
+  save_param_states(*optimizer_, params, pieces, name_of, who_);
+}
+
+std::function<void()> RankOptimizer::prepare_load(PieceReader& pieces, const ParamNames& name_of) {
+  if (!optimizer_) return [] {};
+  return prepare_param_states(*optimizer_, pieces, name_of, who_);
+}
+
+}  // namespace shampoo::detail

@@ -1,0 +1,205 @@
+#pragma once
+/// The inside of optimizer-in-backward (InBackwardOptimizer::State), shared by in_backward.cpp
+/// (the sets, the backward pass, the steps) and in_backward_checkpoint.cpp (its checkpoints).
+/// Internal: not installed.
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <memory>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "parallel/data_parallel/backward_pass.h"
+#include "parallel/data_parallel/grad_ready_hooks.h"
+#include "parallel/in_backward/in_backward.h"
+#include "parallel/optimizers/libtorch_optimizers.h"
+#include "parallel/optimizers/phased_backward_step.h"
+#include "parallel/state_sharding/sharded_optimizer.h"
+
+namespace shampoo {
+
+struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
+  struct Set {
+    std::unique_ptr<torch::optim::Optimizer> optimizer;
+    PhasedBackwardStep* phased = nullptr;  // when the optimizer steps in phases in backward
+    std::vector<at::Tensor> params;
+  };
+  struct Entry {
+    at::Tensor param;
+    size_t set = 0;
+    int64_t hook = 0;
+    int64_t joined = 0;  // steps when it was added
+  };
+  // The optimizer object's state() map (it moves with the object; the move operations re-point
+  // it): one ShardedParamState per parameter, written after every pass.
+  ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>* state_entries =
+      nullptr;
+
+  void write_state_entries() {
+    if (state_entries == nullptr) return;
+    for (const auto& e : entries) {
+      auto& entry = (*state_entries)[e.param.unsafeGetTensorImpl()];
+      auto* mine = dynamic_cast<ShardedParamState*>(entry.get());
+      if (mine == nullptr) {
+        entry = std::make_unique<ShardedParamState>();
+        mine = static_cast<ShardedParamState*>(entry.get());
+      }
+      int64_t owner = ParameterOwners::kEveryRank;
+      if (const auto* owners = dynamic_cast<const ParameterOwners*>(sets[e.set].optimizer.get())) {
+        try {
+          owner = owners->owner_of(e.param).value_or(ParameterOwners::kEveryRank);
+        } catch (const c10::Error&) {  // blocks over several ranks: no one owner
+        }
+      }
+      mine->step(steps - e.joined).owner(owner);
+    }
+  }
+
+  std::vector<Set> sets;
+  std::vector<Entry> entries;
+  std::unordered_map<const void*, size_t> entry_of;  // TensorImpl -> entry
+  int64_t accumulation_steps = 1;
+  int64_t passes = 0;
+  int64_t steps = 0;
+  int no_step = 0;
+  detail::BackwardPass pass;
+  bool stepping = false;
+  GradientSynchronizer* sync = nullptr;
+  BackwardUnscaler* unscaler = nullptr;
+  bool pass_overflow = false;  // a gradient of this pass was inf or NaN on this rank
+
+  bool next_pass_steps() const { return no_step == 0 && (passes + 1) % accumulation_steps == 0; }
+
+  /// The process group that `group_of` gives for the sets' optimizers (null for those without
+  /// one); an error ending in `mismatch` when two optimizers give different groups.
+  template <typename GroupOf>
+  c10::intrusive_ptr<c10d::ProcessGroup> one_group(const GroupOf& group_of,
+                                                   const char* mismatch) const {
+    c10::intrusive_ptr<c10d::ProcessGroup> group;
+    for (size_t i = 0; i < sets.size(); ++i) {
+      auto own = group_of(*sets[i].optimizer);
+      if (!own) continue;
+      TORCH_CHECK(!group || group.get() == own.get(), "InBackwardOptimizer: optimizer ", i, " ",
+                  mismatch);
+      group = own;
+    }
+    return group;
+  }
+
+  void update_sync() {
+    if (sync != nullptr) sync->set_enabled(next_pass_steps());
+  }
+
+  /// After an error during backward: undoes the open step of every phased set (its state and
+  /// parameters as before the pass) and closes the pass, which does not count. Steps that
+  /// torch::optim optimizers took earlier in the pass stay (they have no undo).
+  void abort_pass() {
+    for (auto& set : sets) {
+      if (set.phased != nullptr && set.phased->backward_step_open()) {
+        set.phased->abort_backward_step();
+      }
+    }
+    pass.close();
+    stepping = false;
+    update_sync();
+  }
+
+  void open_pass() {
+    // A pass still open from another backward: that one failed before its end callback ran
+    // (an error in autograd or in a hook that is not ours). Undo it before this one starts.
+    if (pass.abandoned()) abort_pass();
+    // At the end of the whole backward pass: finish what is left and close the pass.
+    std::weak_ptr<State> weak = shared_from_this();
+    if (!pass.open([weak] {
+          if (auto self = weak.lock()) self->close_pass();
+        })) {
+      return;
+    }
+    stepping = next_pass_steps();
+    pass_overflow = false;
+  }
+
+  void on_grad_ready(size_t entry) {
+    open_pass();
+    if (!stepping || sync != nullptr) return;  // accumulating, or the synchronizer drives steps
+    step_params_or_abort({entries[entry].param});
+  }
+
+  /// step_params, undoing the pass when it throws.
+  void step_params_or_abort(const std::vector<at::Tensor>& params) {
+    try {
+      step_params(params);
+    } catch (...) {
+      abort_pass();
+      throw;
+    }
+  }
+
+  /// Steps `params` (all registered) with their optimizers and releases their gradients.
+  void step_params(const std::vector<at::Tensor>& params) {
+    c10::NoGradGuard no_grad;
+    if (unscaler != nullptr) {
+      // After an overflow the pass will be undone: nothing more steps (a non-finite gradient
+      // would only make DistributedShampoo raise).
+      if (!pass_overflow && !unscaler->unscale_ready(params)) pass_overflow = true;
+      if (pass_overflow) {
+        for (const auto& p : params) {
+          if (entry_of.count(p.unsafeGetTensorImpl()) != 0) p.mutable_grad().reset();
+        }
+        return;
+      }
+    }
+    std::unordered_map<size_t, std::vector<at::Tensor>> by_set;
+    for (const auto& p : params) {
+      const auto it = entry_of.find(p.unsafeGetTensorImpl());
+      if (it != entry_of.end()) by_set[entries[it->second].set].push_back(p);
+    }
+    for (auto& [index, ready] : by_set) {
+      auto& set = sets[index];
+      if (set.phased != nullptr) {
+        if (!set.phased->backward_step_open()) set.phased->begin_backward_step();
+        set.phased->step_parameters(ready);
+      } else {
+        // A torch::optim optimizer steps every parameter with a gradient: the set's others
+        // (still accumulating, or not produced yet) are hidden meanwhile.
+        detail::step_only(*set.optimizer, ready);
+      }
+      for (auto& p : ready) p.mutable_grad().reset();  // released right after its step
+    }
+  }
+
+  void close_pass() {
+    if (stepping) {
+      bool overflowed = false;
+      try {
+        if (sync != nullptr) sync->synchronize();  // the remaining buckets step via the callback
+        overflowed = unscaler != nullptr && unscaler->pass_overflowed(pass_overflow);
+        // Every phased optimizer finishes (or, after an overflow anywhere, undoes) its step on
+        // every rank (DistributedShampoo: its one AllGather), also if no gradient of its
+        // parameters arrived here.
+        for (auto& set : sets) {
+          if (set.phased == nullptr) continue;
+          if (!set.phased->backward_step_open()) set.phased->begin_backward_step();
+          if (overflowed) {
+            set.phased->abort_backward_step();
+          } else {
+            set.phased->finish_backward_step();
+          }
+        }
+      } catch (...) {
+        abort_pass();
+        throw;
+      }
+      if (!overflowed) ++steps;
+    }
+    ++passes;
+    pass.close();
+    stepping = false;
+    update_sync();
+    write_state_entries();
+  }
+};
+
+}  // namespace shampoo

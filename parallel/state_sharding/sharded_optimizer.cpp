@@ -1,0 +1,369 @@
+#include "parallel/state_sharding/sharded_optimizer.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <typeinfo>
+#include <unordered_set>
+
+#include "parallel/communication/collectives.h"
+#include "parallel/communication/ownership_plan.h"
+#include "parallel/communication/process_group.h"
+#include "parallel/optimizers/libtorch_optimizers.h"
+
+namespace shampoo {
+namespace {
+
+/// A placeholder for the base class's defaults until the local optimizer's are known.
+struct WrapperOptions : torch::optim::OptimizerCloneableOptions<WrapperOptions> {};
+
+std::optional<double> lr_of(const torch::optim::OptimizerOptions& options) {
+  // OptimizerOptions::get_lr throws unless the options type overrides it (LibTorch's do).
+  try {
+    return options.get_lr();
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
+}
+
+}  // namespace
+
+ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
+                                   const GroupOptimizerFactory& factory,
+                                   c10::intrusive_ptr<c10d::ProcessGroup> group)
+    : ShardedOptimizer(
+          std::vector<torch::optim::OptimizerParamGroup>{
+              torch::optim::OptimizerParamGroup(std::move(params))},
+          factory, std::move(group)) {}
+
+ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                                   const GroupOptimizerFactory& factory,
+                                   c10::intrusive_ptr<c10d::ProcessGroup> group)
+    // The base gets no groups: they are registered here, group 0 before the local optimizer
+    // exists (the factory makes it over this rank's share of group 0).
+    : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
+                              std::make_unique<WrapperOptions>()),
+      group_(std::move(group)) {
+  TORCH_CHECK(group_, "ShardedOptimizer: process group is null");
+  TORCH_CHECK(factory, "ShardedOptimizer: the optimizer factory is empty");
+  TORCH_CHECK(!param_groups.empty(),
+              "ShardedOptimizer: no param groups; pass at least one (it may have no parameters)");
+  plan_ = detail::OwnershipPlan(group_->getSize());
+  param_groups_.emplace_back(param_groups[0].params());
+  group_sizes_.push_back(0);
+  // The factory gets this rank's parameters of group 0, with the group's options when it has
+  // some (their type is checked against the optimizer's just after).
+  auto first = torch::optim::OptimizerParamGroup(register_params(0, 0));
+  if (param_groups[0].has_options()) first.set_options(param_groups[0].options().clone());
+  local_ = factory(std::move(first));
+  TORCH_CHECK(local_ != nullptr, "ShardedOptimizer: the factory returned null");
+  detail::check_factory_optimizer(*local_, "ShardedOptimizer: ");
+  defaults_ = local_->defaults().clone();
+  param_groups_[0].set_options(local_->param_groups()[0].options().clone());
+  pushed_lrs_.push_back(lr_of(param_groups_[0].options()).value_or(0.0));
+  for (size_t g = 1; g < param_groups.size(); ++g) add_param_group(param_groups[g]);
+  write_state_entries();
+}
+
+std::unique_ptr<torch::optim::OptimizerOptions> ShardedOptimizer::checked_options(
+    const torch::optim::OptimizerOptions& options, size_t group) const {
+  TORCH_CHECK(typeid(options) == typeid(*defaults_), "ShardedOptimizer: param group ", group,
+              ": its options are a ", c10::demangle(typeid(options).name()),
+              ", but the factory's optimizer takes ", c10::demangle(typeid(*defaults_).name()),
+              " (give the group options of that type, or none for the factory's defaults)");
+  return options.clone();
+}
+
+std::string ShardedOptimizer::check_added(size_t group, size_t first, int64_t& numel) const {
+  const auto& params = param_groups_[group].params();
+  std::string error;
+  const auto fail = [&](size_t i, const std::string& what) {
+    if (error.empty()) {
+      error =
+          "param group " + std::to_string(group) + ": parameter " + std::to_string(i) + " " + what;
+    }
+  };
+  std::unordered_set<const void*> fresh;
+  numel = 0;
+  for (size_t i = first; i < params.size(); ++i) {
+    const auto& p = params[i];
+    if (!p.defined()) {
+      fail(i, "is undefined");
+      continue;
+    }
+    const auto& model = params_.empty() ? params[first] : params_.front();
+    if (p.layout() != at::kStrided || !p.is_floating_point()) {
+      fail(i, "must be a dense floating-point tensor, got " +
+                  std::string(c10::toString(p.scalar_type())) + " " + c10::str(p.layout()));
+    } else if (!p.is_leaf()) {
+      fail(i, "is not a leaf tensor (can't optimize a non-leaf Tensor)");
+    } else if (model.defined() &&
+               (p.scalar_type() != model.scalar_type() || p.device() != model.device())) {
+      fail(i, "is " + std::string(c10::toString(p.scalar_type())) + " on " + p.device().str() +
+                  ", the first parameter is " + c10::toString(model.scalar_type()) + " on " +
+                  model.device().str() +
+                  "; all parameters must share one dtype and device (one AllGather buffer)");
+    } else if (index_of_.count(p.unsafeGetTensorImpl()) != 0 ||
+               !fresh.insert(p.unsafeGetTensorImpl()).second) {
+      fail(i, "is already one of this optimizer's parameters (a tensor may be added once)");
+    }
+    numel += p.numel();
+  }
+  return error;
+}
+
+std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_t first) {
+  const auto& params = param_groups_[group].params();
+  const int world = group_->getSize();
+  const int rank = group_->getRank();
+  // Checked here first, then agreed on: a mistake on one rank is an error on every rank.
+  int64_t numel = 0;
+  const auto error = check_added(group, first, numel);
+  const std::vector<int64_t> mine{error.empty() ? 0 : 1,
+                                  static_cast<int64_t>(params.size() - first), numel};
+  const auto all = detail::gather_int64(*group_, mine);
+  TORCH_CHECK(error.empty(), "ShardedOptimizer: ", error);
+  for (int r = 0; r < world; ++r) {
+    TORCH_CHECK(all[r][0] == 0, "ShardedOptimizer: adding the parameters of param group ", group,
+                " failed on rank ", r, " (its error says why)");
+    TORCH_CHECK(all[r][1] == mine[1] && all[r][2] == mine[2], "ShardedOptimizer: param group ",
+                group, ": rank ", r, " adds ", all[r][1], " parameters with ", all[r][2],
+                " elements, rank ", rank, " adds ", mine[1], " with ", mine[2],
+                "; every rank must pass the same parameters");
+  }
+  // Whole parameters, balanced by size (the same on every rank, going on from the loads of the
+  // parameters registered before).
+  std::vector<int64_t> costs;
+  for (size_t i = first; i < params.size(); ++i) {
+    costs.push_back(
+        detail::block_cost(params[i].numel(), static_cast<int64_t>(params[i].element_size())));
+  }
+  const auto first_item = static_cast<size_t>(plan_.add(costs));
+  std::vector<torch::Tensor> own;
+  for (size_t i = first; i < params.size(); ++i) {
+    index_of_[params[i].unsafeGetTensorImpl()] = params_.size();
+    params_.push_back(params[i]);
+    added_at_.push_back(steps_);
+    if (plan_.owner_of(static_cast<int64_t>(params_.size() - 1)) == rank) own.push_back(params[i]);
+  }
+  TORCH_INTERNAL_ASSERT(first_item + (params.size() - first) == params_.size());
+  group_sizes_[group] += static_cast<int64_t>(params.size() - first);
+  std::vector<int64_t> numels;
+  for (const auto& p : params_) numels.push_back(p.numel());
+  const auto before = layout_.segment_size();
+  layout_ = detail::OwnerMajorLayout(world, numels, plan_.owners(), /*with_flags=*/false);
+  if (!params_.empty() && (layout_.segment_size() != before || !send_.defined())) {
+    const auto options = params_.front().options().requires_grad(false);
+    send_ = layout_.make_send(options);
+    receive_ = layout_.make_receive(options);
+  }
+  return own;
+}
+
+void ShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  TORCH_CHECK(!open_,
+              "ShardedOptimizer::add_param_group: a step is in progress (in backward); "
+              "add groups between steps");
+  register_added_params();
+  const size_t g = param_groups_.size();
+  auto options =
+      param_group.has_options() ? checked_options(param_group.options(), g) : defaults_->clone();
+  param_groups_.emplace_back(param_group.params(), std::move(options));
+  try {
+    register_group(g);
+  } catch (...) {  // checked before anything was registered, on every rank alike
+    param_groups_.pop_back();
+    group_sizes_.resize(g);
+    throw;
+  }
+  write_state_entries();
+}
+
+void ShardedOptimizer::register_group(size_t g) {
+  group_sizes_.push_back(0);
+  auto own = register_params(g, 0);
+  local_->add_param_group(
+      torch::optim::OptimizerParamGroup(std::move(own), param_groups_[g].options().clone()));
+  pushed_lrs_.push_back(lr_of(param_groups_[g].options()).value_or(0.0));
+}
+
+void ShardedOptimizer::register_added_params() {
+  // torch::optim::Optimizer::add_param_group and add_parameters are not virtual: through a
+  // base-class reference they append a group (with a copy of its options, or of the defaults)
+  // or parameters (to group 0) without telling this optimizer.
+  bool added = false;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    if (g >= group_sizes_.size()) {
+      param_groups_[g].set_options(checked_options(param_groups_[g].options(), g));
+      register_group(g);
+      added = true;
+    } else if (static_cast<int64_t>(param_groups_[g].params().size()) > group_sizes_[g]) {
+      auto own = register_params(g, static_cast<size_t>(group_sizes_[g]));
+      auto& local_params = local_->param_groups()[g].params();
+      local_params.insert(local_params.end(), own.begin(), own.end());
+      added = true;
+    }
+  }
+  if (added) write_state_entries();
+}
+
+void ShardedOptimizer::push_options_to_local() {
+  auto& local_groups = local_->param_groups();
+  TORCH_INTERNAL_ASSERT(local_groups.size() == param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto local_lr = lr_of(local_groups[g].options());
+    const auto lr = lr_of(param_groups_[g].options());
+    if (local_lr && lr && *local_lr != pushed_lrs_[g]) {
+      // Set on the local optimizer since the last step (the way before param_groups() were the
+      // user's groups): taken over, unless param_groups() changed too.
+      TORCH_CHECK(*lr == pushed_lrs_[g], "ShardedOptimizer: the lr of param group ", g,
+                  " was set both on param_groups() (", *lr, ") and on local_optimizer() (",
+                  *local_lr, ") since the last step; set it on param_groups() alone");
+      param_groups_[g].options().set_lr(*local_lr);
+    }
+    local_groups[g].set_options(param_groups_[g].options().clone());
+    pushed_lrs_[g] = lr_of(param_groups_[g].options()).value_or(0.0);
+  }
+}
+
+void ShardedOptimizer::pull_options_from_local() {
+  const auto& local_groups = local_->param_groups();
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    param_groups_[g].set_options(local_groups[g].options().clone());
+    pushed_lrs_[g] = lr_of(param_groups_[g].options()).value_or(0.0);
+  }
+}
+
+void ShardedOptimizer::write_state_entries() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& entry = state_[params_[i].unsafeGetTensorImpl()];
+    auto* mine = dynamic_cast<ShardedParamState*>(entry.get());
+    if (mine == nullptr) {
+      entry = std::make_unique<ShardedParamState>();
+      mine = static_cast<ShardedParamState*>(entry.get());
+    }
+    mine->step(steps_ - added_at_[i]).owner(plan_.owner_of(static_cast<int64_t>(i)));
+  }
+}
+
+void ShardedOptimizer::check_has_params(const char* function) const {
+  TORCH_CHECK(!params_.empty(), "ShardedOptimizer::", function,
+              ": the optimizer has no parameters (it was built with an empty parameter list and "
+              "none were added since); add them with add_param_group first");
+}
+
+std::optional<int> ShardedOptimizer::owner_of(const at::Tensor& param) const {
+  const auto it = index_of_.find(param.unsafeGetTensorImpl());
+  if (it == index_of_.end()) return std::nullopt;
+  return plan_.owner_of(static_cast<int64_t>(it->second));
+}
+
+torch::Tensor ShardedOptimizer::step(LossClosure closure) {
+  TORCH_CHECK(!in_backward_,
+              "ShardedOptimizer::step(): this optimizer runs in backward "
+              "(apply_optimizer_in_backward); its steps happen during loss.backward()");
+  torch::Tensor loss;
+  if (closure) {
+    c10::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  register_added_params();
+  check_has_params("step()");
+  push_options_to_local();
+  local_->step();
+  all_gather();
+  ++steps_;
+  write_state_entries();
+  return loss;
+}
+
+void ShardedOptimizer::all_gather() {
+  if (group_->getSize() == 1) return;  // every parameter is local
+  c10::NoGradGuard no_grad;
+  const int rank = group_->getRank();
+  const auto n = static_cast<int64_t>(params_.size());
+  for (int64_t i = 0; i < n; ++i) {
+    if (layout_.owner(i) != rank) continue;
+    layout_.in_send(send_, i).copy_(params_[i].detach().reshape(-1));
+  }
+  detail::start_all_gather(*group_, receive_, send_)->wait();
+  for (int64_t i = 0; i < n; ++i) {
+    if (layout_.owner(i) == rank) continue;
+    params_[i].detach().copy_(layout_.in_receive(receive_, i).view(params_[i].sizes()));
+  }
+}
+
+void ShardedOptimizer::set_in_backward(bool in_backward) {
+  TORCH_CHECK(!in_backward || !detail::libtorch_optimizer_name(*local_).empty(),
+              "ShardedOptimizer in backward (apply_optimizer_in_backward): the factory must make "
+              "one of LibTorch's SGD, Adam, AdamW, Adagrad or RMSprop, whose per-parameter state "
+              "can be copied so that an aborted backward pass is undone");
+  in_backward_ = in_backward;
+}
+
+void ShardedOptimizer::begin_backward_step() {
+  TORCH_CHECK(!open_, "ShardedOptimizer: a backward step is already open");
+  register_added_params();
+  check_has_params("step (in backward)");
+  push_options_to_local();
+  open_ = true;
+  journal_.clear();
+}
+
+void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
+  TORCH_INTERNAL_ASSERT(open_);
+  c10::NoGradGuard no_grad;
+  const int rank = group_->getRank();
+  std::vector<at::Tensor> ready;  // this rank's, with a gradient
+  for (const auto& p : params) {
+    const auto it = index_of_.find(p.unsafeGetTensorImpl());
+    TORCH_CHECK(it != index_of_.end(),
+                "ShardedOptimizer: a parameter given to step_parameters is not one of its own");
+    if (plan_.owner_of(static_cast<int64_t>(it->second)) == rank && p.grad().defined())
+      ready.push_back(params_[it->second]);
+  }
+  if (ready.empty()) return;
+  // Copies of what this call changes, once per pass and parameter.
+  std::unordered_set<void*> saved;
+  for (const auto& s : journal_) saved.insert(s.param.unsafeGetTensorImpl());
+  for (const auto& p : ready) {
+    void* key = p.unsafeGetTensorImpl();
+    if (!saved.insert(key).second) continue;
+    Saved s;
+    s.param = p;
+    s.value = p.detach().clone();
+    const auto state = local_->state().find(key);
+    if (state != local_->state().end()) {
+      s.state = detail::copy_param_state(*local_, *state->second);
+    }
+    journal_.push_back(std::move(s));
+  }
+  detail::step_only(*local_, ready);
+}
+
+void ShardedOptimizer::finish_backward_step() {
+  TORCH_INTERNAL_ASSERT(open_);
+  open_ = false;
+  journal_.clear();
+  all_gather();
+  ++steps_;
+  write_state_entries();
+}
+
+void ShardedOptimizer::abort_backward_step() {
+  if (!open_) return;
+  c10::NoGradGuard no_grad;
+  for (auto& s : journal_) {
+    s.param.detach().copy_(s.value);
+    void* key = s.param.unsafeGetTensorImpl();
+    local_->state().erase(key);
+    if (s.state) local_->state()[key] = std::move(s.state);
+  }
+  journal_.clear();
+  open_ = false;
+}
+
+}  // namespace shampoo

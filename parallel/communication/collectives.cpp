@@ -45,8 +45,8 @@ CollectiveWork start_reduce_scatter(c10d::ProcessGroup& group, at::Tensor& outpu
 }
 
 CollectiveWork start_all_to_all(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input,
-                                std::vector<int64_t>& output_splits,
-                                std::vector<int64_t>& input_splits) {
+                                std::vector<int64_t> output_splits,
+                                std::vector<int64_t> input_splits) {
   return backend_for(group, input)->alltoall_base(output, input, output_splits, input_splits);
 }
 

@@ -40,10 +40,12 @@ CollectiveWork start_all_gather(c10d::ProcessGroup& group, at::Tensor& output, a
 CollectiveWork start_reduce_scatter(c10d::ProcessGroup& group, at::Tensor& output,
                                     at::Tensor& input);
 /// Flat pieces between every pair of ranks: input's i-th piece (input_splits[i] elements) goes
-/// to rank i, and output's i-th piece (output_splits[i] elements) comes from rank i.
+/// to rank i, and output's i-th piece (output_splits[i] elements) comes from rank i. The splits
+/// are taken by value: Gloo's backend moves from the lists it is given (c10d's dispatcher copies
+/// them first; the backend, called directly here, does not).
 CollectiveWork start_all_to_all(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input,
-                                std::vector<int64_t>& output_splits,
-                                std::vector<int64_t>& input_splits);
+                                std::vector<int64_t> output_splits,
+                                std::vector<int64_t> input_splits);
 
 /// The library's agreement hash: SHA-1 (c10::sha1) over the values' bytes, its first 63 bits
 /// (non-negative). Values of different lengths hash apart (the count is hashed first).

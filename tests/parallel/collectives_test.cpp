@@ -99,6 +99,10 @@ TEST(Collectives, EachStartsItsCollectiveWithC10dsResult) {
           at::arange(first, first + rank + 1, at::kDouble).add(1).mul(std::pow(10.0, from)));
     }
     EXPECT_TRUE(at::equal(received, at::cat(expected)));
+    // The caller's splits are its own after the call (Gloo moves from the lists it is given):
+    // full sharding reads them again to place what it received.
+    EXPECT_EQ(send_split, (std::vector<int64_t>{1, 2, 3}));
+    EXPECT_EQ(receive_split, std::vector<int64_t>(3, rank + 1));
   });
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "parallel/communication/collectives.h"
+#include "parallel/optimizers/capabilities.h"
 
 namespace shampoo {
 namespace {
@@ -122,7 +123,7 @@ void GradScaler::unscale_for(const void* key, const std::vector<at::Tensor>& gra
 
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
-  if (auto* wrapper = dynamic_cast<ScaledStepping*>(&optimizer)) {
+  if (auto* wrapper = detail::capabilities_of(optimizer).scaled) {
     unscale_wrapper(wrapper->scaling_target());
     return;
   }
@@ -164,7 +165,7 @@ bool GradScaler::step_unless_inf(const void* key, const std::function<void()>& u
 at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer,
                             torch::optim::Optimizer::LossClosure closure) {
   if (!options_.enabled()) return optimizer.step(std::move(closure));
-  if (auto* wrapper = dynamic_cast<ScaledStepping*>(&optimizer)) {
+  if (auto* wrapper = detail::capabilities_of(optimizer).scaled) {
     TORCH_CHECK(!closure, "GradScaler::step: a closure is not supported while the scaler is "
                 "enabled (as in PyTorch): run forward and backward before step()");
     step_wrapper(wrapper->scaling_target());

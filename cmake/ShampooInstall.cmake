@@ -24,7 +24,6 @@ set(SHAMPOO_PUBLIC_HEADERS
   parallel/in_backward/in_backward.h
   parallel/optimizers/loss_scaling.h
   parallel/optimizers/optimizer_factory.h
-  parallel/communication/ownership_plan.h
   parallel/optimizers/parameter_owners.h
   parallel/optimizers/partial_step.h
   parallel/optimizers/phased_backward_step.h

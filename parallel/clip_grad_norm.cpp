@@ -9,6 +9,7 @@
 #include "parallel/data_parallel/spread_grad_norm.h"
 #include "parallel/full_sharding/fully_sharded.h"
 #include "parallel/in_backward/in_backward.h"
+#include "parallel/optimizers/capabilities.h"
 #include "parallel/optimizers/parameter_owners.h"
 
 namespace shampoo {
@@ -52,7 +53,7 @@ double clip_grad_norm_(torch::optim::Optimizer& optimizer, double max_norm, doub
               "gradient is ready, before the other gradients exist, so there is no global norm "
               "to clip by; clip with an optimizer stepped after backward");
   const auto params = parameters_of(optimizer);
-  if (const auto* owners = dynamic_cast<const ParameterOwners*>(&optimizer)) {
+  if (const ParameterOwners* owners = detail::capabilities_of(optimizer).owners) {
     const auto group = owners->owners_group();
     const auto owner_list = group ? owners_of(*owners, params) : std::nullopt;
     if (owner_list) {

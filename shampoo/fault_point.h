@@ -1,7 +1,7 @@
 #pragma once
 /// The fault points of one DistributedShampoo step: the places where the fault seam of the tests
 /// (DistributedShampoo::set_fault_injector_for_testing) calls its function, whose throw fails the
-/// step there. A failed step changes nothing (README, "When a step fails").
+/// step there. A failed step changes nothing (docs/training.md, "When a step fails").
 
 #include <functional>
 

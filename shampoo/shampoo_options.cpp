@@ -125,7 +125,7 @@ void check_diagonal_family_grafting(const ShampooOptions& o) {
               o.resolved_start_preconditioning_step(),
               "; expected a grafting chosen for a diagonal main preconditioner: "
               "grafting(std::monostate{}) for the method itself (= its torch::optim optimizer, "
-              "README \"Diagonal families\"), or the grafting config wanted");
+              "docs/training.md \"Diagonal families\"), or the grafting config wanted");
 }
 
 /// ε > 0 with the perturbation, ε = 0 with the pseudo-inverse (the reference's rule).

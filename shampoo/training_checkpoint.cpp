@@ -17,6 +17,7 @@
 
 #include "parallel/communication/collectives.h"
 #include "parallel/communication/process_group.h"
+#include "parallel/optimizers/capabilities.h"
 #include "shampoo/training_checkpoint_internal.h"
 
 namespace shampoo {
@@ -71,7 +72,7 @@ TrainingCheckpoint::TrainingCheckpoint(TrainingState state,
 }
 
 DistributedCheckpointable* TrainingCheckpoint::checkpointable() const {
-  return dynamic_cast<DistributedCheckpointable*>(state_.optimizer);
+  return detail::capabilities_of(*state_.optimizer).checkpointable;
 }
 
 PortableCheckpointable* TrainingCheckpoint::portable() const {

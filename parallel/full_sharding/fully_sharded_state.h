@@ -24,7 +24,7 @@
 #include "parallel/full_sharding/fully_sharded.h"
 #include "parallel/full_sharding/rank_optimizer.h"
 #include "parallel/full_sharding/step_worker.h"
-#include "parallel/full_sharding/unit_undo.h"
+#include "parallel/optimizers/undo_record.h"
 
 namespace shampoo::detail {
 
@@ -99,7 +99,7 @@ namespace shampoo {
 struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   using ParamSlot = detail::ParamSlot;
   using Unit = detail::FsdpUnit;
-  using UnitUndo = detail::UnitUndo;
+  using UndoRecord = detail::UndoRecord;
   using StepWorker = detail::StepWorker;
   static constexpr const char* kWho = detail::kFsdpWho;
 
@@ -144,7 +144,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   std::unordered_map<const c10::TensorImpl*, int64_t> joined_at;
   // The open pass (overlap): what undoes the units stepped so far, and the first unit's failure
   // (set on the worker, the same unit on every rank; read after the worker is waited on).
-  std::vector<UnitUndo> pass_undo;
+  std::vector<UndoRecord> pass_undo;
   std::string pass_failure;
 
   /// Units stepped during backward keep what undoes their step until the pass ends.
@@ -209,10 +209,10 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
 
   // the step and its undo (fully_sharded_step.cpp)
   void step_unit(Unit& unit, c10d::ProcessGroup& via);
-  std::string step_reduced(Unit& unit, UnitUndo& undo);
+  std::string step_reduced(Unit& unit, UndoRecord& undo);
   void drop_unit_step(Unit& unit);
   void step_optimizer(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& params,
-                      UnitUndo& undo) const;
+                      UndoRecord& undo) const;
   bool undo_pass();
   void commit_pass();
   std::string non_finite_gradient(const Unit& unit) const;

@@ -6,11 +6,11 @@
 #include <algorithm>
 #include <utility>
 
-#include "parallel/full_sharding/unit_undo.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
 #include "parallel/optimizers/partial_step.h"
 #include "parallel/optimizers/phased_backward_step.h"
 #include "parallel/optimizers/portable_checkpoint.h"
+#include "parallel/optimizers/undo_record.h"
 
 namespace shampoo::detail {
 RankOptimizer::RankOptimizer(GroupOptimizerFactory factory, std::string who)
@@ -24,6 +24,7 @@ void RankOptimizer::add(size_t group, const std::vector<at::Tensor>& params,
         group == 0 ? params : std::vector<at::Tensor>{}, options_of(0).clone()));
     TORCH_CHECK(optimizer_ != nullptr, who_, "the optimizer factory returned null");
     check_factory_optimizer(*optimizer_, who_);
+    capabilities_ = capabilities_of(*optimizer_);
     set_options(0, options_of(0));
     if (group == 0) return;
   }
@@ -38,7 +39,7 @@ void RankOptimizer::add(size_t group, const std::vector<at::Tensor>& params,
     optimizer_->torch::optim::Optimizer::add_param_group(torch::optim::OptimizerParamGroup(
         k == group ? params : std::vector<at::Tensor>{}, options_of(k).clone()));
   }
-  if (auto* partial = dynamic_cast<PartialStep*>(optimizer_.get())) partial->register_appended();
+  if (capabilities_.partial != nullptr) capabilities_.partial->register_appended();
 }
 
 void set_group_options(torch::optim::OptimizerParamGroup& target,
@@ -57,11 +58,11 @@ void RankOptimizer::set_options(size_t group, const torch::optim::OptimizerOptio
   set_group_options(optimizer_->param_groups()[group], options, group, who_);
 }
 
-void RankOptimizer::step(const std::vector<at::Tensor>& params, bool in_pass, UnitUndo* undo) {
+void RankOptimizer::step(const std::vector<at::Tensor>& params, bool in_pass, UndoRecord* undo) {
   if (params.empty()) return;
   TORCH_INTERNAL_ASSERT(optimizer_ != nullptr);
-  if (auto* partial = dynamic_cast<PartialStep*>(optimizer_.get())) {
-    auto* phased = dynamic_cast<PhasedBackwardStep*>(optimizer_.get());
+  if (auto* partial = capabilities_.partial) {
+    auto* phased = capabilities_.phased;
     if (!in_pass || phased == nullptr) {
       partial->step_only(params);
       return;
@@ -70,32 +71,20 @@ void RankOptimizer::step(const std::vector<at::Tensor>& params, bool in_pass, Un
     phased->step_parameters(params);
     return;
   }
-  if (undo != nullptr) {
-    if (libtorch_optimizer_name(*optimizer_).empty()) {
-      undo->complete = false;  // an optimizer of another type: its step cannot be undone
-    } else {
-      for (const auto& p : params) {
-        void* key = p.unsafeGetTensorImpl();
-        const auto it = optimizer_->state().find(key);
-        undo->states.push_back({optimizer_.get(), key,
-                                it == optimizer_->state().end()
-                                    ? nullptr
-                                    : copy_param_state(*optimizer_, *it->second)});
-      }
-    }
-  }
+  // Another type than LibTorch's optimizers: its step cannot be undone (the record says so).
+  if (undo != nullptr) undo->save_states(*optimizer_, params);
   // `params` only: another unit's parameters may be getting their gradients meanwhile (the
   // step runs on the worker during backward).
   step_only(*optimizer_, params);
 }
 
 void RankOptimizer::finish() {
-  auto* phased = dynamic_cast<PhasedBackwardStep*>(optimizer_.get());
+  auto* phased = capabilities_.phased;
   if (phased != nullptr && phased->backward_step_open()) phased->finish_backward_step();
 }
 
 void RankOptimizer::abort() {
-  auto* phased = dynamic_cast<PhasedBackwardStep*>(optimizer_.get());
+  auto* phased = capabilities_.phased;
   if (phased != nullptr && phased->backward_step_open()) phased->abort_backward_step();
 }
 

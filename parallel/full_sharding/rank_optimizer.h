@@ -17,12 +17,13 @@
 #include <vector>
 
 #include "parallel/checkpoints/distributed_checkpoint.h"
+#include "parallel/optimizers/capabilities.h"
 #include "parallel/optimizers/optimizer_factory.h"
 #include "parallel/optimizers/portable_checkpoint.h"
 
 namespace shampoo::detail {
 
-struct UnitUndo;
+class UndoRecord;
 
 /// Sets `target`'s options to a copy of `options` (param group `group` of the user's optimizer);
 /// an error starting with `who` when they are of another type than the optimizer's.
@@ -51,7 +52,7 @@ class RankOptimizer {
   /// Steps `params` (its parameters, their gradients set). `in_pass`: one of the steps of an
   /// iteration during backward, ended by finish() or abort(); else one ordinary step. With
   /// `undo`, a LibTorch optimizer's per-parameter states before the step are kept there.
-  void step(const std::vector<at::Tensor>& params, bool in_pass, UnitUndo* undo);
+  void step(const std::vector<at::Tensor>& params, bool in_pass, UndoRecord* undo);
   /// Ends the iteration's steps in backward: kept, or undone (the optimizer's state; the
   /// parameters' values are the wrapper's to put back). Nothing when none is open.
   void finish();
@@ -70,6 +71,7 @@ class RankOptimizer {
   GroupOptimizerFactory factory_;
   std::string who_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  Capabilities capabilities_;  // optimizer_'s, looked up when it is made
 };
 
 }  // namespace shampoo::detail

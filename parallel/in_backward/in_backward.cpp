@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "parallel/in_backward/in_backward_state.h"
+#include "parallel/optimizers/capabilities.h"
 
 namespace shampoo {
 
@@ -57,7 +58,7 @@ torch::optim::Optimizer& InBackwardOptimizer::add(std::vector<torch::Tensor> par
   State::Set set;
   set.optimizer = factory(params);
   TORCH_CHECK(set.optimizer != nullptr, "apply_optimizer_in_backward: the factory returned null");
-  set.phased = dynamic_cast<PhasedBackwardStep*>(set.optimizer.get());
+  set.phased = detail::capabilities_of(*set.optimizer).phased;
   TORCH_CHECK(state_->unscaler == nullptr || set.phased != nullptr,
               "apply_optimizer_in_backward: a GradScaler is attached, and optimizer ",
               state_->sets.size(),
@@ -130,7 +131,7 @@ void InBackwardOptimizer::attach(GradientSynchronizer& sync) {
 c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::owners_group() const {
   return state_->one_group(
       [](const torch::optim::Optimizer& optimizer) -> c10::intrusive_ptr<c10d::ProcessGroup> {
-        const auto* owners = dynamic_cast<const ParameterOwners*>(&optimizer);
+        const ParameterOwners* owners = detail::capabilities_of(optimizer).owners;
         return owners != nullptr ? owners->owners_group() : nullptr;
       },
       "shards its parameters over another process group than the ones before it; gradient "
@@ -141,7 +142,7 @@ std::optional<int> InBackwardOptimizer::owner_of(const at::Tensor& param) const 
   const auto it = state_->entry_of.find(param.unsafeGetTensorImpl());
   if (it == state_->entry_of.end()) return std::nullopt;
   const auto& set = state_->sets[state_->entries[it->second].set];
-  const auto* owners = dynamic_cast<const ParameterOwners*>(set.optimizer.get());
+  const ParameterOwners* owners = detail::capabilities_of(*set.optimizer).owners;
   if (owners == nullptr) return ParameterOwners::kEveryRank;
   return owners->owner_of(param).value_or(ParameterOwners::kEveryRank);
 }

@@ -7,6 +7,7 @@
 
 #include "parallel/in_backward/in_backward.h"
 #include "parallel/in_backward/in_backward_state.h"
+#include "parallel/optimizers/capabilities.h"
 
 namespace shampoo {
 
@@ -62,7 +63,7 @@ void InBackwardOptimizer::load(torch::serialize::InputArchive& archive) {
 namespace {
 
 DistributedCheckpointable* as_checkpointable(const torch::optim::Optimizer& optimizer) {
-  return dynamic_cast<DistributedCheckpointable*>(const_cast<torch::optim::Optimizer*>(&optimizer));
+  return detail::capabilities_of(optimizer).checkpointable;
 }
 
 std::string set_key(size_t i) { return "optimizer_" + std::to_string(i); }

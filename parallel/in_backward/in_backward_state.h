@@ -14,6 +14,7 @@
 #include "parallel/data_parallel/backward_pass.h"
 #include "parallel/data_parallel/grad_ready_hooks.h"
 #include "parallel/in_backward/in_backward.h"
+#include "parallel/optimizers/capabilities.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
 #include "parallel/optimizers/phased_backward_step.h"
 #include "parallel/state_sharding/sharded_optimizer.h"
@@ -47,7 +48,7 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
         mine = static_cast<ShardedParamState*>(entry.get());
       }
       int64_t owner = ParameterOwners::kEveryRank;
-      if (const auto* owners = dynamic_cast<const ParameterOwners*>(sets[e.set].optimizer.get())) {
+      if (const ParameterOwners* owners = detail::capabilities_of(*sets[e.set].optimizer).owners) {
         try {
           owner = owners->owner_of(e.param).value_or(ParameterOwners::kEveryRank);
         } catch (const c10::Error&) {  // blocks over several ranks: no one owner

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "parallel/optimizers/capabilities.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
 #include "parallel/optimizers/partial_step.h"
 
@@ -23,7 +24,7 @@ std::string block_key(const std::string& name, int64_t block) {
 
 /// "DistributedShampoo", or LibTorch's optimizer's name; an error starting with `who` otherwise.
 std::string kind_of(const torch::optim::Optimizer& optimizer, const std::string& who) {
-  if (dynamic_cast<const PartialStep*>(&optimizer) != nullptr) return kShampooKind;
+  if (detail::capabilities_of(optimizer).partial != nullptr) return kShampooKind;
   auto name = detail::libtorch_optimizer_name(optimizer);
   TORCH_CHECK(!name.empty(), who,
               "checkpoints need DistributedShampoo or one of LibTorch's SGD, Adam, AdamW, "
@@ -102,7 +103,7 @@ void save_param_states(const torch::optim::Optimizer& optimizer,
                        const std::vector<at::Tensor>& heads, PieceWriter& pieces,
                        const ParamNames& names, const std::string& who) {
   const auto kind = kind_of(optimizer, who);
-  const auto* partial = dynamic_cast<const PartialStep*>(&optimizer);
+  const PartialStep* partial = capabilities_of(optimizer).partial;
   // A parameter's group (DistributedShampoo counts steps per group).
   std::map<const c10::TensorImpl*, size_t> group_of;
   const auto& groups = optimizer.param_groups();
@@ -146,7 +147,7 @@ torch::serialize::InputArchive read_head(PieceReader& pieces, const std::string&
 std::function<void()> prepare_shampoo_states(torch::optim::Optimizer& optimizer,
                                              PieceReader& pieces, const ParamNames& names,
                                              const std::string& who) {
-  auto* partial = dynamic_cast<PartialStep*>(&optimizer);
+  auto* partial = capabilities_of(optimizer).partial;
   const auto& groups = optimizer.param_groups();
   std::vector<int64_t> steps(groups.size(), 0);
   std::vector<double> lr_sums(groups.size(), 0.0);
@@ -233,7 +234,7 @@ void ReplicatedPortable::save_portable_pieces(PieceWriter& pieces, const Portabl
 }
 
 bool has_param_states(const torch::optim::Optimizer& optimizer) {
-  return dynamic_cast<const PartialStep*>(&optimizer) != nullptr ||
+  return capabilities_of(optimizer).partial != nullptr ||
          !libtorch_optimizer_name(optimizer).empty();
 }
 

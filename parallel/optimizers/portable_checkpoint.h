@@ -172,9 +172,7 @@ class DelegatingPortable : public PortableCheckpointable {
 };
 
 /// `optimizer` as a PortableCheckpointable, or null.
-inline PortableCheckpointable* as_portable(torch::optim::Optimizer& optimizer) {
-  return dynamic_cast<PortableCheckpointable*>(&optimizer);
-}
+PortableCheckpointable* as_portable(torch::optim::Optimizer& optimizer);
 
 namespace detail {
 

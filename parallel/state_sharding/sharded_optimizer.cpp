@@ -13,6 +13,7 @@
 #include "parallel/communication/ownership_plan.h"
 #include "parallel/communication/process_group.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
+#include "parallel/optimizers/undo_record.h"
 
 namespace shampoo {
 namespace {
@@ -51,7 +52,8 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
   TORCH_CHECK(factory, "ShardedOptimizer: the optimizer factory is empty");
   TORCH_CHECK(!param_groups.empty(),
               "ShardedOptimizer: no param groups; pass at least one (it may have no parameters)");
-  plan_ = detail::OwnershipPlan(group_->getSize());
+  plan_ = std::make_unique<detail::OwnershipPlan>(group_->getSize());
+  layout_ = std::make_unique<detail::OwnerMajorLayout>();
   param_groups_.emplace_back(param_groups[0].params());
   group_sizes_.push_back(0);
   // The factory gets this rank's parameters of group 0, with the group's options when it has
@@ -67,6 +69,10 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
   for (size_t g = 1; g < param_groups.size(); ++g) add_param_group(param_groups[g]);
   write_state_entries();
 }
+
+ShardedOptimizer::~ShardedOptimizer() = default;
+
+const std::vector<int>& ShardedOptimizer::owners() const { return plan_->owners(); }
 
 std::unique_ptr<torch::optim::OptimizerOptions> ShardedOptimizer::checked_options(
     const torch::optim::OptimizerOptions& options, size_t group) const {
@@ -141,24 +147,25 @@ std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_
     costs.push_back(
         detail::block_cost(params[i].numel(), static_cast<int64_t>(params[i].element_size())));
   }
-  const auto first_item = static_cast<size_t>(plan_.add(costs));
+  const auto first_item = static_cast<size_t>(plan_->add(costs));
   std::vector<torch::Tensor> own;
   for (size_t i = first; i < params.size(); ++i) {
     index_of_[params[i].unsafeGetTensorImpl()] = params_.size();
     params_.push_back(params[i]);
     added_at_.push_back(steps_);
-    if (plan_.owner_of(static_cast<int64_t>(params_.size() - 1)) == rank) own.push_back(params[i]);
+    if (plan_->owner_of(static_cast<int64_t>(params_.size() - 1)) == rank) own.push_back(params[i]);
   }
   TORCH_INTERNAL_ASSERT(first_item + (params.size() - first) == params_.size());
   group_sizes_[group] += static_cast<int64_t>(params.size() - first);
   std::vector<int64_t> numels;
   for (const auto& p : params_) numels.push_back(p.numel());
-  const auto before = layout_.segment_size();
-  layout_ = detail::OwnerMajorLayout(world, numels, plan_.owners(), /*with_flags=*/false);
-  if (!params_.empty() && (layout_.segment_size() != before || !send_.defined())) {
+  const auto before = layout_->segment_size();
+  layout_ = std::make_unique<detail::OwnerMajorLayout>(world, numels, plan_->owners(),
+                                                       /*with_flags=*/false);
+  if (!params_.empty() && (layout_->segment_size() != before || !send_.defined())) {
     const auto options = params_.front().options().requires_grad(false);
-    send_ = layout_.make_send(options);
-    receive_ = layout_.make_receive(options);
+    send_ = layout_->make_send(options);
+    receive_ = layout_->make_receive(options);
   }
   return own;
 }
@@ -245,7 +252,7 @@ void ShardedOptimizer::write_state_entries() {
       entry = std::make_unique<ShardedParamState>();
       mine = static_cast<ShardedParamState*>(entry.get());
     }
-    mine->step(steps_ - added_at_[i]).owner(plan_.owner_of(static_cast<int64_t>(i)));
+    mine->step(steps_ - added_at_[i]).owner(plan_->owner_of(static_cast<int64_t>(i)));
   }
 }
 
@@ -258,7 +265,7 @@ void ShardedOptimizer::check_has_params(const char* function) const {
 std::optional<int> ShardedOptimizer::owner_of(const at::Tensor& param) const {
   const auto it = index_of_.find(param.unsafeGetTensorImpl());
   if (it == index_of_.end()) return std::nullopt;
-  return plan_.owner_of(static_cast<int64_t>(it->second));
+  return plan_->owner_of(static_cast<int64_t>(it->second));
 }
 
 torch::Tensor ShardedOptimizer::step(LossClosure closure) {
@@ -286,13 +293,13 @@ void ShardedOptimizer::all_gather() {
   const int rank = group_->getRank();
   const auto n = static_cast<int64_t>(params_.size());
   for (int64_t i = 0; i < n; ++i) {
-    if (layout_.owner(i) != rank) continue;
-    layout_.in_send(send_, i).copy_(params_[i].detach().reshape(-1));
+    if (layout_->owner(i) != rank) continue;
+    layout_->in_send(send_, i).copy_(params_[i].detach().reshape(-1));
   }
   detail::start_all_gather(*group_, receive_, send_)->wait();
   for (int64_t i = 0; i < n; ++i) {
-    if (layout_.owner(i) == rank) continue;
-    params_[i].detach().copy_(layout_.in_receive(receive_, i).view(params_[i].sizes()));
+    if (layout_->owner(i) == rank) continue;
+    params_[i].detach().copy_(layout_->in_receive(receive_, i).view(params_[i].sizes()));
   }
 }
 
@@ -310,7 +317,8 @@ void ShardedOptimizer::begin_backward_step() {
   check_has_params("step (in backward)");
   push_options_to_local();
   open_ = true;
-  journal_.clear();
+  if (!journal_) journal_ = std::make_unique<detail::UndoRecord>();
+  journal_->clear();
 }
 
 void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
@@ -322,32 +330,20 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
     const auto it = index_of_.find(p.unsafeGetTensorImpl());
     TORCH_CHECK(it != index_of_.end(),
                 "ShardedOptimizer: a parameter given to step_parameters is not one of its own");
-    if (plan_.owner_of(static_cast<int64_t>(it->second)) == rank && p.grad().defined())
+    if (plan_->owner_of(static_cast<int64_t>(it->second)) == rank && p.grad().defined())
       ready.push_back(params_[it->second]);
   }
   if (ready.empty()) return;
   // Copies of what this call changes, once per pass and parameter.
-  std::unordered_set<void*> saved;
-  for (const auto& s : journal_) saved.insert(s.param.unsafeGetTensorImpl());
-  for (const auto& p : ready) {
-    void* key = p.unsafeGetTensorImpl();
-    if (!saved.insert(key).second) continue;
-    Saved s;
-    s.param = p;
-    s.value = p.detach().clone();
-    const auto state = local_->state().find(key);
-    if (state != local_->state().end()) {
-      s.state = detail::copy_param_state(*local_, *state->second);
-    }
-    journal_.push_back(std::move(s));
-  }
+  for (const auto& p : ready) journal_->save_values(p);
+  journal_->save_states(*local_, ready);
   detail::step_only(*local_, ready);
 }
 
 void ShardedOptimizer::finish_backward_step() {
   TORCH_INTERNAL_ASSERT(open_);
   open_ = false;
-  journal_.clear();
+  journal_->clear();
   all_gather();
   ++steps_;
   write_state_entries();
@@ -355,14 +351,7 @@ void ShardedOptimizer::finish_backward_step() {
 
 void ShardedOptimizer::abort_backward_step() {
   if (!open_) return;
-  c10::NoGradGuard no_grad;
-  for (auto& s : journal_) {
-    s.param.detach().copy_(s.value);
-    void* key = s.param.unsafeGetTensorImpl();
-    local_->state().erase(key);
-    if (s.state) local_->state()[key] = std::move(s.state);
-  }
-  journal_.clear();
+  journal_->undo();
   open_ = false;
 }
 

@@ -22,13 +22,17 @@
 #include <vector>
 
 #include "parallel/checkpoints/distributed_checkpoint.h"
-#include "parallel/communication/ownership_plan.h"
 #include "parallel/optimizers/optimizer_factory.h"
 #include "parallel/optimizers/parameter_owners.h"
 #include "parallel/optimizers/phased_backward_step.h"
 #include "parallel/optimizers/portable_checkpoint.h"
 
 namespace shampoo {
+namespace detail {
+class OwnerMajorLayout;  // parallel/communication/ownership_plan.h
+class OwnershipPlan;
+class UndoRecord;  // parallel/optimizers/undo_record.h
+}  // namespace detail
 
 /// The entry of a parameter in ShardedOptimizer::state() (LibTorch's per-parameter state map,
 /// keyed by the parameter's TensorImpl): every parameter has one on every rank. A summary: the
@@ -79,6 +83,7 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                    const GroupOptimizerFactory& factory,
                    c10::intrusive_ptr<c10d::ProcessGroup> group);
+  ~ShardedOptimizer() override;
 
   /// Steps this rank's parameters, then one AllGather of every rank's updated parameters.
   /// In backward (apply_optimizer_in_backward) the local steps run as gradients arrive and the
@@ -101,7 +106,7 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   /// into param_groups(); set on both, it is an error.
   torch::optim::Optimizer& local_optimizer() { return *local_; }
   /// Owner rank of each parameter (in the order given, parameters added later after them).
-  const std::vector<int>& owners() const { return plan_.owners(); }
+  const std::vector<int>& owners() const;
   /// ParameterOwners (gradient sharding): the owner of `param`, nullopt when it is not one of
   /// this optimizer's.
   c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const override { return group_; }
@@ -138,8 +143,8 @@ class ShardedOptimizer : public torch::optim::Optimizer,
  private:
   std::vector<torch::Tensor> params_;  // every registered parameter, in registration order
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  detail::OwnershipPlan plan_;                        // item i = params_[i]
-  detail::OwnerMajorLayout layout_;                   // of params_, the AllGather after each step
+  std::unique_ptr<detail::OwnershipPlan> plan_;       // item i = params_[i]
+  std::unique_ptr<detail::OwnerMajorLayout> layout_;  // of params_, the AllGather after each step
   std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> position in params_
   std::vector<int64_t> group_sizes_;                  // per param group: parameters registered
   std::vector<int64_t> added_at_;  // per parameter: steps_ when it was registered
@@ -199,14 +204,10 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   /// The owners' updated parameters to every rank.
   void all_gather();
 
-  struct Saved {
-    at::Tensor param;
-    at::Tensor value;
-    std::unique_ptr<torch::optim::OptimizerParamState> state;  // null: none before the pass
-  };
   bool in_backward_ = false;
   bool open_ = false;
-  std::vector<Saved> journal_;
+  /// In backward: the parameters and local states as they were before the pass, once each.
+  std::unique_ptr<detail::UndoRecord> journal_;
 };
 
 }  // namespace shampoo

@@ -137,7 +137,7 @@ void ShardedOptimizer::save_pieces(PieceWriter& pieces) const {
   local_type(*local_);
   const int rank = group_->getRank();
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (plan_.owner_of(static_cast<int64_t>(i)) != rank) continue;
+    if (plan_->owner_of(static_cast<int64_t>(i)) != rank) continue;
     pieces.add("param/" + std::to_string(i), detail::param_state_piece(*local_, params_[i]));
   }
 }
@@ -177,7 +177,7 @@ std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArch
       std::vector<std::pair<void*, std::unique_ptr<torch::optim::OptimizerParamState>>>>();
   const int rank = group_->getRank();
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (plan_.owner_of(static_cast<int64_t>(i)) != rank) continue;
+    if (plan_->owner_of(static_cast<int64_t>(i)) != rank) continue;
     auto piece = pieces.read("param/" + std::to_string(i));
     states->emplace_back(
         params_[i].unsafeGetTensorImpl(),

@@ -413,7 +413,7 @@ TEST(CheckpointErrors, LoadCheckpointNamesTheFile) {
 
 TEST(CheckpointErrors, ShampooCheckpointIntoAdamFailsInLibTorch) {
   // LibTorch's own Adam::load reads the archive: its message is not ours to improve. This pins
-  // what the README says about it.
+  // what docs/checkpoints.md ("Checkpoint errors") says about it.
   auto run = make_run(base_options(), 1);
   step(run, 1);
   const auto path = shampoo::testing::temp_path("opt.pt");

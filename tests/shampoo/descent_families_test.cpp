@@ -360,10 +360,10 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, DiagonalEqualsTorch, ::testing::ValuesIn(to
                          [](const auto& info) { return info.param.name; });
 
 // Issue 58: each diagonal family built from the library's defaults, ShampooOptions(lr), with only
-// the settings README's "Diagonal families" names, is its torch::optim optimizer. Before, the
-// default Adam grafting and start step 50 ran Adam's steps under the SGD family (SGD moved every
-// entry of a gradient (1, 2, 3, 100) by −lr); now leaving grafting at its default is an error
-// (DescentFamilyOptions.DiagonalFamilyWithTheDefaultGraftingIsRefused).
+// the settings docs/training.md's "Diagonal families" names, is its torch::optim optimizer.
+// Before, the default Adam grafting and start step 50 ran Adam's steps under the SGD family (SGD
+// moved every entry of a gradient (1, 2, 3, 100) by −lr); now leaving grafting at its default is
+// an error (DescentFamilyOptions.DiagonalFamilyWithTheDefaultGraftingIsRefused).
 std::vector<TorchCase> readme_cases() {
   using shampoo::AdamPreconditionerConfig;
   using shampoo::RMSpropPreconditionerConfig;

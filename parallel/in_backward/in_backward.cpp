@@ -23,7 +23,7 @@ InBackwardOptimizer::~InBackwardOptimizer() {
     detail::remove_grad_ready_callback(entry.param, entry.hook);
   }
   for (auto& set : state_->sets) {
-    if (set.phased != nullptr) set.phased->set_in_backward(false);
+    if (auto* phased = set.capabilities.phased) phased->set_in_backward(false);
   }
   if (state_->sync != nullptr) state_->sync->set_bucket_ready_callback(nullptr);
 }
@@ -58,13 +58,13 @@ torch::optim::Optimizer& InBackwardOptimizer::add(std::vector<torch::Tensor> par
   State::Set set;
   set.optimizer = factory(params);
   TORCH_CHECK(set.optimizer != nullptr, "apply_optimizer_in_backward: the factory returned null");
-  set.phased = detail::capabilities_of(*set.optimizer).phased;
-  TORCH_CHECK(state_->unscaler == nullptr || set.phased != nullptr,
+  set.capabilities = detail::capabilities_of(*set.optimizer);
+  TORCH_CHECK(state_->unscaler == nullptr || set.capabilities.phased != nullptr,
               "apply_optimizer_in_backward: a GradScaler is attached, and optimizer ",
               state_->sets.size(),
               " cannot undo a step (it is not one that steps in phases, such as "
               "DistributedShampoo): a later overflow in the same backward could not be skipped");
-  if (set.phased != nullptr) set.phased->set_in_backward(true);
+  if (auto* phased = set.capabilities.phased) phased->set_in_backward(true);
   set.params = params;
   const size_t set_index = state_->sets.size();
   state_->sets.push_back(std::move(set));
@@ -142,7 +142,7 @@ std::optional<int> InBackwardOptimizer::owner_of(const at::Tensor& param) const 
   const auto it = state_->entry_of.find(param.unsafeGetTensorImpl());
   if (it == state_->entry_of.end()) return std::nullopt;
   const auto& set = state_->sets[state_->entries[it->second].set];
-  const ParameterOwners* owners = detail::capabilities_of(*set.optimizer).owners;
+  const ParameterOwners* owners = set.capabilities.owners;
   if (owners == nullptr) return ParameterOwners::kEveryRank;
   return owners->owner_of(param).value_or(ParameterOwners::kEveryRank);
 }
@@ -160,7 +160,7 @@ void InBackwardOptimizer::set_unscaler(BackwardUnscaler* unscaler) {
               "during a backward pass; do it between iterations");
   if (unscaler != nullptr) {
     for (size_t i = 0; i < state_->sets.size(); ++i) {
-      TORCH_CHECK(state_->sets[i].phased != nullptr,
+      TORCH_CHECK(state_->sets[i].capabilities.phased != nullptr,
                   "GradScaler with optimizer-in-backward: optimizer ", i,
                   " steps its parameters during backward and cannot undo those steps (a "
                   "LibTorch optimizer, or another that does not step in phases), so a gradient "

@@ -24,7 +24,9 @@ namespace shampoo {
 struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   struct Set {
     std::unique_ptr<torch::optim::Optimizer> optimizer;
-    PhasedBackwardStep* phased = nullptr;  // when the optimizer steps in phases in backward
+    // The optimizer's interfaces, looked up when the set is added (phased: it steps in phases in
+    // backward; owners: its ranks own its parameters).
+    detail::Capabilities capabilities;
     std::vector<at::Tensor> params;
   };
   struct Entry {
@@ -48,7 +50,7 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
         mine = static_cast<ShardedParamState*>(entry.get());
       }
       int64_t owner = ParameterOwners::kEveryRank;
-      if (const ParameterOwners* owners = detail::capabilities_of(*sets[e.set].optimizer).owners) {
+      if (const ParameterOwners* owners = sets[e.set].capabilities.owners) {
         try {
           owner = owners->owner_of(e.param).value_or(ParameterOwners::kEveryRank);
         } catch (const c10::Error&) {  // blocks over several ranks: no one owner
@@ -98,8 +100,9 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   /// torch::optim optimizers took earlier in the pass stay (they have no undo).
   void abort_pass() {
     for (auto& set : sets) {
-      if (set.phased != nullptr && set.phased->backward_step_open()) {
-        set.phased->abort_backward_step();
+      auto* phased = set.capabilities.phased;
+      if (phased != nullptr && phased->backward_step_open()) {
+        phased->abort_backward_step();
       }
     }
     pass.close();
@@ -159,9 +162,9 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
     }
     for (auto& [index, ready] : by_set) {
       auto& set = sets[index];
-      if (set.phased != nullptr) {
-        if (!set.phased->backward_step_open()) set.phased->begin_backward_step();
-        set.phased->step_parameters(ready);
+      if (auto* phased = set.capabilities.phased) {
+        if (!phased->backward_step_open()) phased->begin_backward_step();
+        phased->step_parameters(ready);
       } else {
         // A torch::optim optimizer steps every parameter with a gradient: the set's others
         // (still accumulating, or not produced yet) are hidden meanwhile.
@@ -181,12 +184,13 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
         // every rank (DistributedShampoo: its one AllGather), also if no gradient of its
         // parameters arrived here.
         for (auto& set : sets) {
-          if (set.phased == nullptr) continue;
-          if (!set.phased->backward_step_open()) set.phased->begin_backward_step();
+          auto* phased = set.capabilities.phased;
+          if (phased == nullptr) continue;
+          if (!phased->backward_step_open()) phased->begin_backward_step();
           if (overflowed) {
-            set.phased->abort_backward_step();
+            phased->abort_backward_step();
           } else {
-            set.phased->finish_backward_step();
+            phased->finish_backward_step();
           }
         }
       } catch (...) {

@@ -54,6 +54,7 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
               "ShardedOptimizer: no param groups; pass at least one (it may have no parameters)");
   plan_ = std::make_unique<detail::OwnershipPlan>(group_->getSize());
   layout_ = std::make_unique<detail::OwnerMajorLayout>();
+  journal_ = std::make_unique<detail::UndoRecord>();
   param_groups_.emplace_back(param_groups[0].params());
   group_sizes_.push_back(0);
   // The factory gets this rank's parameters of group 0, with the group's options when it has
@@ -317,7 +318,6 @@ void ShardedOptimizer::begin_backward_step() {
   check_has_params("step (in backward)");
   push_options_to_local();
   open_ = true;
-  if (!journal_) journal_ = std::make_unique<detail::UndoRecord>();
   journal_->clear();
 }
 

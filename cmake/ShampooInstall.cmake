@@ -24,9 +24,6 @@ set(SHAMPOO_PUBLIC_HEADERS
   parallel/in_backward/in_backward.h
   parallel/optimizers/loss_scaling.h
   parallel/optimizers/optimizer_factory.h
-  parallel/optimizers/parameter_owners.h
-  parallel/optimizers/partial_step.h
-  parallel/optimizers/phased_backward_step.h
   parallel/optimizers/portable_checkpoint.h
   parallel/communication/process_group.h
   parallel/state_sharding/sharded_optimizer.h

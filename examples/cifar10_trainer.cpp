@@ -428,7 +428,7 @@ void build_data_parallel(Trainer& t) {
   t.optimizer = make_optimizer(config, t.plans, t.d.group);
   if (t.synchronizer && config.sharding == ShardingMode::kGradients) {
     // ZeRO-2: each gradient goes to the rank that steps its parameter.
-    t.synchronizer->shard_gradients(dynamic_cast<const shampoo::ParameterOwners&>(*t.optimizer));
+    t.synchronizer->shard_gradients(*t.optimizer);
   }
   if (config.lr_schedule == LrSchedule::kCosine) {
     // Made before a checkpoint is loaded: its base rates are the configured ones.

@@ -34,7 +34,7 @@ std::vector<ParamGroupPlan> plan_param_groups(
 /// (null = one process), with one param group per plan. With --sharding gradients on several
 /// ranks, the LibTorch optimizers run inside a shampoo::ShardedOptimizer (ZeRO-1, so that each
 /// rank needs only its own parameters' gradients) and Shampoo owns whole parameters; the
-/// result is a shampoo::ParameterOwners for GradientSynchronizer::shard_gradients. Throws
+/// result says which rank steps each parameter, for GradientSynchronizer::shard_gradients. Throws
 /// c10::Error naming the option when a value is out of range.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(
     const TrainerConfig& config, const std::vector<ParamGroupPlan>& plans,

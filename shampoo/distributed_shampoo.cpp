@@ -4,10 +4,32 @@
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 
+#include "parallel/optimizers/internal_interfaces.h"
 #include "shampoo/shampoo_engine.h"
 #include "shampoo/state_size.h"
 
 namespace shampoo {
+
+struct DistributedShampoo::Interfaces {
+  detail::PhasedStepOf<DistributedShampoo> phased;
+  detail::PartialStepOf<DistributedShampoo> partial;
+  detail::ParameterOwnersOf<DistributedShampoo> owners;
+};
+
+bool DistributedShampoo::internal_interfaces(torch::optim::Optimizer& optimizer,
+                                             detail::Capabilities& found) {
+  auto* shampoo = dynamic_cast<DistributedShampoo*>(&optimizer);
+  if (shampoo == nullptr) return false;
+  if (auto* adapters = shampoo->interfaces_.get()) {  // null once moved from
+    adapters->phased.bind(shampoo);
+    adapters->partial.bind(shampoo);
+    adapters->owners.bind(shampoo);
+    found.phased = &adapters->phased;
+    found.partial = &adapters->partial;
+    found.owners = &adapters->owners;
+  }
+  return true;
+}
 
 DistributedShampoo::DistributedShampoo(std::vector<torch::Tensor> params, ShampooOptions defaults,
                                        DistributedOptions distributed)
@@ -21,7 +43,9 @@ DistributedShampoo::DistributedShampoo(std::vector<torch::optim::OptimizerParamG
     // The base constructor gets no groups: its add_param_group would not register them here.
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<ShampooOptions>(defaults)),
-      engine_(std::make_unique<detail::ShampooEngine>(defaults, std::move(distributed))) {
+      engine_(std::make_unique<detail::ShampooEngine>(defaults, std::move(distributed))),
+      interfaces_(std::make_unique<Interfaces>()) {
+  detail::register_internal_interfaces(&DistributedShampoo::internal_interfaces);
   // Once per optimizer, over all groups (a group of biases alone has a large ratio), before the
   // groups are registered and their state allocated.
   detail::warn_if_state_is_large(param_groups, defaults);

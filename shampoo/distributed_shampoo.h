@@ -15,13 +15,11 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "parallel/checkpoints/distributed_checkpoint.h"
-#include "parallel/optimizers/parameter_owners.h"
-#include "parallel/optimizers/partial_step.h"
-#include "parallel/optimizers/phased_backward_step.h"
 #include "parallel/optimizers/portable_checkpoint.h"
 #include "preconditioners/memory_summary.h"
 #include "shampoo/fault_point.h"
@@ -93,11 +91,16 @@ struct ShampooParamState : torch::optim::OptimizerCloneableParamState<ShampooPar
   }
 };
 
+namespace detail {
+struct Capabilities;  // parallel/optimizers/capabilities.h
+template <class>
+class PhasedStepOf;  // parallel/optimizers/internal_interfaces.h
+template <class>
+class PartialStepOf;
+}  // namespace detail
+
 class DistributedShampoo : public torch::optim::Optimizer,
-                           public PhasedBackwardStep,
                            public DistributedCheckpointable,
-                           public ParameterOwners,
-                           public PartialStep,
                            public PortableCheckpointable {
  public:
   /// Parameters may be Float, Double, BFloat16 or Half, in any strided layout (a channels_last
@@ -152,17 +155,6 @@ class DistributedShampoo : public torch::optim::Optimizer,
   void save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const override;
   std::function<void()> prepare_portable_load(const PortableLoad& load) override;
 
-  /// PartialStep (full sharding: one optimizer per rank over the parameters it owns, stepped
-  /// unit by unit, checkpointed per model parameter).
-  void step_only(const std::vector<torch::Tensor>& params) override;
-  void register_appended() override { sync_groups_and_state(); }
-  void save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const override;
-  std::function<void()> prepare_block_load(PieceReader& pieces, const BlockPieceName& name_of,
-                                           std::vector<int64_t> group_steps,
-                                           std::vector<double> group_lr_sums,
-                                           std::optional<bool> eval_mode) override;
-  bool in_eval_mode() const override { return !is_training(); }
-
   /// Iterate averaging (ShampooOptions::iterate_averaging; docs/math.md, "Iterate averaging"):
   /// the parameters hold the training sequence y, where gradients are taken. eval() moves the
   /// parameters of the groups with averaging to the evaluation sequence x (evaluate and save the
@@ -184,19 +176,20 @@ class DistributedShampoo : public torch::optim::Optimizer,
   /// state is 5.6x the parameters before the first step and 6.6x after; bench_state_memory).
   MemorySummary memory_summary() const;
 
-  /// ParameterOwners (gradient sharding, GradientSynchronizer::shard_gradients): the rank that
-  /// owns every block of `param` (nullopt when it is not one of this optimizer's). An error when
-  /// its blocks have several owners: build the optimizer with
+  /// Who steps what (gradient sharding, GradientSynchronizer::shard_gradients, asks it): the
+  /// process group of the owners (null: one process) and the rank that owns every block of
+  /// `param` (-1 when every rank steps it, nullopt when it is not one of this optimizer's). An
+  /// error when its blocks have several owners: build the optimizer with
   /// DistributedOptions::shard_by_parameter(true).
-  c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const override;
-  std::optional<int> owner_of(const at::Tensor& param) const override;
+  c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const;
+  std::optional<int> owner_of(const at::Tensor& param) const;
 
   /// The options of param group `group` (a ShampooOptions).
   ShampooOptions& group_options(size_t group);
   /// Step count of param group `group`.
-  int64_t group_step(size_t group) const override;
+  int64_t group_step(size_t group) const;
   /// Schedule-Free: Σ lr^p over param group `group`'s completed steps (0 without it).
-  double group_lr_sum(size_t group) const override;
+  double group_lr_sum(size_t group) const;
   const DistributedOptions& distributed_options() const;
 
   /// Test seam: makes the amortized computation of (block, dim) fail whenever the function
@@ -209,16 +202,37 @@ class DistributedShampoo : public torch::optim::Optimizer,
   void set_fault_injector_for_testing(StepFaultInjector fn, bool journal = true);
 
  private:
-  /// Optimizer-in-backward (PhasedBackwardStep, called through that interface): the step split
-  /// into begin, per-parameter block work as gradients arrive, and finish (the one AllGather).
-  /// While `in_backward` is set, step() is an error.
-  void set_in_backward(bool in_backward) override { in_backward_ = in_backward; }
-  bool backward_step_open() const override;
-  void begin_backward_step() override;
-  void step_parameters(const std::vector<torch::Tensor>& params) override;
-  void finish_backward_step() override;
+  // The wrappers reach what follows through the internal interfaces (parallel/optimizers/
+  // capabilities.h), whose adapters forward here.
+  template <class>
+  friend class detail::PhasedStepOf;
+  template <class>
+  friend class detail::PartialStepOf;
+  struct Interfaces;  // the adapters, distributed_shampoo.cpp
+  static bool internal_interfaces(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
+
+  /// Optimizer-in-backward (PhasedBackwardStep): the step split into begin, per-parameter block
+  /// work as gradients arrive, and finish (the one AllGather). While `in_backward` is set, step()
+  /// is an error.
+  void set_in_backward(bool in_backward) { in_backward_ = in_backward; }
+  bool backward_step_open() const;
+  void begin_backward_step();
+  void step_parameters(const std::vector<torch::Tensor>& params);
+  void finish_backward_step();
   /// Undoes the open backward step (after an error during backward).
-  void abort_backward_step() override;
+  void abort_backward_step();
+
+  /// PartialStep (full sharding: one optimizer per rank over the parameters it owns, stepped
+  /// unit by unit, checkpointed per model parameter).
+  using BlockPieceName = std::function<std::string(const at::Tensor& param, int64_t block)>;
+  void step_only(const std::vector<torch::Tensor>& params);
+  void register_appended() { sync_groups_and_state(); }
+  void save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const;
+  std::function<void()> prepare_block_load(PieceReader& pieces, const BlockPieceName& name_of,
+                                           std::vector<int64_t> group_steps,
+                                           std::vector<double> group_lr_sums,
+                                           std::optional<bool> eval_mode);
+  bool in_eval_mode() const { return !is_training(); }
 
   /// Indices of `params` in the registry; `what` names the caller in the error for one that is
   /// not registered.
@@ -229,6 +243,7 @@ class DistributedShampoo : public torch::optim::Optimizer,
   void write_state_entries();
 
   std::unique_ptr<detail::ShampooEngine> engine_;
+  std::unique_ptr<Interfaces> interfaces_;
   bool in_backward_ = false;
 };
 

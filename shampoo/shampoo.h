@@ -12,7 +12,6 @@
 #include "parallel/full_sharding/fully_sharded.h"
 #include "parallel/in_backward/in_backward.h"
 #include "parallel/optimizers/optimizer_factory.h"
-#include "parallel/optimizers/parameter_owners.h"
 #include "parallel/state_sharding/sharded_optimizer.h"
 #include "shampoo/checkpoint.h"
 #include "shampoo/config.h"

@@ -11,6 +11,7 @@
 #include <limits>
 #include <optional>
 
+#include "parallel/optimizers/parameter_owners.h"
 #include "shampoo/option_fields.h"
 #include "shampoo/param_updates.h"
 #include "shampoo/step_scalars.h"

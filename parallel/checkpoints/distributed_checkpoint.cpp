@@ -364,10 +364,13 @@ void load_distributed_state(DistributedCheckpointable& target, const fs::path& d
 }
 
 namespace detail {
+DistributedCheckpointable* find_checkpointable(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<DistributedCheckpointable*>(const_cast<torch::optim::Optimizer*>(&optimizer));
+}
+
 DistributedCheckpointable& checkpointable(const torch::optim::Optimizer& optimizer,
                                           const char* function) {
-  auto* object =
-      dynamic_cast<DistributedCheckpointable*>(const_cast<torch::optim::Optimizer*>(&optimizer));
+  auto* object = find_checkpointable(optimizer);
   TORCH_CHECK(object != nullptr, function,
               ": this optimizer type does not support world-size-independent checkpoints "
               "(DistributedShampoo, ShardedOptimizer and InBackwardOptimizer do); use "

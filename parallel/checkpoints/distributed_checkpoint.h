@@ -199,6 +199,9 @@ namespace detail {
 /// "<optimizer kind>+GradScaler". Loading names the mismatch when one side has the scaler.
 inline constexpr const char* kWithGradScalerSuffix = "+GradScaler";
 
+/// `optimizer` as a DistributedCheckpointable, or null when it is not one (the one cast to it).
+DistributedCheckpointable* find_checkpointable(const torch::optim::Optimizer& optimizer);
+
 /// `optimizer` as a DistributedCheckpointable; an error naming `function` when it is not one.
 DistributedCheckpointable& checkpointable(const torch::optim::Optimizer& optimizer,
                                           const char* function);

@@ -13,6 +13,8 @@
 #include "parallel/communication/process_group.h"
 #include "parallel/data_parallel/grad_ready_hooks.h"
 #include "parallel/data_parallel/spread_grad_norm.h"
+#include "parallel/optimizers/capabilities.h"
+#include "parallel/optimizers/parameter_owners.h"
 
 namespace shampoo {
 namespace {
@@ -117,7 +119,7 @@ GradientSynchronizer::GradientSynchronizer(std::vector<at::Tensor> params,
     given_index_.push_back(static_cast<int64_t>(i));
     params_.push_back(params[i]);
   }
-  owners_.assign(params_.size(), ParameterOwners::kEveryRank);
+  owners_.assign(params_.size(), kEveryRank);
   build_buckets();
   arrived_.assign(params_.size(), false);
   accumulated_.assign(params_.size(), false);
@@ -161,7 +163,7 @@ void GradientSynchronizer::build_buckets() {
     bucket.options = first.options().requires_grad(false);
     // All-reduce buffers are kept (no allocation per step); a reduce buffer lives only while its
     // bucket is in flight, so that a rank holds no gradient memory of what it does not own.
-    if (bucket.root == ParameterOwners::kEveryRank) {
+    if (bucket.root == kEveryRank) {
       bucket.buffer = at::zeros({offset}, bucket.options);
     }
     bucket.params = std::move(members);
@@ -169,7 +171,15 @@ void GradientSynchronizer::build_buckets() {
   }
 }
 
-void GradientSynchronizer::shard_gradients(const ParameterOwners& owners) {
+static_assert(GradientSynchronizer::kEveryRank == ParameterOwners::kEveryRank);
+
+void GradientSynchronizer::shard_gradients(const torch::optim::Optimizer& optimizer) {
+  const ParameterOwners* found = detail::capabilities_of(optimizer).owners;
+  TORCH_CHECK(found != nullptr,
+              "GradientSynchronizer::shard_gradients: this optimizer does not say which rank "
+              "steps each parameter; shard gradients for a ShardedOptimizer, a DistributedShampoo "
+              "built with DistributedOptions::shard_by_parameter(true), or an InBackwardOptimizer");
+  const ParameterOwners& owners = *found;
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(next_to_launch_ == 0 &&
                   std::none_of(arrived_.begin(), arrived_.end(), [](bool a) { return a; }),
@@ -186,15 +196,14 @@ void GradientSynchronizer::shard_gradients(const ParameterOwners& owners) {
       owners_group->getSize(), " (this rank is ", owners_group->getRank(),
       " there), the synchronizer's has size ", group_->getSize(), " (rank ", group_->getRank(),
       "); they must be groups of the same ranks");
-  std::vector<int> owners_now(params_.size(), ParameterOwners::kEveryRank);
+  std::vector<int> owners_now(params_.size(), kEveryRank);
   std::vector<int64_t> listing;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto owner = owners.owner_of(params_[i]);
     if (owner.has_value()) {
-      TORCH_CHECK(
-          *owner == ParameterOwners::kEveryRank || (*owner >= 0 && *owner < group_->getSize()),
-          "GradientSynchronizer::shard_gradients: the owner of parameter ", given_index_[i],
-          " is rank ", *owner, ", outside the group of ", group_->getSize(), " ranks");
+      TORCH_CHECK(*owner == kEveryRank || (*owner >= 0 && *owner < group_->getSize()),
+                  "GradientSynchronizer::shard_gradients: the owner of parameter ", given_index_[i],
+                  " is rank ", *owner, ", outside the group of ", group_->getSize(), " ranks");
       owners_now[i] = *owner;
     }
     listing.push_back(owners_now[i]);
@@ -221,7 +230,7 @@ int GradientSynchronizer::owner(size_t index) const {
 }
 
 bool GradientSynchronizer::holds(int64_t param) const {
-  return owners_[param] == ParameterOwners::kEveryRank || owners_[param] == group_->getRank();
+  return owners_[param] == kEveryRank || owners_[param] == group_->getRank();
 }
 
 void GradientSynchronizer::set_bucket_ready_callback(
@@ -267,7 +276,7 @@ void GradientSynchronizer::launch(Bucket& bucket) {
   at::NoGradGuard no_grad;
   if (!bucket.buffer.defined()) bucket.buffer = at::empty({bucket.numel}, bucket.options);
   const auto count = static_cast<int64_t>(bucket.params.size());
-  const bool reduce = bucket.root != ParameterOwners::kEveryRank;
+  const bool reduce = bucket.root != kEveryRank;
   const bool keep = !reduce || bucket.root == group_->getRank();
   auto flags = bucket.buffer.narrow(0, 0, count);
   flags.zero_();
@@ -293,7 +302,7 @@ void GradientSynchronizer::launch(Bucket& bucket) {
 void GradientSynchronizer::finish(Bucket& bucket) {
   bucket.work->wait();
   at::NoGradGuard no_grad;
-  const bool reduce = bucket.root != ParameterOwners::kEveryRank;
+  const bool reduce = bucket.root != kEveryRank;
   std::vector<at::Tensor> ready;
   if (!reduce || bucket.root == group_->getRank()) {
     const auto world = static_cast<double>(group_->getSize());
@@ -381,7 +390,7 @@ void GradientSynchronizer::adopt_unfrozen() {
     // class is registered at its next step) gets it all-reduced on every rank.
     std::optional<int> owner;
     if (owners_source_ != nullptr) owner = owners_source_->owner_of(p);
-    owners_.push_back(owner.value_or(ParameterOwners::kEveryRank));
+    owners_.push_back(owner.value_or(kEveryRank));
     add_hook(index);
     if (!holds(static_cast<int64_t>(index))) p.mutable_grad() = at::Tensor();
     ready.push_back(p);
@@ -398,7 +407,7 @@ double GradientSynchronizer::clip_grad_norm_(double max_norm, double norm_type) 
   std::vector<detail::SpreadGradient> gradients;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
-    const bool counted = owners_[i] == ParameterOwners::kEveryRank ? rank == 0 : owners_[i] == rank;
+    const bool counted = owners_[i] == kEveryRank ? rank == 0 : owners_[i] == rank;
     const auto& grad = p.grad();
     gradients.push_back({counted ? grad : at::Tensor(),
                          holds(static_cast<int64_t>(i)) ? grad : at::Tensor(), p.options()});

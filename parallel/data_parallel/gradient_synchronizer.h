@@ -14,7 +14,7 @@
 /// (parallel/clip_grad_norm.h) or sync.clip_grad_norm_(max_norm): the global norm.
 ///
 /// Gradient sharding (ZeRO-2, shard_gradients): with an optimizer whose ranks each step a subset
-/// of the parameters (ParameterOwners: ShardedOptimizer, DistributedShampoo with
+/// of the parameters (ShardedOptimizer, DistributedShampoo with
 /// DistributedOptions::shard_by_parameter, InBackwardOptimizer), each bucket holds the
 /// parameters of one owner and is reduced to that owner alone; every other rank releases those
 /// gradients as soon as their bucket has been packed. After synchronize() a rank holds the
@@ -26,6 +26,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/arg.h>
+#include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <functional>
@@ -34,9 +35,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
-#include "parallel/optimizers/parameter_owners.h"
-
 namespace shampoo {
+
+class ParameterOwners;  // parallel/optimizers/parameter_owners.h
 
 struct GradientSynchronizerOptions {
   /// Bucket size in bytes (a parameter larger than this gets a bucket of its own).
@@ -63,18 +64,24 @@ class GradientSynchronizer {
   GradientSynchronizer(const GradientSynchronizer&) = delete;
   GradientSynchronizer& operator=(const GradientSynchronizer&) = delete;
 
+  /// A parameter's owner when every rank steps it (its gradient is all-reduced).
+  static constexpr int kEveryRank = -1;
+
   /// Gradient sharding (ZeRO-2): from now on the gradient of each parameter reaches only the rank
-  /// that `owners` says steps it (a reduce to that rank; all-reduced for kEveryRank and for the
-  /// parameters `owners` does not know), and the other ranks release it. `owners` must use a
-  /// process group of the same ranks. Collective: every rank calls it, between backward passes;
-  /// the ranks' owner maps are checked to agree. The bucket layout is rebuilt (one owner per
-  /// bucket) and the persistent all-reduce buffers of sharded buckets are freed: a reduce buffer
-  /// lives from its bucket's launch to its finish.
-  void shard_gradients(const ParameterOwners& owners);
+  /// that `optimizer` says steps it (a reduce to that rank; all-reduced for a parameter every
+  /// rank steps and for those `optimizer` does not know), and the other ranks release it.
+  /// `optimizer` is one whose ranks each step a subset of the parameters (ShardedOptimizer,
+  /// DistributedShampoo with DistributedOptions::shard_by_parameter, InBackwardOptimizer; any
+  /// other is an error naming them), over a process group of the same ranks, and must outlive
+  /// the synchronizer (it is asked for the owners of parameters added later). Collective: every
+  /// rank calls it, between backward passes; the ranks' owner maps are checked to agree. The bucket
+  /// layout is rebuilt (one owner per bucket) and the persistent all-reduce buffers of sharded
+  /// buckets are freed: a reduce buffer lives from its bucket's launch to its finish.
+  void shard_gradients(const torch::optim::Optimizer& optimizer);
   /// Whether shard_gradients was called.
   bool sharded() const { return sharded_; }
   /// Owner of synchronized parameter `index` (in the order given at construction), or
-  /// ParameterOwners::kEveryRank (always, before shard_gradients). -2 for a frozen parameter.
+  /// kEveryRank (always, before shard_gradients). -2 for a frozen parameter.
   int owner(size_t index) const;
 
   /// Launches the buckets still pending (gradients that never arrived count as zero; a
@@ -130,7 +137,7 @@ class GradientSynchronizer {
   struct Bucket {
     std::vector<int64_t> params;             // indices into params_
     std::vector<int64_t> offsets;            // element offset of each param in the buffer
-    int root = ParameterOwners::kEveryRank;  // reduce target, or all-reduce
+    int root = kEveryRank;                   // reduce target, or all-reduce
     int64_t numel = 0;                       // flags + values
     at::TensorOptions options;
     at::Tensor buffer;  // [flags (one per param) | values]; persistent only when all-reduced

@@ -10,7 +10,7 @@
 #include "parallel/full_sharding/fully_sharded_state.h"
 #include "parallel/optimizers/capabilities.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
-#include "parallel/optimizers/phased_backward_step.h"
+#include "parallel/optimizers/optimizer_step.h"
 
 namespace shampoo {
 namespace {
@@ -118,25 +118,14 @@ void FullyShardedDataParallel::State::drop_unit_step(Unit& unit) {
   unit.to_step = false;
 }
 
-/// Steps `params` with `optimizer`, first saving in `undo` what undoes it (with the journal).
+/// Steps `params` with `optimizer`, first saving in `undo` what undoes it (with the journal: the
+/// unit's step is then part of the pass, which commit_pass or undo_pass ends).
 void FullyShardedDataParallel::State::step_optimizer(torch::optim::Optimizer& optimizer,
                                                      const std::vector<at::Tensor>& params,
                                                      UndoRecord& undo) const {
-  if (!journal()) {
-    optimizer.step();
-    return;
-  }
-  if (auto* phased = detail::capabilities_of(optimizer).phased) {
-    // DistributedShampoo: its step in phases keeps its own journal until finished or aborted.
-    if (!phased->backward_step_open()) {
-      phased->begin_backward_step();
-      undo.add_phased(*phased);
-    }
-    phased->step_parameters(params);
-    return;
-  }
-  undo.save_states(optimizer, params);  // another type than LibTorch's: the record is incomplete
-  optimizer.step();
+  detail::step_optimizer(optimizer, detail::capabilities_of(optimizer), params,
+                         journal() ? detail::StepScope::kInPass : detail::StepScope::kAlone,
+                         journal() ? &undo : nullptr);
 }
 
 /// Undoes the steps of the units stepped in the failed pass; false when one of them cannot be.

@@ -7,10 +7,9 @@
 #include <utility>
 
 #include "parallel/optimizers/libtorch_optimizers.h"
+#include "parallel/optimizers/optimizer_step.h"
 #include "parallel/optimizers/partial_step.h"
-#include "parallel/optimizers/phased_backward_step.h"
 #include "parallel/optimizers/portable_checkpoint.h"
-#include "parallel/optimizers/undo_record.h"
 
 namespace shampoo::detail {
 RankOptimizer::RankOptimizer(GroupOptimizerFactory factory, std::string who)
@@ -61,32 +60,13 @@ void RankOptimizer::set_options(size_t group, const torch::optim::OptimizerOptio
 void RankOptimizer::step(const std::vector<at::Tensor>& params, bool in_pass, UndoRecord* undo) {
   if (params.empty()) return;
   TORCH_INTERNAL_ASSERT(optimizer_ != nullptr);
-  if (auto* partial = capabilities_.partial) {
-    auto* phased = capabilities_.phased;
-    if (!in_pass || phased == nullptr) {
-      partial->step_only(params);
-      return;
-    }
-    if (!phased->backward_step_open()) phased->begin_backward_step();
-    phased->step_parameters(params);
-    return;
-  }
-  // Another type than LibTorch's optimizers: its step cannot be undone (the record says so).
-  if (undo != nullptr) undo->save_states(*optimizer_, params);
-  // `params` only: another unit's parameters may be getting their gradients meanwhile (the
-  // step runs on the worker during backward).
-  step_only(*optimizer_, params);
+  step_optimizer(*optimizer_, capabilities_, params,
+                 in_pass ? StepScope::kInPass : StepScope::kAlone, undo);
 }
 
-void RankOptimizer::finish() {
-  auto* phased = capabilities_.phased;
-  if (phased != nullptr && phased->backward_step_open()) phased->finish_backward_step();
-}
+void RankOptimizer::finish() { finish_open_step(capabilities_); }
 
-void RankOptimizer::abort() {
-  auto* phased = capabilities_.phased;
-  if (phased != nullptr && phased->backward_step_open()) phased->abort_backward_step();
-}
+void RankOptimizer::abort() { abort_open_step(capabilities_); }
 
 void RankOptimizer::save_pieces(PieceWriter& pieces, const ParamNames& name_of) const {
   if (!optimizer_) return;

@@ -49,9 +49,11 @@ class RankOptimizer {
   /// when they are of another type than the optimizer's.
   void set_options(size_t group, const torch::optim::OptimizerOptions& options);
 
-  /// Steps `params` (its parameters, their gradients set). `in_pass`: one of the steps of an
-  /// iteration during backward, ended by finish() or abort(); else one ordinary step. With
-  /// `undo`, a LibTorch optimizer's per-parameter states before the step are kept there.
+  /// Steps `params` (its parameters, their gradients set; optimizer_step.h). `in_pass`: one of
+  /// the steps of an iteration during backward, ended by finish() or abort() (or by `undo`'s
+  /// commit or undo, when given, which then holds the phased step it opened); else one ordinary
+  /// step. With `undo`, a LibTorch optimizer's per-parameter states before the step are kept
+  /// there.
   void step(const std::vector<at::Tensor>& params, bool in_pass, UndoRecord* undo);
   /// Ends the iteration's steps in backward: kept, or undone (the optimizer's state; the
   /// parameters' values are the wrapper's to put back). Nothing when none is open.

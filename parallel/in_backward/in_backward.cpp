@@ -7,13 +7,31 @@
 
 #include "parallel/in_backward/in_backward_state.h"
 #include "parallel/optimizers/capabilities.h"
+#include "parallel/optimizers/internal_interfaces.h"
 
 namespace shampoo {
+
+struct InBackwardOptimizer::Interfaces {
+  detail::ParameterOwnersOf<InBackwardOptimizer> owners;
+};
+
+bool InBackwardOptimizer::internal_interfaces(torch::optim::Optimizer& optimizer,
+                                              detail::Capabilities& found) {
+  auto* in_backward = dynamic_cast<InBackwardOptimizer*>(&optimizer);
+  if (in_backward == nullptr) return false;
+  if (auto* adapters = in_backward->interfaces_.get()) {  // null once moved from
+    adapters->owners.bind(in_backward);
+    found.owners = &adapters->owners;
+  }
+  return true;
+}
 
 InBackwardOptimizer::InBackwardOptimizer()
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<torch::optim::OptimizerOptions>()),
-      state_(std::make_shared<State>()) {
+      state_(std::make_shared<State>()),
+      interfaces_(std::make_unique<Interfaces>()) {
+  detail::register_internal_interfaces(&InBackwardOptimizer::internal_interfaces);
   state_->state_entries = &torch::optim::Optimizer::state();
 }
 
@@ -29,13 +47,16 @@ InBackwardOptimizer::~InBackwardOptimizer() {
 }
 
 InBackwardOptimizer::InBackwardOptimizer(InBackwardOptimizer&& other) noexcept
-    : torch::optim::Optimizer(std::move(other)), state_(std::move(other.state_)) {
+    : torch::optim::Optimizer(std::move(other)),
+      state_(std::move(other.state_)),
+      interfaces_(std::move(other.interfaces_)) {
   if (state_) state_->state_entries = &torch::optim::Optimizer::state();
 }
 
 InBackwardOptimizer& InBackwardOptimizer::operator=(InBackwardOptimizer&& other) noexcept {
   torch::optim::Optimizer::operator=(std::move(other));
   state_ = std::move(other.state_);
+  interfaces_ = std::move(other.interfaces_);
   if (state_) state_->state_entries = &torch::optim::Optimizer::state();
   return *this;
 }

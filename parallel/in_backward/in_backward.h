@@ -24,14 +24,15 @@
 #include "parallel/data_parallel/gradient_synchronizer.h"
 #include "parallel/optimizers/loss_scaling.h"
 #include "parallel/optimizers/optimizer_factory.h"
-#include "parallel/optimizers/parameter_owners.h"
 #include "parallel/optimizers/portable_checkpoint.h"
 
 namespace shampoo {
+namespace detail {
+struct Capabilities;  // parallel/optimizers/capabilities.h
+}  // namespace detail
 
 class InBackwardOptimizer : public torch::optim::Optimizer,
                             public DistributedCheckpointable,
-                            public ParameterOwners,
                             public ScaledStepping,
                             public PortableCheckpointable {
  public:
@@ -70,12 +71,12 @@ class InBackwardOptimizer : public torch::optim::Optimizer,
   /// remaining buckets finish at the end of backward. The synchronizer must outlive this.
   void attach(GradientSynchronizer& sync);
 
-  /// ParameterOwners (gradient sharding: sync.shard_gradients(in_backward_optimizer)): a
+  /// Who steps what (gradient sharding, sync.shard_gradients(in_backward_optimizer), asks it): a
   /// parameter of a set whose optimizer owns a subset of its parameters (ShardedOptimizer,
   /// DistributedShampoo) has that optimizer's owner; the parameters of LibTorch optimizers are
-  /// stepped on every rank (kEveryRank). The sets' process groups must be one and the same.
-  c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const override;
-  std::optional<int> owner_of(const at::Tensor& param) const override;
+  /// stepped on every rank (-1). The sets' process groups must be one and the same.
+  c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const;
+  std::optional<int> owner_of(const at::Tensor& param) const;
 
   /// Mixed precision (GradScaler::attach(in_backward) calls this): every set of gradients is
   /// unscaled before it steps; after a gradient with inf or NaN (on any rank) the rest of the
@@ -91,7 +92,7 @@ class InBackwardOptimizer : public torch::optim::Optimizer,
   std::vector<at::Tensor> gradients_to_unscale(const char* caller) override;
 
   /// state(): an entry per parameter (ShardedParamState: the steps taken since it was added,
-  /// the rank that steps it, ParameterOwners::kEveryRank when every rank does); the optimizers'
+  /// the rank that steps it, -1 when every rank does); the optimizers'
   /// own state stays in optimizer(i).
   /// Backward passes seen, and those that stepped.
   int64_t backward_passes() const;
@@ -128,7 +129,10 @@ class InBackwardOptimizer : public torch::optim::Optimizer,
 
  private:
   struct State;
+  struct Interfaces;  // the internal interfaces' adapters (parallel/optimizers/capabilities.h)
+  static bool internal_interfaces(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
   std::shared_ptr<State> state_;
+  std::unique_ptr<Interfaces> interfaces_;
 };
 
 /// An InBackwardOptimizer holding one set: `params` with the optimizer factory(params).

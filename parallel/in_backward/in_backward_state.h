@@ -16,6 +16,8 @@
 #include "parallel/in_backward/in_backward.h"
 #include "parallel/optimizers/capabilities.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
+#include "parallel/optimizers/optimizer_step.h"
+#include "parallel/optimizers/parameter_owners.h"
 #include "parallel/optimizers/phased_backward_step.h"
 #include "parallel/state_sharding/sharded_optimizer.h"
 
@@ -99,12 +101,7 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   /// parameters as before the pass) and closes the pass, which does not count. Steps that
   /// torch::optim optimizers took earlier in the pass stay (they have no undo).
   void abort_pass() {
-    for (auto& set : sets) {
-      auto* phased = set.capabilities.phased;
-      if (phased != nullptr && phased->backward_step_open()) {
-        phased->abort_backward_step();
-      }
-    }
+    for (auto& set : sets) detail::abort_open_step(set.capabilities);
     pass.close();
     stepping = false;
     update_sync();
@@ -162,14 +159,10 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
     }
     for (auto& [index, ready] : by_set) {
       auto& set = sets[index];
-      if (auto* phased = set.capabilities.phased) {
-        if (!phased->backward_step_open()) phased->begin_backward_step();
-        phased->step_parameters(ready);
-      } else {
-        // A torch::optim optimizer steps every parameter with a gradient: the set's others
-        // (still accumulating, or not produced yet) are hidden meanwhile.
-        detail::step_only(*set.optimizer, ready);
-      }
+      // A phased optimizer's work in the pass's step, which close_pass ends; another steps
+      // `ready` alone (the set's others are still accumulating, or not produced yet).
+      detail::step_optimizer(*set.optimizer, set.capabilities, ready, detail::StepScope::kInPass,
+                             nullptr);
       for (auto& p : ready) p.mutable_grad().reset();  // released right after its step
     }
   }
@@ -183,16 +176,7 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
         // Every phased optimizer finishes (or, after an overflow anywhere, undoes) its step on
         // every rank (DistributedShampoo: its one AllGather), also if no gradient of its
         // parameters arrived here.
-        for (auto& set : sets) {
-          auto* phased = set.capabilities.phased;
-          if (phased == nullptr) continue;
-          if (!phased->backward_step_open()) phased->begin_backward_step();
-          if (overflowed) {
-            phased->abort_backward_step();
-          } else {
-            phased->finish_backward_step();
-          }
-        }
+        for (auto& set : sets) detail::end_pass_on_every_rank(set.capabilities, overflowed);
       } catch (...) {
         abort_pass();
         throw;

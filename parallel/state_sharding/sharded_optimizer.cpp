@@ -12,7 +12,9 @@
 #include "parallel/communication/collectives.h"
 #include "parallel/communication/ownership_plan.h"
 #include "parallel/communication/process_group.h"
+#include "parallel/optimizers/internal_interfaces.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
+#include "parallel/optimizers/optimizer_step.h"
 #include "parallel/optimizers/undo_record.h"
 
 namespace shampoo {
@@ -32,6 +34,23 @@ std::optional<double> lr_of(const torch::optim::OptimizerOptions& options) {
 
 }  // namespace
 
+struct ShardedOptimizer::Interfaces {
+  detail::PhasedStepOf<ShardedOptimizer> phased;
+  detail::ParameterOwnersOf<ShardedOptimizer> owners;
+};
+
+bool ShardedOptimizer::internal_interfaces(torch::optim::Optimizer& optimizer,
+                                           detail::Capabilities& found) {
+  auto* sharded = dynamic_cast<ShardedOptimizer*>(&optimizer);
+  if (sharded == nullptr) return false;
+  auto& adapters = *sharded->interfaces_;
+  adapters.phased.bind(sharded);
+  adapters.owners.bind(sharded);
+  found.phased = &adapters.phased;
+  found.owners = &adapters.owners;
+  return true;
+}
+
 ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
                                    const GroupOptimizerFactory& factory,
                                    c10::intrusive_ptr<c10d::ProcessGroup> group)
@@ -47,7 +66,9 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
     // exists (the factory makes it over this rank's share of group 0).
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<WrapperOptions>()),
-      group_(std::move(group)) {
+      group_(std::move(group)),
+      interfaces_(std::make_unique<Interfaces>()) {
+  detail::register_internal_interfaces(&ShardedOptimizer::internal_interfaces);
   TORCH_CHECK(group_, "ShardedOptimizer: process group is null");
   TORCH_CHECK(factory, "ShardedOptimizer: the optimizer factory is empty");
   TORCH_CHECK(!param_groups.empty(),
@@ -336,8 +357,8 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
   if (ready.empty()) return;
   // Copies of what this call changes, once per pass and parameter.
   for (const auto& p : ready) journal_->save_values(p);
-  journal_->save_states(*local_, ready);
-  detail::step_only(*local_, ready);
+  detail::step_optimizer(*local_, detail::capabilities_of(*local_), ready,
+                         detail::StepScope::kAlone, journal_.get());
 }
 
 void ShardedOptimizer::finish_backward_step() {

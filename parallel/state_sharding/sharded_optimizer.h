@@ -23,8 +23,6 @@
 
 #include "parallel/checkpoints/distributed_checkpoint.h"
 #include "parallel/optimizers/optimizer_factory.h"
-#include "parallel/optimizers/parameter_owners.h"
-#include "parallel/optimizers/phased_backward_step.h"
 #include "parallel/optimizers/portable_checkpoint.h"
 
 namespace shampoo {
@@ -32,6 +30,9 @@ namespace detail {
 class OwnerMajorLayout;  // parallel/communication/ownership_plan.h
 class OwnershipPlan;
 class UndoRecord;  // parallel/optimizers/undo_record.h
+struct Capabilities;  // parallel/optimizers/capabilities.h
+template <class>
+class PhasedStepOf;  // parallel/optimizers/internal_interfaces.h
 }  // namespace detail
 
 /// The entry of a parameter in ShardedOptimizer::state() (LibTorch's per-parameter state map,
@@ -52,8 +53,6 @@ struct ShardedParamState : torch::optim::OptimizerCloneableParamState<ShardedPar
 
 class ShardedOptimizer : public torch::optim::Optimizer,
                          public DistributedCheckpointable,
-                         public ParameterOwners,
-                         public PhasedBackwardStep,
                          public PortableCheckpointable {
  public:
   /// All parameters must share one dtype and device (any floating dtype, any strided layout:
@@ -107,10 +106,10 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   torch::optim::Optimizer& local_optimizer() { return *local_; }
   /// Owner rank of each parameter (in the order given, parameters added later after them).
   const std::vector<int>& owners() const;
-  /// ParameterOwners (gradient sharding): the owner of `param`, nullopt when it is not one of
-  /// this optimizer's.
-  c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const override { return group_; }
-  std::optional<int> owner_of(const at::Tensor& param) const override;
+  /// Who steps what (gradient sharding asks it): the process group of the owners and the owner
+  /// of `param`, nullopt when it is not one of this optimizer's.
+  c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const { return group_; }
+  std::optional<int> owner_of(const at::Tensor& param) const;
   /// Bytes of optimizer state on this rank (-1 when the optimizer type is not one of LibTorch's).
   int64_t state_bytes() const { return optimizer_state_bytes(*local_); }
 
@@ -141,6 +140,13 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   std::function<void()> prepare_portable_load(const PortableLoad& load) override;
 
  private:
+  // The wrappers reach the phased step below through the internal interfaces
+  // (parallel/optimizers/capabilities.h), whose adapters forward here.
+  template <class>
+  friend class detail::PhasedStepOf;
+  struct Interfaces;  // the adapters, sharded_optimizer.cpp
+  static bool internal_interfaces(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
+
   std::vector<torch::Tensor> params_;  // every registered parameter, in registration order
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::unique_ptr<detail::OwnershipPlan> plan_;       // item i = params_[i]
@@ -195,12 +201,12 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   /// never runs inside a gradient hook, in an order that differs between ranks). What a pass
   /// stepped is copied first (values and local state, LibTorch's optimizers only), so that an
   /// aborted pass (an error, or a GradScaler's overflow) leaves parameters and state as before.
-  void set_in_backward(bool in_backward) override;
-  bool backward_step_open() const override { return open_; }
-  void begin_backward_step() override;
-  void step_parameters(const std::vector<at::Tensor>& params) override;
-  void finish_backward_step() override;
-  void abort_backward_step() override;
+  void set_in_backward(bool in_backward);
+  bool backward_step_open() const { return open_; }
+  void begin_backward_step();
+  void step_parameters(const std::vector<at::Tensor>& params);
+  void finish_backward_step();
+  void abort_backward_step();
   /// The owners' updated parameters to every rank.
   void all_gather();
 
@@ -208,6 +214,7 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   bool open_ = false;
   /// In backward: the parameters and local states as they were before the pass, once each.
   std::unique_ptr<detail::UndoRecord> journal_;
+  std::unique_ptr<Interfaces> interfaces_;
 };
 
 }  // namespace shampoo

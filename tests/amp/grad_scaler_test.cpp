@@ -359,7 +359,7 @@ TEST(GradScalerSharded, OverflowOnOneRankSkipsEverywhereAndChangesNothing) {
       shampoo::GradientSynchronizer sync(
           model->parameters(), group, shampoo::GradientSynchronizerOptions().bucket_cap_bytes(64));
       auto optimizer = make_sharded(kind, model->parameters(), group);
-      sync.shard_gradients(dynamic_cast<const shampoo::ParameterOwners&>(*optimizer));
+      sync.shard_gradients(*optimizer);
       GradScaler scaler(GradScalerOptions().process_group(group));
       const auto data = shampoo::testing::make_blobs(32, 6, 3, 40 + rank);
       auto iteration = [&](bool inject) {
@@ -408,7 +408,7 @@ TEST(GradScalerInBackward, EqualsOrdinaryScaledStepsAndUndoesAnOverflowingPass) 
           ordinary_model->parameters(), group,
           shampoo::GradientSynchronizerOptions().bucket_cap_bytes(64));
       auto ordinary = factory(ordinary_model->parameters());
-      ordinary_sync.shard_gradients(dynamic_cast<const shampoo::ParameterOwners&>(*ordinary));
+      ordinary_sync.shard_gradients(*ordinary);
       GradScaler ordinary_scaler(GradScalerOptions().process_group(group).growth_interval(2));
       // In backward: the same, steps during backward.
       auto model = shampoo::testing::make_mlp(6, 8, 3, 13);

@@ -59,6 +59,15 @@ foreach(file ${installed})
                         "from shampoo/shampoo.h)")
   endif()
 endforeach()
+# The wrappers' internal interfaces live behind the public classes (parallel/optimizers/
+# capabilities.h): installing one again would make it part of the public surface.
+foreach(internal parallel/optimizers/parameter_owners.h parallel/optimizers/partial_step.h
+        parallel/optimizers/phased_backward_step.h parallel/optimizers/capabilities.h
+        parallel/optimizers/internal_interfaces.h parallel/communication/ownership_plan.h)
+  if(EXISTS "${prefix}/include/shampoo/${internal}")
+    message(FATAL_ERROR "install tree: the internal header ${internal} is installed")
+  endif()
+endforeach()
 list(LENGTH installed installed_count)
 message(STATUS "install tree: ${installed_count} public headers")
 

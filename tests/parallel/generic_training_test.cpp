@@ -228,8 +228,7 @@ std::vector<at::Tensor> run(Mode mode, int world, int rank, const Group& group,
   if (mode == Mode::kGradientSharding && distributed) {
     // ZeRO-2 over a DistributedShampoo that owns whole parameters; the late group's owners are
     // known once it is added (train() adds it), so sharding starts after the first call.
-    auto* owners = dynamic_cast<const shampoo::ParameterOwners*>(optimizer.get());
-    sync->shard_gradients(*owners);
+    sync->shard_gradients(*optimizer);
   }
   torch::optim::Optimizer& generic = fsdp ? fsdp->optimizer() : *optimizer;
   train(*model, generic, late, loop, dir, last, save_at);

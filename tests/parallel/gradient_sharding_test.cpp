@@ -22,7 +22,6 @@ using shampoo::DistributedOptions;
 using shampoo::DistributedShampoo;
 using shampoo::GradientSynchronizer;
 using shampoo::GradientSynchronizerOptions;
-using shampoo::ParameterOwners;
 using shampoo::ShampooOptions;
 using shampoo::testing::all_close;
 using shampoo::testing::bit_equal;
@@ -255,6 +254,12 @@ TEST(ShardedGradientsErrors, ClearMessages) {
     GradientSynchronizer sync({w}, group);
     DistributedShampoo local({w}, ShampooOptions::reference_defaults(0.01));
     expect_error([&] { sync.shard_gradients(local); }, {"no process group"});
+    // An optimizer that steps every parameter on every rank has no owners to shard by.
+    torch::optim::Adam adam({w}, torch::optim::AdamOptions(0.01));
+    expect_error([&] { sync.shard_gradients(adam); },
+                 {"does not say which rank steps each parameter", "ShardedOptimizer",
+                  "shard_by_parameter(true)", "InBackwardOptimizer"});
+    EXPECT_FALSE(sync.sharded());
   });
   // Trainer subgroups.
   expect_error(

@@ -84,7 +84,7 @@ TrainingRun make_run(ShardingKind kind, const c10::intrusive_ptr<c10d::ProcessGr
   } else {
     run.optimizer = make(run.model->parameters());
     if (sharded) {
-      run.sync->shard_gradients(dynamic_cast<const ParameterOwners&>(*run.optimizer));
+      run.sync->shard_gradients(*run.optimizer);
     }
   }
   return run;
@@ -96,7 +96,7 @@ void expect_only_owned_gradients(const TrainingRun& run, int rank) {
   int64_t owned_bytes = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const int owner = run.sync->owner(i);
-    ASSERT_NE(owner, ParameterOwners::kEveryRank) << "parameter " << i;
+    ASSERT_NE(owner, GradientSynchronizer::kEveryRank) << "parameter " << i;
     EXPECT_EQ(params[i].grad().defined(), owner == rank) << "parameter " << i << " rank " << rank;
     if (owner == rank) owned_bytes += static_cast<int64_t>(params[i].nbytes());
   }

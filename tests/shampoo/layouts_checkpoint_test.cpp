@@ -156,7 +156,7 @@ struct LayoutRun {
               groups_of(method, model), group_factory(method), group);
         }
         if (by_parameter) {
-          sync->shard_gradients(dynamic_cast<shampoo::ParameterOwners&>(*optimizer));
+          sync->shard_gradients(*optimizer);
         }
         break;
       }

@@ -68,7 +68,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> read_param_state_piece(
   return state;
 }
 
-void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ready) {
+void step_hiding_others(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ready) {
   std::unordered_set<const void*> stepping;
   for (const auto& p : ready) stepping.insert(p.unsafeGetTensorImpl());
   // The param groups hold `ready` only during the step: the optimizer never reads the other

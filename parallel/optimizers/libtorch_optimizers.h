@@ -24,7 +24,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
 /// for the parameters in `ready` only: during the step its param groups hold those alone (put
 /// back afterwards, also when the step throws), so the other parameters and their gradients are
 /// not even read.
-void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ready);
+void step_hiding_others(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& ready);
 
 /// A checkpoint piece of `param`'s state in `optimizer` (one of the above): whether it has
 /// state, and the state.

@@ -24,7 +24,7 @@ void step_optimizer(torch::optim::Optimizer& optimizer, const Capabilities& capa
   if (auto* partial = capabilities.partial) {
     partial->step_only(params);  // its own (DistributedShampoo: one step of those blocks)
   } else {
-    step_only(optimizer, params);
+    step_hiding_others(optimizer, params);
   }
 }
 

@@ -10,25 +10,15 @@
 
 namespace shampoo {
 
-struct DistributedShampoo::Interfaces {
-  detail::PhasedStepOf<DistributedShampoo> phased;
-  detail::PartialStepOf<DistributedShampoo> partial;
-  detail::ParameterOwnersOf<DistributedShampoo> owners;
-};
+struct DistributedShampoo::Interfaces
+    : detail::AdaptersOf<DistributedShampoo, detail::PhasedStepOf, detail::BlockStatesOf,
+                         detail::ParameterOwnersOf> {};
 
 bool DistributedShampoo::internal_interfaces(torch::optim::Optimizer& optimizer,
                                              detail::Capabilities& found) {
   auto* shampoo = dynamic_cast<DistributedShampoo*>(&optimizer);
-  if (shampoo == nullptr) return false;
-  if (auto* adapters = shampoo->interfaces_.get()) {  // null once moved from
-    adapters->phased.bind(shampoo);
-    adapters->partial.bind(shampoo);
-    adapters->owners.bind(shampoo);
-    found.phased = &adapters->phased;
-    found.partial = &adapters->partial;
-    found.owners = &adapters->owners;
-  }
-  return true;
+  if (shampoo != nullptr && shampoo->interfaces_) shampoo->interfaces_->bind(shampoo, found);
+  return shampoo != nullptr;
 }
 
 DistributedShampoo::DistributedShampoo(std::vector<torch::Tensor> params, ShampooOptions defaults,
@@ -121,12 +111,17 @@ torch::Tensor DistributedShampoo::step(LossClosure closure) {
   return loss;
 }
 
-bool DistributedShampoo::backward_step_open() const { return engine_->step_open(); }
+bool DistributedShampoo::phased_step_open() const { return engine_->step_open(); }
 
-void DistributedShampoo::begin_backward_step() {
+void DistributedShampoo::begin_phased_step(bool in_pass) {
+  TORCH_CHECK(in_pass || !in_backward_,
+              "DistributedShampoo: a step of some parameters outside a pass, but this optimizer "
+              "runs in backward (apply_optimizer_in_backward); its steps happen during "
+              "loss.backward()");
   c10::NoGradGuard no_grad;
   sync_groups_and_state();
-  engine_->begin_step(param_groups_, /*incremental=*/true);
+  // In a pass, compute_params runs more than once (incremental); alone, once.
+  engine_->begin_step(param_groups_, /*incremental=*/in_pass);
 }
 
 std::vector<int64_t> DistributedShampoo::indices_of(const std::vector<torch::Tensor>& params,
@@ -143,24 +138,12 @@ std::vector<int64_t> DistributedShampoo::indices_of(const std::vector<torch::Ten
 
 void DistributedShampoo::step_parameters(const std::vector<torch::Tensor>& params) {
   c10::NoGradGuard no_grad;
-  engine_->compute_params(param_groups_, indices_of(params, "step_parameters"));
-}
-
-void DistributedShampoo::step_only(const std::vector<torch::Tensor>& params) {
-  TORCH_CHECK(!in_backward_,
-              "DistributedShampoo::step_only(): this optimizer runs in backward "
-              "(apply_optimizer_in_backward); its steps happen during loss.backward()");
-  c10::NoGradGuard no_grad;
-  RECORD_USER_SCOPE("shampoo::step");
-  sync_groups_and_state();
-  const auto indices = indices_of(params, "step_only");
   try {
-    engine_->step(param_groups_, indices);
+    engine_->compute_params(param_groups_, indices_of(params, "step_parameters"));
   } catch (...) {
-    write_state_entries();
+    if (!engine_->step_open()) write_state_entries();  // undone by the engine
     throw;
   }
-  write_state_entries();
 }
 
 void DistributedShampoo::save_block_pieces(PieceWriter& pieces,
@@ -226,7 +209,7 @@ std::function<void()> DistributedShampoo::prepare_portable_load(const PortableLo
   };
 }
 
-void DistributedShampoo::finish_backward_step() {
+void DistributedShampoo::finish_phased_step() {
   c10::NoGradGuard no_grad;
   try {
     engine_->finish_step();
@@ -237,9 +220,9 @@ void DistributedShampoo::finish_backward_step() {
   write_state_entries();
 }
 
-void DistributedShampoo::abort_backward_step() {
+void DistributedShampoo::abort_phased_step() {
   c10::NoGradGuard no_grad;
-  engine_->abort_step();
+  engine_->abort_step();  // nothing when no step is open
   write_state_entries();
 }
 

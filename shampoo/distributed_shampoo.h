@@ -96,7 +96,7 @@ struct Capabilities;  // parallel/optimizers/capabilities.h
 template <class>
 class PhasedStepOf;  // parallel/optimizers/internal_interfaces.h
 template <class>
-class PartialStepOf;
+class BlockStatesOf;
 }  // namespace detail
 
 class DistributedShampoo : public torch::optim::Optimizer,
@@ -207,25 +207,25 @@ class DistributedShampoo : public torch::optim::Optimizer,
   template <class>
   friend class detail::PhasedStepOf;
   template <class>
-  friend class detail::PartialStepOf;
+  friend class detail::BlockStatesOf;
   struct Interfaces;  // the adapters, distributed_shampoo.cpp
   static bool internal_interfaces(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
 
-  /// Optimizer-in-backward (PhasedBackwardStep): the step split into begin, per-parameter block
-  /// work as gradients arrive, and finish (the one AllGather). While `in_backward` is set, step()
-  /// is an error.
+  /// PhasedStep: the step split into begin, per-parameter block work (as gradients arrive, in
+  /// backward; the parameters of a unit, in full sharding) and finish (the one AllGather). A
+  /// step not `in_pass` is one of the parameters given to the one step_parameters call alone.
+  /// While `in_backward` is set, step() and a step not in a pass are errors.
   void set_in_backward(bool in_backward) { in_backward_ = in_backward; }
-  bool backward_step_open() const;
-  void begin_backward_step();
+  bool phased_step_open() const;
+  void begin_phased_step(bool in_pass);
   void step_parameters(const std::vector<torch::Tensor>& params);
-  void finish_backward_step();
-  /// Undoes the open backward step (after an error during backward).
-  void abort_backward_step();
+  void finish_phased_step();
+  /// Undoes the open step (after an error); nothing to undo when none is open.
+  void abort_phased_step();
 
-  /// PartialStep (full sharding: one optimizer per rank over the parameters it owns, stepped
-  /// unit by unit, checkpointed per model parameter).
+  /// BlockStates (full sharding: one optimizer per rank over the parameters it owns,
+  /// checkpointed per model parameter).
   using BlockPieceName = std::function<std::string(const at::Tensor& param, int64_t block)>;
-  void step_only(const std::vector<torch::Tensor>& params);
   void register_appended() { sync_groups_and_state(); }
   void save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const;
   std::function<void()> prepare_block_load(PieceReader& pieces, const BlockPieceName& name_of,

@@ -189,7 +189,7 @@ void FullyShardedDataParallel::release_all() {
 torch::optim::Optimizer* FullyShardedDataParallel::optimizer_of(const at::Tensor& param) {
   auto& s = *state_;
   const auto [u, i] = s.position_of(param);
-  if (!s.lossless()) return s.unit(u).optimizer.get();
+  if (!s.lossless()) return s.unit(u).optimizer ? s.unit(u).optimizer->get() : nullptr;
   const bool stepped_here =
       s.steps_here(s.unit(u).params[i]) && s.group_of.count(State::impl_of(param)) != 0;
   return stepped_here ? s.rank_optimizer->get() : nullptr;
@@ -201,7 +201,7 @@ std::vector<torch::optim::Optimizer*> FullyShardedDataParallel::optimizers() {
     out.push_back(state_->rank_optimizer->get());
   }
   for (auto& unit : state_->units) {
-    if (unit->optimizer) out.push_back(unit->optimizer.get());
+    if (unit->optimizer) out.push_back(unit->optimizer->get());
   }
   return out;
 }

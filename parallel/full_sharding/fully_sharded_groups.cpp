@@ -20,12 +20,6 @@ std::string FullyShardedDataParallel::State::options_bytes(
   return out.str();
 }
 
-/// Every group of `to` gets a copy of `from` (group g's options).
-void FullyShardedDataParallel::State::copy_options(const torch::optim::OptimizerOptions& from,
-                                                   torch::optim::Optimizer& to, size_t g) {
-  for (auto& group : to.param_groups()) detail::set_group_options(group, from, g, kWho);
-}
-
 /// Copies each group's options into the optimizers of its parameters where they changed since
 /// the last copy: the one point per iteration where options take effect (the start of backward
 /// with overlap, of step() without). Options set on one of optimizers() directly stay until
@@ -37,7 +31,7 @@ void FullyShardedDataParallel::State::push_group_options() {
     if (bytes == pushed[g]) continue;
     if (rank_optimizer) rank_optimizer->set_options(g, groups[g].options());
     for (auto& unit : units) {
-      if (unit->optimizer) copy_options(groups[g].options(), *unit->optimizer, g);
+      if (unit->optimizer) unit->optimizer->set_options(0, groups[g].options());
     }
     pushed[g] = std::move(bytes);
   }

@@ -222,13 +222,12 @@ void FullyShardedDataParallel::State::make_shards_and_optimizers() {
       }
     }
     if (!stepped.empty()) {
-      unit->optimizer = factory(torch::optim::OptimizerParamGroup(stepped));
-      TORCH_CHECK(unit->optimizer != nullptr, kWho, "the optimizer factory returned null");
-      detail::check_factory_optimizer(*unit->optimizer, kWho);
+      unit->optimizer = std::make_unique<detail::LocalOptimizer>(factory, kWho);
+      unit->optimizer->make(torch::optim::OptimizerParamGroup(stepped));
     }
   }
   if (!lossless()) return;
-  rank_optimizer = std::make_unique<detail::RankOptimizer>(factory, kWho);
+  rank_optimizer = std::make_unique<detail::LocalOptimizer>(factory, kWho);
   const auto& groups = facade->param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
     std::vector<at::Tensor> owned;  // in the group's order
@@ -240,7 +239,7 @@ void FullyShardedDataParallel::State::make_shards_and_optimizers() {
 }
 
 /// The options of optimizer()'s param groups, as the rank optimizer asks for them.
-detail::RankOptimizer::GroupOptions FullyShardedDataParallel::State::group_options() {
+detail::LocalOptimizer::GroupOptions FullyShardedDataParallel::State::group_options() {
   return [this](size_t g) -> const torch::optim::OptimizerOptions& {
     return facade->param_groups().at(g).options();
   };

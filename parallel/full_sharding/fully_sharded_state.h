@@ -22,8 +22,8 @@
 
 #include "parallel/data_parallel/backward_pass.h"
 #include "parallel/full_sharding/fully_sharded.h"
-#include "parallel/full_sharding/rank_optimizer.h"
 #include "parallel/full_sharding/step_worker.h"
+#include "parallel/optimizers/local_optimizer.h"
 #include "parallel/optimizers/undo_record.h"
 
 namespace shampoo::detail {
@@ -88,8 +88,8 @@ struct FsdpUnit {
   bool in_pass = false;     // ran forward with gradients in the current pass
   bool to_step = false;     // reduced gradients waiting for step()
   bool owned_kept = false;  // the owner's parameters kept from the backward gather for the step
-  std::unique_ptr<torch::optim::Optimizer> optimizer;  // local shards: over this rank's rows
-  std::shared_future<void> pending;                    // its step on the worker
+  std::unique_ptr<LocalOptimizer> optimizer;  // local shards: over this rank's rows
+  std::shared_future<void> pending;           // its step on the worker
 };
 
 }  // namespace shampoo::detail
@@ -109,7 +109,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   FullyShardedOptions options;
   GroupOptimizerFactory factory;
   // Lossless: the one optimizer of this rank, over the parameters it owns in optimizer()'s groups.
-  std::unique_ptr<detail::RankOptimizer> rank_optimizer;
+  std::unique_ptr<detail::LocalOptimizer> rank_optimizer;
   int rank = 0;
   int world = 1;     // ranks of the shard group (group)
   int replicas = 1;  // hybrid: ranks of options.replica_group()
@@ -173,7 +173,7 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   void broadcast_values();
   void assign_owners();
   void make_shards_and_optimizers();
-  detail::RankOptimizer::GroupOptions group_options();
+  detail::LocalOptimizer::GroupOptions group_options();
   void add_hooks();
   std::pair<size_t, size_t> position_of(const at::Tensor& param) const;
   ParamSlot& slot_for(const at::Tensor& param);
@@ -211,8 +211,6 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   void step_unit(Unit& unit, c10d::ProcessGroup& via);
   std::string step_reduced(Unit& unit, UndoRecord& undo);
   void drop_unit_step(Unit& unit);
-  void step_optimizer(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& params,
-                      UndoRecord& undo) const;
   bool undo_pass();
   void commit_pass();
   std::string non_finite_gradient(const Unit& unit) const;
@@ -236,8 +234,6 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
 
   // optimizer()'s param groups (fully_sharded_groups.cpp)
   static std::string options_bytes(const torch::optim::OptimizerOptions& options);
-  static void copy_options(const torch::optim::OptimizerOptions& from, torch::optim::Optimizer& to,
-                           size_t g);
   void push_group_options();
   std::vector<at::Tensor> register_group_params(size_t g, size_t first);
   void add_later_params(const std::vector<at::Tensor>& added, size_t g);

@@ -8,7 +8,6 @@
 
 #include "parallel/communication/collectives.h"
 #include "parallel/full_sharding/fully_sharded_state.h"
-#include "parallel/optimizers/capabilities.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
 #include "parallel/optimizers/optimizer_step.h"
 
@@ -75,8 +74,6 @@ void FullyShardedDataParallel::State::step_unit(Unit& unit, c10d::ProcessGroup& 
 /// the gradients released. Returns why it failed (a non-finite gradient, an optimizer's error),
 /// or nothing.
 std::string FullyShardedDataParallel::State::step_reduced(Unit& unit, UndoRecord& undo) {
-  // What this rank steps: (optimizer, its parameters with their gradients set).
-  std::vector<std::pair<torch::optim::Optimizer*, std::vector<at::Tensor>>> work;
   // Without overlap every unit was checked before any stepped (check_finite_before_steps).
   std::string failure = options.overlap_step() ? non_finite_gradient(unit) : std::string();
   std::vector<at::Tensor> owned;  // lossless: the parameters this rank steps
@@ -86,17 +83,20 @@ std::string FullyShardedDataParallel::State::step_reduced(Unit& unit, UndoRecord
     target.mutable_grad() = slot.reduced;
     if (lossless() && in_a_group(slot)) owned.push_back(slot.param);
   }
+  std::vector<at::Tensor> rows;  // local shards: this rank's rows with their gradients set
   if (unit.optimizer) {
-    std::vector<at::Tensor> rows;
     for (auto& slot : unit.params) {
       if (slot.shard.grad().defined()) rows.push_back(slot.shard);
     }
-    work.push_back({unit.optimizer.get(), rows});
   }
   if (failure.empty()) {
     try {
-      if (lossless()) rank_optimizer->step(owned, /*in_pass=*/true, journal() ? &undo : nullptr);
-      for (auto& [optimizer, params] : work) step_optimizer(*optimizer, params, undo);
+      // With the journal, the unit's step is part of the pass, which commit_pass or undo_pass
+      // ends; what undoes it is saved in `undo` first.
+      auto* kept = journal() ? &undo : nullptr;
+      if (lossless()) rank_optimizer->step(owned, detail::StepScope::kInPass, kept);
+      const auto scope = journal() ? detail::StepScope::kInPass : detail::StepScope::kAlone;
+      if (unit.optimizer) unit.optimizer->step(rows, scope, kept);
     } catch (const std::exception& e) {
       failure = std::string("the step of unit '") + unit.name + "' failed: " + e.what();
     }
@@ -116,16 +116,6 @@ void FullyShardedDataParallel::State::drop_unit_step(Unit& unit) {
   }
   unit.owned_kept = false;
   unit.to_step = false;
-}
-
-/// Steps `params` with `optimizer`, first saving in `undo` what undoes it (with the journal: the
-/// unit's step is then part of the pass, which commit_pass or undo_pass ends).
-void FullyShardedDataParallel::State::step_optimizer(torch::optim::Optimizer& optimizer,
-                                                     const std::vector<at::Tensor>& params,
-                                                     UndoRecord& undo) const {
-  detail::step_optimizer(optimizer, detail::capabilities_of(optimizer), params,
-                         journal() ? detail::StepScope::kInPass : detail::StepScope::kAlone,
-                         journal() ? &undo : nullptr);
 }
 
 /// Undoes the steps of the units stepped in the failed pass; false when one of them cannot be.
@@ -270,7 +260,7 @@ void FullyShardedDataParallel::State::step_all_owned() {
   std::string failure;
   try {
     at::NoGradGuard no_grad;
-    if (!owned.empty()) rank_optimizer->step(owned, /*in_pass=*/false, nullptr);
+    if (!owned.empty()) rank_optimizer->step(owned, detail::StepScope::kAlone, nullptr);
   } catch (const std::exception& e) {
     failure = std::string("the step failed: ") + e.what();
   }

@@ -11,19 +11,16 @@
 
 namespace shampoo {
 
-struct InBackwardOptimizer::Interfaces {
-  detail::ParameterOwnersOf<InBackwardOptimizer> owners;
-};
+struct InBackwardOptimizer::Interfaces
+    : detail::AdaptersOf<InBackwardOptimizer, detail::ParameterOwnersOf> {};
 
 bool InBackwardOptimizer::internal_interfaces(torch::optim::Optimizer& optimizer,
                                               detail::Capabilities& found) {
   auto* in_backward = dynamic_cast<InBackwardOptimizer*>(&optimizer);
-  if (in_backward == nullptr) return false;
-  if (auto* adapters = in_backward->interfaces_.get()) {  // null once moved from
-    adapters->owners.bind(in_backward);
-    found.owners = &adapters->owners;
+  if (in_backward != nullptr && in_backward->interfaces_) {  // null once moved from
+    in_backward->interfaces_->bind(in_backward, found);
   }
-  return true;
+  return in_backward != nullptr;
 }
 
 InBackwardOptimizer::InBackwardOptimizer()

@@ -2,9 +2,9 @@
 /// Optimizer-in-backward: each parameter's optimizer steps as soon as its gradient has been
 /// accumulated during loss.backward(), and the gradient is released right after, so gradients
 /// never all live at once. Works for torch::optim's SGD, Adam, AdamW, Adagrad, RMSprop (any
-/// optimizer that steps the parameters with a gradient) and for optimizers that step in phases
-/// (PhasedBackwardStep): DistributedShampoo's local block work then happens during backward and
-/// its one AllGather runs at the end of backward.
+/// optimizer that steps the parameters with a gradient) and for the optimizers that step in
+/// phases (DistributedShampoo, ShardedOptimizer): DistributedShampoo's local block work then
+/// happens during backward and its one AllGather runs at the end of backward.
 ///
 ///   auto opt = shampoo::apply_optimizer_in_backward(embedding_a, [](std::vector<torch::Tensor> p)
 ///   {

@@ -18,7 +18,7 @@
 #include "parallel/optimizers/libtorch_optimizers.h"
 #include "parallel/optimizers/optimizer_step.h"
 #include "parallel/optimizers/parameter_owners.h"
-#include "parallel/optimizers/phased_backward_step.h"
+#include "parallel/optimizers/phased_step.h"
 #include "parallel/state_sharding/sharded_optimizer.h"
 
 namespace shampoo {

@@ -5,30 +5,30 @@
 ///
 /// Two kinds of interface. The public ones (ScaledStepping, PortableCheckpointable,
 /// DistributedCheckpointable, installed with the headers a user includes) are base classes of the
-/// public optimizers and found by a cast. The internal ones (PhasedBackwardStep, PartialStep,
-/// ParameterOwners: not installed) live behind the public classes: each class that implements
-/// them registers a lookup (register_internal_interfaces) that answers for its objects with
-/// adapters it keeps (internal_interfaces.h).
+/// public optimizers and found by a cast. The internal ones (PhasedStep, BlockStates,
+/// ParameterOwners: not installed) live behind the public classes: each class that implements them
+/// registers a lookup (register_internal_interfaces) that answers for its objects with adapters it
+/// keeps (internal_interfaces.h).
 
 #include <torch/optim/optimizer.h>
 
 namespace shampoo {
 
 class DistributedCheckpointable;
+class BlockStates;
 class ParameterOwners;
-class PartialStep;
-class PhasedBackwardStep;
+class PhasedStep;
 class PortableCheckpointable;
 class ScaledStepping;
 
 namespace detail {
 
 struct Capabilities {
-  /// Steps in phases during backward (phased_backward_step.h): DistributedShampoo,
-  /// ShardedOptimizer.
-  PhasedBackwardStep* phased = nullptr;
-  /// Keeps state across its parameters and steps some of them (partial_step.h): DistributedShampoo.
-  PartialStep* partial = nullptr;
+  /// Steps in phases: begin, the work of some parameters, finish (phased_step.h):
+  /// DistributedShampoo, ShardedOptimizer.
+  PhasedStep* phased = nullptr;
+  /// Keeps its state by block, across its parameters (block_states.h): DistributedShampoo.
+  BlockStates* blocks = nullptr;
   /// Its parameters are owned by ranks (parameter_owners.h): DistributedShampoo,
   /// ShardedOptimizer, InBackwardOptimizer.
   ParameterOwners* owners = nullptr;
@@ -46,7 +46,7 @@ struct Capabilities {
 Capabilities capabilities_of(const torch::optim::Optimizer& optimizer);
 
 /// Answers for the optimizers of one class: when `optimizer` is one, sets the internal interfaces
-/// it implements in `found` (phased, partial, owners) and returns true; otherwise returns false.
+/// it implements in `found` (phased, blocks, owners) and returns true; otherwise returns false.
 using InternalInterfaceLookup = bool (*)(torch::optim::Optimizer& optimizer, Capabilities& found);
 
 /// Adds `lookup` to those capabilities_of asks (once: a second call with the same function does

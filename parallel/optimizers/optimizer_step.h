@@ -1,10 +1,11 @@
 #pragma once
-/// The one way a wrapper steps an optimizer (in-backward's sets, full sharding's rank optimizer
-/// and its units' optimizers; ZeRO-1 steps its local optimizer whole): which parameters, whether
+/// The one way a wrapper steps an optimizer (in-backward's sets, ZeRO-1's local optimizer in
+/// backward, full sharding's rank optimizer and its units' optimizers): which parameters, whether
 /// inside a pass that is finished or undone as a whole, and what to keep for the undo. The
 /// optimizer's capabilities (capabilities.h) say how: an optimizer that steps in phases
-/// (PhasedBackwardStep) opens its step once per pass and does each parameter set's work in it;
-/// any other steps the given parameters alone, for good.
+/// (PhasedStep) opens its step once per pass and does each parameter set's work in it, or, alone,
+/// begins, does the parameters' work and finishes; any other steps the given parameters alone
+/// (the LibTorch subset step, libtorch_optimizers.h), for good.
 
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>

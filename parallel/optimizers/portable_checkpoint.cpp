@@ -8,9 +8,9 @@
 #include <algorithm>
 #include <utility>
 
+#include "parallel/optimizers/block_states.h"
 #include "parallel/optimizers/capabilities.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
-#include "parallel/optimizers/partial_step.h"
 
 namespace shampoo {
 namespace {
@@ -24,7 +24,7 @@ std::string block_key(const std::string& name, int64_t block) {
 
 /// "DistributedShampoo", or LibTorch's optimizer's name; an error starting with `who` otherwise.
 std::string kind_of(const torch::optim::Optimizer& optimizer, const std::string& who) {
-  if (detail::capabilities_of(optimizer).partial != nullptr) return kShampooKind;
+  if (detail::capabilities_of(optimizer).blocks != nullptr) return kShampooKind;
   auto name = detail::libtorch_optimizer_name(optimizer);
   TORCH_CHECK(!name.empty(), who,
               "checkpoints need DistributedShampoo or one of LibTorch's SGD, Adam, AdamW, "
@@ -103,7 +103,7 @@ void save_param_states(const torch::optim::Optimizer& optimizer,
                        const std::vector<at::Tensor>& heads, PieceWriter& pieces,
                        const ParamNames& names, const std::string& who) {
   const auto kind = kind_of(optimizer, who);
-  const PartialStep* partial = capabilities_of(optimizer).partial;
+  const BlockStates* blocks = capabilities_of(optimizer).blocks;
   // A parameter's group (DistributedShampoo counts steps per group).
   std::map<const c10::TensorImpl*, size_t> group_of;
   const auto& groups = optimizer.param_groups();
@@ -112,18 +112,18 @@ void save_param_states(const torch::optim::Optimizer& optimizer,
   }
   for (const auto& p : heads) {
     torch::serialize::OutputArchive head =
-        partial != nullptr ? torch::serialize::OutputArchive() : param_state_piece(optimizer, p);
+        blocks != nullptr ? torch::serialize::OutputArchive() : param_state_piece(optimizer, p);
     head.write("kind", c10::IValue(kind));
-    if (partial != nullptr) {
+    if (blocks != nullptr) {
       const size_t g = group_of.at(p.unsafeGetTensorImpl());
-      head.write("step", c10::IValue(partial->group_step(g)));
-      head.write("lr_sum", c10::IValue(partial->group_lr_sum(g)));
-      head.write("eval_mode", c10::IValue(partial->in_eval_mode()));
+      head.write("step", c10::IValue(blocks->group_step(g)));
+      head.write("lr_sum", c10::IValue(blocks->group_lr_sum(g)));
+      head.write("eval_mode", c10::IValue(blocks->in_eval_mode()));
     }
     pieces.add(head_key(names(p)), std::move(head));
   }
-  if (partial != nullptr) {
-    partial->save_block_pieces(
+  if (blocks != nullptr) {
+    blocks->save_block_pieces(
         pieces, [&](const at::Tensor& p, int64_t block) { return block_key(names(p), block); });
   }
 }
@@ -147,7 +147,7 @@ torch::serialize::InputArchive read_head(PieceReader& pieces, const std::string&
 std::function<void()> prepare_shampoo_states(torch::optim::Optimizer& optimizer,
                                              PieceReader& pieces, const ParamNames& names,
                                              const std::string& who) {
-  auto* partial = capabilities_of(optimizer).partial;
+  auto* blocks = capabilities_of(optimizer).blocks;
   const auto& groups = optimizer.param_groups();
   std::vector<int64_t> steps(groups.size(), 0);
   std::vector<double> lr_sums(groups.size(), 0.0);
@@ -172,7 +172,7 @@ std::function<void()> prepare_shampoo_states(torch::optim::Optimizer& optimizer,
       if (head.try_read("eval_mode", eval) && eval.isBool()) eval_mode = eval.toBool();
     }
   }
-  return partial->prepare_block_load(
+  return blocks->prepare_block_load(
       pieces, [&](const at::Tensor& p, int64_t block) { return block_key(names(p), block); },
       std::move(steps), std::move(lr_sums), eval_mode);
 }
@@ -234,7 +234,7 @@ void ReplicatedPortable::save_portable_pieces(PieceWriter& pieces, const Portabl
 }
 
 bool has_param_states(const torch::optim::Optimizer& optimizer) {
-  return capabilities_of(optimizer).partial != nullptr ||
+  return capabilities_of(optimizer).blocks != nullptr ||
          !libtorch_optimizer_name(optimizer).empty();
 }
 

@@ -30,7 +30,7 @@ void UndoRecord::save_states(torch::optim::Optimizer& optimizer,
 
 void UndoRecord::undo() {
   at::NoGradGuard no_grad;
-  for (auto* p : phased_) p->abort_backward_step();
+  for (auto* p : phased_) p->abort();
   for (auto& saved : states_) {
     saved.optimizer->state().erase(saved.key);
     if (saved.state) saved.optimizer->state()[saved.key] = std::move(saved.state);
@@ -40,7 +40,7 @@ void UndoRecord::undo() {
 }
 
 void UndoRecord::commit() {
-  for (auto* p : phased_) p->finish_backward_step();
+  for (auto* p : phased_) p->finish();
   clear();
 }
 

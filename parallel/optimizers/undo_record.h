@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "parallel/optimizers/phased_backward_step.h"
+#include "parallel/optimizers/phased_step.h"
 
 namespace shampoo::detail {
 
@@ -25,7 +25,7 @@ class UndoRecord {
   /// (libtorch_optimizers.h): for another optimizer the record becomes incomplete instead.
   void save_states(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& params);
   /// A phased step opened for what this record covers: undo() aborts it, commit() finishes it.
-  void add_phased(PhasedBackwardStep& phased) { phased_.push_back(&phased); }
+  void add_phased(PhasedStep& phased) { phased_.push_back(&phased); }
 
   /// Whether undo() puts everything back (false: an optimizer stepped whose state it could not
   /// copy).
@@ -44,7 +44,7 @@ class UndoRecord {
     void* key;
     std::unique_ptr<torch::optim::OptimizerParamState> state;  // null: none before
   };
-  std::vector<PhasedBackwardStep*> phased_;
+  std::vector<PhasedStep*> phased_;
   std::vector<SavedState> states_;
   std::vector<std::pair<at::Tensor, at::Tensor>> values_;  // (tensor, its values before)
   std::unordered_set<const void*> saved_values_;

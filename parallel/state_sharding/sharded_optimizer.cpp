@@ -14,7 +14,7 @@
 #include "parallel/communication/process_group.h"
 #include "parallel/optimizers/internal_interfaces.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
-#include "parallel/optimizers/optimizer_step.h"
+#include "parallel/optimizers/local_optimizer.h"
 #include "parallel/optimizers/undo_record.h"
 
 namespace shampoo {
@@ -34,21 +34,14 @@ std::optional<double> lr_of(const torch::optim::OptimizerOptions& options) {
 
 }  // namespace
 
-struct ShardedOptimizer::Interfaces {
-  detail::PhasedStepOf<ShardedOptimizer> phased;
-  detail::ParameterOwnersOf<ShardedOptimizer> owners;
-};
+struct ShardedOptimizer::Interfaces
+    : detail::AdaptersOf<ShardedOptimizer, detail::PhasedStepOf, detail::ParameterOwnersOf> {};
 
 bool ShardedOptimizer::internal_interfaces(torch::optim::Optimizer& optimizer,
                                            detail::Capabilities& found) {
   auto* sharded = dynamic_cast<ShardedOptimizer*>(&optimizer);
-  if (sharded == nullptr) return false;
-  auto& adapters = *sharded->interfaces_;
-  adapters.phased.bind(sharded);
-  adapters.owners.bind(sharded);
-  found.phased = &adapters.phased;
-  found.owners = &adapters.owners;
-  return true;
+  if (sharded != nullptr && sharded->interfaces_) sharded->interfaces_->bind(sharded, found);
+  return sharded != nullptr;
 }
 
 ShardedOptimizer::ShardedOptimizer(std::vector<torch::Tensor> params,
@@ -82,17 +75,28 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
   // some (their type is checked against the optimizer's just after).
   auto first = torch::optim::OptimizerParamGroup(register_params(0, 0));
   if (param_groups[0].has_options()) first.set_options(param_groups[0].options().clone());
-  local_ = factory(std::move(first));
-  TORCH_CHECK(local_ != nullptr, "ShardedOptimizer: the factory returned null");
-  detail::check_factory_optimizer(*local_, "ShardedOptimizer: ");
-  defaults_ = local_->defaults().clone();
-  param_groups_[0].set_options(local_->param_groups()[0].options().clone());
+  local_ = std::make_unique<detail::LocalOptimizer>(factory, "ShardedOptimizer: ");
+  local_->make(std::move(first));
+  defaults_ = local_optimizer().defaults().clone();
+  param_groups_[0].set_options(local_optimizer().param_groups()[0].options().clone());
   pushed_lrs_.push_back(lr_of(param_groups_[0].options()).value_or(0.0));
   for (size_t g = 1; g < param_groups.size(); ++g) add_param_group(param_groups[g]);
   write_state_entries();
 }
 
 ShardedOptimizer::~ShardedOptimizer() = default;
+
+torch::optim::Optimizer& ShardedOptimizer::local_optimizer() { return *local_->get(); }
+
+const torch::optim::Optimizer& ShardedOptimizer::local_optimizer() const { return *local_->get(); }
+
+int64_t ShardedOptimizer::state_bytes() const { return optimizer_state_bytes(*local_->get()); }
+
+detail::LocalOptimizer::GroupOptions ShardedOptimizer::group_options() const {
+  return [this](size_t g) -> const torch::optim::OptimizerOptions& {
+    return param_groups_.at(g).options();
+  };
+}
 
 const std::vector<int>& ShardedOptimizer::owners() const { return plan_->owners(); }
 
@@ -214,8 +218,7 @@ void ShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& 
 void ShardedOptimizer::register_group(size_t g) {
   group_sizes_.push_back(0);
   auto own = register_params(g, 0);
-  local_->add_param_group(
-      torch::optim::OptimizerParamGroup(std::move(own), param_groups_[g].options().clone()));
+  local_->add(g, own, group_options());
   pushed_lrs_.push_back(lr_of(param_groups_[g].options()).value_or(0.0));
 }
 
@@ -231,8 +234,7 @@ void ShardedOptimizer::register_added_params() {
       added = true;
     } else if (static_cast<int64_t>(param_groups_[g].params().size()) > group_sizes_[g]) {
       auto own = register_params(g, static_cast<size_t>(group_sizes_[g]));
-      auto& local_params = local_->param_groups()[g].params();
-      local_params.insert(local_params.end(), own.begin(), own.end());
+      local_->add(g, own, group_options());
       added = true;
     }
   }
@@ -240,7 +242,7 @@ void ShardedOptimizer::register_added_params() {
 }
 
 void ShardedOptimizer::push_options_to_local() {
-  auto& local_groups = local_->param_groups();
+  auto& local_groups = local_optimizer().param_groups();
   TORCH_INTERNAL_ASSERT(local_groups.size() == param_groups_.size());
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const auto local_lr = lr_of(local_groups[g].options());
@@ -253,13 +255,13 @@ void ShardedOptimizer::push_options_to_local() {
                   *local_lr, ") since the last step; set it on param_groups() alone");
       param_groups_[g].options().set_lr(*local_lr);
     }
-    local_groups[g].set_options(param_groups_[g].options().clone());
+    local_->set_options(g, param_groups_[g].options());
     pushed_lrs_[g] = lr_of(param_groups_[g].options()).value_or(0.0);
   }
 }
 
 void ShardedOptimizer::pull_options_from_local() {
-  const auto& local_groups = local_->param_groups();
+  const auto& local_groups = local_optimizer().param_groups();
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     param_groups_[g].set_options(local_groups[g].options().clone());
     pushed_lrs_[g] = lr_of(param_groups_[g].options()).value_or(0.0);
@@ -302,7 +304,7 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
   register_added_params();
   check_has_params("step()");
   push_options_to_local();
-  local_->step();
+  local_optimizer().step();
   all_gather();
   ++steps_;
   write_state_entries();
@@ -326,14 +328,14 @@ void ShardedOptimizer::all_gather() {
 }
 
 void ShardedOptimizer::set_in_backward(bool in_backward) {
-  TORCH_CHECK(!in_backward || !detail::libtorch_optimizer_name(*local_).empty(),
+  TORCH_CHECK(!in_backward || !detail::libtorch_optimizer_name(local_optimizer()).empty(),
               "ShardedOptimizer in backward (apply_optimizer_in_backward): the factory must make "
               "one of LibTorch's SGD, Adam, AdamW, Adagrad or RMSprop, whose per-parameter state "
               "can be copied so that an aborted backward pass is undone");
   in_backward_ = in_backward;
 }
 
-void ShardedOptimizer::begin_backward_step() {
+void ShardedOptimizer::begin_phased_step(bool /*in_pass*/) {  // the same either way
   TORCH_CHECK(!open_, "ShardedOptimizer: a backward step is already open");
   register_added_params();
   check_has_params("step (in backward)");
@@ -357,11 +359,10 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
   if (ready.empty()) return;
   // Copies of what this call changes, once per pass and parameter.
   for (const auto& p : ready) journal_->save_values(p);
-  detail::step_optimizer(*local_, detail::capabilities_of(*local_), ready,
-                         detail::StepScope::kAlone, journal_.get());
+  local_->step(ready, detail::StepScope::kAlone, journal_.get());
 }
 
-void ShardedOptimizer::finish_backward_step() {
+void ShardedOptimizer::finish_phased_step() {
   TORCH_INTERNAL_ASSERT(open_);
   open_ = false;
   journal_->clear();
@@ -370,7 +371,7 @@ void ShardedOptimizer::finish_backward_step() {
   write_state_entries();
 }
 
-void ShardedOptimizer::abort_backward_step() {
+void ShardedOptimizer::abort_phased_step() {
   if (!open_) return;
   journal_->undo();
   open_ = false;

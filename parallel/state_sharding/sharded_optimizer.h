@@ -14,6 +14,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -29,7 +30,8 @@ namespace shampoo {
 namespace detail {
 class OwnerMajorLayout;  // parallel/communication/ownership_plan.h
 class OwnershipPlan;
-class UndoRecord;  // parallel/optimizers/undo_record.h
+class UndoRecord;      // parallel/optimizers/undo_record.h
+class LocalOptimizer;  // parallel/optimizers/local_optimizer.h
 struct Capabilities;  // parallel/optimizers/capabilities.h
 template <class>
 class PhasedStepOf;  // parallel/optimizers/internal_interfaces.h
@@ -103,7 +105,8 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   /// optimizer before each step, so other changes made here are overwritten then. A learning rate
   /// set here alone (the way before param_groups() mirrored the user's groups) is taken over
   /// into param_groups(); set on both, it is an error.
-  torch::optim::Optimizer& local_optimizer() { return *local_; }
+  torch::optim::Optimizer& local_optimizer();
+  const torch::optim::Optimizer& local_optimizer() const;
   /// Owner rank of each parameter (in the order given, parameters added later after them).
   const std::vector<int>& owners() const;
   /// Who steps what (gradient sharding asks it): the process group of the owners and the owner
@@ -111,7 +114,7 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   c10::intrusive_ptr<c10d::ProcessGroup> owners_group() const { return group_; }
   std::optional<int> owner_of(const at::Tensor& param) const;
   /// Bytes of optimizer state on this rank (-1 when the optimizer type is not one of LibTorch's).
-  int64_t state_bytes() const { return optimizer_state_bytes(*local_); }
+  int64_t state_bytes() const;
 
   /// Each rank saves its own optimizer state; loading needs the same world size and rank.
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -157,7 +160,7 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   int64_t steps_ = 0;              // completed steps
   at::Tensor send_;
   at::Tensor receive_;
-  std::unique_ptr<torch::optim::Optimizer> local_;
+  std::unique_ptr<detail::LocalOptimizer> local_;  // always made (over none, possibly)
   // Per param group: the lr last copied into the local optimizer (to notice one set there).
   std::vector<double> pushed_lrs_;
 
@@ -191,22 +194,25 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   std::optional<std::pair<int64_t, std::vector<int64_t>>> read_param_steps(
       torch::serialize::InputArchive& archive, const char* who) const;
   void restore_param_steps(const std::optional<std::pair<int64_t, std::vector<int64_t>>>& saved);
+  /// The options of param_groups()[k], as the local optimizer asks for them.
+  std::function<const torch::optim::OptimizerOptions&(size_t)> group_options() const;
   /// A copy of a group's options; an error naming the group when their type is not the local
   /// optimizer's.
   std::unique_ptr<torch::optim::OptimizerOptions> checked_options(
       const torch::optim::OptimizerOptions& options, size_t group) const;
 
-  /// PhasedBackwardStep (optimizer-in-backward): the local steps of the owned parameters as
-  /// their gradients arrive, the one AllGather at the end of backward (so that the collective
-  /// never runs inside a gradient hook, in an order that differs between ranks). What a pass
-  /// stepped is copied first (values and local state, LibTorch's optimizers only), so that an
-  /// aborted pass (an error, or a GradScaler's overflow) leaves parameters and state as before.
+  /// PhasedStep (optimizer-in-backward): the local steps of the owned parameters as their
+  /// gradients arrive, the one AllGather at the end of backward (so that the collective never
+  /// runs inside a gradient hook, in an order that differs between ranks). What a pass stepped is
+  /// copied first (values and local state, LibTorch's optimizers only), so that an aborted pass
+  /// (an error, or a GradScaler's overflow) leaves parameters and state as before. A step alone
+  /// (not in a pass) is the same.
   void set_in_backward(bool in_backward);
-  bool backward_step_open() const { return open_; }
-  void begin_backward_step();
+  bool phased_step_open() const { return open_; }
+  void begin_phased_step(bool in_pass);
   void step_parameters(const std::vector<at::Tensor>& params);
-  void finish_backward_step();
-  void abort_backward_step();
+  void finish_phased_step();
+  void abort_phased_step();
   /// The owners' updated parameters to every rank.
   void all_gather();
 

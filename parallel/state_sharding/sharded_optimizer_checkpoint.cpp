@@ -16,6 +16,7 @@
 #include "parallel/communication/ownership_plan.h"
 #include "parallel/communication/process_group.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
+#include "parallel/optimizers/local_optimizer.h"
 #include "parallel/state_sharding/sharded_optimizer.h"
 
 namespace shampoo {
@@ -62,7 +63,7 @@ void ShardedOptimizer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("steps", c10::IValue(steps_));
   archive.write("param_steps", param_steps(), /*is_buffer=*/true);
   torch::serialize::OutputArchive inner;
-  local_->save(inner);
+  local_optimizer().save(inner);
   archive.write("local", inner);
 }
 
@@ -83,7 +84,7 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
   const auto counts = read_param_steps(archive, "ShardedOptimizer::load");
   torch::serialize::InputArchive inner;
   archive.read("local", inner);
-  local_->load(inner);
+  local_optimizer().load(inner);
   pull_options_from_local();
   restore_param_steps(counts);
 }
@@ -118,13 +119,13 @@ void ShardedOptimizer::restore_param_steps(
 }
 
 void ShardedOptimizer::save_common(torch::serialize::OutputArchive& common) const {
-  common.write("local_type", c10::IValue(local_type(*local_)));
+  common.write("local_type", c10::IValue(local_type(local_optimizer())));
   detail::write_param_shapes(common, params_);
   common.write("group_sizes", at::tensor(group_sizes_, at::TensorOptions().dtype(at::kLong)),
                /*is_buffer=*/true);
   common.write("steps", c10::IValue(steps_));
   common.write("param_steps", param_steps(), /*is_buffer=*/true);
-  const auto& groups = local_->param_groups();
+  const auto& groups = local_optimizer().param_groups();
   common.write("num_local_groups", c10::IValue(static_cast<int64_t>(groups.size())));
   for (size_t g = 0; g < groups.size(); ++g) {
     torch::serialize::OutputArchive options;
@@ -134,24 +135,25 @@ void ShardedOptimizer::save_common(torch::serialize::OutputArchive& common) cons
 }
 
 void ShardedOptimizer::save_pieces(PieceWriter& pieces) const {
-  local_type(*local_);
+  local_type(local_optimizer());
   const int rank = group_->getRank();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (plan_->owner_of(static_cast<int64_t>(i)) != rank) continue;
-    pieces.add("param/" + std::to_string(i), detail::param_state_piece(*local_, params_[i]));
+    pieces.add("param/" + std::to_string(i),
+               detail::param_state_piece(local_optimizer(), params_[i]));
   }
 }
 
 std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArchive& common,
                                                      PieceReader& pieces) {
-  const auto type = local_type(*local_);
+  const auto type = local_type(local_optimizer());
   c10::IValue saved_type;
   TORCH_CHECK(common.try_read("local_type", saved_type) && saved_type.isString(),
               "ShardedOptimizer checkpoint: entry 'local_type' is missing");
   TORCH_CHECK(saved_type.toStringRef() == type, "ShardedOptimizer checkpoint: written for a ",
               saved_type.toStringRef(), " on every shard, this one shards a ", type);
   detail::check_param_shapes(common, params_, "ShardedOptimizer checkpoint");
-  const auto& groups = local_->param_groups();
+  const auto& groups = local_optimizer().param_groups();
   TORCH_CHECK(read_int(common, "num_local_groups") == static_cast<int64_t>(groups.size()),
               "ShardedOptimizer checkpoint: it has ", read_int(common, "num_local_groups"),
               " param groups, this optimizer has ", groups.size());
@@ -179,19 +181,19 @@ std::function<void()> ShardedOptimizer::prepare_load(torch::serialize::InputArch
   for (size_t i = 0; i < params_.size(); ++i) {
     if (plan_->owner_of(static_cast<int64_t>(i)) != rank) continue;
     auto piece = pieces.read("param/" + std::to_string(i));
-    states->emplace_back(
-        params_[i].unsafeGetTensorImpl(),
-        detail::read_param_state_piece(
-            *local_, piece, "ShardedOptimizer checkpoint: piece param/" + std::to_string(i)));
+    states->emplace_back(params_[i].unsafeGetTensorImpl(),
+                         detail::read_param_state_piece(
+                             local_optimizer(), piece,
+                             "ShardedOptimizer checkpoint: piece param/" + std::to_string(i)));
   }
   return [this, options, states, counts] {
-    auto& local_groups = local_->param_groups();
+    auto& local_groups = local_optimizer().param_groups();
     for (size_t g = 0; g < local_groups.size(); ++g) {
       local_groups[g].set_options(std::move((*options)[g]));
     }
     for (auto& [key, state] : *states) {
-      local_->state().erase(key);
-      if (state) local_->state()[key] = std::move(state);
+      local_optimizer().state().erase(key);
+      if (state) local_optimizer().state()[key] = std::move(state);
     }
     pull_options_from_local();
     restore_param_steps(*counts);
@@ -210,11 +212,7 @@ int64_t ShardedOptimizer::portable_param_step(const at::Tensor& param) const {
 
 void ShardedOptimizer::save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const {
   sync_before_save();
-  std::vector<at::Tensor> owned;
-  for (const auto& group : local_->param_groups()) {
-    owned.insert(owned.end(), group.params().begin(), group.params().end());
-  }
-  detail::save_param_states(*local_, owned, pieces, save.names, "ShardedOptimizer: ");
+  local_->save_pieces(pieces, save.names);
 }
 
 void ShardedOptimizer::save_portable_layout(torch::serialize::OutputArchive& layout) const {
@@ -229,8 +227,7 @@ std::function<void()> ShardedOptimizer::prepare_portable_load(const PortableLoad
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     options->push_back(detail::read_options(param_groups_[g], *load.group_options[g]));
   }
-  auto install_states =
-      detail::prepare_param_states(*local_, *load.pieces, load.names, "ShardedOptimizer: ");
+  auto install_states = local_->prepare_load(*load.pieces, load.names);
   int64_t steps = load.steps_taken;
   c10::IValue saved_steps;
   if (load.layout && load.layout->try_read("steps", saved_steps) && saved_steps.isInt()) {

@@ -61,9 +61,10 @@ foreach(file ${installed})
 endforeach()
 # The wrappers' internal interfaces live behind the public classes (parallel/optimizers/
 # capabilities.h): installing one again would make it part of the public surface.
-foreach(internal parallel/optimizers/parameter_owners.h parallel/optimizers/partial_step.h
-        parallel/optimizers/phased_backward_step.h parallel/optimizers/capabilities.h
-        parallel/optimizers/internal_interfaces.h parallel/communication/ownership_plan.h)
+foreach(internal parallel/optimizers/parameter_owners.h parallel/optimizers/block_states.h
+        parallel/optimizers/phased_step.h parallel/optimizers/capabilities.h
+        parallel/optimizers/internal_interfaces.h parallel/optimizers/local_optimizer.h
+        parallel/communication/ownership_plan.h)
   if(EXISTS "${prefix}/include/shampoo/${internal}")
     message(FATAL_ERROR "install tree: the internal header ${internal} is installed")
   endif()

@@ -6,14 +6,17 @@
 
 #include <shampoo/shampoo.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
 
+#include <limits>
 #include <utility>
 #include <vector>
 
+#include "parallel/optimizers/block_states.h"
 #include "parallel/optimizers/capabilities.h"
+#include "parallel/optimizers/local_optimizer.h"
 #include "parallel/optimizers/parameter_owners.h"
-#include "parallel/optimizers/partial_step.h"
-#include "parallel/optimizers/phased_backward_step.h"
+#include "parallel/optimizers/phased_step.h"
 #include "parallel/optimizers/undo_record.h"
 #include "support/test_support.h"
 
@@ -37,13 +40,24 @@ void set_grads(const std::vector<at::Tensor>& params, double scale) {
   }
 }
 
+/// A weight and a bias, with a Shampoo over them that took one step.
+struct OneStepTaken {
+  std::vector<at::Tensor> params{at::randn({6, 4}).requires_grad_(),
+                                 at::randn({4}).requires_grad_()};
+  DistributedShampoo shampoo{params, every_step_options()};
+  OneStepTaken() {
+    set_grads(params, 1.0);
+    shampoo.step();
+  }
+};
+
 TEST(Capabilities, EachPublicOptimizerAnswersWithItsInterfaces) {
   auto w = at::randn({6, 4}).requires_grad_();
   auto b = at::randn({4}).requires_grad_();
   DistributedShampoo shampoo({w, b}, every_step_options());
   const auto of_shampoo = capabilities_of(shampoo);
   EXPECT_NE(of_shampoo.phased, nullptr);
-  EXPECT_NE(of_shampoo.partial, nullptr);
+  EXPECT_NE(of_shampoo.blocks, nullptr);
   EXPECT_NE(of_shampoo.owners, nullptr);
   EXPECT_NE(of_shampoo.portable, nullptr);
   EXPECT_NE(of_shampoo.checkpointable, nullptr);
@@ -54,7 +68,7 @@ TEST(Capabilities, EachPublicOptimizerAnswersWithItsInterfaces) {
   });
   const auto of_in_backward = capabilities_of(in_backward);
   EXPECT_EQ(of_in_backward.phased, nullptr);
-  EXPECT_EQ(of_in_backward.partial, nullptr);
+  EXPECT_EQ(of_in_backward.blocks, nullptr);
   ASSERT_NE(of_in_backward.owners, nullptr);
   EXPECT_NE(of_in_backward.scaled, nullptr);
   // The adapter answers as the object does: LibTorch's Adam steps on every rank.
@@ -64,7 +78,7 @@ TEST(Capabilities, EachPublicOptimizerAnswersWithItsInterfaces) {
   torch::optim::Adam adam({w}, torch::optim::AdamOptions(0.1));
   const auto of_adam = capabilities_of(adam);
   EXPECT_EQ(of_adam.phased, nullptr);
-  EXPECT_EQ(of_adam.partial, nullptr);
+  EXPECT_EQ(of_adam.blocks, nullptr);
   EXPECT_EQ(of_adam.owners, nullptr);
   EXPECT_EQ(of_adam.scaled, nullptr);
   EXPECT_EQ(of_adam.portable, nullptr);
@@ -82,19 +96,19 @@ TEST(Capabilities, ShardedOptimizersAdaptersForwardToIt) {
     const auto found = capabilities_of(sharded);
     ASSERT_NE(found.phased, nullptr);
     ASSERT_NE(found.owners, nullptr);
-    EXPECT_EQ(found.partial, nullptr);
+    EXPECT_EQ(found.blocks, nullptr);
     EXPECT_EQ(found.owners->owners_group().get(), group.get());
     for (const auto& p : params) EXPECT_EQ(found.owners->owner_of(p), sharded.owner_of(p));
     EXPECT_FALSE(found.owners->owner_of(at::ones({2})).has_value());
     // A pass opened and aborted through the adapter leaves the parameters as they were.
     const auto before = params[0].detach().clone();
     found.phased->set_in_backward(true);
-    found.phased->begin_backward_step();
-    EXPECT_TRUE(found.phased->backward_step_open());
+    found.phased->begin(/*in_pass=*/true);
+    EXPECT_TRUE(found.phased->step_open());
     set_grads(params, 1.0);
     found.phased->step_parameters(params);
-    found.phased->abort_backward_step();
-    EXPECT_FALSE(found.phased->backward_step_open());
+    found.phased->abort();
+    EXPECT_FALSE(found.phased->step_open());
     EXPECT_TRUE(at::equal(params[0].detach(), before)) << "rank " << rank;
     found.phased->set_in_backward(false);
   });
@@ -107,40 +121,38 @@ TEST(Capabilities, AdaptersFollowAMovedOptimizer) {
   first.step();
   DistributedShampoo moved(std::move(first));
   const auto found = capabilities_of(moved);
-  ASSERT_NE(found.partial, nullptr);
+  ASSERT_NE(found.blocks, nullptr);
   set_grads(params, 2.0);
   const auto before = params[0].detach().clone();
-  found.partial->step_only(params);
+  shampoo::detail::step_optimizer(moved, found, params, StepScope::kAlone, nullptr);
   EXPECT_FALSE(at::equal(params[0].detach(), before));
-  EXPECT_EQ(found.partial->group_step(0), 2);
+  EXPECT_EQ(found.blocks->group_step(0), 2);
   EXPECT_EQ(moved.group_step(0), 2);
   // The moved-from object answers without its internal interfaces.
   const auto empty = capabilities_of(first);
   EXPECT_EQ(empty.phased, nullptr);
-  EXPECT_EQ(empty.partial, nullptr);
+  EXPECT_EQ(empty.blocks, nullptr);
   EXPECT_EQ(empty.owners, nullptr);
 }
 
 TEST(OptimizerStep, APhasedOptimizerOpensOneStepPerPassThatItsUndoRecordAborts) {
-  std::vector<at::Tensor> params{at::randn({6, 4}).requires_grad_(),
-                                 at::randn({4}).requires_grad_()};
-  DistributedShampoo shampoo(params, every_step_options());
+  OneStepTaken run;
+  auto& params = run.params;
+  auto& shampoo = run.shampoo;
   const auto found = capabilities_of(shampoo);
-  set_grads(params, 1.0);
-  shampoo.step();
   const auto first_values = params[0].detach().clone();
   const auto second_values = params[1].detach().clone();
 
   UndoRecord undo;
   set_grads(params, -3.0);
   shampoo::detail::step_optimizer(shampoo, found, {}, StepScope::kInPass, &undo);
-  EXPECT_FALSE(found.phased->backward_step_open()) << "no parameters: nothing opened";
+  EXPECT_FALSE(found.phased->step_open()) << "no parameters: nothing opened";
   shampoo::detail::step_optimizer(shampoo, found, {params[0]}, StepScope::kInPass, &undo);
-  EXPECT_TRUE(found.phased->backward_step_open());
+  EXPECT_TRUE(found.phased->step_open());
   shampoo::detail::step_optimizer(shampoo, found, {params[1]}, StepScope::kInPass, &undo);
   EXPECT_TRUE(undo.complete());
   undo.undo();
-  EXPECT_FALSE(found.phased->backward_step_open());
+  EXPECT_FALSE(found.phased->step_open());
   EXPECT_TRUE(at::equal(params[0].detach(), first_values));
   EXPECT_TRUE(at::equal(params[1].detach(), second_values));
   EXPECT_EQ(shampoo.group_step(0), 1);
@@ -149,7 +161,7 @@ TEST(OptimizerStep, APhasedOptimizerOpensOneStepPerPassThatItsUndoRecordAborts) 
   shampoo::detail::step_optimizer(shampoo, found, {params[0]}, StepScope::kInPass, &undo);
   shampoo::detail::step_optimizer(shampoo, found, {params[1]}, StepScope::kInPass, &undo);
   undo.commit();
-  EXPECT_FALSE(found.phased->backward_step_open());
+  EXPECT_FALSE(found.phased->step_open());
   EXPECT_FALSE(at::equal(params[0].detach(), first_values));
   EXPECT_EQ(shampoo.group_step(0), 2);
 }
@@ -177,10 +189,121 @@ TEST(OptimizerStep, OutsideAPassItStepsTheGivenParametersAlone) {
   UndoRecord incomplete;
   const auto before = params[1].detach().clone();
   shampoo::detail::step_optimizer(shampoo, of_shampoo, {params[0]}, StepScope::kAlone, &incomplete);
-  EXPECT_FALSE(of_shampoo.phased->backward_step_open()) << "a step alone is not a pass";
+  EXPECT_FALSE(of_shampoo.phased->step_open()) << "a step alone is not a pass";
   EXPECT_EQ(shampoo.group_step(0), 1);
   EXPECT_TRUE(at::equal(params[1].detach(), before));
   EXPECT_FALSE(incomplete.complete());
+}
+
+TEST(OptimizerStep, AStepAloneThatFailsChangesNothingAndClosesItsStep) {
+  OneStepTaken run;
+  auto& params = run.params;
+  auto& shampoo = run.shampoo;
+  const auto found = capabilities_of(shampoo);
+  const auto before = params[0].detach().clone();
+  set_grads(params, 2.0);
+  // A parameter the optimizer does not hold: the error names it, after the step has begun.
+  const auto stranger = at::randn({2}).requires_grad_();
+  stranger.mutable_grad() = at::ones({2});
+  shampoo::testing::expect_error(
+      [&] {
+        shampoo::detail::step_optimizer(shampoo, found, {params[0], stranger}, StepScope::kAlone,
+                                        nullptr);
+      },
+      {"step_parameters", "not registered with this optimizer"});
+  EXPECT_FALSE(found.phased->step_open()) << "the failed step was left open";
+  EXPECT_TRUE(at::equal(params[0].detach(), before));
+  EXPECT_EQ(shampoo.group_step(0), 1);
+  // A non-finite gradient: the engine undoes its own step.
+  params[0].mutable_grad().fill_(std::numeric_limits<double>::quiet_NaN());
+  EXPECT_ANY_THROW(
+      shampoo::detail::step_optimizer(shampoo, found, {params[0]}, StepScope::kAlone, nullptr));
+  EXPECT_FALSE(found.phased->step_open());
+  EXPECT_TRUE(at::equal(params[0].detach(), before));
+  EXPECT_EQ(shampoo.group_step(0), 1);
+  // Then it steps again.
+  set_grads(params, 2.0);
+  shampoo::detail::step_optimizer(shampoo, found, {params[0]}, StepScope::kAlone, nullptr);
+  EXPECT_EQ(shampoo.group_step(0), 2);
+  EXPECT_FALSE(at::equal(params[0].detach(), before));
+}
+
+TEST(OptimizerStep, AStepAloneOfAnOptimizerInBackwardIsAnError) {
+  std::vector<at::Tensor> params{at::randn({6, 4}).requires_grad_()};
+  DistributedShampoo shampoo(params, every_step_options());
+  const auto found = capabilities_of(shampoo);
+  set_grads(params, 1.0);
+  found.phased->set_in_backward(true);
+  shampoo::testing::expect_error(
+      [&] { shampoo::detail::step_optimizer(shampoo, found, params, StepScope::kAlone, nullptr); },
+      {"outside a pass", "runs in backward"});
+  EXPECT_FALSE(found.phased->step_open());
+  found.phased->set_in_backward(false);
+  EXPECT_EQ(shampoo.group_step(0), 0);
+}
+
+// ----- LocalOptimizer: the optimizer a wrapper runs on one rank, in the user's groups -----
+
+TEST(LocalOptimizer, IsMadeAtItsFirstParameterWithTheGroupsBeforeItEmpty) {
+  shampoo::detail::LocalOptimizer local(
+      shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-3)),
+      "Wrapper: ");
+  std::vector<torch::optim::AdamOptions> user{torch::optim::AdamOptions(0.1),
+                                              torch::optim::AdamOptions(0.2),
+                                              torch::optim::AdamOptions(0.3)};
+  const auto options_of = [&](size_t g) -> const torch::optim::OptimizerOptions& {
+    return user.at(g);
+  };
+  local.add(0, {}, options_of);
+  EXPECT_EQ(local.get(), nullptr) << "made without a parameter";
+  const auto weight = at::randn({3, 2}).requires_grad_();
+  local.add(2, {weight}, options_of);
+  ASSERT_NE(local.get(), nullptr);
+  const auto& groups = local.get()->param_groups();
+  ASSERT_EQ(groups.size(), 3u);
+  for (size_t g = 0; g < 3; ++g) {
+    EXPECT_EQ(groups[g].params().size(), g == 2 ? 1u : 0u) << "group " << g;
+    EXPECT_DOUBLE_EQ(groups[g].options().get_lr(), 0.1 * static_cast<double>(g + 1))
+        << "group " << g;
+  }
+  const auto bias = at::randn({2}).requires_grad_();
+  local.add(0, {bias}, options_of);
+  EXPECT_EQ(groups[0].params().size(), 1u);
+  // The one options push: a copy, of the optimizer's type.
+  user[1].lr(0.5);
+  local.set_options(1, user[1]);
+  user[1].lr(0.7);
+  EXPECT_DOUBLE_EQ(groups[1].options().get_lr(), 0.5);
+  shampoo::testing::expect_error([&] { local.set_options(1, torch::optim::SGDOptions(0.1)); },
+                                 {"Wrapper: param group 1", "SGDOptions", "AdamOptions"});
+  EXPECT_DOUBLE_EQ(groups[1].options().get_lr(), 0.5) << "a refused push changed the options";
+  local.set_options(7, user[0]);  // a group it lacks: nothing
+  EXPECT_EQ(groups.size(), 3u);
+}
+
+TEST(LocalOptimizer, StepsTheGivenParametersAndRefusesANullFactory) {
+  const auto weight = at::randn({3, 2}).requires_grad_();
+  const auto bias = at::randn({2}).requires_grad_();
+  shampoo::detail::LocalOptimizer local(
+      shampoo::group_optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(0.1)),
+      "Wrapper: ");
+  local.make(torch::optim::OptimizerParamGroup({weight, bias}));
+  set_grads({weight, bias}, 1.0);
+  const auto weight_before = weight.detach().clone();
+  const auto bias_before = bias.detach().clone();
+  local.step({weight}, StepScope::kAlone, nullptr);
+  EXPECT_TRUE(at::allclose(weight.detach(), weight_before - 0.1));
+  EXPECT_TRUE(at::equal(bias.detach(), bias_before)) << "a parameter not given moved";
+
+  shampoo::detail::LocalOptimizer null_factory(
+      [](torch::optim::OptimizerParamGroup) -> std::unique_ptr<torch::optim::Optimizer> {
+        return nullptr;
+      },
+      "Wrapper: ");
+  shampoo::testing::expect_error(
+      [&] { null_factory.make(torch::optim::OptimizerParamGroup({weight})); },
+      {"Wrapper: ", "factory returned null"});
+  EXPECT_EQ(null_factory.get(), nullptr);
 }
 
 }  // namespace

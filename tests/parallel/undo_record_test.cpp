@@ -88,17 +88,17 @@ TEST(UndoRecord, AnotherOptimizersStateMakesItIncomplete) {
 }
 
 /// Records what a wrapper asks of an optimizer that steps in phases.
-class PhaseLog : public shampoo::PhasedBackwardStep {
+class PhaseLog : public shampoo::PhasedStep {
  public:
   void set_in_backward(bool) override {}
-  bool backward_step_open() const override { return open; }
-  void begin_backward_step() override { open = true; }
+  bool step_open() const override { return open; }
+  void begin(bool /*in_pass*/) override { open = true; }
   void step_parameters(const std::vector<at::Tensor>&) override {}
-  void finish_backward_step() override {
+  void finish() override {
     open = false;
     calls += "finish ";
   }
-  void abort_backward_step() override {
+  void abort() override {
     open = false;
     calls += "abort ";
   }
@@ -110,8 +110,8 @@ TEST(UndoRecord, UndoAbortsAndCommitFinishesThePhasedStepsAdded) {
   PhaseLog first;
   PhaseLog second;
   UndoRecord record;
-  first.begin_backward_step();
-  second.begin_backward_step();
+  first.begin(/*in_pass=*/true);
+  second.begin(/*in_pass=*/true);
   record.add_phased(first);
   record.add_phased(second);
   record.undo();
@@ -120,7 +120,7 @@ TEST(UndoRecord, UndoAbortsAndCommitFinishesThePhasedStepsAdded) {
   record.undo();  // emptied
   EXPECT_EQ(first.calls, "abort ");
 
-  first.begin_backward_step();
+  first.begin(/*in_pass=*/true);
   record.add_phased(first);
   record.commit();
   EXPECT_EQ(first.calls, "abort finish ");

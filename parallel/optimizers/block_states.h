@@ -1,10 +1,10 @@
 #pragma once
-/// What full sharding needs of an optimizer that keeps state across its parameters (one step
-/// count per param group, roots batched over every block): to step some of its parameters while
-/// the others have no storage, and to checkpoint each parameter's state under the wrapper's own
-/// name for it, so that any world size loads it. DistributedShampoo implements it; LibTorch's
-/// optimizers need none of it (a parameter without a gradient is skipped, and their state is
-/// per parameter).
+/// What full sharding needs of an optimizer that keeps its state by block, across its parameters
+/// (one step count per param group, roots batched over every block): to register parameters
+/// appended through the base class, and to checkpoint each parameter's blocks under the wrapper's
+/// own name for it, so that any world size loads it. (A step of some of its parameters while the
+/// others have no storage is its PhasedStep.) DistributedShampoo implements it; LibTorch's
+/// optimizers need none of it (their state is per parameter).
 
 #include <ATen/ATen.h>
 
@@ -18,13 +18,10 @@
 
 namespace shampoo {
 
-class PartialStep {
+class BlockStates {
  public:
-  virtual ~PartialStep() = default;
+  virtual ~BlockStates() = default;
 
-  /// One ordinary step of `params` (registered, their gradients set) only; the optimizer's other
-  /// parameters are not read (their storage may be released meanwhile).
-  virtual void step_only(const std::vector<at::Tensor>& params) = 0;
   /// Registers, now, parameters and groups appended through the base class (whose parameters
   /// must have their full values at this point).
   virtual void register_appended() = 0;
@@ -49,11 +46,11 @@ class PartialStep {
   virtual double group_lr_sum(size_t group) const = 0;
 
  protected:
-  PartialStep() = default;
-  PartialStep(const PartialStep&) = default;
-  PartialStep& operator=(const PartialStep&) = default;
-  PartialStep(PartialStep&&) = default;
-  PartialStep& operator=(PartialStep&&) = default;
+  BlockStates() = default;
+  BlockStates(const BlockStates&) = default;
+  BlockStates& operator=(const BlockStates&) = default;
+  BlockStates(BlockStates&&) = default;
+  BlockStates& operator=(BlockStates&&) = default;
 };
 
 }  // namespace shampoo

@@ -55,6 +55,7 @@ void FullyShardedDataParallel::init(
   auto& s = *state_;
   s.group = std::move(group);
   s.options = options;
+  s.pass.set_accumulation_steps(options.accumulation_steps());
   s.rank = s.group->getRank();
   s.world = s.group->getSize();
   s.global_ranks = detail::global_ranks(*s.group);
@@ -234,7 +235,7 @@ std::optional<at::ScalarType> FullyShardedDataParallel::param_dtype() const {
 
 const FullyShardedOptions& FullyShardedDataParallel::options() const { return state_->options; }
 
-int64_t FullyShardedDataParallel::backward_passes() const { return state_->passes; }
+int64_t FullyShardedDataParallel::backward_passes() const { return state_->pass.passes(); }
 int64_t FullyShardedDataParallel::steps_taken() const { return state_->steps; }
 
 int64_t FullyShardedDataParallel::shard_bytes() const {

@@ -73,9 +73,8 @@ void FullyShardedDataParallel::State::open_pass() {
       })) {
     return;
   }
-  stepping = (passes_since_step + 1) % options.accumulation_steps() == 0;
   // With overlap the steps run during this pass: the options in effect are those at its start.
-  if (stepping && options.overlap_step()) push_group_options();
+  if (pass.stepping() && options.overlap_step()) push_group_options();
 }
 
 /// Before the unit's backward: gather it, and every unit before it in reverse forward order
@@ -122,9 +121,8 @@ void FullyShardedDataParallel::State::close_pass() {
   forward_order.clear();
   next_to_gather = 0;
   next_to_reduce = 0;
-  pass.close();
-  ++passes;
-  ++passes_since_step;
+  const bool stepping = pass.stepping();
+  pass.end();
   if (stepping && options.overlap_step()) {
     // The one point where an iteration's steps end: before backward() returns. What the user
     // does next (a scheduler's step, set_lr, zero_grad, a checkpoint) then never races with a
@@ -133,7 +131,7 @@ void FullyShardedDataParallel::State::close_pass() {
     if (!pass_failure.empty()) {
       const bool undone = undo_pass();
       const auto message = std::exchange(pass_failure, std::string());
-      passes_since_step = 0;
+      pass.stepped();
       write_state_entries();
       TORCH_CHECK(false, message, failure_outcome(undone));
     }
@@ -148,7 +146,7 @@ void FullyShardedDataParallel::State::close_pass() {
 void FullyShardedDataParallel::State::reduce(Unit& unit) {
   // The gathers for backward never come back to a reduced unit (the worker may release it).
   next_to_gather = std::max(next_to_gather, next_to_reduce + 1);
-  const bool step_now = stepping && options.overlap_step();
+  const bool step_now = pass.stepping() && options.overlap_step();
   std::vector<at::Tensor> grads;
   for (auto& slot : unit.params) {
     auto grad = std::exchange(slot.param.mutable_grad(), at::Tensor());
@@ -172,7 +170,7 @@ void FullyShardedDataParallel::State::reduce(Unit& unit) {
   } else {
     reduce_to_rows(unit, std::move(grads));
   }
-  if (stepping) unit.to_step = true;
+  if (pass.stepping()) unit.to_step = true;
   if (step_now) {
     std::weak_ptr<State> weak = shared_from_this();
     Unit* target = &unit;

@@ -33,9 +33,9 @@ void FullyShardedDataParallel::State::save_common(torch::serialize::OutputArchiv
   common.write("format", c10::IValue(detail::kFsdpCheckpointFormat));
   common.write("world", c10::IValue(static_cast<int64_t>(world)));
   common.write("num_units", c10::IValue(static_cast<int64_t>(units.size())));
-  common.write("backward_passes", c10::IValue(passes));
+  common.write("backward_passes", c10::IValue(pass.passes()));
   common.write("steps_taken", c10::IValue(steps));
-  common.write("passes_since_step", c10::IValue(passes_since_step));
+  common.write("passes_since_step", c10::IValue(pass.passes_since_step()));
   for (size_t u = 0; u < units.size(); ++u) {
     torch::serialize::OutputArchive archive;
     archive.write("name", c10::IValue(units[u]->name));
@@ -269,9 +269,8 @@ std::function<void()> FullyShardedDataParallel::State::prepare_load(
 void FullyShardedDataParallel::State::install_progress(
     int64_t saved_passes, int64_t saved_steps, int64_t saved_since,
     const std::vector<std::pair<ParamSlot*, at::Tensor>>& accumulated) {
-  passes = saved_passes;
+  pass.restore(saved_passes, saved_since);
   steps = saved_steps;
-  passes_since_step = saved_since;
   for (auto& unit : units) {
     for (auto& slot : unit->params) slot.reduced = at::Tensor();
   }

@@ -45,9 +45,9 @@ void FullyShardedDataParallel::State::save_portable_pieces(PieceWriter& pieces,
 
 void FullyShardedDataParallel::State::save_portable_layout(
     torch::serialize::OutputArchive& layout) const {
-  layout.write("backward_passes", c10::IValue(passes));
+  layout.write("backward_passes", c10::IValue(pass.passes()));
   layout.write("steps_taken", c10::IValue(steps));
-  layout.write("passes_since_step", c10::IValue(passes_since_step));
+  layout.write("passes_since_step", c10::IValue(pass.passes_since_step()));
 }
 
 std::vector<std::pair<at::Tensor, at::Tensor>> FullyShardedDataParallel::State::portable_rows(
@@ -157,7 +157,7 @@ std::vector<int64_t> FullyShardedDataParallel::portable_full_sizes(const at::Ten
 }
 
 bool FullyShardedDataParallel::portable_between_steps() const {
-  return state_->passes_since_step == 0;
+  return state_->pass.passes_since_step() == 0;
 }
 
 void FullyShardedDataParallel::save_portable_pieces(PieceWriter& pieces,

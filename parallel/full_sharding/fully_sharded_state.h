@@ -125,11 +125,10 @@ struct FullyShardedDataParallel::State : std::enable_shared_from_this<State> {
   std::vector<size_t> forward_order;  // units run with gradients in this pass, in order
   size_t next_to_gather = 0;          // in reverse forward order, for backward
   size_t next_to_reduce = 0;
+  // The passes and the accumulation (options.accumulation_steps()): stepped() when a step ends
+  // one, with overlap at the end of its last pass, without in step().
   detail::BackwardPass pass;
-  bool stepping = false;  // the current pass is the last of an accumulation
-  int64_t passes = 0;
   int64_t steps = 0;
-  int64_t passes_since_step = 0;
   bool holding = false;  // between gather_all() and release_all()
   std::recursive_mutex mutex;
   std::unique_ptr<StepWorker> worker;

@@ -209,9 +209,9 @@ void FullyShardedDataParallel::State::check_step_after_backward(const char* func
   TORCH_CHECK(!options.overlap_step(), kWho, function,
               ": with overlap_step the steps run during backward; go on with the next forward "
               "(or call wait()), or construct with FullyShardedOptions().overlap_step(false)");
-  TORCH_CHECK(passes_since_step >= options.accumulation_steps(), kWho, function,
-              ": accumulation_steps is ", options.accumulation_steps(), " and ", passes_since_step,
-              " backward pass(es) ran since the last step");
+  TORCH_CHECK(pass.passes_since_step() >= options.accumulation_steps(), kWho, function,
+              ": accumulation_steps is ", options.accumulation_steps(), " and ",
+              pass.passes_since_step(), " backward pass(es) ran since the last step");
 }
 
 void FullyShardedDataParallel::State::step_all(const char* function) {
@@ -230,7 +230,7 @@ void FullyShardedDataParallel::State::step_all(const char* function) {
         for (auto& rest : units) {
           if (rest->to_step) drop_unit_step(*rest);
         }
-        passes_since_step = 0;
+        pass.stepped();
         TORCH_CHECK(false, std::exchange(pass_failure, std::string()), failure_outcome(true));
       }
     }
@@ -279,7 +279,7 @@ void FullyShardedDataParallel::State::step_all_owned() {
     drop_unit_step(*unit);
   }
   if (!any) return;
-  passes_since_step = 0;
+  pass.stepped();
   // The gradients were checked finite before (check_finite_before_steps): this is an
   // optimizer's error, which the ranks learn of after their own steps, kept without copies.
   TORCH_CHECK(false, kWho, "the step failed ",
@@ -327,7 +327,7 @@ void FullyShardedDataParallel::State::check_finite_before_steps() {
       if (all[r][u] != 0) failed.push_back(r);
     }
     for (auto& unit : units) drop_unit_step(*unit);
-    passes_since_step = 0;
+    pass.stepped();
     TORCH_CHECK(false,
                 failed.empty() ? std::string(kWho) + "the step of unit '" + units[u]->name +
                                      "' failed in another replica (the error there says why)"
@@ -343,7 +343,7 @@ void FullyShardedDataParallel::State::skip_all() {
     for (auto& slot : unit->params) slot.reduced = at::Tensor();
     unit->to_step = false;
   }
-  passes_since_step = 0;
+  pass.stepped();
 }
 
 /// `function`: what the user called, for the error with overlap_step.
@@ -364,7 +364,7 @@ std::vector<at::Tensor> FullyShardedDataParallel::State::reduced_gradients(const
 }
 
 void FullyShardedDataParallel::State::finish_step() {
-  passes_since_step = 0;
+  pass.stepped();
   ++steps;
 }
 

@@ -120,7 +120,7 @@ torch::optim::Optimizer& InBackwardOptimizer::optimizer(size_t index) {
 void InBackwardOptimizer::set_accumulation_steps(int64_t k) {
   TORCH_CHECK(k >= 1, "InBackwardOptimizer::set_accumulation_steps: got ", k, ", expected >= 1");
   TORCH_CHECK(!state_->pass.is_open(), "set_accumulation_steps during a backward pass");
-  state_->accumulation_steps = k;
+  state_->pass.set_accumulation_steps(k);
   state_->update_sync();
 }
 
@@ -140,7 +140,7 @@ void InBackwardOptimizer::attach(GradientSynchronizer& sync) {
   sync.set_bucket_ready_callback([weak](const std::vector<at::Tensor>& params) {
     if (auto self = weak.lock()) {
       self->open_pass();  // the synchronizer's hook may run before ours in this pass
-      if (self->stepping) self->step_params_or_abort(params);
+      if (self->pass.stepping()) self->step_params_or_abort(params);
     }
   });
   state_->update_sync();
@@ -190,7 +190,7 @@ void InBackwardOptimizer::set_unscaler(BackwardUnscaler* unscaler) {
   state_->unscaler = unscaler;
 }
 
-int64_t InBackwardOptimizer::backward_passes() const { return state_->passes; }
+int64_t InBackwardOptimizer::backward_passes() const { return state_->pass.passes(); }
 int64_t InBackwardOptimizer::steps_taken() const { return state_->steps; }
 
 InBackwardOptimizer apply_optimizer_in_backward(std::vector<torch::Tensor> params,

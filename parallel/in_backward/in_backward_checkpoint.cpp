@@ -28,9 +28,9 @@ void check_not_mid_accumulation(int64_t passes, int64_t accumulation_steps, cons
 }  // namespace
 
 void InBackwardOptimizer::save(torch::serialize::OutputArchive& archive) const {
-  check_not_mid_accumulation(state_->passes, state_->accumulation_steps, "save");
+  check_not_mid_accumulation(state_->pass.passes(), state_->pass.accumulation_steps(), "save");
   archive.write("num_optimizers", c10::IValue(static_cast<int64_t>(state_->sets.size())));
-  archive.write("backward_passes", c10::IValue(state_->passes));
+  archive.write("backward_passes", c10::IValue(state_->pass.passes()));
   archive.write("steps_taken", c10::IValue(state_->steps));
   for (size_t i = 0; i < state_->sets.size(); ++i) {
     torch::serialize::OutputArchive inner;
@@ -53,7 +53,7 @@ void InBackwardOptimizer::load(torch::serialize::InputArchive& archive) {
     state_->sets[i].optimizer->load(inner);
   }
   archive.read("backward_passes", value);
-  state_->passes = value.toInt();
+  state_->pass.restore(value.toInt(), value.toInt());
   archive.read("steps_taken", value);
   state_->steps = value.toInt();
   state_->update_sync();
@@ -95,7 +95,7 @@ void InBackwardOptimizer::sync_for_checkpoint() const {
 
 void InBackwardOptimizer::save_common(torch::serialize::OutputArchive& common) const {
   common.write("num_optimizers", c10::IValue(static_cast<int64_t>(state_->sets.size())));
-  common.write("backward_passes", c10::IValue(state_->passes));
+  common.write("backward_passes", c10::IValue(state_->pass.passes()));
   common.write("steps_taken", c10::IValue(state_->steps));
   for (size_t i = 0; i < state_->sets.size(); ++i) {
     const auto& set = state_->sets[i];
@@ -115,7 +115,7 @@ void InBackwardOptimizer::save_common(torch::serialize::OutputArchive& common) c
 }
 
 void InBackwardOptimizer::save_pieces(PieceWriter& pieces) const {
-  check_not_mid_accumulation(state_->passes, state_->accumulation_steps,
+  check_not_mid_accumulation(state_->pass.passes(), state_->pass.accumulation_steps(),
                              "save_distributed_checkpoint");
   for (size_t i = 0; i < state_->sets.size(); ++i) {
     if (const auto* checkpointable = as_checkpointable(*state_->sets[i].optimizer)) {
@@ -165,7 +165,7 @@ std::function<void()> InBackwardOptimizer::prepare_load(torch::serialize::InputA
   const int64_t steps = value.toInt();
   return [this, installs = std::move(installs), passes, steps] {
     for (const auto& install : installs) install();
-    state_->passes = passes;
+    state_->pass.restore(passes, passes);
     state_->steps = steps;
     state_->update_sync();
     state_->write_state_entries();
@@ -212,7 +212,7 @@ bool InBackwardOptimizer::portable_supported() const {
 
 void InBackwardOptimizer::save_portable_pieces(PieceWriter& pieces,
                                                const PortableSave& save) const {
-  check_not_mid_accumulation(state_->passes, state_->accumulation_steps,
+  check_not_mid_accumulation(state_->pass.passes(), state_->pass.accumulation_steps(),
                              "save_training_checkpoint");
   for (const auto& set : state_->sets) {
     std::unique_ptr<detail::ReplicatedPortable> adapter;
@@ -221,7 +221,7 @@ void InBackwardOptimizer::save_portable_pieces(PieceWriter& pieces,
 }
 
 void InBackwardOptimizer::save_portable_layout(torch::serialize::OutputArchive& layout) const {
-  layout.write("backward_passes", c10::IValue(state_->passes));
+  layout.write("backward_passes", c10::IValue(state_->pass.passes()));
   layout.write("steps_taken", c10::IValue(state_->steps));
 }
 
@@ -258,7 +258,7 @@ std::function<void()> InBackwardOptimizer::prepare_portable_load(const PortableL
   }
   return [this, installs, passes, steps, joined] {
     for (const auto& install : installs) install();
-    state_->passes = passes;
+    state_->pass.restore(passes, passes);
     state_->steps = steps;
     for (size_t i = 0; i < joined.size(); ++i) state_->entries[i].joined = joined[i];
     state_->update_sync();

@@ -65,17 +65,16 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   std::vector<Set> sets;
   std::vector<Entry> entries;
   std::unordered_map<const void*, size_t> entry_of;  // TensorImpl -> entry
-  int64_t accumulation_steps = 1;
-  int64_t passes = 0;
   int64_t steps = 0;
   int no_step = 0;
+  // The passes and the accumulation: every k-th pass steps (stepped() is never called, so
+  // passes_since_step() is passes()).
   detail::BackwardPass pass;
-  bool stepping = false;
   GradientSynchronizer* sync = nullptr;
   BackwardUnscaler* unscaler = nullptr;
   bool pass_overflow = false;  // a gradient of this pass was inf or NaN on this rank
 
-  bool next_pass_steps() const { return no_step == 0 && (passes + 1) % accumulation_steps == 0; }
+  bool next_pass_steps() const { return no_step == 0 && pass.next_steps(); }
 
   /// The process group that `group_of` gives for the sets' optimizers (null for those without
   /// one); an error ending in `mismatch` when two optimizers give different groups.
@@ -103,7 +102,6 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   void abort_pass() {
     for (auto& set : sets) detail::abort_open_step(set.capabilities);
     pass.close();
-    stepping = false;
     update_sync();
   }
 
@@ -113,18 +111,20 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
     if (pass.abandoned()) abort_pass();
     // At the end of the whole backward pass: finish what is left and close the pass.
     std::weak_ptr<State> weak = shared_from_this();
-    if (!pass.open([weak] {
-          if (auto self = weak.lock()) self->close_pass();
-        })) {
+    if (!pass.open(
+            [weak] {
+              if (auto self = weak.lock()) self->close_pass();
+            },
+            /*may_step=*/no_step == 0)) {
       return;
     }
-    stepping = next_pass_steps();
     pass_overflow = false;
   }
 
   void on_grad_ready(size_t entry) {
     open_pass();
-    if (!stepping || sync != nullptr) return;  // accumulating, or the synchronizer drives steps
+    if (!pass.stepping() || sync != nullptr)
+      return;  // accumulating, or the synchronizer drives steps
     step_params_or_abort({entries[entry].param});
   }
 
@@ -168,7 +168,7 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
   }
 
   void close_pass() {
-    if (stepping) {
+    if (pass.stepping()) {
       bool overflowed = false;
       try {
         if (sync != nullptr) sync->synchronize();  // the remaining buckets step via the callback
@@ -183,9 +183,7 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
       }
       if (!overflowed) ++steps;
     }
-    ++passes;
-    pass.close();
-    stepping = false;
+    pass.end();
     update_sync();
     write_state_entries();
   }

@@ -82,8 +82,7 @@ PortableCheckpointable* TrainingCheckpoint::portable() const {
   return replicated_.get();
 }
 
-std::string TrainingCheckpoint::optimizer_kind() const {
-  const auto* distributed = checkpointable();
+std::string detail::optimizer_kind(const DistributedCheckpointable* distributed) {
   return distributed != nullptr ? distributed->checkpoint_kind() : "replicated";
 }
 

@@ -110,7 +110,6 @@ class TrainingCheckpoint : public DistributedCheckpointable {
   /// an optimizer whose per-parameter state is not known (saved in format 1).
   PortableCheckpointable* portable() const;
   /// The optimizer's checkpoint kind ("replicated" for a LibTorch optimizer).
-  std::string optimizer_kind() const;
   /// The model's name of a parameter; an error for a tensor that is not one.
   std::string name_of(const at::Tensor& param) const;
   /// The parameters (none when `with_parameters` is false) and buffers, by name.

@@ -144,7 +144,7 @@ std::function<void()> TrainingCheckpoint::prepare_optimizer_by_layout(
       common.try_read("optimizer", archive) && archive.try_read("kind", kind) && kind.isString(),
       kWho, ": no optimizer in the checkpoint");
   auto* distributed = checkpointable();
-  const std::string expected = optimizer_kind();
+  const std::string expected = detail::optimizer_kind(checkpointable());
   TORCH_CHECK(kind.toStringRef() == expected, kWho,
               ": written in format 1 (before 2026-12-02, or by an optimizer whose state is not "
               "saved per parameter), which keeps the optimizer in the form of the layout that "

@@ -223,7 +223,7 @@ void TrainingCheckpoint::save_optimizer(torch::serialize::OutputArchive& common)
   const auto* optimizer = portable();
   const auto unit = common.compilation_unit();
   torch::serialize::OutputArchive archive(unit);
-  archive.write("kind", c10::IValue(optimizer_kind()));
+  archive.write("kind", c10::IValue(detail::optimizer_kind(checkpointable())));
   archive.write("between_steps", c10::IValue(optimizer->portable_between_steps()));
   const auto groups = optimizer->portable_groups();
   archive.write("num_groups", c10::IValue(static_cast<int64_t>(groups.size())));
@@ -292,7 +292,7 @@ std::function<void()> TrainingCheckpoint::prepare_optimizer(
   torch::serialize::InputArchive archive;
   TORCH_CHECK(common.try_read("optimizer", archive), kWho, ": no optimizer in the checkpoint");
   const auto kind = read_string(archive, "kind", "the optimizer's entry");
-  const auto here = optimizer_kind();
+  const auto here = detail::optimizer_kind(checkpointable());
   c10::IValue between;
   TORCH_CHECK(archive.try_read("between_steps", between) && between.isBool(), kWho,
               ": the optimizer's entry is damaged");

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "parallel/checkpoints/distributed_checkpoint.h"
 #include "parallel/optimizers/portable_checkpoint.h"
 
 namespace shampoo::detail {
@@ -35,6 +36,9 @@ std::vector<std::string> split_lines(const std::string& text);
 std::string read_string(torch::serialize::InputArchive& archive, const std::string& key,
                         const std::string& what);
 std::vector<int64_t> longs_of(const at::Tensor& tensor);
+/// The kind a checkpoint records for its optimizer: `distributed`'s checkpoint_kind(), or
+/// "replicated" for an optimizer without one (a LibTorch optimizer, the same on every rank).
+std::string optimizer_kind(const DistributedCheckpointable* distributed);
 /// The demangled type of options (a checkpoint records it with each param group).
 std::string type_name(const torch::optim::OptimizerOptions& options);
 

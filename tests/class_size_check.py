@@ -24,7 +24,6 @@ CEILINGS = {
     "DistributedShampoo": 46,
     "ShardedOptimizer": 46,
     "InBackwardOptimizer": 32,
-    "TrainingCheckpoint": 26,
 }
 
 CLASS_HEAD = re.compile(r"\b(class|struct)\s+(?:\[\[[^\]]*\]\]\s*)?([A-Za-z_][\w:]*)"

@@ -28,17 +28,16 @@ CEILINGS = {
 
 CLASS_HEAD = re.compile(r"\b(class|struct)\s+(?:\[\[[^\]]*\]\]\s*)?([A-Za-z_][\w:]*)"
                         r"(?:\s+final)?\s*(?::[^;{]*)?$", re.S)
-NOT_FUNCTIONS = ("using ", "friend ", "typedef ", "static_assert", "TORCH_ARG", "template <",
-                 "enum ", "class ", "struct ")
+NOT_FUNCTIONS = ("using ", "friend ", "typedef ", "static_assert", "TORCH_ARG", "enum ", "class ",
+                 "struct ")
 
 
 def is_function(declaration):
     text = " ".join(declaration.split())
     text = re.sub(r"^(public|private|protected)\s*:\s*", "", text)
-    if not text or text.startswith(NOT_FUNCTIONS[:5]) or text.startswith(NOT_FUNCTIONS[5:]):
-        if not text.startswith("template <"):
-            return False
-        text = re.sub(r"^template\s*<[^>]*>\s*", "", text)
+    text = re.sub(r"^template\s*<[^>]*>\s*", "", text)  # a member template: its declaration
+    if not text or text.startswith(NOT_FUNCTIONS):
+        return False
     if re.search(r"=\s*delete\s*$", text):
         return False
     # Template arguments hold parentheses of their own (std::function<void()>): drop them.
@@ -99,8 +98,7 @@ def main():
         for path in sorted((root / folder).rglob("*")):
             if path.suffix in SUFFIXES and path.is_file():
                 for name, count in classes(path.read_text(errors="replace")).items():
-                    key = name
-                    counts[key] = max(counts.get(key, 0), count)
+                    counts[name] = max(counts.get(name, 0), count)
     over = []
     for name, count in sorted(counts.items(), key=lambda item: -item[1]):
         limit = CEILINGS.get(name, LIMIT)

@@ -123,8 +123,8 @@ struct InBackwardOptimizer::State : std::enable_shared_from_this<State> {
 
   void on_grad_ready(size_t entry) {
     open_pass();
-    if (!pass.stepping() || sync != nullptr)
-      return;  // accumulating, or the synchronizer drives steps
+    // Accumulating, or the synchronizer drives the steps.
+    if (!pass.stepping() || sync != nullptr) return;
     step_params_or_abort({entries[entry].param});
   }
 

@@ -18,7 +18,6 @@ from function_length_check import FOLDERS, SUFFIXES, strip  # noqa: E402
 LIMIT = 25
 # The classes above the limit when the check was written (2026-12-03), at their counts then.
 CEILINGS = {
-    "FullyShardedDataParallel::State": 90,
     "FullyShardedDataParallel": 52,
     "ShampooEngine": 47,
     "DistributedShampoo": 46,

@@ -12,7 +12,7 @@
 #include "parallel/communication/process_group.h"
 #include "parallel/data_parallel/grad_ready_hooks.h"
 #include "parallel/data_parallel/spread_grad_norm.h"
-#include "parallel/full_sharding/fully_sharded_state.h"
+#include "parallel/full_sharding/fully_sharded_checkpoint.h"
 
 namespace shampoo {
 
@@ -20,7 +20,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> unit
                                                    GroupOptimizerFactory factory,
                                                    c10::intrusive_ptr<c10d::ProcessGroup> group,
                                                    FullyShardedOptions options)
-    : state_(std::make_shared<State>()) {
+    : state_(std::make_shared<detail::FsdpState>()) {
   init(std::move(units), std::nullopt, std::move(factory), std::move(group), options);
 }
 
@@ -28,7 +28,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(
     std::vector<ShardedUnit> units, std::vector<torch::optim::OptimizerParamGroup> param_groups,
     GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
     FullyShardedOptions options)
-    : state_(std::make_shared<State>()) {
+    : state_(std::make_shared<detail::FsdpState>()) {
   TORCH_CHECK(options.step_mode() == ShardedStepMode::kLossless, detail::kFsdpWho,
               "param groups need step_mode kLossless (local shards step a unit's rows with one "
               "optimizer)");
@@ -52,34 +52,26 @@ void FullyShardedDataParallel::init(
     TORCH_CHECK(!dtype || at::isFloatingType(*dtype), detail::kFsdpWho, name, ": got ", *dtype,
                 ", expected a floating-point dtype");
   }
-  auto& s = *state_;
-  s.group = std::move(group);
-  s.options = options;
-  s.pass.set_accumulation_steps(options.accumulation_steps());
-  s.rank = s.group->getRank();
-  s.world = s.group->getSize();
-  s.global_ranks = detail::global_ranks(*s.group);
-  if (options.replica_group()) {
-    s.replicas = options.replica_group()->getSize();
-    s.replica = options.replica_group()->getRank();
-  }
   TORCH_CHECK(!options.split_across_replicas() || options.replica_group(), detail::kFsdpWho,
               "split_across_replicas needs a replica_group (hybrid sharding)");
   TORCH_CHECK(!options.split_across_replicas() || options.step_mode() == ShardedStepMode::kLossless,
               detail::kFsdpWho, "split_across_replicas needs step_mode kLossless");
-  s.add_units(std::move(units));
-  s.make_groups(s.agree_on_units());
-  s.agree_across_replicas();
-  s.make_replica_step_group();
-  s.broadcast_values();
-  if (s.lossless()) s.assign_owners();
+  auto& s = *state_;
+  auto& mesh = s.mesh;
+  mesh.group = std::move(group);
+  mesh.rank = mesh.group->getRank();
+  mesh.world = mesh.group->getSize();
+  mesh.global_ranks = detail::global_ranks(*mesh.group);
+  mesh.replica_group = options.replica_group();
+  if (mesh.replica_group) {
+    mesh.replicas = mesh.replica_group->getSize();
+    mesh.replica = mesh.replica_group->getRank();
+  }
+  mesh.split = options.split_across_replicas() && mesh.replicas > 1;
+  s.options = options;
   s.factory = std::move(factory);
-  s.make_facade(*this, std::move(param_groups));
-  s.make_shards_and_optimizers();
-  s.write_state_entries();
-  for (auto& unit : s.units) s.reshard(*unit);
-  s.add_hooks();
-  if (options.overlap_step()) s.worker = std::make_unique<detail::StepWorker>();
+  s.pass.set_accumulation_steps(options.accumulation_steps());
+  s.setup(*this, std::move(units), std::move(param_groups));
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -157,7 +149,7 @@ double FullyShardedDataParallel::clip_grad_norm_of(const std::vector<at::Tensor>
   TORCH_CHECK(s.lossless(), detail::kFsdpWho, function,
               ": needs step_mode kLossless (local shards hold row chunks, whose norms do not add "
               "up to a whole parameter's bit for bit)");
-  TORCH_CHECK(!s.split(), detail::kFsdpWho, function,
+  TORCH_CHECK(!s.mesh.split, detail::kFsdpWho, function,
               ": with split_across_replicas each replica holds the averaged gradients of the "
               "parameters it steps only, and clipping by their norm across the replicas is not "
               "supported yet; clip with the state replicated (split_across_replicas(false))");
@@ -169,21 +161,21 @@ double FullyShardedDataParallel::clip_grad_norm_of(const std::vector<at::Tensor>
     spread.push_back({slot.reduced, slot.reduced, s.unit(u).options});
   }
   const auto who = std::string(detail::kFsdpWho) + function;
-  return detail::clip_spread_grad_norm_(*s.group, spread, max_norm, norm_type, who.c_str());
+  return detail::clip_spread_grad_norm_(*s.mesh.group, spread, max_norm, norm_type, who.c_str());
 }
 
 void FullyShardedDataParallel::gather_all() {
   auto& s = *state_;
   s.wait_all();
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  for (auto& unit : s.units) s.gather(*unit, *s.group);
+  for (auto& unit : s.units) unit->gather(*s.mesh.group);
   s.holding = true;
 }
 
 void FullyShardedDataParallel::release_all() {
   auto& s = *state_;
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  for (auto& unit : s.units) s.reshard(*unit);
+  for (auto& unit : s.units) unit->reshard();
   s.holding = false;
 }
 
@@ -191,8 +183,8 @@ torch::optim::Optimizer* FullyShardedDataParallel::optimizer_of(const at::Tensor
   auto& s = *state_;
   const auto [u, i] = s.position_of(param);
   if (!s.lossless()) return s.unit(u).optimizer ? s.unit(u).optimizer->get() : nullptr;
-  const bool stepped_here =
-      s.steps_here(s.unit(u).params[i]) && s.group_of.count(State::impl_of(param)) != 0;
+  const auto& slot = s.unit(u).params[i];
+  const bool stepped_here = slot.steps_on(s.mesh) && slot.in_a_group();
   return stepped_here ? s.rank_optimizer->get() : nullptr;
 }
 
@@ -222,10 +214,10 @@ at::Tensor FullyShardedDataParallel::full_value(const at::Tensor& param) {
   const auto& slot = s.slot_for(param);
   // The shards' own values (not a lower-precision compute copy), padded to whole chunks.
   auto input = at::empty({slot.chunk_numel()}, slot.shard.options().requires_grad(false));
-  State::write_shard(input, slot);
-  auto gathered = at::empty({s.world * slot.chunk_numel()}, input.options());
-  detail::wait_one(detail::start_all_gather(*s.group, gathered, input), "full_value's all-gather",
-                   s.rank);
+  slot.write_shard(input);
+  auto gathered = at::empty({s.mesh.world * slot.chunk_numel()}, input.options());
+  detail::wait_one(detail::start_all_gather(*s.mesh.group, gathered, input),
+                   "full_value's all-gather", s.mesh.rank);
   return gathered.narrow(0, 0, slot.numel()).view(slot.sizes).clone();
 }
 
@@ -267,24 +259,22 @@ int64_t FullyShardedDataParallel::gathered_bytes() const {
 }
 
 const c10::intrusive_ptr<c10d::ProcessGroup>& FullyShardedDataParallel::process_group() const {
-  return state_->group;
+  return state_->mesh.group;
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedDataParallel::checkpoint_group() const {
-  return state_->group;
+  return state_->mesh.group;
 }
 
-int FullyShardedDataParallel::checkpoint_replicas() const { return state_->replicas; }
+int FullyShardedDataParallel::checkpoint_replicas() const { return state_->mesh.replicas; }
 
-int FullyShardedDataParallel::checkpoint_replica() const {
-  return state_->replicas == 1 ? 0 : state_->options.replica_group()->getRank();
-}
+int FullyShardedDataParallel::checkpoint_replica() const { return state_->mesh.replica; }
 
-bool FullyShardedDataParallel::every_replica_writes() const { return state_->split(); }
+bool FullyShardedDataParallel::every_replica_writes() const { return state_->mesh.split; }
 
 bool FullyShardedDataParallel::agree_across_replicas(bool ok) const {
-  if (state_->replicas == 1) return ok;
-  const auto all = detail::gather_int64(*state_->options.replica_group(), {ok ? 1 : 0});
+  if (state_->mesh.replicas == 1) return ok;
+  const auto all = detail::gather_int64(*state_->mesh.replica_group, {ok ? 1 : 0});
   return std::all_of(all.begin(), all.end(), [](const auto& v) { return v[0] == 1; });
 }
 
@@ -292,24 +282,24 @@ void FullyShardedDataParallel::sync_for_checkpoint() const {
   auto& s = *state_;
   s.wait_all();
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  s.sync_groups();
+  s.groups.sync();
   // Options changed since the last step (a scheduler's step() before the save) go into the
   // parameters' optimizers now, as they would at the next step: the checkpoint then holds the
   // options the next step uses, in both places.
-  s.push_group_options();
+  s.groups.push_options();
 }
 
 void FullyShardedDataParallel::save_common(torch::serialize::OutputArchive& common) const {
-  state_->save_common(common);
+  detail::save_fsdp_common(*state_, common);
 }
 
 void FullyShardedDataParallel::save_pieces(PieceWriter& pieces) const {
-  state_->save_pieces(pieces);
+  detail::save_fsdp_pieces(*state_, pieces);
 }
 
 std::function<void()> FullyShardedDataParallel::prepare_load(torch::serialize::InputArchive& common,
                                                              PieceReader& pieces) {
-  return state_->prepare_load(common, pieces);
+  return detail::prepare_fsdp_load(*state_, common, pieces);
 }
 
 void save_full_model(FullyShardedDataParallel& fsdp, const torch::nn::Module& model,
@@ -323,12 +313,12 @@ void save_full_model(FullyShardedDataParallel& fsdp, const torch::nn::Module& mo
   for (auto& unit : s.units) {
     TORCH_CHECK(!unit->gathered, detail::kFsdpWho, "save_full_model: unit '", unit->name,
                 "' is gathered; call it between iterations");
-    for (auto& slot : unit->params) s.materialize(*unit, slot, "save_full_model's all-gather");
+    for (auto& slot : unit->params) unit->materialize(slot, "save_full_model's all-gather");
   }
   // One writer per job: rank 0 of replica 0's shard group (under hybrid sharding every replica
   // holds the same model; two writers would share the temporary file). The temporary name is
   // the writer's own, so that a second job writing the same path cannot rename its half.
-  const bool writer = s.rank == 0 && s.replica == 0;
+  const bool writer = s.mesh.rank == 0 && s.mesh.replica == 0;
   if (writer) {
     try {
       torch::serialize::OutputArchive archive;
@@ -340,17 +330,15 @@ void save_full_model(FullyShardedDataParallel& fsdp, const torch::nn::Module& mo
       error = e.what();
     }
   }
-  for (auto& unit : s.units) {
-    for (auto& slot : unit->params) detail::release_full(slot.param, unit->dtype);
-  }
+  for (auto& unit : s.units) unit->release_storage();
   // Every rank returns once the file is there, or with the writer's error: its flag reaches its
   // shard group, then every replica.
-  int64_t failed = detail::gather_int64(*s.group, {error.empty() ? 0 : 1})[0][0];
-  if (s.replicas > 1) failed = detail::gather_int64(*s.options.replica_group(), {failed})[0][0];
+  int64_t failed = detail::gather_int64(*s.mesh.group, {error.empty() ? 0 : 1})[0][0];
+  if (s.mesh.replicas > 1) failed = detail::gather_int64(*s.mesh.replica_group, {failed})[0][0];
   TORCH_CHECK(error.empty(), detail::kFsdpWho, "save_full_model: writing ", path.string(),
               " failed: ", error);
   TORCH_CHECK(failed == 0, detail::kFsdpWho, "save_full_model: the writing rank (rank 0",
-              s.replicas > 1 ? " of replica 0's shard group" : "", ") failed to write ",
+              s.mesh.replicas > 1 ? " of replica 0's shard group" : "", ") failed to write ",
               path.string(), " (its error says why)");
 }
 

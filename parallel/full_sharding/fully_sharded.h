@@ -132,6 +132,10 @@ struct FullyShardedOptions {
 };
 
 class FullyShardedDataParallel;
+namespace detail {
+struct FsdpState;
+class FsdpGroups;
+}  // namespace detail
 
 /// The optimizer of a fully sharded model as LibTorch code holds one (a torch::optim::Optimizer&):
 /// FullyShardedDataParallel::optimizer(). Its param groups are the user's (or one group of every
@@ -168,7 +172,7 @@ class FullyShardedOptimizer final : public torch::optim::Optimizer,
   PortableCheckpointable& portable_delegate() const override;
 
  private:
-  friend class FullyShardedDataParallel;
+  friend class detail::FsdpGroups;
   FullyShardedOptimizer(FullyShardedDataParallel& owner,
                         std::vector<torch::optim::OptimizerParamGroup> groups,
                         std::unique_ptr<torch::optim::OptimizerOptions> defaults);
@@ -338,8 +342,7 @@ class FullyShardedDataParallel : public DistributedCheckpointable,
             std::optional<std::vector<torch::optim::OptimizerParamGroup>> param_groups,
             GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
             FullyShardedOptions options);
-  struct State;
-  std::shared_ptr<State> state_;
+  std::shared_ptr<detail::FsdpState> state_;
 };
 
 /// Saves the whole model as the same model without sharding saves it (torch::save(model, path)),

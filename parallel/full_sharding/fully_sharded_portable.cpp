@@ -4,60 +4,66 @@
 // sharding resumes (its counters, a gradient accumulation in progress).
 #include <ATen/core/grad_mode.h>
 
-#include "parallel/full_sharding/fully_sharded_state.h"
+#include "parallel/full_sharding/fully_sharded_checkpoint.h"
 
-namespace shampoo {
+namespace shampoo::detail {
 namespace {
 
 std::string accumulated_key(const std::string& name) { return "fsdp/" + name + "/accumulated"; }
 
 }  // namespace
 
-int64_t FullyShardedDataParallel::State::portable_param_step(const at::Tensor& param) const {
-  const auto it = joined_at.find(impl_of(param));
-  return it == joined_at.end() ? -1 : steps - it->second;
+int64_t fsdp_portable_param_step(const FsdpState& s, const at::Tensor& param) {
+  const auto it = s.slot_of.find(param.unsafeGetTensorImpl());
+  if (it == s.slot_of.end()) return -1;
+  const auto& slot = s.units[it->second.first]->params[it->second.second];
+  return slot.in_a_group() ? s.steps - slot.joined_at : -1;
 }
 
-void FullyShardedDataParallel::State::save_portable_pieces(PieceWriter& pieces,
-                                                           const PortableSave& save) {
-  check_checkpointable();
-  wait_all();
+void save_fsdp_portable_pieces(FsdpState& s, PieceWriter& pieces, const PortableSave& save) {
+  check_checkpointable(s);
+  s.wait_all();
   TORCH_INTERNAL_ASSERT(save.model_pieces != nullptr);
   // The replicas hold the same rows (replica 0 writes them) and, unless the state is split
   // across them, the same optimizer state.
-  const bool writes_state = replica == 0 || split();
-  for (const auto& unit : units) {
+  const bool first_replica = s.mesh.replica == 0;
+  const bool writes_state = first_replica || s.mesh.split;
+  const int rank = s.mesh.rank;
+  for (const auto& unit : s.units) {
     for (const auto& slot : unit->params) {
       const auto name = save.names(slot.param);
-      if (replica == 0 && slot.valid_rows(rank) > 0) {
+      if (first_replica && slot.valid_rows(rank) > 0) {
         save.model_pieces->add(SavedModel::rows_key(name, rank),
                                SavedModel::rows_piece(slot.shard));
       }
-      if (writes_state && slot.reduced.defined() && steps_here(slot)) {
+      if (writes_state && slot.reduced.defined() && slot.steps_on(s.mesh)) {
         torch::serialize::OutputArchive reduced;
         reduced.write("gradient", slot.reduced.detach(), /*is_buffer=*/true);
         pieces.add(accumulated_key(name), std::move(reduced));
       }
     }
   }
-  if (rank_optimizer && writes_state) rank_optimizer->save_pieces(pieces, save.names);
+  if (s.rank_optimizer && writes_state) s.rank_optimizer->save_pieces(pieces, save.names);
 }
 
-void FullyShardedDataParallel::State::save_portable_layout(
-    torch::serialize::OutputArchive& layout) const {
-  layout.write("backward_passes", c10::IValue(pass.passes()));
-  layout.write("steps_taken", c10::IValue(steps));
-  layout.write("passes_since_step", c10::IValue(pass.passes_since_step()));
+void save_fsdp_portable_layout(const FsdpState& s, torch::serialize::OutputArchive& layout) {
+  layout.write("backward_passes", c10::IValue(s.pass.passes()));
+  layout.write("steps_taken", c10::IValue(s.steps));
+  layout.write("passes_since_step", c10::IValue(s.pass.passes_since_step()));
 }
 
-std::vector<std::pair<at::Tensor, at::Tensor>> FullyShardedDataParallel::State::portable_rows(
-    const PortableLoad& load) {
+namespace {
+
+/// This rank's rows of every parameter from the checkpoint's model, checked against the units.
+std::vector<std::pair<at::Tensor, at::Tensor>> portable_rows(FsdpState& s,
+                                                             const PortableLoad& load) {
   std::vector<std::pair<at::Tensor, at::Tensor>> shards;  // (this rank's shard, its rows)
-  for (const auto& unit : units) {
+  const int rank = s.mesh.rank;
+  for (const auto& unit : s.units) {
     for (const auto& slot : unit->params) {
       const auto name = load.names(slot.param);
       const auto& saved = load.model->entry(name);
-      TORCH_CHECK(saved.sizes == slot.sizes && saved.dtype == unit->dtype, kWho,
+      TORCH_CHECK(saved.sizes == slot.sizes && saved.dtype == unit->dtype, kFsdpWho,
                   "checkpoint: parameter ", name, " is ", at::IntArrayRef(saved.sizes), " (",
                   saved.dtype, ") there and ", at::IntArrayRef(slot.sizes), " (", unit->dtype,
                   ") here (a checkpoint of another model?)");
@@ -68,57 +74,59 @@ std::vector<std::pair<at::Tensor, at::Tensor>> FullyShardedDataParallel::State::
   return shards;
 }
 
-std::vector<std::pair<detail::ParamSlot*, at::Tensor>>
-FullyShardedDataParallel::State::portable_accumulated(const PortableLoad& load,
-                                                      int64_t passes_since) {
+/// The reduced gradients of an accumulation in progress that this rank steps on.
+std::vector<std::pair<ParamSlot*, at::Tensor>> portable_accumulated(FsdpState& s,
+                                                                    const PortableLoad& load,
+                                                                    int64_t passes_since) {
   std::vector<std::pair<ParamSlot*, at::Tensor>> accumulated;
-  for (auto& unit : units) {
+  for (auto& unit : s.units) {
     for (auto& slot : unit->params) {
       const auto key = accumulated_key(load.names(slot.param));
-      if (passes_since == 0 || !steps_here(slot) || !load.pieces->contains(key)) continue;
+      if (passes_since == 0 || !slot.steps_on(s.mesh) || !load.pieces->contains(key)) continue;
       auto piece = load.pieces->read(key);
       at::Tensor gradient;
       TORCH_CHECK(piece.try_read("gradient", gradient, /*is_buffer=*/true) &&
                       gradient.sizes() == at::IntArrayRef(slot.sizes),
-                  kWho, "checkpoint: piece ", key, " is damaged");
+                  kFsdpWho, "checkpoint: piece ", key, " is damaged");
       accumulated.emplace_back(&slot, gradient.to(unit->options));
     }
   }
   return accumulated;
 }
 
-std::function<void()> FullyShardedDataParallel::State::prepare_portable_load(
-    const PortableLoad& load) {
-  check_checkpointable();
-  wait_all();
-  const auto shards = portable_rows(load);
-  const auto& groups = facade->param_groups();
-  TORCH_CHECK(load.group_options.size() == groups.size(), kWho, "checkpoint: options for ",
+}  // namespace
+
+std::function<void()> prepare_fsdp_portable_load(FsdpState& s, const PortableLoad& load) {
+  check_checkpointable(s);
+  s.wait_all();
+  const auto shards = portable_rows(s, load);
+  const auto& groups = s.groups.optimizer().param_groups();
+  TORCH_CHECK(load.group_options.size() == groups.size(), kFsdpWho, "checkpoint: options for ",
               load.group_options.size(), " param groups, optimizer() has ", groups.size());
   auto options = std::make_shared<std::vector<std::unique_ptr<torch::optim::OptimizerOptions>>>();
   for (size_t g = 0; g < groups.size(); ++g) {
-    options->push_back(detail::read_options(groups[g], *load.group_options[g]));
+    options->push_back(read_options(groups[g], *load.group_options[g]));
   }
   int64_t saved_steps = load.steps_taken;
   int64_t saved_passes = load.steps_taken;
   int64_t saved_since = 0;
   if (load.layout) {
-    saved_passes = read_int(*load.layout, "backward_passes");
-    saved_steps = read_int(*load.layout, "steps_taken");
-    saved_since = read_int(*load.layout, "passes_since_step");
+    saved_passes = read_fsdp_int(*load.layout, "backward_passes");
+    saved_steps = read_fsdp_int(*load.layout, "steps_taken");
+    saved_since = read_fsdp_int(*load.layout, "passes_since_step");
   }
-  std::vector<std::pair<const c10::TensorImpl*, int64_t>> joined;
+  std::vector<std::pair<ParamSlot*, int64_t>> joined;
   for (const auto& group : groups) {
     for (const auto& p : group.params()) {
       const auto it = load.param_steps.find(load.names(p));
       const int64_t count = it != load.param_steps.end() && it->second >= 0 ? it->second : 0;
-      joined.emplace_back(impl_of(p), saved_steps - count);
+      joined.emplace_back(&s.slot_for(p), saved_steps - count);
     }
   }
-  const auto accumulated = portable_accumulated(load, saved_since);
+  const auto accumulated = portable_accumulated(s, load, saved_since);
   std::function<void()> install_states = [] {};
-  if (rank_optimizer) install_states = rank_optimizer->prepare_load(*load.pieces, load.names);
-  std::weak_ptr<State> weak = shared_from_this();
+  if (s.rank_optimizer) install_states = s.rank_optimizer->prepare_load(*load.pieces, load.names);
+  std::weak_ptr<FsdpState> weak = s.shared_from_this();
   return [weak, shards, options, joined, saved_steps, saved_passes, saved_since, accumulated,
           install_states] {
     at::NoGradGuard no_grad;
@@ -126,32 +134,32 @@ std::function<void()> FullyShardedDataParallel::State::prepare_portable_load(
     install_states();
     auto self = weak.lock();
     if (!self) return;
-    self->install_progress(saved_passes, saved_steps, saved_since, accumulated);
-    auto& groups = self->facade->param_groups();
-    for (size_t g = 0; g < groups.size(); ++g) {
-      groups[g].set_options(std::move((*options)[g]));
-      self->pushed[g].clear();  // copied into the optimizers at the next defined point
-    }
-    for (const auto& [impl, at] : joined) self->joined_at[impl] = at;
-    self->write_state_entries();
+    install_fsdp_progress(*self, saved_passes, saved_steps, saved_since, accumulated);
+    self->groups.install_options(*options);
+    for (const auto& [slot, at] : joined) slot->joined_at = at;
+    self->groups.write_state_entries();
   };
 }
+
+}  // namespace shampoo::detail
+
+namespace shampoo {
 
 // ---- the public faces ----
 
 std::vector<const torch::optim::OptimizerParamGroup*> FullyShardedDataParallel::portable_groups()
     const {
-  return detail::groups_of(*state_->facade);
+  return detail::groups_of(state_->groups.optimizer());
 }
 
 int64_t FullyShardedDataParallel::portable_param_step(const at::Tensor& param) const {
-  return state_->portable_param_step(param);
+  return detail::fsdp_portable_param_step(*state_, param);
 }
 
-int64_t FullyShardedDataParallel::portable_row_pieces() const { return state_->world; }
+int64_t FullyShardedDataParallel::portable_row_pieces() const { return state_->mesh.world; }
 
 std::vector<int64_t> FullyShardedDataParallel::portable_full_sizes(const at::Tensor& param) const {
-  const auto it = state_->slot_of.find(State::impl_of(param));
+  const auto it = state_->slot_of.find(param.unsafeGetTensorImpl());
   if (it == state_->slot_of.end()) return param.sizes().vec();
   return state_->units[it->second.first]->params[it->second.second].sizes;
 }
@@ -162,15 +170,15 @@ bool FullyShardedDataParallel::portable_between_steps() const {
 
 void FullyShardedDataParallel::save_portable_pieces(PieceWriter& pieces,
                                                     const PortableSave& save) const {
-  state_->save_portable_pieces(pieces, save);
+  detail::save_fsdp_portable_pieces(*state_, pieces, save);
 }
 
 void FullyShardedDataParallel::save_portable_layout(torch::serialize::OutputArchive& layout) const {
-  state_->save_portable_layout(layout);
+  detail::save_fsdp_portable_layout(*state_, layout);
 }
 
 std::function<void()> FullyShardedDataParallel::prepare_portable_load(const PortableLoad& load) {
-  return state_->prepare_portable_load(load);
+  return detail::prepare_fsdp_portable_load(*state_, load);
 }
 
 PortableCheckpointable& FullyShardedOptimizer::portable_delegate() const { return owner_; }

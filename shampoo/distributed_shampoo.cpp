@@ -5,19 +5,48 @@
 #include <c10/core/GradMode.h>
 
 #include "parallel/optimizers/internal_interfaces.h"
+#include "parallel/optimizers/phased_step.h"
+#include "shampoo/distributed_shampoo_checkpoint.h"
 #include "shampoo/shampoo_engine.h"
 #include "shampoo/state_size.h"
 
 namespace shampoo {
 
 struct DistributedShampoo::Interfaces
-    : detail::AdaptersOf<DistributedShampoo, detail::PhasedStepOf, detail::BlockStatesOf,
-                         detail::ParameterOwnersOf> {};
+    : detail::AdaptersOf<DistributedShampoo, detail::ParameterOwnersOf> {};
+
+/// PhasedStep: the step split into begin, per-parameter block work (as gradients arrive, in
+/// backward; the parameters of a unit, in full sharding) and finish (the one AllGather). A step
+/// not `in_pass` is one of the parameters given to the one step_parameters call alone. While in
+/// backward, step() and a step not in a pass are errors.
+class DistributedShampoo::Phased final : public PhasedStep {
+ public:
+  explicit Phased(DistributedShampoo& owner) : owner_(&owner) {}
+  /// After the optimizer moved: the object that owns this one now.
+  void rebind(DistributedShampoo& owner) { owner_ = &owner; }
+  bool in_backward() const { return in_backward_; }
+
+  void set_in_backward(bool in_backward) override { in_backward_ = in_backward; }
+  bool step_open() const override { return owner_->engine_->step_open(); }
+  void begin(bool in_pass) override;
+  void step_parameters(const std::vector<at::Tensor>& params) override;
+  void finish() override;
+  /// Undoes the open step (after an error); nothing to undo when none is open.
+  void abort() override;
+
+ private:
+  DistributedShampoo* owner_;  // which owns this object
+  bool in_backward_ = false;
+};
 
 bool DistributedShampoo::internal_interfaces(torch::optim::Optimizer& optimizer,
                                              detail::Capabilities& found) {
   auto* shampoo = dynamic_cast<DistributedShampoo*>(&optimizer);
-  if (shampoo != nullptr && shampoo->interfaces_) shampoo->interfaces_->bind(shampoo, found);
+  if (shampoo != nullptr && shampoo->interfaces_) {  // null once moved from
+    shampoo->interfaces_->bind(shampoo, found);
+    found.phased = shampoo->phased_.get();
+    found.blocks = shampoo->checkpoint_.get();
+  }
   return shampoo != nullptr;
 }
 
@@ -34,7 +63,9 @@ DistributedShampoo::DistributedShampoo(std::vector<torch::optim::OptimizerParamG
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<ShampooOptions>(defaults)),
       engine_(std::make_unique<detail::ShampooEngine>(defaults, std::move(distributed))),
-      interfaces_(std::make_unique<Interfaces>()) {
+      interfaces_(std::make_unique<Interfaces>()),
+      phased_(std::make_unique<Phased>(*this)),
+      checkpoint_(std::make_unique<Checkpoint>(*this)) {
   detail::register_internal_interfaces(&DistributedShampoo::internal_interfaces);
   // Once per optimizer, over all groups (a group of biases alone has a large ratio), before the
   // groups are registered and their state allocated.
@@ -78,8 +109,27 @@ void DistributedShampoo::write_state_entries() {
 }
 
 DistributedShampoo::~DistributedShampoo() = default;
-DistributedShampoo::DistributedShampoo(DistributedShampoo&&) noexcept = default;
-DistributedShampoo& DistributedShampoo::operator=(DistributedShampoo&&) noexcept = default;
+
+DistributedShampoo::DistributedShampoo(DistributedShampoo&& other) noexcept
+    : torch::optim::Optimizer(std::move(other)),
+      engine_(std::move(other.engine_)),
+      interfaces_(std::move(other.interfaces_)),
+      phased_(std::move(other.phased_)),
+      checkpoint_(std::move(other.checkpoint_)) {
+  if (phased_) phased_->rebind(*this);
+  if (checkpoint_) checkpoint_->rebind(*this);
+}
+
+DistributedShampoo& DistributedShampoo::operator=(DistributedShampoo&& other) noexcept {
+  torch::optim::Optimizer::operator=(std::move(other));
+  engine_ = std::move(other.engine_);
+  interfaces_ = std::move(other.interfaces_);
+  phased_ = std::move(other.phased_);
+  checkpoint_ = std::move(other.checkpoint_);
+  if (phased_) phased_->rebind(*this);
+  if (checkpoint_) checkpoint_->rebind(*this);
+  return *this;
+}
 
 void DistributedShampoo::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
   TORCH_CHECK(!engine_->step_open(),
@@ -90,7 +140,7 @@ void DistributedShampoo::add_param_group(const torch::optim::OptimizerParamGroup
 }
 
 torch::Tensor DistributedShampoo::step(LossClosure closure) {
-  TORCH_CHECK(!in_backward_,
+  TORCH_CHECK(!phased_->in_backward(),
               "DistributedShampoo::step(): this optimizer runs in backward "
               "(apply_optimizer_in_backward); its steps happen during loss.backward()");
   torch::Tensor loss;
@@ -111,24 +161,15 @@ torch::Tensor DistributedShampoo::step(LossClosure closure) {
   return loss;
 }
 
-bool DistributedShampoo::phased_step_open() const { return engine_->step_open(); }
+namespace {
 
-void DistributedShampoo::begin_phased_step(bool in_pass) {
-  TORCH_CHECK(in_pass || !in_backward_,
-              "DistributedShampoo: a step of some parameters outside a pass, but this optimizer "
-              "runs in backward (apply_optimizer_in_backward); its steps happen during "
-              "loss.backward()");
-  c10::NoGradGuard no_grad;
-  sync_groups_and_state();
-  // In a pass, compute_params runs more than once (incremental); alone, once.
-  engine_->begin_step(param_groups_, /*incremental=*/in_pass);
-}
-
-std::vector<int64_t> DistributedShampoo::indices_of(const std::vector<torch::Tensor>& params,
-                                                    const char* what) const {
+/// Indices of `params` among `engine`'s registered parameters; `what` names the caller in the
+/// error for one that is not registered.
+std::vector<int64_t> indices_of(const detail::ShampooEngine& engine,
+                                const std::vector<torch::Tensor>& params, const char* what) {
   std::vector<int64_t> indices;
   for (const auto& p : params) {
-    const int64_t index = engine_->param_index(p);
+    const int64_t index = engine.param_index(p);
     TORCH_CHECK(index >= 0, "DistributedShampoo: a parameter given to ", what,
                 " is not registered with this optimizer");
     indices.push_back(index);
@@ -136,94 +177,45 @@ std::vector<int64_t> DistributedShampoo::indices_of(const std::vector<torch::Ten
   return indices;
 }
 
-void DistributedShampoo::step_parameters(const std::vector<torch::Tensor>& params) {
+}  // namespace
+
+void DistributedShampoo::Phased::begin(bool in_pass) {
+  TORCH_CHECK(in_pass || !in_backward_,
+              "DistributedShampoo: a step of some parameters outside a pass, but this optimizer "
+              "runs in backward (apply_optimizer_in_backward); its steps happen during "
+              "loss.backward()");
   c10::NoGradGuard no_grad;
+  owner_->sync_groups_and_state();
+  // In a pass, compute_params runs more than once (incremental); alone, once.
+  owner_->engine_->begin_step(owner_->param_groups_, /*incremental=*/in_pass);
+}
+
+void DistributedShampoo::Phased::step_parameters(const std::vector<torch::Tensor>& params) {
+  c10::NoGradGuard no_grad;
+  auto& engine = *owner_->engine_;
   try {
-    engine_->compute_params(param_groups_, indices_of(params, "step_parameters"));
+    engine.compute_params(owner_->param_groups_, indices_of(engine, params, "step_parameters"));
   } catch (...) {
-    if (!engine_->step_open()) write_state_entries();  // undone by the engine
+    if (!engine.step_open()) owner_->write_state_entries();  // undone by the engine
     throw;
   }
 }
 
-void DistributedShampoo::save_block_pieces(PieceWriter& pieces,
-                                           const BlockPieceName& name_of) const {
-  const auto summaries = engine_->param_summaries();
-  engine_->save_block_pieces(pieces, [&](const BlockId& id) {
-    return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
-  });
-}
-
-std::function<void()> DistributedShampoo::prepare_block_load(PieceReader& pieces,
-                                                             const BlockPieceName& name_of,
-                                                             std::vector<int64_t> group_steps,
-                                                             std::vector<double> group_lr_sums,
-                                                             std::optional<bool> eval_mode) {
-  sync_groups_and_state();
-  const auto summaries = engine_->param_summaries();
-  auto install = engine_->prepare_block_load(
-      pieces,
-      [&](const BlockId& id) {
-        return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
-      },
-      std::move(group_steps), std::move(group_lr_sums), eval_mode, param_groups_);
-  return [this, install] {
-    install();
-    write_state_entries();
-  };
-}
-
-std::vector<const torch::optim::OptimizerParamGroup*> DistributedShampoo::portable_groups() const {
-  const_cast<DistributedShampoo&>(*this).sync_groups_and_state();
-  return detail::groups_of(*this);
-}
-
-int64_t DistributedShampoo::portable_param_step(const at::Tensor& param) const {
-  const auto index = engine_->param_index(param);
-  if (index < 0) return -1;
-  const auto summaries = engine_->param_summaries();
-  return engine_->group_step(static_cast<size_t>(summaries.at(static_cast<size_t>(index)).group));
-}
-
-void DistributedShampoo::save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const {
-  if (!engine_->writes_pieces()) return;
-  // Every rank knows the groups' step counts: rank 0 writes them, each owner its blocks.
-  std::vector<at::Tensor> heads;
-  if (engine_->rank() == 0) {
-    for (const auto& group : param_groups_) {
-      heads.insert(heads.end(), group.params().begin(), group.params().end());
-    }
-  }
-  detail::save_param_states(*this, heads, pieces, save.names, "DistributedShampoo: ");
-}
-
-std::function<void()> DistributedShampoo::prepare_portable_load(const PortableLoad& load) {
-  sync_groups_and_state();
-  auto install_options = engine_->prepare_saved_options(load.group_options, param_groups_);
-  auto install_states =
-      detail::prepare_param_states(*this, *load.pieces, load.names, "DistributedShampoo: ");
-  return [this, install_options, install_states] {
-    install_states();
-    install_options();
-    write_state_entries();
-  };
-}
-
-void DistributedShampoo::finish_phased_step() {
+void DistributedShampoo::Phased::finish() {
   c10::NoGradGuard no_grad;
   try {
-    engine_->finish_step();
+    owner_->engine_->finish_step();
   } catch (...) {
-    write_state_entries();
+    owner_->write_state_entries();
     throw;
   }
-  write_state_entries();
+  owner_->write_state_entries();
 }
 
-void DistributedShampoo::abort_phased_step() {
+void DistributedShampoo::Phased::abort() {
   c10::NoGradGuard no_grad;
-  engine_->abort_step();  // nothing when no step is open
-  write_state_entries();
+  owner_->engine_->abort_step();  // nothing when no step is open
+  owner_->write_state_entries();
 }
 
 // Saving registers what the base class appended first (a collective in distributed mode, as the
@@ -238,29 +230,6 @@ void DistributedShampoo::load(torch::serialize::InputArchive& archive) {
   sync_groups_and_state();
   engine_->load(archive, param_groups_);
   write_state_entries();
-}
-
-c10::intrusive_ptr<c10d::ProcessGroup> DistributedShampoo::checkpoint_group() const {
-  return engine_->distributed_options().process_group();
-}
-
-void DistributedShampoo::sync_for_checkpoint() const {
-  const_cast<DistributedShampoo&>(*this).sync_groups_and_state();
-}
-
-void DistributedShampoo::save_common(torch::serialize::OutputArchive& common) const {
-  engine_->save_common(common, param_groups_);
-}
-
-void DistributedShampoo::save_pieces(PieceWriter& pieces) const { engine_->save_pieces(pieces); }
-
-std::function<void()> DistributedShampoo::prepare_load(torch::serialize::InputArchive& common,
-                                                       PieceReader& pieces) {
-  auto install = engine_->prepare_load(common, pieces, param_groups_);
-  return [this, install = std::move(install)] {
-    install();
-    write_state_entries();
-  };
 }
 
 void DistributedShampoo::train() {

@@ -93,15 +93,11 @@ struct ShampooParamState : torch::optim::OptimizerCloneableParamState<ShampooPar
 
 namespace detail {
 struct Capabilities;  // parallel/optimizers/capabilities.h
-template <class>
-class PhasedStepOf;  // parallel/optimizers/internal_interfaces.h
-template <class>
-class BlockStatesOf;
 }  // namespace detail
 
 class DistributedShampoo : public torch::optim::Optimizer,
-                           public DistributedCheckpointable,
-                           public PortableCheckpointable {
+                           public DelegatingCheckpointable,
+                           public DelegatingPortable {
  public:
   /// Parameters may be Float, Double, BFloat16 or Half, in any strided layout (a channels_last
   /// conv weight is blocked by its logical shape and updated in its layout); bf16 and fp16
@@ -135,25 +131,17 @@ class DistributedShampoo : public torch::optim::Optimizer,
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  /// World-size-independent checkpoints: shampoo::save_distributed_checkpoint(optimizer, dir) /
-  /// load_distributed_checkpoint (parallel/checkpoints/distributed_checkpoint.h). One piece per
-  /// block, written by its owner in the first trainer group; loading at any world size (and any
-  /// num_trainers_per_group, merged or not) reads the blocks each rank owns now.
-  std::string checkpoint_kind() const override { return "DistributedShampoo"; }
-  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
-  void sync_for_checkpoint() const override;
-  void save_common(torch::serialize::OutputArchive& common) const override;
-  void save_pieces(PieceWriter& pieces) const override;
-  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
-                                     PieceReader& pieces) override;
-
-  /// Whole-run checkpoints that any layout loads (parallel/optimizers/portable_checkpoint.h): rank
-  /// 0 of the (first) trainer group writes every parameter's group step count, each owner its
-  /// blocks; loading checks the saved groups' structural options and takes their float options.
-  std::vector<const torch::optim::OptimizerParamGroup*> portable_groups() const override;
-  int64_t portable_param_step(const at::Tensor& param) const override;
-  void save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const override;
-  std::function<void()> prepare_portable_load(const PortableLoad& load) override;
+  // World-size-independent checkpoints: shampoo::save_distributed_checkpoint(optimizer, dir) /
+  // load_distributed_checkpoint (parallel/checkpoints/distributed_checkpoint.h;
+  // DistributedCheckpointable). One piece per block, written by its owner in the first trainer
+  // group; loading at any world size (and any num_trainers_per_group, merged or not) reads the
+  // blocks each rank owns now.
+  // Whole-run checkpoints that any layout loads (parallel/optimizers/portable_checkpoint.h;
+  // PortableCheckpointable): rank 0 of the (first) trainer group writes every parameter's group
+  // step count, each owner its blocks; loading checks the saved groups' structural options and
+  // takes their float options.
+  // Both interfaces are answered by an internal object (DistributedShampoo::Checkpoint,
+  // shampoo/distributed_shampoo_checkpoint.h).
 
   /// Iterate averaging (ShampooOptions::iterate_averaging; docs/math.md, "Iterate averaging"):
   /// the parameters hold the training sequence y, where gradients are taken. eval() moves the
@@ -201,42 +189,19 @@ class DistributedShampoo : public torch::optim::Optimizer,
   /// until a checkpoint is loaded).
   void set_fault_injector_for_testing(StepFaultInjector fn, bool journal = true);
 
+ protected:
+  DistributedCheckpointable& checkpoint_delegate() const override;
+  PortableCheckpointable& portable_delegate() const override;
+
  private:
-  // The wrappers reach what follows through the internal interfaces (parallel/optimizers/
-  // capabilities.h), whose adapters forward here.
-  template <class>
-  friend class detail::PhasedStepOf;
-  template <class>
-  friend class detail::BlockStatesOf;
+  // The wrappers reach its phased step (Phased), its block states (Checkpoint) and its owners (an
+  // adapter forwarding to owners_group and owner_of) through the internal interfaces
+  // (parallel/optimizers/capabilities.h).
   struct Interfaces;  // the adapters, distributed_shampoo.cpp
+  class Phased;  // its PhasedStep (optimizer-in-backward, full sharding), distributed_shampoo.cpp
+  class Checkpoint;  // its checkpoints and BlockStates, distributed_shampoo_checkpoint.h
   static bool internal_interfaces(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
 
-  /// PhasedStep: the step split into begin, per-parameter block work (as gradients arrive, in
-  /// backward; the parameters of a unit, in full sharding) and finish (the one AllGather). A
-  /// step not `in_pass` is one of the parameters given to the one step_parameters call alone.
-  /// While `in_backward` is set, step() and a step not in a pass are errors.
-  void set_in_backward(bool in_backward) { in_backward_ = in_backward; }
-  bool phased_step_open() const;
-  void begin_phased_step(bool in_pass);
-  void step_parameters(const std::vector<torch::Tensor>& params);
-  void finish_phased_step();
-  /// Undoes the open step (after an error); nothing to undo when none is open.
-  void abort_phased_step();
-
-  /// BlockStates (full sharding: one optimizer per rank over the parameters it owns,
-  /// checkpointed per model parameter).
-  using BlockPieceName = std::function<std::string(const at::Tensor& param, int64_t block)>;
-  void register_appended() { sync_groups_and_state(); }
-  void save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const;
-  std::function<void()> prepare_block_load(PieceReader& pieces, const BlockPieceName& name_of,
-                                           std::vector<int64_t> group_steps,
-                                           std::vector<double> group_lr_sums,
-                                           std::optional<bool> eval_mode);
-  bool in_eval_mode() const { return !is_training(); }
-
-  /// Indices of `params` in the registry; `what` names the caller in the error for one that is
-  /// not registered.
-  std::vector<int64_t> indices_of(const std::vector<torch::Tensor>& params, const char* what) const;
   /// Registers groups and parameters appended through the base class, then writes state()'s
   /// entries (ShampooParamState) for every registered parameter.
   void sync_groups_and_state();
@@ -244,7 +209,8 @@ class DistributedShampoo : public torch::optim::Optimizer,
 
   std::unique_ptr<detail::ShampooEngine> engine_;
   std::unique_ptr<Interfaces> interfaces_;
-  bool in_backward_ = false;
+  std::unique_ptr<Phased> phased_;
+  std::unique_ptr<Checkpoint> checkpoint_;
 };
 
 }  // namespace shampoo

@@ -16,13 +16,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from function_length_check import FOLDERS, SUFFIXES, strip  # noqa: E402
 
 LIMIT = 25
-# The classes above the limit when the check was written (2026-12-03), at their counts then.
+# The classes above the limit, at their counts now (lower a figure when a class shrinks; remove
+# the line when it is at 25 or below). Written 2026-12-03 with six classes; full sharding's state
+# (90), InBackwardOptimizer (32) and ShardedOptimizer (46) have since been split. The public
+# classes answer checkpoints through internal objects (their checkpoint_delegate()) and implement
+# the internal interfaces with internal objects; what they still declare above 25 is their public
+# API.
 CEILINGS = {
-    "FullyShardedDataParallel": 52,
     "ShampooEngine": 47,
-    "DistributedShampoo": 46,
-    "ShardedOptimizer": 46,
-    "InBackwardOptimizer": 32,
+    "FullyShardedDataParallel": 36,
+    "DistributedShampoo": 27,
 }
 
 CLASS_HEAD = re.compile(r"\b(class|struct)\s+(?:\[\[[^\]]*\]\]\s*)?([A-Za-z_][\w:]*)"

@@ -72,6 +72,7 @@ void FullyShardedDataParallel::init(
   s.factory = std::move(factory);
   s.pass.set_accumulation_steps(options.accumulation_steps());
   s.setup(*this, std::move(units), std::move(param_groups));
+  checkpoint_ = std::make_unique<detail::FsdpCheckpoint>(s);
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -262,45 +263,11 @@ const c10::intrusive_ptr<c10d::ProcessGroup>& FullyShardedDataParallel::process_
   return state_->mesh.group;
 }
 
-c10::intrusive_ptr<c10d::ProcessGroup> FullyShardedDataParallel::checkpoint_group() const {
-  return state_->mesh.group;
+DistributedCheckpointable& FullyShardedDataParallel::checkpoint_delegate() const {
+  return *checkpoint_;
 }
 
-int FullyShardedDataParallel::checkpoint_replicas() const { return state_->mesh.replicas; }
-
-int FullyShardedDataParallel::checkpoint_replica() const { return state_->mesh.replica; }
-
-bool FullyShardedDataParallel::every_replica_writes() const { return state_->mesh.split; }
-
-bool FullyShardedDataParallel::agree_across_replicas(bool ok) const {
-  if (state_->mesh.replicas == 1) return ok;
-  const auto all = detail::gather_int64(*state_->mesh.replica_group, {ok ? 1 : 0});
-  return std::all_of(all.begin(), all.end(), [](const auto& v) { return v[0] == 1; });
-}
-
-void FullyShardedDataParallel::sync_for_checkpoint() const {
-  auto& s = *state_;
-  s.wait_all();
-  std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  s.groups.sync();
-  // Options changed since the last step (a scheduler's step() before the save) go into the
-  // parameters' optimizers now, as they would at the next step: the checkpoint then holds the
-  // options the next step uses, in both places.
-  s.groups.push_options();
-}
-
-void FullyShardedDataParallel::save_common(torch::serialize::OutputArchive& common) const {
-  detail::save_fsdp_common(*state_, common);
-}
-
-void FullyShardedDataParallel::save_pieces(PieceWriter& pieces) const {
-  detail::save_fsdp_pieces(*state_, pieces);
-}
-
-std::function<void()> FullyShardedDataParallel::prepare_load(torch::serialize::InputArchive& common,
-                                                             PieceReader& pieces) {
-  return detail::prepare_fsdp_load(*state_, common, pieces);
-}
+PortableCheckpointable& FullyShardedDataParallel::portable_delegate() const { return *checkpoint_; }
 
 void save_full_model(FullyShardedDataParallel& fsdp, const torch::nn::Module& model,
                      const std::filesystem::path& path) {

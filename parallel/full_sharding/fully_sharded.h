@@ -135,6 +135,7 @@ class FullyShardedDataParallel;
 namespace detail {
 struct FsdpState;
 class FsdpGroups;
+class FsdpCheckpoint;
 }  // namespace detail
 
 /// The optimizer of a fully sharded model as LibTorch code holds one (a torch::optim::Optimizer&):
@@ -179,9 +180,9 @@ class FullyShardedOptimizer final : public torch::optim::Optimizer,
   FullyShardedDataParallel& owner_;
 };
 
-class FullyShardedDataParallel : public DistributedCheckpointable,
+class FullyShardedDataParallel : public DelegatingCheckpointable,
                                  public ScaledStepping,
-                                 public PortableCheckpointable {
+                                 public DelegatingPortable {
  public:
   /// Shards `units` (the same units, in the same order, on every rank) over `group` and builds
   /// the optimizers with `factory`. Errors: a parameter in two units (or twice in one), one that
@@ -302,37 +303,25 @@ class FullyShardedDataParallel : public DistributedCheckpointable,
 
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
 
-  /// World-size-independent checkpoints, lossless mode (local shards: an error). Pieces: each
-  /// rank's rows of every parameter, and each owner's optimizer of its parameters
-  /// (DistributedShampoo's own pieces, or a LibTorch optimizer's archive). Loading checks the
-  /// units' names and shapes against the checkpoint's ("a checkpoint of another model" names the
-  /// first difference) and installs nothing unless every rank read its part. Waits for the
-  /// steps in flight first.
-  std::string checkpoint_kind() const override { return "FullyShardedDataParallel"; }
-  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
-  /// Waits for the steps in flight and registers param groups added to optimizer() since.
-  void sync_for_checkpoint() const override;
-  int checkpoint_replicas() const override;
-  int checkpoint_replica() const override;
-  bool agree_across_replicas(bool ok) const override;
-  bool every_replica_writes() const override;
-  void save_common(torch::serialize::OutputArchive& common) const override;
-  void save_pieces(PieceWriter& pieces) const override;
-  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
-                                     PieceReader& pieces) override;
-  /// Whole-run checkpoints that any layout loads (parallel/optimizers/portable_checkpoint.h,
-  /// lossless mode): replica 0's ranks write their rows of every parameter as the model's row
-  /// pieces, each owner the state of its parameters by name (every replica when the state is split
-  /// across them), and the owners the gradients of an accumulation in progress, which only full
-  /// sharding resumes (at any world size); loading reads this rank's rows, whoever wrote them.
-  std::vector<const torch::optim::OptimizerParamGroup*> portable_groups() const override;
-  int64_t portable_param_step(const at::Tensor& param) const override;
-  int64_t portable_row_pieces() const override;
-  std::vector<int64_t> portable_full_sizes(const at::Tensor& param) const override;
-  bool portable_between_steps() const override;
-  void save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const override;
-  void save_portable_layout(torch::serialize::OutputArchive& layout) const override;
-  std::function<void()> prepare_portable_load(const PortableLoad& load) override;
+  // World-size-independent checkpoints (save_distributed_checkpoint; DistributedCheckpointable),
+  // lossless mode (local shards: an error). Pieces: each rank's rows of every parameter, and each
+  // owner's optimizer of its parameters (DistributedShampoo's own pieces, or a LibTorch
+  // optimizer's archive). Loading checks the units' names and shapes against the checkpoint's ("a
+  // checkpoint of another model" names the first difference) and installs nothing unless every
+  // rank read its part. Waits for the steps in flight first, and registers param groups added to
+  // optimizer() since.
+  // Whole-run checkpoints that any layout loads (save_training_checkpoint;
+  // PortableCheckpointable, parallel/optimizers/portable_checkpoint.h), lossless mode: replica 0's
+  // ranks write their rows of every parameter as the model's row pieces, each owner the state of
+  // its parameters by name (every replica when the state is split across them), and the owners
+  // the gradients of an accumulation in progress, which only full sharding resumes (at any world
+  // size); loading reads this rank's rows, whoever wrote them.
+  // Both interfaces are answered by an internal object (detail::FsdpCheckpoint,
+  // fully_sharded_checkpoint.h).
+
+ protected:
+  DistributedCheckpointable& checkpoint_delegate() const override;
+  PortableCheckpointable& portable_delegate() const override;
 
  private:
   friend class FullyShardedOptimizer;
@@ -343,6 +332,7 @@ class FullyShardedDataParallel : public DistributedCheckpointable,
             GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
             FullyShardedOptions options);
   std::shared_ptr<detail::FsdpState> state_;
+  std::unique_ptr<detail::FsdpCheckpoint> checkpoint_;
 };
 
 /// Saves the whole model as the same model without sharding saves it (torch::save(model, path)),

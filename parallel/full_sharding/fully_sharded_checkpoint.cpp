@@ -4,9 +4,11 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "parallel/checkpoints/distributed_checkpoint.h"
+#include "parallel/communication/collectives.h"
 
 namespace shampoo::detail {
 namespace {
@@ -61,7 +63,8 @@ void check_checkpointable(const FsdpState& s) {
               "chunks, which depends on the world size");
 }
 
-void save_fsdp_common(FsdpState& s, torch::serialize::OutputArchive& common) {
+void FsdpCheckpoint::save_common(torch::serialize::OutputArchive& common) const {
+  auto& s = state_;
   check_checkpointable(s);
   s.wait_all();
   common.write("format", c10::IValue(kFsdpCheckpointFormat));
@@ -195,7 +198,8 @@ at::Tensor read_rows(FsdpState& s, size_t u, size_t i, int64_t saved_world, Piec
 
 }  // namespace
 
-void save_fsdp_pieces(FsdpState& s, PieceWriter& pieces) {
+void FsdpCheckpoint::save_pieces(PieceWriter& pieces) const {
+  auto& s = state_;
   check_checkpointable(s);
   s.wait_all();
   const int rank = s.mesh.rank;
@@ -220,8 +224,9 @@ void save_fsdp_pieces(FsdpState& s, PieceWriter& pieces) {
   if (s.rank_optimizer) s.rank_optimizer->save_pieces(pieces, param_name(s));
 }
 
-std::function<void()> prepare_fsdp_load(FsdpState& s, torch::serialize::InputArchive& common,
-                                        PieceReader& pieces) {
+std::function<void()> FsdpCheckpoint::prepare_load(torch::serialize::InputArchive& common,
+                                                   PieceReader& pieces) {
+  auto& s = state_;
   check_checkpointable(s);
   s.wait_all();
   check_format(common);
@@ -272,6 +277,33 @@ void install_fsdp_progress(FsdpState& s, int64_t saved_passes, int64_t saved_ste
     for (auto& slot : unit->params) slot.reduced = at::Tensor();
   }
   for (const auto& [slot, gradient] : accumulated) slot->reduced = gradient;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> FsdpCheckpoint::checkpoint_group() const {
+  return state_.mesh.group;
+}
+
+void FsdpCheckpoint::sync_for_checkpoint() const {
+  auto& s = state_;
+  s.wait_all();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  s.groups.sync();
+  // Options changed since the last step (a scheduler's step() before the save) go into the
+  // parameters' optimizers now, as they would at the next step: the checkpoint then holds the
+  // options the next step uses, in both places.
+  s.groups.push_options();
+}
+
+int FsdpCheckpoint::checkpoint_replicas() const { return state_.mesh.replicas; }
+
+int FsdpCheckpoint::checkpoint_replica() const { return state_.mesh.replica; }
+
+bool FsdpCheckpoint::every_replica_writes() const { return state_.mesh.split; }
+
+bool FsdpCheckpoint::agree_across_replicas(bool ok) const {
+  if (state_.mesh.replicas == 1) return ok;
+  const auto all = gather_int64(*state_.mesh.replica_group, {ok ? 1 : 0});
+  return std::all_of(all.begin(), all.end(), [](const auto& v) { return v[0] == 1; });
 }
 
 }  // namespace shampoo::detail

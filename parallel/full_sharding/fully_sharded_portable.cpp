@@ -13,14 +13,16 @@ std::string accumulated_key(const std::string& name) { return "fsdp/" + name + "
 
 }  // namespace
 
-int64_t fsdp_portable_param_step(const FsdpState& s, const at::Tensor& param) {
+int64_t FsdpCheckpoint::portable_param_step(const at::Tensor& param) const {
+  const auto& s = state_;
   const auto it = s.slot_of.find(param.unsafeGetTensorImpl());
   if (it == s.slot_of.end()) return -1;
   const auto& slot = s.units[it->second.first]->params[it->second.second];
   return slot.in_a_group() ? s.steps - slot.joined_at : -1;
 }
 
-void save_fsdp_portable_pieces(FsdpState& s, PieceWriter& pieces, const PortableSave& save) {
+void FsdpCheckpoint::save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const {
+  auto& s = state_;
   check_checkpointable(s);
   s.wait_all();
   TORCH_INTERNAL_ASSERT(save.model_pieces != nullptr);
@@ -46,7 +48,8 @@ void save_fsdp_portable_pieces(FsdpState& s, PieceWriter& pieces, const Portable
   if (s.rank_optimizer && writes_state) s.rank_optimizer->save_pieces(pieces, save.names);
 }
 
-void save_fsdp_portable_layout(const FsdpState& s, torch::serialize::OutputArchive& layout) {
+void FsdpCheckpoint::save_portable_layout(torch::serialize::OutputArchive& layout) const {
+  const auto& s = state_;
   layout.write("backward_passes", c10::IValue(s.pass.passes()));
   layout.write("steps_taken", c10::IValue(s.steps));
   layout.write("passes_since_step", c10::IValue(s.pass.passes_since_step()));
@@ -96,7 +99,8 @@ std::vector<std::pair<ParamSlot*, at::Tensor>> portable_accumulated(FsdpState& s
 
 }  // namespace
 
-std::function<void()> prepare_fsdp_portable_load(FsdpState& s, const PortableLoad& load) {
+std::function<void()> FsdpCheckpoint::prepare_portable_load(const PortableLoad& load) {
+  auto& s = state_;
   check_checkpointable(s);
   s.wait_all();
   const auto shards = portable_rows(s, load);
@@ -141,45 +145,23 @@ std::function<void()> prepare_fsdp_portable_load(FsdpState& s, const PortableLoa
   };
 }
 
+std::vector<const torch::optim::OptimizerParamGroup*> FsdpCheckpoint::portable_groups() const {
+  return groups_of(state_.groups.optimizer());
+}
+
+int64_t FsdpCheckpoint::portable_row_pieces() const { return state_.mesh.world; }
+
+std::vector<int64_t> FsdpCheckpoint::portable_full_sizes(const at::Tensor& param) const {
+  const auto it = state_.slot_of.find(param.unsafeGetTensorImpl());
+  if (it == state_.slot_of.end()) return param.sizes().vec();
+  return state_.units[it->second.first]->params[it->second.second].sizes;
+}
+
+bool FsdpCheckpoint::portable_between_steps() const { return state_.pass.passes_since_step() == 0; }
+
 }  // namespace shampoo::detail
 
 namespace shampoo {
-
-// ---- the public faces ----
-
-std::vector<const torch::optim::OptimizerParamGroup*> FullyShardedDataParallel::portable_groups()
-    const {
-  return detail::groups_of(state_->groups.optimizer());
-}
-
-int64_t FullyShardedDataParallel::portable_param_step(const at::Tensor& param) const {
-  return detail::fsdp_portable_param_step(*state_, param);
-}
-
-int64_t FullyShardedDataParallel::portable_row_pieces() const { return state_->mesh.world; }
-
-std::vector<int64_t> FullyShardedDataParallel::portable_full_sizes(const at::Tensor& param) const {
-  const auto it = state_->slot_of.find(param.unsafeGetTensorImpl());
-  if (it == state_->slot_of.end()) return param.sizes().vec();
-  return state_->units[it->second.first]->params[it->second.second].sizes;
-}
-
-bool FullyShardedDataParallel::portable_between_steps() const {
-  return state_->pass.passes_since_step() == 0;
-}
-
-void FullyShardedDataParallel::save_portable_pieces(PieceWriter& pieces,
-                                                    const PortableSave& save) const {
-  detail::save_fsdp_portable_pieces(*state_, pieces, save);
-}
-
-void FullyShardedDataParallel::save_portable_layout(torch::serialize::OutputArchive& layout) const {
-  detail::save_fsdp_portable_layout(*state_, layout);
-}
-
-std::function<void()> FullyShardedDataParallel::prepare_portable_load(const PortableLoad& load) {
-  return detail::prepare_fsdp_portable_load(*state_, load);
-}
 
 PortableCheckpointable& FullyShardedOptimizer::portable_delegate() const { return owner_; }
 

@@ -5,7 +5,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
-#include "parallel/in_backward/in_backward_state.h"
+#include "parallel/in_backward/in_backward_checkpoint.h"
 #include "parallel/optimizers/capabilities.h"
 #include "parallel/optimizers/internal_interfaces.h"
 
@@ -27,7 +27,8 @@ InBackwardOptimizer::InBackwardOptimizer()
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<torch::optim::OptimizerOptions>()),
       state_(std::make_shared<State>()),
-      interfaces_(std::make_unique<Interfaces>()) {
+      interfaces_(std::make_unique<Interfaces>()),
+      checkpoint_(std::make_unique<Checkpoint>(state_)) {
   detail::register_internal_interfaces(&InBackwardOptimizer::internal_interfaces);
   state_->state_entries = &torch::optim::Optimizer::state();
 }
@@ -46,7 +47,8 @@ InBackwardOptimizer::~InBackwardOptimizer() {
 InBackwardOptimizer::InBackwardOptimizer(InBackwardOptimizer&& other) noexcept
     : torch::optim::Optimizer(std::move(other)),
       state_(std::move(other.state_)),
-      interfaces_(std::move(other.interfaces_)) {
+      interfaces_(std::move(other.interfaces_)),
+      checkpoint_(std::move(other.checkpoint_)) {
   if (state_) state_->state_entries = &torch::optim::Optimizer::state();
 }
 
@@ -54,6 +56,7 @@ InBackwardOptimizer& InBackwardOptimizer::operator=(InBackwardOptimizer&& other)
   torch::optim::Optimizer::operator=(std::move(other));
   state_ = std::move(other.state_);
   interfaces_ = std::move(other.interfaces_);
+  checkpoint_ = std::move(other.checkpoint_);
   if (state_) state_->state_entries = &torch::optim::Optimizer::state();
   return *this;
 }

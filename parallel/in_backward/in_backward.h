@@ -32,9 +32,9 @@ struct Capabilities;  // parallel/optimizers/capabilities.h
 }  // namespace detail
 
 class InBackwardOptimizer : public torch::optim::Optimizer,
-                            public DistributedCheckpointable,
+                            public DelegatingCheckpointable,
                             public ScaledStepping,
-                            public PortableCheckpointable {
+                            public DelegatingPortable {
  public:
   InBackwardOptimizer();
   ~InBackwardOptimizer() override;
@@ -102,37 +102,30 @@ class InBackwardOptimizer : public torch::optim::Optimizer,
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  /// World-size-independent checkpoints (save_distributed_checkpoint): optimizers that support
-  /// them (DistributedShampoo, ShardedOptimizer) save their pieces under "optimizer_<i>/";
-  /// LibTorch's optimizers, which hold the same state on every rank, are saved once, by rank 0.
-  /// Their process groups must be one and the same (or null); with none, the process group of
-  /// the attached GradientSynchronizer (data parallelism), or one process.
-  std::string checkpoint_kind() const override { return "InBackwardOptimizer"; }
-  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override;
-  void sync_for_checkpoint() const override;
-  void save_common(torch::serialize::OutputArchive& common) const override;
-  void save_pieces(PieceWriter& pieces) const override;
-  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
-                                     PieceReader& pieces) override;
+  // World-size-independent checkpoints (save_distributed_checkpoint; DistributedCheckpointable):
+  // optimizers that support them (DistributedShampoo, ShardedOptimizer) save their pieces under
+  // "optimizer_<i>/"; LibTorch's optimizers, which hold the same state on every rank, are saved
+  // once, by rank 0. Their process groups must be one and the same (or null); with none, the
+  // process group of the attached GradientSynchronizer (data parallelism), or one process.
+  // Whole-run checkpoints that any layout loads (save_training_checkpoint;
+  // PortableCheckpointable, parallel/optimizers/portable_checkpoint.h): the sets' param groups in
+  // order, each set's optimizer saved by parameter name (LibTorch's by rank 0); supported when
+  // every set's optimizer saves its state by parameter (DistributedShampoo, ShardedOptimizer,
+  // LibTorch's SGD, Adam, AdamW, Adagrad, RMSprop). Both interfaces are answered by an internal
+  // object (InBackwardOptimizer::Checkpoint, in_backward_checkpoint.h).
 
-  /// Whole-run checkpoints that any layout loads (parallel/optimizers/portable_checkpoint.h): the
-  /// sets' param groups in order, each set's optimizer saved by parameter name (LibTorch's by rank
-  /// 0).
-  std::vector<const torch::optim::OptimizerParamGroup*> portable_groups() const override;
-  int64_t portable_param_step(const at::Tensor& param) const override;
-  /// Every set's optimizer saved by parameter (DistributedShampoo, ShardedOptimizer, LibTorch's
-  /// SGD, Adam, AdamW, Adagrad, RMSprop).
-  bool portable_supported() const override;
-  void save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const override;
-  void save_portable_layout(torch::serialize::OutputArchive& layout) const override;
-  std::function<void()> prepare_portable_load(const PortableLoad& load) override;
+ protected:
+  DistributedCheckpointable& checkpoint_delegate() const override;
+  PortableCheckpointable& portable_delegate() const override;
 
  private:
   struct State;
   struct Interfaces;  // the internal interfaces' adapters (parallel/optimizers/capabilities.h)
+  class Checkpoint;   // its checkpoints (in_backward_checkpoint.h)
   static bool internal_interfaces(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
   std::shared_ptr<State> state_;
   std::unique_ptr<Interfaces> interfaces_;
+  std::unique_ptr<Checkpoint> checkpoint_;
 };
 
 /// An InBackwardOptimizer holding one set: `params` with the optimizer factory(params).

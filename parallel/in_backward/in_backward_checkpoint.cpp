@@ -1,12 +1,13 @@
 // Optimizer-in-backward's checkpoints: torch::save of every optimizer, world-size-independent
 // checkpoint directories (DistributedCheckpointable) and whole-run checkpoints by parameter name
-// (PortableCheckpointable).
+// (PortableCheckpointable), both through InBackwardOptimizer::Checkpoint.
+#include "parallel/in_backward/in_backward_checkpoint.h"
+
 #include <c10/util/Exception.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
 #include "parallel/in_backward/in_backward.h"
-#include "parallel/in_backward/in_backward_state.h"
 #include "parallel/optimizers/capabilities.h"
 
 namespace shampoo {
@@ -70,7 +71,7 @@ std::string set_key(size_t i) { return "optimizer_" + std::to_string(i); }
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::checkpoint_group() const {
+c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::Checkpoint::checkpoint_group() const {
   auto group = state_->one_group(
       [](const torch::optim::Optimizer& optimizer) -> c10::intrusive_ptr<c10d::ProcessGroup> {
         const auto* inner = as_checkpointable(optimizer);
@@ -85,7 +86,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> InBackwardOptimizer::checkpoint_group() c
   return group;
 }
 
-void InBackwardOptimizer::sync_for_checkpoint() const {
+void InBackwardOptimizer::Checkpoint::sync_for_checkpoint() const {
   for (const auto& set : state_->sets) {
     if (const auto* checkpointable = as_checkpointable(*set.optimizer)) {
       checkpointable->sync_for_checkpoint();
@@ -93,7 +94,7 @@ void InBackwardOptimizer::sync_for_checkpoint() const {
   }
 }
 
-void InBackwardOptimizer::save_common(torch::serialize::OutputArchive& common) const {
+void InBackwardOptimizer::Checkpoint::save_common(torch::serialize::OutputArchive& common) const {
   common.write("num_optimizers", c10::IValue(static_cast<int64_t>(state_->sets.size())));
   common.write("backward_passes", c10::IValue(state_->pass.passes()));
   common.write("steps_taken", c10::IValue(state_->steps));
@@ -114,7 +115,7 @@ void InBackwardOptimizer::save_common(torch::serialize::OutputArchive& common) c
   }
 }
 
-void InBackwardOptimizer::save_pieces(PieceWriter& pieces) const {
+void InBackwardOptimizer::Checkpoint::save_pieces(PieceWriter& pieces) const {
   check_not_mid_accumulation(state_->pass.passes(), state_->pass.accumulation_steps(),
                              "save_distributed_checkpoint");
   for (size_t i = 0; i < state_->sets.size(); ++i) {
@@ -125,8 +126,8 @@ void InBackwardOptimizer::save_pieces(PieceWriter& pieces) const {
   }
 }
 
-std::function<void()> InBackwardOptimizer::prepare_load(torch::serialize::InputArchive& common,
-                                                        PieceReader& pieces) {
+std::function<void()> InBackwardOptimizer::Checkpoint::prepare_load(
+    torch::serialize::InputArchive& common, PieceReader& pieces) {
   c10::IValue value;
   TORCH_CHECK(common.try_read("num_optimizers", value) && value.isInt(),
               "InBackwardOptimizer checkpoint: no optimizer count");
@@ -163,12 +164,12 @@ std::function<void()> InBackwardOptimizer::prepare_load(torch::serialize::InputA
   const int64_t passes = value.toInt();
   common.read("steps_taken", value);
   const int64_t steps = value.toInt();
-  return [this, installs = std::move(installs), passes, steps] {
+  return [state = state_, installs = std::move(installs), passes, steps] {
     for (const auto& install : installs) install();
-    state_->pass.restore(passes, passes);
-    state_->steps = steps;
-    state_->update_sync();
-    state_->write_state_entries();
+    state->pass.restore(passes, passes);
+    state->steps = steps;
+    state->update_sync();
+    state->write_state_entries();
   };
 }
 
@@ -184,7 +185,8 @@ PortableCheckpointable& portable_of(torch::optim::Optimizer& optimizer,
 
 }  // namespace
 
-std::vector<const torch::optim::OptimizerParamGroup*> InBackwardOptimizer::portable_groups() const {
+std::vector<const torch::optim::OptimizerParamGroup*>
+InBackwardOptimizer::Checkpoint::portable_groups() const {
   std::vector<const torch::optim::OptimizerParamGroup*> out;
   for (const auto& set : state_->sets) {
     std::unique_ptr<detail::ReplicatedPortable> adapter;
@@ -194,12 +196,12 @@ std::vector<const torch::optim::OptimizerParamGroup*> InBackwardOptimizer::porta
   return out;
 }
 
-int64_t InBackwardOptimizer::portable_param_step(const at::Tensor& param) const {
+int64_t InBackwardOptimizer::Checkpoint::portable_param_step(const at::Tensor& param) const {
   const auto it = state_->entry_of.find(param.unsafeGetTensorImpl());
   return it == state_->entry_of.end() ? -1 : state_->steps - state_->entries[it->second].joined;
 }
 
-bool InBackwardOptimizer::portable_supported() const {
+bool InBackwardOptimizer::Checkpoint::portable_supported() const {
   for (const auto& set : state_->sets) {
     const auto* portable = as_portable(*set.optimizer);
     if (portable != nullptr ? !portable->portable_supported()
@@ -210,8 +212,8 @@ bool InBackwardOptimizer::portable_supported() const {
   return true;
 }
 
-void InBackwardOptimizer::save_portable_pieces(PieceWriter& pieces,
-                                               const PortableSave& save) const {
+void InBackwardOptimizer::Checkpoint::save_portable_pieces(PieceWriter& pieces,
+                                                           const PortableSave& save) const {
   check_not_mid_accumulation(state_->pass.passes(), state_->pass.accumulation_steps(),
                              "save_training_checkpoint");
   for (const auto& set : state_->sets) {
@@ -220,12 +222,14 @@ void InBackwardOptimizer::save_portable_pieces(PieceWriter& pieces,
   }
 }
 
-void InBackwardOptimizer::save_portable_layout(torch::serialize::OutputArchive& layout) const {
+void InBackwardOptimizer::Checkpoint::save_portable_layout(
+    torch::serialize::OutputArchive& layout) const {
   layout.write("backward_passes", c10::IValue(state_->pass.passes()));
   layout.write("steps_taken", c10::IValue(state_->steps));
 }
 
-std::function<void()> InBackwardOptimizer::prepare_portable_load(const PortableLoad& load) {
+std::function<void()> InBackwardOptimizer::Checkpoint::prepare_portable_load(
+    const PortableLoad& load) {
   std::vector<std::function<void()>> installs;
   size_t first = 0;
   for (auto& set : state_->sets) {
@@ -256,14 +260,24 @@ std::function<void()> InBackwardOptimizer::prepare_portable_load(const PortableL
     const auto it = load.param_steps.find(load.names(entry.param));
     joined.push_back(it != load.param_steps.end() && it->second >= 0 ? steps - it->second : steps);
   }
-  return [this, installs, passes, steps, joined] {
+  return [state = state_, installs, passes, steps, joined] {
     for (const auto& install : installs) install();
-    state_->pass.restore(passes, passes);
-    state_->steps = steps;
-    for (size_t i = 0; i < joined.size(); ++i) state_->entries[i].joined = joined[i];
-    state_->update_sync();
-    state_->write_state_entries();
+    state->pass.restore(passes, passes);
+    state->steps = steps;
+    for (size_t i = 0; i < joined.size(); ++i) state->entries[i].joined = joined[i];
+    state->update_sync();
+    state->write_state_entries();
   };
+}
+
+DistributedCheckpointable& InBackwardOptimizer::checkpoint_delegate() const {
+  TORCH_CHECK(checkpoint_ != nullptr, "InBackwardOptimizer: this object was moved from");
+  return *checkpoint_;
+}
+
+PortableCheckpointable& InBackwardOptimizer::portable_delegate() const {
+  TORCH_CHECK(checkpoint_ != nullptr, "InBackwardOptimizer: this object was moved from");
+  return *checkpoint_;
 }
 
 }  // namespace shampoo

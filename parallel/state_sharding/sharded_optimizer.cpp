@@ -13,9 +13,11 @@
 #include "parallel/communication/ownership_plan.h"
 #include "parallel/communication/process_group.h"
 #include "parallel/optimizers/internal_interfaces.h"
+#include "parallel/optimizers/phased_step.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
 #include "parallel/optimizers/local_optimizer.h"
 #include "parallel/optimizers/undo_record.h"
+#include "parallel/state_sharding/sharded_optimizer_checkpoint.h"
 
 namespace shampoo {
 namespace {
@@ -32,15 +34,57 @@ std::optional<double> lr_of(const torch::optim::OptimizerOptions& options) {
   }
 }
 
+/// The options of `groups`[k], as the local optimizer asks for them.
+detail::LocalOptimizer::GroupOptions options_of(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  return [&groups](size_t g) -> const torch::optim::OptimizerOptions& {
+    return groups.at(g).options();
+  };
+}
+
+void check_has_params(const std::vector<torch::Tensor>& params, const char* function) {
+  TORCH_CHECK(!params.empty(), "ShardedOptimizer::", function,
+              ": the optimizer has no parameters (it was built with an empty parameter list and "
+              "none were added since); add them with add_param_group first");
+}
+
 }  // namespace
 
+/// PhasedStep (optimizer-in-backward): the local steps of the owned parameters as their
+/// gradients arrive, the one AllGather at the end of backward (so that the collective never
+/// runs inside a gradient hook, in an order that differs between ranks). What a pass stepped is
+/// copied first (values and local state, LibTorch's optimizers only), so that an aborted pass
+/// (an error, or a GradScaler's overflow) leaves parameters and state as before. A step alone
+/// (not in a pass) is the same.
+class ShardedOptimizer::Phased final : public PhasedStep {
+ public:
+  explicit Phased(ShardedOptimizer& owner) : owner_(owner) {}
+  void set_in_backward(bool in_backward) override;
+  bool step_open() const override { return open_; }
+  void begin(bool in_pass) override;
+  void step_parameters(const std::vector<at::Tensor>& params) override;
+  void finish() override;
+  void abort() override;
+  bool in_backward() const { return in_backward_; }
+
+ private:
+  ShardedOptimizer& owner_;  // which owns this object (and does not move)
+  bool in_backward_ = false;
+  bool open_ = false;
+  /// In backward: the parameters and local states as they were before the pass, once each.
+  detail::UndoRecord journal_;
+};
+
 struct ShardedOptimizer::Interfaces
-    : detail::AdaptersOf<ShardedOptimizer, detail::PhasedStepOf, detail::ParameterOwnersOf> {};
+    : detail::AdaptersOf<ShardedOptimizer, detail::ParameterOwnersOf> {};
 
 bool ShardedOptimizer::internal_interfaces(torch::optim::Optimizer& optimizer,
                                            detail::Capabilities& found) {
   auto* sharded = dynamic_cast<ShardedOptimizer*>(&optimizer);
-  if (sharded != nullptr && sharded->interfaces_) sharded->interfaces_->bind(sharded, found);
+  if (sharded != nullptr && sharded->interfaces_) {
+    sharded->interfaces_->bind(sharded, found);
+    found.phased = sharded->phased_.get();
+  }
   return sharded != nullptr;
 }
 
@@ -60,7 +104,9 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<WrapperOptions>()),
       group_(std::move(group)),
-      interfaces_(std::make_unique<Interfaces>()) {
+      interfaces_(std::make_unique<Interfaces>()),
+      phased_(std::make_unique<Phased>(*this)),
+      checkpoint_(std::make_unique<Checkpoint>(*this)) {
   detail::register_internal_interfaces(&ShardedOptimizer::internal_interfaces);
   TORCH_CHECK(group_, "ShardedOptimizer: process group is null");
   TORCH_CHECK(factory, "ShardedOptimizer: the optimizer factory is empty");
@@ -68,7 +114,6 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
               "ShardedOptimizer: no param groups; pass at least one (it may have no parameters)");
   plan_ = std::make_unique<detail::OwnershipPlan>(group_->getSize());
   layout_ = std::make_unique<detail::OwnerMajorLayout>();
-  journal_ = std::make_unique<detail::UndoRecord>();
   param_groups_.emplace_back(param_groups[0].params());
   group_sizes_.push_back(0);
   // The factory gets this rank's parameters of group 0, with the group's options when it has
@@ -91,12 +136,6 @@ torch::optim::Optimizer& ShardedOptimizer::local_optimizer() { return *local_->g
 const torch::optim::Optimizer& ShardedOptimizer::local_optimizer() const { return *local_->get(); }
 
 int64_t ShardedOptimizer::state_bytes() const { return optimizer_state_bytes(*local_->get()); }
-
-detail::LocalOptimizer::GroupOptions ShardedOptimizer::group_options() const {
-  return [this](size_t g) -> const torch::optim::OptimizerOptions& {
-    return param_groups_.at(g).options();
-  };
-}
 
 const std::vector<int>& ShardedOptimizer::owners() const { return plan_->owners(); }
 
@@ -197,7 +236,7 @@ std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_
 }
 
 void ShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
-  TORCH_CHECK(!open_,
+  TORCH_CHECK(!phased_->step_open(),
               "ShardedOptimizer::add_param_group: a step is in progress (in backward); "
               "add groups between steps");
   register_added_params();
@@ -218,7 +257,7 @@ void ShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& 
 void ShardedOptimizer::register_group(size_t g) {
   group_sizes_.push_back(0);
   auto own = register_params(g, 0);
-  local_->add(g, own, group_options());
+  local_->add(g, own, options_of(param_groups_));
   pushed_lrs_.push_back(lr_of(param_groups_[g].options()).value_or(0.0));
 }
 
@@ -234,7 +273,7 @@ void ShardedOptimizer::register_added_params() {
       added = true;
     } else if (static_cast<int64_t>(param_groups_[g].params().size()) > group_sizes_[g]) {
       auto own = register_params(g, static_cast<size_t>(group_sizes_[g]));
-      local_->add(g, own, group_options());
+      local_->add(g, own, options_of(param_groups_));
       added = true;
     }
   }
@@ -280,12 +319,6 @@ void ShardedOptimizer::write_state_entries() {
   }
 }
 
-void ShardedOptimizer::check_has_params(const char* function) const {
-  TORCH_CHECK(!params_.empty(), "ShardedOptimizer::", function,
-              ": the optimizer has no parameters (it was built with an empty parameter list and "
-              "none were added since); add them with add_param_group first");
-}
-
 std::optional<int> ShardedOptimizer::owner_of(const at::Tensor& param) const {
   const auto it = index_of_.find(param.unsafeGetTensorImpl());
   if (it == index_of_.end()) return std::nullopt;
@@ -293,7 +326,7 @@ std::optional<int> ShardedOptimizer::owner_of(const at::Tensor& param) const {
 }
 
 torch::Tensor ShardedOptimizer::step(LossClosure closure) {
-  TORCH_CHECK(!in_backward_,
+  TORCH_CHECK(!phased_->in_backward(),
               "ShardedOptimizer::step(): this optimizer runs in backward "
               "(apply_optimizer_in_backward); its steps happen during loss.backward()");
   torch::Tensor loss;
@@ -302,7 +335,7 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
     loss = closure();
   }
   register_added_params();
-  check_has_params("step()");
+  check_has_params(params_, "step()");
   push_options_to_local();
   local_optimizer().step();
   all_gather();
@@ -327,53 +360,53 @@ void ShardedOptimizer::all_gather() {
   }
 }
 
-void ShardedOptimizer::set_in_backward(bool in_backward) {
-  TORCH_CHECK(!in_backward || !detail::libtorch_optimizer_name(local_optimizer()).empty(),
+void ShardedOptimizer::Phased::set_in_backward(bool in_backward) {
+  TORCH_CHECK(!in_backward || !detail::libtorch_optimizer_name(owner_.local_optimizer()).empty(),
               "ShardedOptimizer in backward (apply_optimizer_in_backward): the factory must make "
               "one of LibTorch's SGD, Adam, AdamW, Adagrad or RMSprop, whose per-parameter state "
               "can be copied so that an aborted backward pass is undone");
   in_backward_ = in_backward;
 }
 
-void ShardedOptimizer::begin_phased_step(bool /*in_pass*/) {  // the same either way
+void ShardedOptimizer::Phased::begin(bool /*in_pass*/) {  // the same either way
   TORCH_CHECK(!open_, "ShardedOptimizer: a backward step is already open");
-  register_added_params();
-  check_has_params("step (in backward)");
-  push_options_to_local();
+  owner_.register_added_params();
+  check_has_params(owner_.params_, "step (in backward)");
+  owner_.push_options_to_local();
   open_ = true;
-  journal_->clear();
+  journal_.clear();
 }
 
-void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
+void ShardedOptimizer::Phased::step_parameters(const std::vector<at::Tensor>& params) {
   TORCH_INTERNAL_ASSERT(open_);
   c10::NoGradGuard no_grad;
-  const int rank = group_->getRank();
+  const int rank = owner_.group_->getRank();
   std::vector<at::Tensor> ready;  // this rank's, with a gradient
   for (const auto& p : params) {
-    const auto it = index_of_.find(p.unsafeGetTensorImpl());
-    TORCH_CHECK(it != index_of_.end(),
+    const auto it = owner_.index_of_.find(p.unsafeGetTensorImpl());
+    TORCH_CHECK(it != owner_.index_of_.end(),
                 "ShardedOptimizer: a parameter given to step_parameters is not one of its own");
-    if (plan_->owner_of(static_cast<int64_t>(it->second)) == rank && p.grad().defined())
-      ready.push_back(params_[it->second]);
+    if (owner_.plan_->owner_of(static_cast<int64_t>(it->second)) == rank && p.grad().defined())
+      ready.push_back(owner_.params_[it->second]);
   }
   if (ready.empty()) return;
   // Copies of what this call changes, once per pass and parameter.
-  for (const auto& p : ready) journal_->save_values(p);
-  local_->step(ready, detail::StepScope::kAlone, journal_.get());
+  for (const auto& p : ready) journal_.save_values(p);
+  owner_.local_->step(ready, detail::StepScope::kAlone, &journal_);
 }
 
-void ShardedOptimizer::finish_phased_step() {
+void ShardedOptimizer::Phased::finish() {
   TORCH_INTERNAL_ASSERT(open_);
   open_ = false;
-  journal_->clear();
-  all_gather();
-  ++steps_;
-  write_state_entries();
+  journal_.clear();
+  owner_.all_gather();
+  ++owner_.steps_;
+  owner_.write_state_entries();
 }
 
-void ShardedOptimizer::abort_phased_step() {
+void ShardedOptimizer::Phased::abort() {
   if (!open_) return;
-  journal_->undo();
+  journal_.undo();
   open_ = false;
 }
 

@@ -30,11 +30,8 @@ namespace shampoo {
 namespace detail {
 class OwnerMajorLayout;  // parallel/communication/ownership_plan.h
 class OwnershipPlan;
-class UndoRecord;      // parallel/optimizers/undo_record.h
 class LocalOptimizer;  // parallel/optimizers/local_optimizer.h
-struct Capabilities;  // parallel/optimizers/capabilities.h
-template <class>
-class PhasedStepOf;  // parallel/optimizers/internal_interfaces.h
+struct Capabilities;   // parallel/optimizers/capabilities.h
 }  // namespace detail
 
 /// The entry of a parameter in ShardedOptimizer::state() (LibTorch's per-parameter state map,
@@ -54,8 +51,8 @@ struct ShardedParamState : torch::optim::OptimizerCloneableParamState<ShardedPar
 };
 
 class ShardedOptimizer : public torch::optim::Optimizer,
-                         public DistributedCheckpointable,
-                         public PortableCheckpointable {
+                         public DelegatingCheckpointable,
+                         public DelegatingPortable {
  public:
   /// All parameters must share one dtype and device (any floating dtype, any strided layout:
   /// a channels_last weight is gathered in its logical order and written back in its layout).
@@ -120,34 +117,29 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  /// World-size-independent checkpoints (save_distributed_checkpoint): one piece per parameter
-  /// ("param/<i>", its state in the local optimizer) written by its owner, and the options of
-  /// every param group once; loading at any world size gives each rank the states of the
-  /// parameters it owns now. The local optimizer must be LibTorch's SGD, Adam, AdamW, Adagrad
-  /// or RMSprop (whose per-parameter state types are known).
-  std::string checkpoint_kind() const override { return "ShardedOptimizer"; }
-  c10::intrusive_ptr<c10d::ProcessGroup> checkpoint_group() const override { return group_; }
-  void sync_for_checkpoint() const override { sync_before_save(); }
-  void save_common(torch::serialize::OutputArchive& common) const override;
-  void save_pieces(PieceWriter& pieces) const override;
-  std::function<void()> prepare_load(torch::serialize::InputArchive& common,
-                                     PieceReader& pieces) override;
+  // World-size-independent checkpoints (save_distributed_checkpoint; DistributedCheckpointable):
+  // one piece per parameter ("param/<i>", its state in the local optimizer) written by its
+  // owner, and the options of every param group once; loading at any world size gives each rank
+  // the states of the parameters it owns now. The local optimizer must be LibTorch's SGD, Adam,
+  // AdamW, Adagrad or RMSprop (whose per-parameter state types are known).
+  // Whole-run checkpoints that any layout loads (save_training_checkpoint;
+  // PortableCheckpointable, parallel/optimizers/portable_checkpoint.h): each owner writes the
+  // local optimizer's state of its parameters by name; loading gives each rank the states of the
+  // parameters it owns now and the groups' saved options.
+  // Both interfaces are answered by an internal object (ShardedOptimizer::Checkpoint,
+  // sharded_optimizer_checkpoint.h).
 
-  /// Whole-run checkpoints that any layout loads (parallel/optimizers/portable_checkpoint.h): each
-  /// owner writes the local optimizer's state of its parameters by name; loading gives each rank
-  /// the states of the parameters it owns now and the groups' saved options.
-  std::vector<const torch::optim::OptimizerParamGroup*> portable_groups() const override;
-  int64_t portable_param_step(const at::Tensor& param) const override;
-  void save_portable_pieces(PieceWriter& pieces, const PortableSave& save) const override;
-  void save_portable_layout(torch::serialize::OutputArchive& layout) const override;
-  std::function<void()> prepare_portable_load(const PortableLoad& load) override;
+ protected:
+  DistributedCheckpointable& checkpoint_delegate() const override;
+  PortableCheckpointable& portable_delegate() const override;
 
  private:
-  // The wrappers reach the phased step below through the internal interfaces
-  // (parallel/optimizers/capabilities.h), whose adapters forward here.
-  template <class>
-  friend class detail::PhasedStepOf;
+  // The wrappers reach its phased step (Phased) and its owners (an adapter forwarding to
+  // owners_group and owner_of) through the internal interfaces (parallel/optimizers/
+  // capabilities.h).
   struct Interfaces;  // the adapters, sharded_optimizer.cpp
+  class Phased;       // its PhasedStep (optimizer-in-backward), sharded_optimizer.cpp
+  class Checkpoint;   // its checkpoints, sharded_optimizer_checkpoint.h
   static bool internal_interfaces(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
 
   std::vector<torch::Tensor> params_;  // every registered parameter, in registration order
@@ -183,44 +175,17 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   /// After a load into the local optimizer: its options back into param_groups().
   void pull_options_from_local();
   void write_state_entries();
-  void check_has_params(const char* function) const;
-  /// Registers what was appended and copies the options into the local optimizer, so that a
-  /// save holds them (a save is const; these change only this optimizer's bookkeeping).
-  void sync_before_save() const;
-  /// Per parameter: completed steps since it was added (ShardedParamState::step).
-  at::Tensor param_steps() const;
-  /// (steps, per-parameter counts) of a checkpoint; nullopt for one written before they were
-  /// kept. restore_param_steps installs them and writes state()'s entries.
-  std::optional<std::pair<int64_t, std::vector<int64_t>>> read_param_steps(
-      torch::serialize::InputArchive& archive, const char* who) const;
-  void restore_param_steps(const std::optional<std::pair<int64_t, std::vector<int64_t>>>& saved);
-  /// The options of param_groups()[k], as the local optimizer asks for them.
-  std::function<const torch::optim::OptimizerOptions&(size_t)> group_options() const;
   /// A copy of a group's options; an error naming the group when their type is not the local
   /// optimizer's.
   std::unique_ptr<torch::optim::OptimizerOptions> checked_options(
       const torch::optim::OptimizerOptions& options, size_t group) const;
 
-  /// PhasedStep (optimizer-in-backward): the local steps of the owned parameters as their
-  /// gradients arrive, the one AllGather at the end of backward (so that the collective never
-  /// runs inside a gradient hook, in an order that differs between ranks). What a pass stepped is
-  /// copied first (values and local state, LibTorch's optimizers only), so that an aborted pass
-  /// (an error, or a GradScaler's overflow) leaves parameters and state as before. A step alone
-  /// (not in a pass) is the same.
-  void set_in_backward(bool in_backward);
-  bool phased_step_open() const { return open_; }
-  void begin_phased_step(bool in_pass);
-  void step_parameters(const std::vector<at::Tensor>& params);
-  void finish_phased_step();
-  void abort_phased_step();
   /// The owners' updated parameters to every rank.
   void all_gather();
 
-  bool in_backward_ = false;
-  bool open_ = false;
-  /// In backward: the parameters and local states as they were before the pass, once each.
-  std::unique_ptr<detail::UndoRecord> journal_;
   std::unique_ptr<Interfaces> interfaces_;
+  std::unique_ptr<Phased> phased_;
+  std::unique_ptr<Checkpoint> checkpoint_;
 };
 
 }  // namespace shampoo

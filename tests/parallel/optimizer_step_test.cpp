@@ -128,6 +128,15 @@ TEST(Capabilities, AdaptersFollowAMovedOptimizer) {
   EXPECT_FALSE(at::equal(params[0].detach(), before));
   EXPECT_EQ(found.blocks->group_step(0), 2);
   EXPECT_EQ(moved.group_step(0), 2);
+  // Its internal objects (the phased step, the checkpoint and block states) follow it too.
+  EXPECT_FALSE(found.phased->step_open());
+  EXPECT_FALSE(found.blocks->in_eval_mode());
+  EXPECT_EQ(moved.portable_param_step(params[0]), 2);
+  EXPECT_EQ(moved.checkpoint_kind(), "DistributedShampoo");
+  DistributedShampoo assigned(std::vector<at::Tensor>{at::zeros({2}, at::requires_grad())});
+  assigned = std::move(moved);
+  EXPECT_EQ(assigned.portable_param_step(params[0]), 2);
+  EXPECT_EQ(capabilities_of(assigned).blocks->group_step(0), 2);
   // The moved-from object answers without its internal interfaces.
   const auto empty = capabilities_of(first);
   EXPECT_EQ(empty.phased, nullptr);

@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "shampoo/engine_checkpoint.h"
 #include "shampoo/option_fields.h"
-#include "shampoo/shampoo_engine.h"
 
 namespace shampoo {
 
@@ -93,23 +93,24 @@ torch::serialize::InputArchive read_header(torch::serialize::InputArchive& archi
 
 }  // namespace
 
-void ShampooEngine::save_common(
+void EngineCheckpoint::save_common(
     torch::serialize::OutputArchive& archive,
     const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+  auto& e = *engine_;
   torch::serialize::OutputArchive header;
   header.write("format_version", c10::IValue(kFormatVersion));
-  header.write("world_size", c10::IValue(static_cast<int64_t>(distributor_->world_size())));
-  header.write("rank", c10::IValue(static_cast<int64_t>(distributor_->rank())));
+  header.write("world_size", c10::IValue(static_cast<int64_t>(e.distributor_->world_size())));
+  header.write("rank", c10::IValue(static_cast<int64_t>(e.distributor_->rank())));
   header.write("shard_by_parameter",
-               c10::IValue(int64_t{distributor_->shard_by_parameter() ? 1 : 0}));
+               c10::IValue(int64_t{e.distributor_->shard_by_parameter() ? 1 : 0}));
   archive.write("shampoo", header);
 
   torch::serialize::OutputArchive model;
-  model.write("num_params", c10::IValue(static_cast<int64_t>(registry_.params.size())));
-  for (size_t p = 0; p < registry_.params.size(); ++p) {
+  model.write("num_params", c10::IValue(static_cast<int64_t>(e.registry_.params.size())));
+  for (size_t p = 0; p < e.registry_.params.size(); ++p) {
     model.write(
         "shape_" + std::to_string(p),
-        at::tensor(registry_.params[p].param.sizes().vec(), at::TensorOptions().dtype(at::kLong)),
+        at::tensor(e.registry_.params[p].param.sizes().vec(), at::TensorOptions().dtype(at::kLong)),
         /*is_buffer=*/true);
   }
   archive.write("params", model);
@@ -119,12 +120,12 @@ void ShampooEngine::save_common(
   for (size_t g = 0; g < groups.size(); ++g) {
     torch::serialize::OutputArchive group;
     options_of(groups[g], g).serialize(group);
-    group.write("step", c10::IValue(group_steps_[g]));
-    group.write("lr_sum", c10::IValue(group_lr_sums_[g]));
-    group.write("num_params", c10::IValue(registry_.group_sizes[g]));
+    group.write("step", c10::IValue(e.group_steps_[g]));
+    group.write("lr_sum", c10::IValue(e.group_lr_sums_[g]));
+    group.write("num_params", c10::IValue(e.registry_.group_sizes[g]));
     all_groups.write("group_" + std::to_string(g), group);
   }
-  all_groups.write("eval_mode", c10::IValue(int64_t{eval_mode_ ? 1 : 0}));
+  all_groups.write("eval_mode", c10::IValue(int64_t{e.eval_mode_ ? 1 : 0}));
   archive.write("groups", all_groups);
 }
 
@@ -149,23 +150,25 @@ std::string piece_key(const BlockId& id) { return "block/" + id.key(); }
 
 }  // namespace
 
-void ShampooEngine::save(torch::serialize::OutputArchive& archive,
-                         const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+void EngineCheckpoint::save(torch::serialize::OutputArchive& archive,
+                            const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+  auto& e = *engine_;
   save_common(archive, groups);
   torch::serialize::OutputArchive blocks;
-  for (const auto& [id, state] : export_states()) {
+  for (const auto& [id, state] : e.export_states()) {
     auto block = block_archive(state);
     blocks.write(id.key(), block);
   }
   archive.write("blocks", blocks);
 }
 
-void ShampooEngine::save_pieces(PieceWriter& pieces) const {
+void EngineCheckpoint::save_pieces(PieceWriter& pieces) const {
   if (writes_pieces()) save_block_pieces(pieces, piece_key);
 }
 
-void ShampooEngine::save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const {
-  for (const auto& [id, state] : export_states()) pieces.add(name_of(id), block_archive(state));
+void EngineCheckpoint::save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const {
+  auto& e = *engine_;
+  for (const auto& [id, state] : e.export_states()) pieces.add(name_of(id), block_archive(state));
 }
 
 namespace {
@@ -319,7 +322,7 @@ void read_group(torch::serialize::InputArchive& all_groups, size_t g, int64_t nu
 
 }  // namespace
 
-struct ShampooEngine::PreparedLoad {
+struct EngineCheckpoint::PreparedLoad {
   std::vector<std::unique_ptr<VirtualGroup>> virtual_groups;
   std::vector<ShampooOptions> options;
   std::vector<int64_t> steps;
@@ -327,10 +330,11 @@ struct ShampooEngine::PreparedLoad {
   bool eval_mode = false;
 };
 
-std::shared_ptr<ShampooEngine::PreparedLoad> ShampooEngine::prepare(
+std::shared_ptr<EngineCheckpoint::PreparedLoad> EngineCheckpoint::prepare(
     torch::serialize::InputArchive& archive, const std::function<BlockState(int64_t)>& read_block,
     const std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  check_model(archive, registry_.params);
+  auto& e = *engine_;
+  check_model(archive, e.registry_.params);
   torch::serialize::InputArchive all_groups;
   TORCH_CHECK(archive.try_read("groups", all_groups), "checkpoint: no param groups");
   const int64_t num_groups = read_int(all_groups, "num_groups");
@@ -341,7 +345,7 @@ std::shared_ptr<ShampooEngine::PreparedLoad> ShampooEngine::prepare(
   prepared->steps.resize(groups.size());
   prepared->lr_sums.resize(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    read_group(all_groups, g, registry_.group_sizes[g], options_of(groups[g], g),
+    read_group(all_groups, g, e.registry_.group_sizes[g], options_of(groups[g], g),
                prepared->options[g], prepared->steps[g], prepared->lr_sums[g]);
   }
   const auto eval_mode = read_optional(all_groups, "eval_mode", c10::IValue(int64_t{0}));
@@ -351,78 +355,82 @@ std::shared_ptr<ShampooEngine::PreparedLoad> ShampooEngine::prepare(
   return prepared;
 }
 
-void ShampooEngine::read_block_states(
+void EngineCheckpoint::read_block_states(
     PreparedLoad& prepared, const std::function<BlockState(int64_t)>& read_block,
     const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  auto& e = *engine_;
   std::map<BlockId, BlockState> states;
-  for (int64_t b = 0; b < static_cast<int64_t>(registry_.blocks.size()); ++b) {
-    if (distributor_->owns(b)) states[registry_.blocks[b].id] = read_block(b);
+  for (int64_t b = 0; b < static_cast<int64_t>(e.registry_.blocks.size()); ++b) {
+    if (e.distributor_->owns(b)) states[e.registry_.blocks[b].id] = read_block(b);
   }
   // New virtual groups; the current ones stay in place until install().
-  prepared.virtual_groups = build_virtual_groups(groups);
+  prepared.virtual_groups = e.build_virtual_groups(groups);
   for (auto& vg : prepared.virtual_groups) vg->import_states(states, /*require_all=*/true);
 }
 
-void ShampooEngine::install(PreparedLoad& prepared,
-                            std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  retire_counters();
-  broken_.clear();
-  virtual_groups_ = std::move(prepared.virtual_groups);
+void EngineCheckpoint::install(ShampooEngine& engine, PreparedLoad& prepared,
+                               std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  engine.retire_counters();
+  engine.broken_.clear();
+  engine.virtual_groups_ = std::move(prepared.virtual_groups);
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const auto& field : option_fields()) {
       if (field.kind == OptionKind::kFloat) {
         field.copy(prepared.options[g], options_of(groups[g], g));
       }
     }
-    group_steps_[g] = prepared.steps[g];
-    group_lr_sums_[g] = prepared.lr_sums[g];
+    engine.group_steps_[g] = prepared.steps[g];
+    engine.group_lr_sums_[g] = prepared.lr_sums[g];
   }
-  eval_mode_ = prepared.eval_mode;
+  engine.eval_mode_ = prepared.eval_mode;
 }
 
-void ShampooEngine::load(torch::serialize::InputArchive& archive,
-                         std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  register_added_params(groups);
-  check_groups(groups);
-  check_header(archive, *distributor_);
+void EngineCheckpoint::load(torch::serialize::InputArchive& archive,
+                            std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  auto& e = *engine_;
+  e.register_added_params(groups);
+  e.check_groups(groups);
+  check_header(archive, *e.distributor_);
   torch::serialize::InputArchive all_blocks;
   TORCH_CHECK(archive.try_read("blocks", all_blocks), "checkpoint: no block states");
   const auto prepared = prepare(
       archive,
       [&](int64_t b) {
-        const auto& id = registry_.blocks[b].id;
+        const auto& id = e.registry_.blocks[b].id;
         torch::serialize::InputArchive block;
         TORCH_CHECK(all_blocks.try_read(id.key(), block), "checkpoint: no state for ",
                     id.to_string(), " (written for another model or another rank layout)");
         return read_block_archive(block);
       },
       groups);
-  install(*prepared, groups);
+  install(e, *prepared, groups);
 }
 
-std::function<void()> ShampooEngine::prepare_load(
+std::function<void()> EngineCheckpoint::prepare_load(
     torch::serialize::InputArchive& common, PieceReader& pieces,
     std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  check_groups(groups);  // what the base class appended was registered before (collectively)
-  TORCH_CHECK(!transaction_.is_open(),
+  auto& e = *engine_;
+  e.check_groups(groups);  // what the base class appended was registered before (collectively)
+  TORCH_CHECK(!e.transaction_.is_open(),
               "checkpoint: cannot load while a step is open (in backward)");
   check_version(common);
   const auto prepared = prepare(
       common,
       [&](int64_t b) {
-        auto block = pieces.read(piece_key(registry_.blocks[b].id));
+        auto block = pieces.read(piece_key(e.registry_.blocks[b].id));
         return read_block_archive(block);
       },
       groups);
-  return [this, prepared, &groups] { install(*prepared, groups); };
+  return [engine = engine_, prepared, &groups] { install(*engine, *prepared, groups); };
 }
 
-std::function<void()> ShampooEngine::prepare_block_load(
+std::function<void()> EngineCheckpoint::prepare_block_load(
     PieceReader& pieces, const BlockPieceName& name_of, std::vector<int64_t> steps,
     std::vector<double> lr_sums, std::optional<bool> eval_mode,
     std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  check_groups(groups);
-  TORCH_CHECK(!transaction_.is_open(),
+  auto& e = *engine_;
+  e.check_groups(groups);
+  TORCH_CHECK(!e.transaction_.is_open(),
               "checkpoint: cannot load while a step is open (in backward)");
   TORCH_CHECK(steps.size() == groups.size() && lr_sums.size() == groups.size(),
               "checkpoint: step counts for ", steps.size(), " and lr sums for ", lr_sums.size(),
@@ -431,18 +439,18 @@ std::function<void()> ShampooEngine::prepare_block_load(
   for (size_t g = 0; g < groups.size(); ++g) prepared->options.push_back(options_of(groups[g], g));
   prepared->steps = std::move(steps);
   prepared->lr_sums = std::move(lr_sums);
-  prepared->eval_mode = eval_mode.value_or(eval_mode_);
+  prepared->eval_mode = eval_mode.value_or(e.eval_mode_);
   read_block_states(
       *prepared,
       [&](int64_t b) {
-        auto block = pieces.read(name_of(registry_.blocks[b].id));
+        auto block = pieces.read(name_of(e.registry_.blocks[b].id));
         return read_block_archive(block);
       },
       groups);
-  return [this, prepared, &groups] { install(*prepared, groups); };
+  return [engine = engine_, prepared, &groups] { install(*engine, *prepared, groups); };
 }
 
-std::function<void()> ShampooEngine::prepare_saved_options(
+std::function<void()> EngineCheckpoint::prepare_saved_options(
     const std::vector<std::shared_ptr<torch::serialize::InputArchive>>& saved,
     std::vector<torch::optim::OptimizerParamGroup>& groups) {
   TORCH_CHECK(saved.size() == groups.size(), "checkpoint: options of ", saved.size(),
@@ -451,7 +459,7 @@ std::function<void()> ShampooEngine::prepare_saved_options(
   for (size_t g = 0; g < groups.size(); ++g) {
     options->push_back(read_saved_options(*saved[g], g, options_of(groups[g], g)));
   }
-  return [this, options, &groups] {
+  return [options, &groups] {
     for (size_t g = 0; g < groups.size(); ++g) {
       for (const auto& field : option_fields()) {
         if (field.kind == OptionKind::kFloat) field.copy((*options)[g], options_of(groups[g], g));
@@ -460,9 +468,10 @@ std::function<void()> ShampooEngine::prepare_saved_options(
   };
 }
 
-bool ShampooEngine::writes_pieces() const {
+bool EngineCheckpoint::writes_pieces() const {
+  auto& e = *engine_;
   // Trainer groups after the first hold copies of the first one's blocks.
-  return distributor_->global_rank() < distributor_->world_size();
+  return e.distributor_->global_rank() < e.distributor_->world_size();
 }
 
 int ShampooEngine::rank() const { return distributor_->rank(); }

@@ -7,6 +7,7 @@
 #include "parallel/optimizers/internal_interfaces.h"
 #include "parallel/optimizers/phased_step.h"
 #include "shampoo/distributed_shampoo_checkpoint.h"
+#include "shampoo/engine_checkpoint.h"
 #include "shampoo/shampoo_engine.h"
 #include "shampoo/state_size.h"
 
@@ -223,12 +224,12 @@ void DistributedShampoo::Phased::abort() {
 // bookkeeping, written through the one place that writes it.
 void DistributedShampoo::save(torch::serialize::OutputArchive& archive) const {
   const_cast<DistributedShampoo&>(*this).sync_groups_and_state();
-  engine_->save(archive, param_groups_);
+  detail::EngineCheckpoint(*engine_).save(archive, param_groups_);
 }
 
 void DistributedShampoo::load(torch::serialize::InputArchive& archive) {
   sync_groups_and_state();
-  engine_->load(archive, param_groups_);
+  detail::EngineCheckpoint(*engine_).load(archive, param_groups_);
   write_state_entries();
 }
 

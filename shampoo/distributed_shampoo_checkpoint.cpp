@@ -4,6 +4,7 @@
 // checkpoint (shampoo/checkpoint.cpp).
 #include "shampoo/distributed_shampoo_checkpoint.h"
 
+#include "shampoo/engine_checkpoint.h"
 #include "shampoo/shampoo_engine.h"
 
 namespace shampoo {
@@ -26,7 +27,7 @@ int64_t DistributedShampoo::Checkpoint::portable_param_step(const at::Tensor& pa
 void DistributedShampoo::Checkpoint::save_portable_pieces(PieceWriter& pieces,
                                                           const PortableSave& save) const {
   auto& o = *owner_;
-  if (!o.engine_->writes_pieces()) return;
+  if (!detail::EngineCheckpoint(*o.engine_).writes_pieces()) return;
   // Every rank knows the groups' step counts: rank 0 writes them, each owner its blocks.
   std::vector<at::Tensor> heads;
   if (o.engine_->rank() == 0) {
@@ -41,7 +42,8 @@ std::function<void()> DistributedShampoo::Checkpoint::prepare_portable_load(
     const PortableLoad& load) {
   auto& o = *owner_;
   o.sync_groups_and_state();
-  auto install_options = o.engine_->prepare_saved_options(load.group_options, o.param_groups_);
+  auto install_options = detail::EngineCheckpoint(*o.engine_)
+                             .prepare_saved_options(load.group_options, o.param_groups_);
   auto install_states =
       detail::prepare_param_states(o, *load.pieces, load.names, "DistributedShampoo: ");
   return [self = owner_, install_options, install_states] {
@@ -63,28 +65,29 @@ void DistributedShampoo::Checkpoint::sync_for_checkpoint() const {
 
 void DistributedShampoo::Checkpoint::save_common(torch::serialize::OutputArchive& common) const {
   auto& o = *owner_;
-  o.engine_->save_common(common, o.param_groups_);
+  detail::EngineCheckpoint(*o.engine_).save_common(common, o.param_groups_);
 }
 
 void DistributedShampoo::Checkpoint::save_pieces(PieceWriter& pieces) const {
   auto& o = *owner_;
-  o.engine_->save_pieces(pieces);
+  detail::EngineCheckpoint(*o.engine_).save_pieces(pieces);
 }
 
 std::function<void()> DistributedShampoo::Checkpoint::prepare_load(
     torch::serialize::InputArchive& common, PieceReader& pieces) {
   auto& o = *owner_;
-  auto install = o.engine_->prepare_load(common, pieces, o.param_groups_);
+  auto install = detail::EngineCheckpoint(*o.engine_).prepare_load(common, pieces, o.param_groups_);
   return [self = owner_, install = std::move(install)] {
     install();
     self->write_state_entries();
   };
 }
+
 void DistributedShampoo::Checkpoint::save_block_pieces(PieceWriter& pieces,
                                                        const BlockPieceName& name_of) const {
-  const auto& engine = *owner_->engine_;
+  auto& engine = *owner_->engine_;
   const auto summaries = engine.param_summaries();
-  engine.save_block_pieces(pieces, [&](const BlockId& id) {
+  detail::EngineCheckpoint(engine).save_block_pieces(pieces, [&](const BlockId& id) {
     return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
   });
 }
@@ -95,12 +98,14 @@ std::function<void()> DistributedShampoo::Checkpoint::prepare_block_load(
   auto& o = *owner_;
   o.sync_groups_and_state();
   const auto summaries = o.engine_->param_summaries();
-  auto install = o.engine_->prepare_block_load(
-      pieces,
-      [&](const BlockId& id) {
-        return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
-      },
-      std::move(group_steps), std::move(group_lr_sums), eval_mode, o.param_groups_);
+  auto install =
+      detail::EngineCheckpoint(*o.engine_)
+          .prepare_block_load(
+              pieces,
+              [&](const BlockId& id) {
+                return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
+              },
+              std::move(group_steps), std::move(group_lr_sums), eval_mode, o.param_groups_);
   return [self = owner_, install] {
     install();
     self->write_state_entries();

@@ -1,10 +1,10 @@
 #pragma once
 /// The engine behind DistributedShampoo: the outline of a step (begin, compute, finish, abort),
-/// the group-merging front end (param groups -> virtual groups), the Distributor, and checkpoints
-/// (checkpoint.cpp). The registry of parameters and blocks (param_registry.h), the step
-/// transaction (step_transaction.h) and the ranks' agreement check (rank_agreement.h) are their
-/// own units. It holds no pointer to the optimizer object (which may be moved); the optimizer
-/// passes its param groups.
+/// the group-merging front end (param groups -> virtual groups), the Distributor; its checkpoints
+/// are EngineCheckpoint's (engine_checkpoint.h, checkpoint.cpp). The registry of parameters and
+/// blocks (param_registry.h), the step transaction (step_transaction.h) and the ranks' agreement
+/// check (rank_agreement.h) are their own units. It holds no pointer to the optimizer object (which
+/// may be moved); the optimizer passes its param groups.
 
 #include <memory>
 #include <optional>
@@ -64,37 +64,8 @@ class ShampooEngine {
   /// not registered; an error when its blocks have several owners or with trainer subgroups.
   std::optional<int> param_owner(const at::Tensor& param) const;
 
-  void save(torch::serialize::OutputArchive& archive,
-            const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
-  void load(torch::serialize::InputArchive& archive,
-            std::vector<torch::optim::OptimizerParamGroup>& groups);
-  /// World-size-independent checkpoints (parallel/checkpoints/distributed_checkpoint.h): the
-  /// header, model and groups as every rank has them; one piece per block this rank owns
-  /// ("block/p3_b1"), none on ranks outside the first trainer group (replicas); and a load that
-  /// reads the blocks this rank owns now, whichever rank saved them.
-  void save_common(torch::serialize::OutputArchive& archive,
-                   const std::vector<torch::optim::OptimizerParamGroup>& groups) const;
-  void save_pieces(PieceWriter& pieces) const;
-  std::function<void()> prepare_load(torch::serialize::InputArchive& common, PieceReader& pieces,
-                                     std::vector<torch::optim::OptimizerParamGroup>& groups);
-  /// The same pieces under a wrapper's own names (`name_of` a block) and without the common
-  /// part: the wrapper keeps each param group's step count and lr sum, which the load takes
-  /// (`steps`, `lr_sums`, and the eval mode when given); the groups' options stay.
-  using BlockPieceName = std::function<std::string(const BlockId&)>;
-  void save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const;
-  std::function<void()> prepare_block_load(PieceReader& pieces, const BlockPieceName& name_of,
-                                           std::vector<int64_t> steps, std::vector<double> lr_sums,
-                                           std::optional<bool> eval_mode,
-                                           std::vector<torch::optim::OptimizerParamGroup>& groups);
-
-  /// Whole-run checkpoints by parameter name (parallel/optimizers/portable_checkpoint.h): the saved
-  /// options of each param group (serialized), checked against the structural options here; returns
-  /// what installs their float fields. Whether this rank writes its blocks (ranks outside the first
-  /// trainer group hold copies), and its rank in the trainer group.
-  std::function<void()> prepare_saved_options(
-      const std::vector<std::shared_ptr<torch::serialize::InputArchive>>& saved,
-      std::vector<torch::optim::OptimizerParamGroup>& groups);
-  bool writes_pieces() const;
+  // Checkpoints: EngineCheckpoint (engine_checkpoint.h, checkpoint.cpp), over this engine.
+  /// This rank in the trainer group.
   int rank() const;
 
   /// Iterate averaging: moves the parameters of the groups with averaging to the evaluation
@@ -125,6 +96,7 @@ class ShampooEngine {
   }
 
  private:
+  friend class EngineCheckpoint;  // checkpoint.cpp: reads and installs the state below
   /// Builds the virtual groups for the current registry (owners of new blocks are assigned
   /// first) and moves `states` into them.
   std::vector<std::unique_ptr<VirtualGroup>> build_virtual_groups(
@@ -136,19 +108,6 @@ class ShampooEngine {
                     std::vector<ShampooOptions>& structures,
                     std::vector<std::vector<int64_t>>& members);
   std::map<BlockId, BlockState> export_states() const;
-  /// What a load installs, read and checked against this optimizer (checkpoint.cpp).
-  struct PreparedLoad;
-  /// Checks the model and groups of `archive` and reads the states of the blocks this rank owns
-  /// with `read_block(block index)`; changes nothing.
-  std::shared_ptr<PreparedLoad> prepare(
-      torch::serialize::InputArchive& archive, const std::function<BlockState(int64_t)>& read_block,
-      const std::vector<torch::optim::OptimizerParamGroup>& groups);
-  /// Reads the states of the blocks this rank owns into `prepared`'s new virtual groups.
-  void read_block_states(PreparedLoad& prepared,
-                         const std::function<BlockState(int64_t)>& read_block,
-                         const std::vector<torch::optim::OptimizerParamGroup>& groups);
-  /// Installs a prepared load (does not throw).
-  void install(PreparedLoad& prepared, std::vector<torch::optim::OptimizerParamGroup>& groups);
   /// Block views of the gradients of `params` (checked: shape, dtype, finite values, squares
   /// that fit the state: statistics_overflow) and the max |gradient| of each.
   void collect_gradients(const std::vector<torch::optim::OptimizerParamGroup>& groups,

@@ -54,13 +54,11 @@ std::function<void()> DistributedShampoo::Checkpoint::prepare_portable_load(
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> DistributedShampoo::Checkpoint::checkpoint_group() const {
-  auto& o = *owner_;
-  return o.engine_->distributed_options().process_group();
+  return owner_->engine_->distributed_options().process_group();
 }
 
 void DistributedShampoo::Checkpoint::sync_for_checkpoint() const {
-  auto& o = *owner_;
-  o.sync_groups_and_state();
+  owner_->sync_groups_and_state();
 }
 
 void DistributedShampoo::Checkpoint::save_common(torch::serialize::OutputArchive& common) const {
@@ -69,8 +67,7 @@ void DistributedShampoo::Checkpoint::save_common(torch::serialize::OutputArchive
 }
 
 void DistributedShampoo::Checkpoint::save_pieces(PieceWriter& pieces) const {
-  auto& o = *owner_;
-  detail::EngineCheckpoint(*o.engine_).save_pieces(pieces);
+  detail::EngineCheckpoint(*owner_->engine_).save_pieces(pieces);
 }
 
 std::function<void()> DistributedShampoo::Checkpoint::prepare_load(

@@ -194,25 +194,25 @@ std::function<void()> ShardedOptimizer::Checkpoint::prepare_load(
                              o.local_optimizer(), piece,
                              "ShardedOptimizer checkpoint: piece param/" + std::to_string(i)));
   }
-  return [this, &o, options, states, counts] {
-    auto& local_groups = o.local_optimizer().param_groups();
+  return [this, options, states, counts] {
+    auto& local = owner_.local_optimizer();
+    auto& local_groups = local.param_groups();
     for (size_t g = 0; g < local_groups.size(); ++g) {
       local_groups[g].set_options(std::move((*options)[g]));
     }
     for (auto& [key, state] : *states) {
-      o.local_optimizer().state().erase(key);
-      if (state) o.local_optimizer().state()[key] = std::move(state);
+      local.state().erase(key);
+      if (state) local.state()[key] = std::move(state);
     }
-    o.pull_options_from_local();
+    owner_.pull_options_from_local();
     restore_param_steps(*counts);
   };
 }
 
 std::vector<const torch::optim::OptimizerParamGroup*>
 ShardedOptimizer::Checkpoint::portable_groups() const {
-  auto& o = owner_;
   sync_before_save();
-  return detail::groups_of(o);
+  return detail::groups_of(owner_);
 }
 
 int64_t ShardedOptimizer::Checkpoint::portable_param_step(const at::Tensor& param) const {
@@ -223,15 +223,13 @@ int64_t ShardedOptimizer::Checkpoint::portable_param_step(const at::Tensor& para
 
 void ShardedOptimizer::Checkpoint::save_portable_pieces(PieceWriter& pieces,
                                                         const PortableSave& save) const {
-  auto& o = owner_;
   sync_before_save();
-  o.local_->save_pieces(pieces, save.names);
+  owner_.local_->save_pieces(pieces, save.names);
 }
 
 void ShardedOptimizer::Checkpoint::save_portable_layout(
     torch::serialize::OutputArchive& layout) const {
-  auto& o = owner_;
-  layout.write("steps", c10::IValue(o.steps_));
+  layout.write("steps", c10::IValue(owner_.steps_));
 }
 
 std::function<void()> ShardedOptimizer::Checkpoint::prepare_portable_load(
@@ -255,15 +253,15 @@ std::function<void()> ShardedOptimizer::Checkpoint::prepare_portable_load(
     const auto it = load.param_steps.find(load.names(o.params_[i]));
     if (it != load.param_steps.end() && it->second >= 0) added_at[i] = steps - it->second;
   }
-  return [&o, options, install_states, steps, added_at] {
-    for (size_t g = 0; g < o.param_groups_.size(); ++g) {
-      o.param_groups_[g].set_options(std::move((*options)[g]));
+  return [this, options, install_states, steps, added_at] {
+    for (size_t g = 0; g < owner_.param_groups_.size(); ++g) {
+      owner_.param_groups_[g].set_options(std::move((*options)[g]));
     }
     install_states();
-    o.push_options_to_local();
-    o.steps_ = steps;
-    o.added_at_ = added_at;
-    o.write_state_entries();
+    owner_.push_options_to_local();
+    owner_.steps_ = steps;
+    owner_.added_at_ = added_at;
+    owner_.write_state_entries();
   };
 }
 

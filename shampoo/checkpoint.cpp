@@ -106,12 +106,12 @@ void EngineCheckpoint::save_common(
   archive.write("shampoo", header);
 
   torch::serialize::OutputArchive model;
-  model.write("num_params", c10::IValue(static_cast<int64_t>(e.registry_.params.size())));
-  for (size_t p = 0; p < e.registry_.params.size(); ++p) {
-    model.write(
-        "shape_" + std::to_string(p),
-        at::tensor(e.registry_.params[p].param.sizes().vec(), at::TensorOptions().dtype(at::kLong)),
-        /*is_buffer=*/true);
+  model.write("num_params", c10::IValue(static_cast<int64_t>(e.front_.registry.params.size())));
+  for (size_t p = 0; p < e.front_.registry.params.size(); ++p) {
+    model.write("shape_" + std::to_string(p),
+                at::tensor(e.front_.registry.params[p].param.sizes().vec(),
+                           at::TensorOptions().dtype(at::kLong)),
+                /*is_buffer=*/true);
   }
   archive.write("params", model);
 
@@ -120,9 +120,9 @@ void EngineCheckpoint::save_common(
   for (size_t g = 0; g < groups.size(); ++g) {
     torch::serialize::OutputArchive group;
     options_of(groups[g], g).serialize(group);
-    group.write("step", c10::IValue(e.group_steps_[g]));
-    group.write("lr_sum", c10::IValue(e.group_lr_sums_[g]));
-    group.write("num_params", c10::IValue(e.registry_.group_sizes[g]));
+    group.write("step", c10::IValue(e.front_.group_steps[g]));
+    group.write("lr_sum", c10::IValue(e.front_.group_lr_sums[g]));
+    group.write("num_params", c10::IValue(e.front_.registry.group_sizes[g]));
     all_groups.write("group_" + std::to_string(g), group);
   }
   all_groups.write("eval_mode", c10::IValue(int64_t{e.eval_mode_ ? 1 : 0}));
@@ -155,7 +155,7 @@ void EngineCheckpoint::save(torch::serialize::OutputArchive& archive,
   auto& e = *engine_;
   save_common(archive, groups);
   torch::serialize::OutputArchive blocks;
-  for (const auto& [id, state] : e.export_states()) {
+  for (const auto& [id, state] : e.front_.export_states()) {
     auto block = block_archive(state);
     blocks.write(id.key(), block);
   }
@@ -168,7 +168,8 @@ void EngineCheckpoint::save_pieces(PieceWriter& pieces) const {
 
 void EngineCheckpoint::save_block_pieces(PieceWriter& pieces, const BlockPieceName& name_of) const {
   auto& e = *engine_;
-  for (const auto& [id, state] : e.export_states()) pieces.add(name_of(id), block_archive(state));
+  for (const auto& [id, state] : e.front_.export_states())
+    pieces.add(name_of(id), block_archive(state));
 }
 
 namespace {
@@ -334,7 +335,7 @@ std::shared_ptr<EngineCheckpoint::PreparedLoad> EngineCheckpoint::prepare(
     torch::serialize::InputArchive& archive, const std::function<BlockState(int64_t)>& read_block,
     const std::vector<torch::optim::OptimizerParamGroup>& groups) {
   auto& e = *engine_;
-  check_model(archive, e.registry_.params);
+  check_model(archive, e.front_.registry.params);
   torch::serialize::InputArchive all_groups;
   TORCH_CHECK(archive.try_read("groups", all_groups), "checkpoint: no param groups");
   const int64_t num_groups = read_int(all_groups, "num_groups");
@@ -345,7 +346,7 @@ std::shared_ptr<EngineCheckpoint::PreparedLoad> EngineCheckpoint::prepare(
   prepared->steps.resize(groups.size());
   prepared->lr_sums.resize(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    read_group(all_groups, g, e.registry_.group_sizes[g], options_of(groups[g], g),
+    read_group(all_groups, g, e.front_.registry.group_sizes[g], options_of(groups[g], g),
                prepared->options[g], prepared->steps[g], prepared->lr_sums[g]);
   }
   const auto eval_mode = read_optional(all_groups, "eval_mode", c10::IValue(int64_t{0}));
@@ -360,27 +361,26 @@ void EngineCheckpoint::read_block_states(
     const std::vector<torch::optim::OptimizerParamGroup>& groups) {
   auto& e = *engine_;
   std::map<BlockId, BlockState> states;
-  for (int64_t b = 0; b < static_cast<int64_t>(e.registry_.blocks.size()); ++b) {
-    if (e.distributor_->owns(b)) states[e.registry_.blocks[b].id] = read_block(b);
+  for (int64_t b = 0; b < static_cast<int64_t>(e.front_.registry.blocks.size()); ++b) {
+    if (e.distributor_->owns(b)) states[e.front_.registry.blocks[b].id] = read_block(b);
   }
   // New virtual groups; the current ones stay in place until install().
-  prepared.virtual_groups = e.build_virtual_groups(groups);
+  prepared.virtual_groups = e.front_.build_virtual_groups(groups);
   for (auto& vg : prepared.virtual_groups) vg->import_states(states, /*require_all=*/true);
 }
 
 void EngineCheckpoint::install(ShampooEngine& engine, PreparedLoad& prepared,
                                std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  engine.retire_counters();
   engine.broken_.clear();
-  engine.virtual_groups_ = std::move(prepared.virtual_groups);
+  engine.front_.replace_virtual_groups(std::move(prepared.virtual_groups));
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const auto& field : option_fields()) {
       if (field.kind == OptionKind::kFloat) {
         field.copy(prepared.options[g], options_of(groups[g], g));
       }
     }
-    engine.group_steps_[g] = prepared.steps[g];
-    engine.group_lr_sums_[g] = prepared.lr_sums[g];
+    engine.front_.group_steps[g] = prepared.steps[g];
+    engine.front_.group_lr_sums[g] = prepared.lr_sums[g];
   }
   engine.eval_mode_ = prepared.eval_mode;
 }
@@ -388,15 +388,15 @@ void EngineCheckpoint::install(ShampooEngine& engine, PreparedLoad& prepared,
 void EngineCheckpoint::load(torch::serialize::InputArchive& archive,
                             std::vector<torch::optim::OptimizerParamGroup>& groups) {
   auto& e = *engine_;
-  e.register_added_params(groups);
-  e.check_groups(groups);
+  e.front_.register_added(groups);
+  e.front_.check(groups);
   check_header(archive, *e.distributor_);
   torch::serialize::InputArchive all_blocks;
   TORCH_CHECK(archive.try_read("blocks", all_blocks), "checkpoint: no block states");
   const auto prepared = prepare(
       archive,
       [&](int64_t b) {
-        const auto& id = e.registry_.blocks[b].id;
+        const auto& id = e.front_.registry.blocks[b].id;
         torch::serialize::InputArchive block;
         TORCH_CHECK(all_blocks.try_read(id.key(), block), "checkpoint: no state for ",
                     id.to_string(), " (written for another model or another rank layout)");
@@ -410,14 +410,14 @@ std::function<void()> EngineCheckpoint::prepare_load(
     torch::serialize::InputArchive& common, PieceReader& pieces,
     std::vector<torch::optim::OptimizerParamGroup>& groups) {
   auto& e = *engine_;
-  e.check_groups(groups);  // what the base class appended was registered before (collectively)
+  e.front_.check(groups);  // what the base class appended was registered before (collectively)
   TORCH_CHECK(!e.transaction_.is_open(),
               "checkpoint: cannot load while a step is open (in backward)");
   check_version(common);
   const auto prepared = prepare(
       common,
       [&](int64_t b) {
-        auto block = pieces.read(piece_key(e.registry_.blocks[b].id));
+        auto block = pieces.read(piece_key(e.front_.registry.blocks[b].id));
         return read_block_archive(block);
       },
       groups);
@@ -429,7 +429,7 @@ std::function<void()> EngineCheckpoint::prepare_block_load(
     std::vector<double> lr_sums, std::optional<bool> eval_mode,
     std::vector<torch::optim::OptimizerParamGroup>& groups) {
   auto& e = *engine_;
-  e.check_groups(groups);
+  e.front_.check(groups);
   TORCH_CHECK(!e.transaction_.is_open(),
               "checkpoint: cannot load while a step is open (in backward)");
   TORCH_CHECK(steps.size() == groups.size() && lr_sums.size() == groups.size(),
@@ -443,7 +443,7 @@ std::function<void()> EngineCheckpoint::prepare_block_load(
   read_block_states(
       *prepared,
       [&](int64_t b) {
-        auto block = pieces.read(name_of(e.registry_.blocks[b].id));
+        auto block = pieces.read(name_of(e.front_.registry.blocks[b].id));
         return read_block_archive(block);
       },
       groups);

@@ -14,7 +14,10 @@
 namespace shampoo {
 
 struct DistributedShampoo::Interfaces
-    : detail::AdaptersOf<DistributedShampoo, detail::ParameterOwnersOf> {};
+    : detail::AdaptersOf<DistributedShampoo, detail::ParameterOwnersOf> {
+  /// The lookup registered with capabilities_of: a DistributedShampoo's internal objects.
+  static bool lookup(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
+};
 
 /// PhasedStep: the step split into begin, per-parameter block work (as gradients arrive, in
 /// backward; the parameters of a unit, in full sharding) and finish (the one AllGather). A step
@@ -36,12 +39,14 @@ class DistributedShampoo::Phased final : public PhasedStep {
   void abort() override;
 
  private:
+  void write_state_entries() { owner_->engine_->groups().write_state_entries(owner_->state_); }
+
   DistributedShampoo* owner_;  // which owns this object
   bool in_backward_ = false;
 };
 
-bool DistributedShampoo::internal_interfaces(torch::optim::Optimizer& optimizer,
-                                             detail::Capabilities& found) {
+bool DistributedShampoo::Interfaces::lookup(torch::optim::Optimizer& optimizer,
+                                            detail::Capabilities& found) {
   auto* shampoo = dynamic_cast<DistributedShampoo*>(&optimizer);
   if (shampoo != nullptr && shampoo->interfaces_) {  // null once moved from
     shampoo->interfaces_->bind(shampoo, found);
@@ -67,7 +72,7 @@ DistributedShampoo::DistributedShampoo(std::vector<torch::optim::OptimizerParamG
       interfaces_(std::make_unique<Interfaces>()),
       phased_(std::make_unique<Phased>(*this)),
       checkpoint_(std::make_unique<Checkpoint>(*this)) {
-  detail::register_internal_interfaces(&DistributedShampoo::internal_interfaces);
+  detail::register_internal_interfaces(&Interfaces::lookup);
   // Once per optimizer, over all groups (a group of biases alone has a large ratio), before the
   // groups are registered and their state allocated.
   detail::warn_if_state_is_large(param_groups, defaults);
@@ -91,22 +96,8 @@ void ShampooParamState::serialize(torch::serialize::InputArchive& archive) {
 }
 
 void DistributedShampoo::sync_groups_and_state() {
-  engine_->register_added_params(param_groups_);
-  write_state_entries();
-}
-
-void DistributedShampoo::write_state_entries() {
-  for (const auto& summary : engine_->param_summaries()) {
-    auto& entry = state_[summary.param.unsafeGetTensorImpl()];
-    auto* mine = dynamic_cast<ShampooParamState*>(entry.get());
-    if (mine == nullptr) {
-      entry = std::make_unique<ShampooParamState>();
-      mine = static_cast<ShampooParamState*>(entry.get());
-    }
-    mine->step(engine_->group_step(static_cast<size_t>(summary.group)))
-        .param_group(summary.group)
-        .num_blocks(summary.num_blocks);
-  }
+  engine_->groups().register_added(param_groups_);
+  engine_->groups().write_state_entries(state_);
 }
 
 DistributedShampoo::~DistributedShampoo() = default;
@@ -136,8 +127,8 @@ void DistributedShampoo::add_param_group(const torch::optim::OptimizerParamGroup
   TORCH_CHECK(!engine_->step_open(),
               "DistributedShampoo::add_param_group: a step is in progress (optimizer-in-backward "
               "during loss.backward()); add groups between steps");
-  engine_->add_group(param_group, param_groups_);
-  write_state_entries();
+  engine_->groups().add_group(param_group, param_groups_);
+  engine_->groups().write_state_entries(state_);
 }
 
 torch::Tensor DistributedShampoo::step(LossClosure closure) {
@@ -155,10 +146,10 @@ torch::Tensor DistributedShampoo::step(LossClosure closure) {
   try {
     engine_->step(param_groups_);
   } catch (...) {
-    write_state_entries();
+    engine_->groups().write_state_entries(state_);
     throw;
   }
-  write_state_entries();
+  engine_->groups().write_state_entries(state_);
   return loss;
 }
 
@@ -170,7 +161,7 @@ std::vector<int64_t> indices_of(const detail::ShampooEngine& engine,
                                 const std::vector<torch::Tensor>& params, const char* what) {
   std::vector<int64_t> indices;
   for (const auto& p : params) {
-    const int64_t index = engine.param_index(p);
+    const int64_t index = engine.groups().param_index(p);
     TORCH_CHECK(index >= 0, "DistributedShampoo: a parameter given to ", what,
                 " is not registered with this optimizer");
     indices.push_back(index);
@@ -197,7 +188,7 @@ void DistributedShampoo::Phased::step_parameters(const std::vector<torch::Tensor
   try {
     engine.compute_params(owner_->param_groups_, indices_of(engine, params, "step_parameters"));
   } catch (...) {
-    if (!engine.step_open()) owner_->write_state_entries();  // undone by the engine
+    if (!engine.step_open()) write_state_entries();  // undone by the engine
     throw;
   }
 }
@@ -207,16 +198,16 @@ void DistributedShampoo::Phased::finish() {
   try {
     owner_->engine_->finish_step();
   } catch (...) {
-    owner_->write_state_entries();
+    write_state_entries();
     throw;
   }
-  owner_->write_state_entries();
+  write_state_entries();
 }
 
 void DistributedShampoo::Phased::abort() {
   c10::NoGradGuard no_grad;
   owner_->engine_->abort_step();  // nothing when no step is open
-  owner_->write_state_entries();
+  write_state_entries();
 }
 
 // Saving registers what the base class appended first (a collective in distributed mode, as the
@@ -230,7 +221,7 @@ void DistributedShampoo::save(torch::serialize::OutputArchive& archive) const {
 void DistributedShampoo::load(torch::serialize::InputArchive& archive) {
   sync_groups_and_state();
   detail::EngineCheckpoint(*engine_).load(archive, param_groups_);
-  write_state_entries();
+  engine_->groups().write_state_entries(state_);
 }
 
 void DistributedShampoo::train() {
@@ -267,7 +258,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> DistributedShampoo::owners_group() const 
 }
 
 std::optional<int> DistributedShampoo::owner_of(const at::Tensor& param) const {
-  return engine_->param_owner(param);
+  return engine_->groups().param_owner(param);
 }
 
 ShampooOptions& DistributedShampoo::group_options(size_t group) {
@@ -279,13 +270,13 @@ ShampooOptions& DistributedShampoo::group_options(size_t group) {
 double DistributedShampoo::group_lr_sum(size_t group) const {
   TORCH_CHECK(group < param_groups_.size(), "group_lr_sum: group ", group, " out of range (",
               param_groups_.size(), " groups)");
-  return engine_->group_lr_sum(group);
+  return engine_->groups().group_lr_sums.at(group);
 }
 
 int64_t DistributedShampoo::group_step(size_t group) const {
   TORCH_CHECK(group < param_groups_.size(), "group_step: group ", group, " out of range (",
               param_groups_.size(), " groups)");
-  return engine_->group_step(group);
+  return engine_->groups().group_steps.at(group);
 }
 
 const DistributedOptions& DistributedShampoo::distributed_options() const {
@@ -294,7 +285,7 @@ const DistributedOptions& DistributedShampoo::distributed_options() const {
 
 void DistributedShampoo::set_failure_injector_for_testing(
     std::function<bool(const std::string&, int64_t)> fn) {
-  engine_->set_failure_injector(std::move(fn), param_groups_);
+  engine_->groups().set_failure_injector(std::move(fn), param_groups_);
 }
 
 void DistributedShampoo::set_fault_injector_for_testing(StepFaultInjector fn, bool journal) {

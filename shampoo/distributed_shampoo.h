@@ -197,15 +197,14 @@ class DistributedShampoo : public torch::optim::Optimizer,
   // The wrappers reach its phased step (Phased), its block states (Checkpoint) and its owners (an
   // adapter forwarding to owners_group and owner_of) through the internal interfaces
   // (parallel/optimizers/capabilities.h).
-  struct Interfaces;  // the adapters, distributed_shampoo.cpp
+  struct Interfaces;  // the adapters and the lookup it registers, distributed_shampoo.cpp
   class Phased;  // its PhasedStep (optimizer-in-backward, full sharding), distributed_shampoo.cpp
   class Checkpoint;  // its checkpoints and BlockStates, distributed_shampoo_checkpoint.h
-  static bool internal_interfaces(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
 
   /// Registers groups and parameters appended through the base class, then writes state()'s
-  /// entries (ShampooParamState) for every registered parameter.
+  /// entries (ShampooParamState) for every registered parameter (the engine's front end writes
+  /// them: GroupFrontEnd::write_state_entries).
   void sync_groups_and_state();
-  void write_state_entries();
 
   std::unique_ptr<detail::ShampooEngine> engine_;
   std::unique_ptr<Interfaces> interfaces_;

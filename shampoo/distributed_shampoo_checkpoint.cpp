@@ -18,10 +18,11 @@ DistributedShampoo::Checkpoint::portable_groups() const {
 
 int64_t DistributedShampoo::Checkpoint::portable_param_step(const at::Tensor& param) const {
   auto& o = *owner_;
-  const auto index = o.engine_->param_index(param);
+  const auto index = o.engine_->groups().param_index(param);
   if (index < 0) return -1;
-  const auto summaries = o.engine_->param_summaries();
-  return o.engine_->group_step(static_cast<size_t>(summaries.at(static_cast<size_t>(index)).group));
+  const auto summaries = o.engine_->groups().param_summaries();
+  return o.engine_->groups().group_steps.at(
+      static_cast<size_t>(summaries.at(static_cast<size_t>(index)).group));
 }
 
 void DistributedShampoo::Checkpoint::save_portable_pieces(PieceWriter& pieces,
@@ -49,7 +50,7 @@ std::function<void()> DistributedShampoo::Checkpoint::prepare_portable_load(
   return [self = owner_, install_options, install_states] {
     install_states();
     install_options();
-    self->write_state_entries();
+    self->engine_->groups().write_state_entries(self->state_);
   };
 }
 
@@ -76,14 +77,14 @@ std::function<void()> DistributedShampoo::Checkpoint::prepare_load(
   auto install = detail::EngineCheckpoint(*o.engine_).prepare_load(common, pieces, o.param_groups_);
   return [self = owner_, install = std::move(install)] {
     install();
-    self->write_state_entries();
+    self->engine_->groups().write_state_entries(self->state_);
   };
 }
 
 void DistributedShampoo::Checkpoint::save_block_pieces(PieceWriter& pieces,
                                                        const BlockPieceName& name_of) const {
   auto& engine = *owner_->engine_;
-  const auto summaries = engine.param_summaries();
+  const auto summaries = engine.groups().param_summaries();
   detail::EngineCheckpoint(engine).save_block_pieces(pieces, [&](const BlockId& id) {
     return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
   });
@@ -94,7 +95,7 @@ std::function<void()> DistributedShampoo::Checkpoint::prepare_block_load(
     std::vector<double> group_lr_sums, std::optional<bool> eval_mode) {
   auto& o = *owner_;
   o.sync_groups_and_state();
-  const auto summaries = o.engine_->param_summaries();
+  const auto summaries = o.engine_->groups().param_summaries();
   auto install =
       detail::EngineCheckpoint(*o.engine_)
           .prepare_block_load(
@@ -105,7 +106,7 @@ std::function<void()> DistributedShampoo::Checkpoint::prepare_block_load(
               std::move(group_steps), std::move(group_lr_sums), eval_mode, o.param_groups_);
   return [self = owner_, install] {
     install();
-    self->write_state_entries();
+    self->engine_->groups().write_state_entries(self->state_);
   };
 }
 

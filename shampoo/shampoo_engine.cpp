@@ -11,32 +11,30 @@
 #include <limits>
 #include <optional>
 
-#include "parallel/optimizers/parameter_owners.h"
 #include "shampoo/option_fields.h"
 #include "shampoo/param_updates.h"
 #include "shampoo/step_scalars.h"
 
 namespace shampoo::detail {
 
-void resolve_peak_lr(ShampooOptions& options) {
-  if (options.peak_lr() == -1.0) options.peak_lr(options.lr());
-}
-
-ShampooOptions& options_of(torch::optim::OptimizerParamGroup& group, size_t index) {
-  return const_cast<ShampooOptions&>(
-      options_of(static_cast<const torch::optim::OptimizerParamGroup&>(group), index));
-}
-
-const ShampooOptions& options_of(const torch::optim::OptimizerParamGroup& group, size_t index) {
-  const auto* options = dynamic_cast<const ShampooOptions*>(&group.options());
-  TORCH_CHECK(options != nullptr, "param group ", index,
-              ": options must be shampoo::ShampooOptions (a group added with another "
-              "optimizer's options, e.g. torch::optim::AdamOptions, cannot be stepped by "
-              "DistributedShampoo)");
-  return *options;
-}
-
 namespace {
+
+/// `distributed`, validated after `defaults` (the order in which their errors are reported).
+DistributedOptions validated(const ShampooOptions& defaults, DistributedOptions distributed) {
+  defaults.validate();
+  distributed.validate();
+  return distributed;
+}
+
+std::unique_ptr<Distributor> make_distributor(const DistributedOptions& distributed) {
+  DistributorConfig config;
+  config.process_group = distributed.process_group();
+  config.communication_dtype = distributed.communication_dtype();
+  config.num_trainers_per_group = distributed.num_trainers_per_group();
+  config.communicate_params = distributed.communicate_params();
+  config.shard_by_parameter = distributed.shard_by_parameter();
+  return std::make_unique<Distributor>(std::move(config));
+}
 
 /// The error of the ranks whose step did not fail: which failed, and why nothing changed.
 std::string failed_ranks_message(const std::vector<int>& failed, const char* why_unchanged) {
@@ -72,6 +70,11 @@ std::vector<double> max_abs_entries(const std::vector<at::Tensor>& tensors) {
 
 }  // namespace
 
+ShampooEngine::ShampooEngine(const ShampooOptions& defaults, DistributedOptions distributed)
+    : distributed_(validated(defaults, std::move(distributed))),
+      distributor_(make_distributor(distributed_)),
+      front_(defaults, distributed_, *distributor_) {}
+
 void ShampooEngine::collect_gradients(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                                       const std::vector<int64_t>& params,
                                       std::vector<std::vector<at::Tensor>>& grad_blocks,
@@ -79,12 +82,12 @@ void ShampooEngine::collect_gradients(const std::vector<torch::optim::OptimizerP
   std::vector<at::Tensor> grads;
   std::vector<int64_t> grad_owner;
   for (const int64_t p : params) {
-    const auto& param = registry_.params[p].param;
+    const auto& param = front_.registry.params[p].param;
     const auto& grad = param.grad();
     if (!grad.defined() || param.numel() == 0) continue;
     TORCH_CHECK(grad.sizes() == param.sizes() && grad.scalar_type() == param.scalar_type() &&
                     grad.device() == param.device() && grad.layout() == at::kStrided,
-                "parameter ", p, " (group ", registry_.params[p].group, "): its gradient (",
+                "parameter ", p, " (group ", front_.registry.params[p].group, "): its gradient (",
                 grad.sizes(), ", ", grad.scalar_type(), ", ", grad.device(), ", ", grad.layout(),
                 ") does not match the parameter (", param.sizes(), ", ", param.scalar_type(), ", ",
                 param.device(), ", dense)");
@@ -99,23 +102,24 @@ void ShampooEngine::collect_gradients(const std::vector<torch::optim::OptimizerP
   const auto max_abs = max_abs_entries(grads);
   for (size_t i = 0; i < grads.size(); ++i) {
     const auto p = grad_owner[i];
-    TORCH_CHECK(std::isfinite(max_abs[i]), "DistributedShampoo: the gradient of parameter ", p,
-                " (group ", registry_.params[p].group, ", shape ",
-                registry_.params[p].param.sizes(), ") has non-finite values (NaN or inf) at step ",
-                group_steps_[registry_.params[p].group] + 1, "; the step was not applied");
-    const auto& entry = registry_.params[p];
+    TORCH_CHECK(
+        std::isfinite(max_abs[i]), "DistributedShampoo: the gradient of parameter ", p, " (group ",
+        front_.registry.params[p].group, ", shape ", front_.registry.params[p].param.sizes(),
+        ") has non-finite values (NaN or inf) at step ",
+        front_.group_steps[front_.registry.params[p].group] + 1, "; the step was not applied");
+    const auto& entry = front_.registry.params[p];
     int64_t block_numel = 0;
     for (const auto& block : entry.plan.blocks) block_numel = std::max(block_numel, block.numel);
     const auto overflow = statistics_overflow(options_of(groups[entry.group], entry.group),
                                               grads[i].scalar_type(), block_numel, max_abs[i]);
     TORCH_CHECK(overflow.empty(), "DistributedShampoo: the gradient of parameter ", p, " (group ",
                 entry.group, ", shape ", entry.param.sizes(), ") at step ",
-                group_steps_[entry.group] + 1, ": ", overflow,
+                front_.group_steps[entry.group] + 1, ": ", overflow,
                 "; the step was not applied (lower the lr or loss scale, or clip the gradients)");
   }
   for (size_t i = 0; i < grads.size(); ++i) {
     const auto p = grad_owner[i];
-    grad_blocks[p] = block_views(grads[i], registry_.params[p].plan);
+    grad_blocks[p] = block_views(grads[i], front_.registry.params[p].plan);
     grad_abs_max[p] = max_abs[i];
   }
 }
@@ -123,13 +127,13 @@ void ShampooEngine::collect_gradients(const std::vector<torch::optim::OptimizerP
 void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& groups,
                                bool incremental) {
   TORCH_CHECK(broken_.empty(), broken_);
-  register_added_params(groups);
+  front_.register_added(groups);
   // Options replaced from outside (a wrapper's push of its copy) may carry peak_lr −1 again.
-  for (size_t g = 0; g < groups.size() && g < group_peak_lrs_.size(); ++g) {
+  for (size_t g = 0; g < groups.size() && g < front_.group_peak_lrs.size(); ++g) {
     auto& options = options_of(groups[g], g);
-    if (options.peak_lr() == -1.0) options.peak_lr(group_peak_lrs_[g]);
+    if (options.peak_lr() == -1.0) options.peak_lr(front_.group_peak_lrs[g]);
   }
-  TORCH_CHECK(!registry_.params.empty(),
+  TORCH_CHECK(!front_.registry.params.empty(),
               "DistributedShampoo::step(): the optimizer has no parameters (it was built with an "
               "empty parameter list and none were added since); add them with add_param_group "
               "before the first step");
@@ -141,12 +145,12 @@ void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& g
   const bool agree = distributed && !incremental && distributed_.agree_before_update();
   // In backward, the journal unless DistributedOptions::undo_in_backward(false).
   const bool journal = incremental ? distributed_.undo_in_backward() : distributed && !agree;
-  transaction_.open(virtual_groups_.size(), registry_.blocks.size(),
+  transaction_.open(front_.virtual_groups.size(), front_.registry.blocks.size(),
                     journal || (fault_ && fault_journals_), agree);
   distributor_->begin_step();
   try {
-    check_groups(groups);
-    TORCH_CHECK(!eval_mode_ || !any_averaging(),
+    front_.check(groups);
+    TORCH_CHECK(!eval_mode_ || !front_.any_averaging(),
                 "DistributedShampoo: step() in eval mode; with iterate averaging the parameters "
                 "hold the evaluation sequence after eval(): call train() before step()");
   } catch (...) {
@@ -154,15 +158,10 @@ void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& g
     throw;
   }
   // Read once per step: in backward, compute calls come later, and close_step commits these.
-  step_lr_sums_ = group_lr_sums_;
+  step_lr_sums_ = front_.group_lr_sums;
   for (size_t g = 0; g < groups.size(); ++g) {
     step_lr_sums_[g] += lr_power_term(options_of(groups[g], g));
   }
-}
-
-bool ShampooEngine::any_averaging() const {
-  return std::any_of(virtual_groups_.begin(), virtual_groups_.end(),
-                     [](const auto& vg) { return averaging_enabled(vg->structural_options()); });
 }
 
 void ShampooEngine::set_eval_mode(bool eval,
@@ -170,17 +169,17 @@ void ShampooEngine::set_eval_mode(bool eval,
   TORCH_CHECK(!transaction_.is_open(), "DistributedShampoo: ", eval ? "eval()" : "train()",
               " while a step is open (in backward); switch between steps");
   if (eval == eval_mode_) return;
-  register_added_params(groups);
-  check_groups(groups);
-  if (!any_averaging()) {
+  front_.register_added(groups);
+  front_.check(groups);
+  if (!front_.any_averaging()) {
     eval_mode_ = eval;
     return;
   }
   distributor_->begin_step();
   try {
-    for (const auto& vg : virtual_groups_) {
+    for (const auto& vg : front_.virtual_groups) {
       if (averaging_enabled(vg->structural_options())) {
-        vg->switch_sequence(eval, registry_.params, registry_.blocks, *distributor_);
+        vg->switch_sequence(eval, front_.registry.params, front_.registry.blocks, *distributor_);
       }
     }
   } catch (...) {
@@ -193,7 +192,7 @@ void ShampooEngine::set_eval_mode(bool eval,
                 "DistributedShampoo: ", eval ? "eval()" : "train()", " failed on rank(s) ",
                 fmt::format("{}", fmt::join(distributor_->failed_ranks(), ", ")),
                 "; no parameter was changed");
-    apply_received(*distributor_, registry_.params, registry_.blocks);
+    apply_received(*distributor_, front_.registry.params, front_.registry.blocks);
   }
   eval_mode_ = eval;
 }
@@ -201,34 +200,37 @@ void ShampooEngine::set_eval_mode(bool eval,
 void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& groups,
                             const std::vector<int64_t>& params) {
   TORCH_INTERNAL_ASSERT(transaction_.is_open());
-  std::vector<std::vector<at::Tensor>> grad_blocks(registry_.params.size());
-  std::vector<double> grad_abs_max(registry_.params.size(), 0.0);
+  std::vector<std::vector<at::Tensor>> grad_blocks(front_.registry.params.size());
+  std::vector<double> grad_abs_max(front_.registry.params.size(), 0.0);
   {
     RECORD_USER_SCOPE("shampoo::collect_gradients");
     collect_gradients(groups, params, grad_blocks, grad_abs_max);
   }
   RECORD_USER_SCOPE("shampoo::compute");  // plans, journals, writes back; chunks inside
-  std::vector<std::vector<at::Tensor>> param_blocks(registry_.params.size());
+  std::vector<std::vector<at::Tensor>> param_blocks(front_.registry.params.size());
   // The parameter, or (bf16, fp16, non-contiguous, with a gradient) a copy written back below.
-  std::vector<at::Tensor> work(registry_.params.size());
+  std::vector<at::Tensor> work(front_.registry.params.size());
   for (const int64_t p : params) {
-    work[p] =
-        grad_blocks[p].empty() ? registry_.params[p].param : work_tensor(registry_.params[p].param);
-    param_blocks[p] = block_views(work[p], registry_.params[p].plan);
+    work[p] = grad_blocks[p].empty() ? front_.registry.params[p].param
+                                     : work_tensor(front_.registry.params[p].param);
+    param_blocks[p] = block_views(work[p], front_.registry.params[p].plan);
   }
   std::vector<const ShampooOptions*> group_options(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) group_options[g] = &options_of(groups[g], g);
   // The step being computed: one past each group's count (advanced when the step completes).
-  std::vector<int64_t> next_steps(group_steps_);
+  std::vector<int64_t> next_steps(front_.group_steps);
   for (auto& t : next_steps) ++t;
-  const StepInputs inputs{registry_.params, registry_.blocks, group_options,          next_steps,
-                          step_lr_sums_,    grad_blocks,      param_blocks,           grad_abs_max,
-                          *distributor_,    fault_,           transaction_.computed()};
+  const StepInputs inputs{front_.registry.params, front_.registry.blocks,
+                          group_options,          next_steps,
+                          step_lr_sums_,          grad_blocks,
+                          param_blocks,           grad_abs_max,
+                          *distributor_,          fault_,
+                          transaction_.computed()};
 
   bool protect = transaction_.protect_all();
   {
     RECORD_USER_SCOPE("shampoo::may_raise");
-    for (const auto& vg : virtual_groups_) protect = vg->may_raise(inputs) || protect;
+    for (const auto& vg : front_.virtual_groups) protect = vg->may_raise(inputs) || protect;
   }
   if (transaction_.agreement_pending()) protect = agree_before_update(protect);
   const bool any_gradient =
@@ -240,14 +242,14 @@ void ShampooEngine::compute(std::vector<torch::optim::OptimizerParamGroup>& grou
     for (const int64_t p : params) {
       if (!grad_blocks[p].empty()) stepped.push_back(p);
     }
-    transaction_.save(virtual_groups_, inputs, registry_.params, stepped,
+    transaction_.save(front_.virtual_groups, inputs, front_.registry.params, stepped,
                       /*keep_params=*/!distributor_->distributed());
   }
-  for (auto& vg : virtual_groups_) vg->step(inputs);
+  for (auto& vg : front_.virtual_groups) vg->step(inputs);
   // A single process updated the work copies in place: round them into their parameters.
   if (!distributor_->distributed()) {
     for (const int64_t p : params) {
-      if (!grad_blocks[p].empty()) write_back(registry_.params[p].param, work[p]);
+      if (!grad_blocks[p].empty()) write_back(front_.registry.params[p].param, work[p]);
     }
   }
   if (fault_) fault_(FaultPoint::kComputed);
@@ -268,16 +270,16 @@ void ShampooEngine::close_step(bool completed) {
     // A group advances when one of its blocks was updated (torch::optim: a parameter without a
     // gradient is not stepped). Distributed: the blocks the owners flagged, the same on every
     // rank, so the ranks' step counts stay equal.
-    std::vector<bool> advance(group_steps_.size(), false);
-    for (size_t b = 0; b < registry_.blocks.size(); ++b) {
+    std::vector<bool> advance(front_.group_steps.size(), false);
+    for (size_t b = 0; b < front_.registry.blocks.size(); ++b) {
       const bool updated = distributor_->distributed()
                                ? distributor_->received_updated(b)
                                : static_cast<bool>(transaction_.computed()[b]);
-      if (updated) advance[registry_.params[registry_.blocks[b].param].group] = true;
+      if (updated) advance[front_.registry.params[front_.registry.blocks[b].param].group] = true;
     }
-    for (size_t g = 0; g < group_steps_.size(); ++g) {
-      group_steps_[g] += advance[g] ? 1 : 0;
-      if (advance[g]) group_lr_sums_[g] = step_lr_sums_[g];
+    for (size_t g = 0; g < front_.group_steps.size(); ++g) {
+      front_.group_steps[g] += advance[g] ? 1 : 0;
+      if (advance[g]) front_.group_lr_sums[g] = step_lr_sums_[g];
     }
   }
   transaction_.close();
@@ -327,7 +329,7 @@ void ShampooEngine::abort_step() {
       // The AllGather failed as well; this rank's own error is the one rethrown.
     }
   }
-  transaction_.restore(virtual_groups_);
+  transaction_.restore(front_.virtual_groups);
   note_broken_if_unjournaled();
   close_step(/*completed=*/false);
 }
@@ -354,18 +356,18 @@ void ShampooEngine::finish_step() {
   }
   const auto& failed = distributor_->failed_ranks();
   if (!failed.empty()) {
-    transaction_.restore(virtual_groups_);
+    transaction_.restore(front_.virtual_groups);
     note_broken_if_unjournaled();
     close_step(/*completed=*/false);
     TORCH_CHECK(false, failed_ranks_message(failed, "every rank undid this step"));
   }
   if (distributor_->distributed())
-    apply_received(*distributor_, registry_.params, registry_.blocks);
+    apply_received(*distributor_, front_.registry.params, front_.registry.blocks);
   close_step(/*completed=*/true);
 }
 
 void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  std::vector<int64_t> all(registry_.params.size());
+  std::vector<int64_t> all(front_.registry.params.size());
   std::iota(all.begin(), all.end(), 0);
   step(groups, all);
 }
@@ -377,62 +379,18 @@ void ShampooEngine::step(std::vector<torch::optim::OptimizerParamGroup>& groups,
   finish_step();
 }
 
-int64_t ShampooEngine::param_index(const at::Tensor& param) const {
-  return registry_.index_of(param);
-}
-
-std::optional<int> ShampooEngine::param_owner(const at::Tensor& param) const {
-  const int64_t p = param_index(param);
-  if (p < 0) return std::nullopt;
-  TORCH_CHECK(distributor_->distributed(),
-              "DistributedShampoo: no process group (DistributedOptions::process_group), so every "
-              "rank steps every parameter: gradient sharding needs a distributed optimizer");
-  TORCH_CHECK(distributor_->world_size() == distributor_->global_world_size(),
-              "DistributedShampoo: gradient sharding reduces each gradient to one rank of the "
-              "whole process group, but DistributedOptions.num_trainers_per_group (",
-              distributed_.num_trainers_per_group(),
-              ") splits the blocks over subgroups; use num_trainers_per_group -1");
-  const auto& entry = registry_.params[p];
-  const auto first = entry.first_block;
-  const auto count = static_cast<int64_t>(entry.plan.blocks.size());
-  if (count == 0) return ParameterOwners::kEveryRank;
-  const int owner = distributor_->owner(first);
-  for (int64_t b = first + 1; b < first + count; ++b) {
-    TORCH_CHECK(distributor_->owner(b) == owner, "DistributedShampoo: the blocks of parameter ", p,
-                " (shape ", entry.param.sizes(), ", ", count, " blocks) are owned by ranks ", owner,
-                " and ", distributor_->owner(b),
-                "; gradient sharding needs every block of a parameter on one rank: build the "
-                "optimizer with DistributedOptions().shard_by_parameter(true)");
-  }
-  return owner;
-}
-
-std::vector<ShampooEngine::ParamSummary> ShampooEngine::param_summaries() const {
-  std::vector<ParamSummary> out;
-  out.reserve(registry_.params.size());
-  for (const auto& entry : registry_.params) {
-    out.push_back({entry.param, entry.group, static_cast<int64_t>(entry.plan.blocks.size())});
-  }
-  return out;
-}
-
 ShampooStats ShampooEngine::stats() const {
   ShampooStats s;
-  s.virtual_groups = static_cast<int64_t>(virtual_groups_.size());
+  s.virtual_groups = static_cast<int64_t>(front_.virtual_groups.size());
   s.collectives_last_step = collectives_last_step_;
-  s.total_blocks = static_cast<int64_t>(registry_.blocks.size());
-  s.amortized_computations = retired_counters_.computations;
-  s.failed_amortized_computations = retired_counters_.failures;
-  s.double_precision_retries = retired_counters_.retried_in_double;
-  s.root_solver_fallbacks = retired_counters_.solver_fallbacks;
-  s.amortized_batched_calls = retired_counters_.batched_calls;
-  for (const auto& vg : virtual_groups_) {
-    const auto c = vg->counters();
-    s.amortized_computations += c.computations;
-    s.failed_amortized_computations += c.failures;
-    s.double_precision_retries += c.retried_in_double;
-    s.root_solver_fallbacks += c.solver_fallbacks;
-    s.amortized_batched_calls += c.batched_calls;
+  s.total_blocks = static_cast<int64_t>(front_.registry.blocks.size());
+  const auto counters = front_.counters();
+  s.amortized_computations = counters.computations;
+  s.failed_amortized_computations = counters.failures;
+  s.double_precision_retries = counters.retried_in_double;
+  s.root_solver_fallbacks = counters.solver_fallbacks;
+  s.amortized_batched_calls = counters.batched_calls;
+  for (const auto& vg : front_.virtual_groups) {
     s.owned_blocks += vg->owned_blocks();
     s.state_bytes += vg->state_bytes();
   }
@@ -444,15 +402,9 @@ ShampooStats ShampooEngine::stats() const {
 
 MemorySummary ShampooEngine::memory_summary() const {
   MemorySummary out;
-  for (const auto& vg : virtual_groups_) vg->add_memory(out);
+  for (const auto& vg : front_.virtual_groups) vg->add_memory(out);
   out.scratch_last_step = transaction_.saved_bytes_last_step();
   return out;
-}
-
-void ShampooEngine::set_failure_injector(FailureInjector fn,
-                                         std::vector<torch::optim::OptimizerParamGroup>& groups) {
-  inject_failure_ = std::move(fn);
-  rebuild(groups, /*require_all=*/true);
 }
 
 }  // namespace shampoo::detail

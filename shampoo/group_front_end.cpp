@@ -1,6 +1,9 @@
-// ShampooEngine's param groups: registering groups and parameters (also those appended through
-// the torch::optim::Optimizer base class), their block plans, merging groups into virtual groups
-// and rebuilding them, the checks that a group's structure did not change.
+// The engine's group-merging front end (group_front_end.h): registering groups and parameters
+// (also those appended through the torch::optim::Optimizer base class), their block plans,
+// merging groups into virtual groups and rebuilding them, the checks that a group's structure did
+// not change, what the registry answers about a parameter.
+#include "shampoo/group_front_end.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -13,11 +16,12 @@
 #include <variant>
 #include <vector>
 
+#include "parallel/optimizers/parameter_owners.h"
 #include "preconditioners/iterative_roots.h"
 #include "shampoo/factor_choice.h"
 #include "shampoo/option_fields.h"
 #include "shampoo/rank_agreement.h"
-#include "shampoo/shampoo_engine.h"
+#include "shampoo/step_scalars.h"
 
 namespace shampoo::detail {
 
@@ -100,25 +104,42 @@ std::vector<BlockPlan> block_plans(const ShampooOptions& options,
   return plans;
 }
 
-}  // namespace
-
-ShampooEngine::ShampooEngine(const ShampooOptions& defaults, DistributedOptions distributed)
-    : defaults_(defaults), distributed_(std::move(distributed)) {
-  defaults_.validate();
-  distributed_.validate();
-  DistributorConfig config;
-  config.process_group = distributed_.process_group();
-  config.communication_dtype = distributed_.communication_dtype();
-  config.num_trainers_per_group = distributed_.num_trainers_per_group();
-  config.communicate_params = distributed_.communicate_params();
-  config.shard_by_parameter = distributed_.shard_by_parameter();
-  distributor_ = std::make_unique<Distributor>(std::move(config));
+void add_counters(AmortizedCounters& sum, const AmortizedCounters& more) {
+  sum.computations += more.computations;
+  sum.failures += more.failures;
+  sum.retried_in_double += more.retried_in_double;
+  sum.solver_fallbacks += more.solver_fallbacks;
+  sum.batched_calls += more.batched_calls;
 }
 
-void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
+}  // namespace
+
+void resolve_peak_lr(ShampooOptions& options) {
+  if (options.peak_lr() == -1.0) options.peak_lr(options.lr());
+}
+
+ShampooOptions& options_of(torch::optim::OptimizerParamGroup& group, size_t index) {
+  return const_cast<ShampooOptions&>(
+      options_of(static_cast<const torch::optim::OptimizerParamGroup&>(group), index));
+}
+
+const ShampooOptions& options_of(const torch::optim::OptimizerParamGroup& group, size_t index) {
+  const auto* options = dynamic_cast<const ShampooOptions*>(&group.options());
+  TORCH_CHECK(options != nullptr, "param group ", index,
+              ": options must be shampoo::ShampooOptions (a group added with another "
+              "optimizer's options, e.g. torch::optim::AdamOptions, cannot be stepped by "
+              "DistributedShampoo)");
+  return *options;
+}
+
+GroupFrontEnd::GroupFrontEnd(const ShampooOptions& defaults, const DistributedOptions& distributed,
+                             Distributor& distributor)
+    : defaults_(defaults), distributed_(distributed), distributor_(distributor) {}
+
+void GroupFrontEnd::add_group(const torch::optim::OptimizerParamGroup& group,
                               std::vector<torch::optim::OptimizerParamGroup>& groups) {
   // Groups appended through the base class first, so that this one keeps its index.
-  register_added_params(groups);
+  register_added(groups);
   const size_t index = groups.size();
   std::unique_ptr<torch::optim::OptimizerOptions> options;
   if (group.has_options()) {
@@ -134,20 +155,20 @@ void ShampooEngine::add_group(const torch::optim::OptimizerParamGroup& group,
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "param group ", index, ": ", e.msg());
   }
-  registry_.check_new_params(group.params(), index);
+  registry.check_new_params(group.params(), index);
   block_plans(static_cast<const ShampooOptions&>(*options), group.params(), index,
-              registry_.params.size());
+              registry.params.size());
   groups.emplace_back(group.params(), std::move(options));
-  register_added_params(groups);
+  register_added(groups);
 }
 
-bool ShampooEngine::register_added_params(std::vector<torch::optim::OptimizerParamGroup>& groups) {
+bool GroupFrontEnd::register_added(std::vector<torch::optim::OptimizerParamGroup>& groups) {
   // torch::optim::Optimizer::add_param_group and add_parameters are not virtual: through a
   // base-class reference they append a group (with a copy of its options, or of the defaults) or
   // parameters (to group 0) to param_groups() without telling this engine. Whatever was appended
   // since the last call is registered here, as DistributedShampoo::add_param_group registers it:
   // checked in full first, then blocks, owners and virtual groups (merged where it can be).
-  const size_t registered = group_steps_.size();
+  const size_t registered = group_steps.size();
   struct Added {
     size_t group;
     size_t first;  // of the group's parameters, the first not registered
@@ -157,8 +178,8 @@ bool ShampooEngine::register_added_params(std::vector<torch::optim::OptimizerPar
   std::unordered_map<const void*, size_t> claimed;  // among the parameters being added
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& params = groups[g].params();
-    const size_t first = g < registered ? static_cast<size_t>(registry_.group_sizes[g]) : 0;
-    if (g < registered && params.size() <= first) continue;  // fewer: check_groups says so
+    const size_t first = g < registered ? static_cast<size_t>(registry.group_sizes[g]) : 0;
+    if (g < registered && params.size() <= first) continue;  // fewer: check() says so
     const auto& options = options_of(groups[g], g);
     if (g >= registered) {
       try {
@@ -168,7 +189,7 @@ bool ShampooEngine::register_added_params(std::vector<torch::optim::OptimizerPar
                     " (added through torch::optim::Optimizer): ", e.msg());
       }
     }
-    registry_.check_new_params(params, g, first);
+    registry.check_new_params(params, g, first);
     for (size_t i = first; i < params.size(); ++i) {
       const auto [it, fresh] = claimed.emplace(params[i].unsafeGetTensorImpl(), g);
       TORCH_CHECK(fresh, "param group ", g, ": parameter ", i, " is also in param group ",
@@ -176,7 +197,7 @@ bool ShampooEngine::register_added_params(std::vector<torch::optim::OptimizerPar
     }
     const std::vector<at::Tensor> fresh_params(params.begin() + static_cast<int64_t>(first),
                                                params.end());
-    added.push_back({g, first, block_plans(options, fresh_params, g, registry_.params.size())});
+    added.push_back({g, first, block_plans(options, fresh_params, g, registry.params.size())});
   }
   if (added.empty()) return false;
   for (const auto& a : added) {
@@ -184,41 +205,107 @@ bool ShampooEngine::register_added_params(std::vector<torch::optim::OptimizerPar
   }
   for (auto& a : added) {
     const auto& params = groups[a.group].params();
-    registry_.add(
+    registry.add(
         std::vector<at::Tensor>(params.begin() + static_cast<int64_t>(a.first), params.end()),
         static_cast<int64_t>(a.group), std::move(a.plans));
     if (a.group >= registered) {
-      group_steps_.push_back(0);
-      group_lr_sums_.push_back(0.0);
+      group_steps.push_back(0);
+      group_lr_sums.push_back(0.0);
       auto& options = options_of(groups[a.group], a.group);
       resolve_peak_lr(options);
-      group_peak_lrs_.push_back(options.peak_lr());
+      group_peak_lrs.push_back(options.peak_lr());
     }
   }
-  check_ranks_agree(*distributor_, groups, registry_);
+  check_ranks_agree(distributor_, groups, registry);
   rebuild(groups, /*require_all=*/false);
   return true;
 }
 
-void ShampooEngine::rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+void GroupFrontEnd::rebuild(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                             bool require_all) {
   auto states = export_states();
-  retire_counters();
-  virtual_groups_ = build_virtual_groups(groups);
-  for (auto& vg : virtual_groups_) vg->import_states(states, require_all);
+  auto built = build_virtual_groups(groups);
+  for (auto& vg : built) vg->import_states(states, require_all);
+  replace_virtual_groups(std::move(built));
 }
 
-void ShampooEngine::retire_counters() {
-  for (const auto& vg : virtual_groups_) {
-    retired_counters_.computations += vg->counters().computations;
-    retired_counters_.failures += vg->counters().failures;
-    retired_counters_.retried_in_double += vg->counters().retried_in_double;
-    retired_counters_.solver_fallbacks += vg->counters().solver_fallbacks;
-    retired_counters_.batched_calls += vg->counters().batched_calls;
+void GroupFrontEnd::replace_virtual_groups(std::vector<std::unique_ptr<VirtualGroup>> built) {
+  for (const auto& vg : virtual_groups) add_counters(retired_counters_, vg->counters());
+  virtual_groups = std::move(built);
+}
+
+void GroupFrontEnd::write_state_entries(
+    ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>& state) const {
+  for (const auto& entry : registry.params) {
+    auto& slot = state[entry.param.unsafeGetTensorImpl()];
+    auto* mine = dynamic_cast<ShampooParamState*>(slot.get());
+    if (mine == nullptr) {
+      slot = std::make_unique<ShampooParamState>();
+      mine = static_cast<ShampooParamState*>(slot.get());
+    }
+    mine->step(group_steps.at(static_cast<size_t>(entry.group)))
+        .param_group(entry.group)
+        .num_blocks(static_cast<int64_t>(entry.plan.blocks.size()));
   }
 }
 
-void ShampooEngine::merge_groups(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+AmortizedCounters GroupFrontEnd::counters() const {
+  AmortizedCounters sum = retired_counters_;
+  for (const auto& vg : virtual_groups) add_counters(sum, vg->counters());
+  return sum;
+}
+
+void GroupFrontEnd::set_failure_injector(FailureInjector fn,
+                                         std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  inject_failure_ = std::move(fn);
+  rebuild(groups, /*require_all=*/true);
+}
+
+bool GroupFrontEnd::any_averaging() const {
+  return std::any_of(virtual_groups.begin(), virtual_groups.end(),
+                     [](const auto& vg) { return averaging_enabled(vg->structural_options()); });
+}
+
+int64_t GroupFrontEnd::param_index(const at::Tensor& param) const {
+  return registry.index_of(param);
+}
+
+std::optional<int> GroupFrontEnd::param_owner(const at::Tensor& param) const {
+  const int64_t p = param_index(param);
+  if (p < 0) return std::nullopt;
+  TORCH_CHECK(distributor_.distributed(),
+              "DistributedShampoo: no process group (DistributedOptions::process_group), so every "
+              "rank steps every parameter: gradient sharding needs a distributed optimizer");
+  TORCH_CHECK(distributor_.world_size() == distributor_.global_world_size(),
+              "DistributedShampoo: gradient sharding reduces each gradient to one rank of the "
+              "whole process group, but DistributedOptions.num_trainers_per_group (",
+              distributed_.num_trainers_per_group(),
+              ") splits the blocks over subgroups; use num_trainers_per_group -1");
+  const auto& entry = registry.params[p];
+  const auto first = entry.first_block;
+  const auto count = static_cast<int64_t>(entry.plan.blocks.size());
+  if (count == 0) return ParameterOwners::kEveryRank;
+  const int owner = distributor_.owner(first);
+  for (int64_t b = first + 1; b < first + count; ++b) {
+    TORCH_CHECK(distributor_.owner(b) == owner, "DistributedShampoo: the blocks of parameter ", p,
+                " (shape ", entry.param.sizes(), ", ", count, " blocks) are owned by ranks ", owner,
+                " and ", distributor_.owner(b),
+                "; gradient sharding needs every block of a parameter on one rank: build the "
+                "optimizer with DistributedOptions().shard_by_parameter(true)");
+  }
+  return owner;
+}
+
+std::vector<GroupFrontEnd::ParamSummary> GroupFrontEnd::param_summaries() const {
+  std::vector<ParamSummary> out;
+  out.reserve(registry.params.size());
+  for (const auto& entry : registry.params) {
+    out.push_back({entry.param, entry.group, static_cast<int64_t>(entry.plan.blocks.size())});
+  }
+  return out;
+}
+
+void GroupFrontEnd::merge_groups(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                                  std::vector<ShampooOptions>& structures,
                                  std::vector<std::vector<int64_t>>& members) {
   // Front end: param group -> virtual group (first structurally equal one of the same parameter
@@ -253,68 +340,67 @@ void ShampooEngine::merge_groups(const std::vector<torch::optim::OptimizerParamG
   }
 }
 
-std::vector<std::unique_ptr<VirtualGroup>> ShampooEngine::build_virtual_groups(
+std::vector<std::unique_ptr<VirtualGroup>> GroupFrontEnd::build_virtual_groups(
     const std::vector<torch::optim::OptimizerParamGroup>& groups) {
   std::vector<ShampooOptions> structures;
   std::vector<std::vector<int64_t>> members;
   merge_groups(groups, structures, members);
-  for (auto& block : registry_.blocks)
-    block.virtual_group = group_virtual_[registry_.params[block.param].group];
+  for (auto& block : registry.blocks)
+    block.virtual_group = group_virtual_[registry.params[block.param].group];
 
   // Owners of blocks not yet known to the distributor. Communication units: one for everything
   // when merging (one AllGather per step), one per virtual group otherwise.
-  const int64_t known = distributor_->num_blocks();
+  const int64_t known = distributor_.num_blocks();
   std::vector<DistributedBlock> fresh;
-  for (int64_t b = known; b < static_cast<int64_t>(registry_.blocks.size()); ++b) {
+  for (int64_t b = known; b < static_cast<int64_t>(registry.blocks.size()); ++b) {
     DistributedBlock d;
-    d.id = registry_.blocks[b].id;
-    d.numel = registry_.blocks[b].numel;
-    d.unit = distributed_.merge_param_groups() ? 0 : registry_.blocks[b].virtual_group;
-    d.device = registry_.params[registry_.blocks[b].param].param.device();
+    d.id = registry.blocks[b].id;
+    d.numel = registry.blocks[b].numel;
+    d.unit = distributed_.merge_param_groups() ? 0 : registry.blocks[b].virtual_group;
+    d.device = registry.params[registry.blocks[b].param].param.device();
     fresh.push_back(d);
   }
-  const auto owners = distributor_->add_blocks(fresh);
-  for (size_t i = 0; i < owners.size(); ++i) registry_.blocks[known + i].owner = owners[i];
+  const auto owners = distributor_.add_blocks(fresh);
+  for (size_t i = 0; i < owners.size(); ++i) registry.blocks[known + i].owner = owners[i];
 
   std::vector<std::unique_ptr<VirtualGroup>> built;
   for (size_t k = 0; k < structures.size(); ++k) {
     std::vector<int64_t> owned;
-    for (int64_t b = 0; b < static_cast<int64_t>(registry_.blocks.size()); ++b) {
-      if (registry_.blocks[b].virtual_group == static_cast<int64_t>(k) && distributor_->owns(b)) {
+    for (int64_t b = 0; b < static_cast<int64_t>(registry.blocks.size()); ++b) {
+      if (registry.blocks[b].virtual_group == static_cast<int64_t>(k) && distributor_.owns(b)) {
         owned.push_back(b);
       }
     }
     built.push_back(std::make_unique<VirtualGroup>(structures[k], members[k], std::move(owned),
-                                                   registry_.blocks, registry_.params,
+                                                   registry.blocks, registry.params,
                                                    inject_failure_));
   }
   return built;
 }
 
-std::map<BlockId, BlockState> ShampooEngine::export_states() const {
+std::map<BlockId, BlockState> GroupFrontEnd::export_states() const {
   std::map<BlockId, BlockState> states;
-  for (const auto& vg : virtual_groups_) vg->export_states(states);
+  for (const auto& vg : virtual_groups) vg->export_states(states);
   return states;
 }
 
-void ShampooEngine::check_groups(
-    const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
+void GroupFrontEnd::check(const std::vector<torch::optim::OptimizerParamGroup>& groups) const {
   // Groups and parameters appended through the base class are registered before this check
-  // (register_added_params); what is left is a removal.
-  TORCH_CHECK(groups.size() == group_steps_.size(), "DistributedShampoo: ", groups.size(),
-              " param groups, but ", group_steps_.size(), " were registered; ",
-              groups.size() < group_steps_.size()
+  // (register_added); what is left is a removal.
+  TORCH_CHECK(groups.size() == group_steps.size(), "DistributedShampoo: ", groups.size(),
+              " param groups, but ", group_steps.size(), " were registered; ",
+              groups.size() < group_steps.size()
                   ? "param groups cannot be removed, build a new optimizer instead"
                   : "groups added through the base class are registered at the next step(), "
                     "save, train() or eval() (a collective in distributed mode), not here");
   for (size_t g = 0; g < groups.size(); ++g) {
-    TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == registry_.group_sizes[g],
+    TORCH_CHECK(static_cast<int64_t>(groups[g].params().size()) == registry.group_sizes[g],
                 "DistributedShampoo: param group ", g, " has ", groups[g].params().size(),
-                " parameters, but ", registry_.group_sizes[g],
+                " parameters, but ", registry.group_sizes[g],
                 " were registered; parameters cannot be removed from a group, build a new "
                 "optimizer instead");
     const auto& options = options_of(groups[g], g);
-    const auto& structure = virtual_groups_[group_virtual_[g]]->structural_options();
+    const auto& structure = virtual_groups[group_virtual_[g]]->structural_options();
     const auto* changed = structural_difference(options, structure);
     TORCH_CHECK(changed == nullptr, "DistributedShampoo: param group ", g, ": structural option ",
                 describe_difference(*changed, options, structure),

@@ -45,8 +45,7 @@ std::optional<std::vector<std::optional<int>>> owners_of(const ParameterOwners& 
 
 double clip_grad_norm_(torch::optim::Optimizer& optimizer, double max_norm, double norm_type) {
   if (auto* fully_sharded = dynamic_cast<FullyShardedOptimizer*>(&optimizer)) {
-    return fully_sharded->wrapper().clip_grad_norm_of(parameters_of(optimizer), max_norm,
-                                                      norm_type, "clip_grad_norm_");
+    return fully_sharded->clip_grad_norm_(max_norm, norm_type);
   }
   TORCH_CHECK(dynamic_cast<InBackwardOptimizer*>(&optimizer) == nullptr, kWho,
               ": an InBackwardOptimizer steps each parameter during backward as soon as its "

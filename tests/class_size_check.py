@@ -16,13 +16,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from function_length_check import FOLDERS, SUFFIXES, strip  # noqa: E402
 
 LIMIT = 25
-# The classes above the limit, at their counts now (lower a figure when a class shrinks; remove
-# the line when it is at 25 or below). Written 2026-12-03 with six classes; full sharding's state
-# (90), InBackwardOptimizer (32), ShardedOptimizer (46), ShampooEngine (47) and
-# DistributedShampoo (46) have since been split.
-CEILINGS = {
-    "FullyShardedDataParallel": 36,
-}
+# The classes allowed above the limit, each at its count (none since 2026-12-03: the six classes
+# above 25 when this check was written were split; a class that must exceed it is listed here
+# with a reason, and its figure may not grow).
+CEILINGS = {}
 
 CLASS_HEAD = re.compile(r"\b(class|struct)\s+(?:\[\[[^\]]*\]\]\s*)?([A-Za-z_][\w:]*)"
                         r"(?:\s+final)?\s*(?::[^;{]*)?$", re.S)

@@ -11,35 +11,44 @@
 #include "parallel/communication/collectives.h"
 #include "parallel/communication/process_group.h"
 #include "parallel/data_parallel/grad_ready_hooks.h"
-#include "parallel/data_parallel/spread_grad_norm.h"
 #include "parallel/full_sharding/fully_sharded_checkpoint.h"
 
 namespace shampoo {
 
-FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> units,
-                                                   GroupOptimizerFactory factory,
-                                                   c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                                   FullyShardedOptions options)
-    : state_(std::make_shared<detail::FsdpState>()) {
-  init(std::move(units), std::nullopt, std::move(factory), std::move(group), options);
-}
+/// Its ScaledStepping: what a GradScaler given the model (or its optimizer()) unscales and steps.
+class FullyShardedDataParallel::Scaling final : public ScaledStepping {
+ public:
+  explicit Scaling(FullyShardedDataParallel& owner) : owner_(owner) {}
 
-FullyShardedDataParallel::FullyShardedDataParallel(
-    std::vector<ShardedUnit> units, std::vector<torch::optim::OptimizerParamGroup> param_groups,
-    GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
-    FullyShardedOptions options)
-    : state_(std::make_shared<detail::FsdpState>()) {
-  TORCH_CHECK(options.step_mode() == ShardedStepMode::kLossless, detail::kFsdpWho,
+  std::vector<at::Tensor> gradients_to_unscale(const char* caller) override {
+    TORCH_CHECK(!owner_.options().overlap_step(), caller,
+                ": this FullyShardedDataParallel steps each unit during backward (overlap_step, "
+                "the default), before every gradient is known to be finite, so the scaler cannot "
+                "skip a step; construct it with FullyShardedOptions().overlap_step(false)");
+    return owner_.reduced_gradients();
+  }
+  void scaled_step() override { owner_.step(); }
+  void skip_scaled_step() override { owner_.skip_step(); }
+  void unscaled_step() override {
+    if (!owner_.options().overlap_step()) owner_.step();  // with overlap it ran in backward
+  }
+
+ private:
+  FullyShardedDataParallel& owner_;
+};
+
+namespace {
+
+/// Checks the options and arguments, then sets up `s` (the wrapper's state): its mesh, units,
+/// optimizers and hooks.
+void initialize(FullyShardedDataParallel& fsdp, detail::FsdpState& s,
+                std::vector<ShardedUnit> units,
+                std::optional<std::vector<torch::optim::OptimizerParamGroup>> param_groups,
+                GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                const FullyShardedOptions& options) {
+  TORCH_CHECK(!param_groups || options.step_mode() == ShardedStepMode::kLossless, detail::kFsdpWho,
               "param groups need step_mode kLossless (local shards step a unit's rows with one "
               "optimizer)");
-  init(std::move(units), std::move(param_groups), std::move(factory), std::move(group), options);
-}
-
-void FullyShardedDataParallel::init(
-    std::vector<ShardedUnit> units,
-    std::optional<std::vector<torch::optim::OptimizerParamGroup>> param_groups,
-    GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
-    FullyShardedOptions options) {
   TORCH_CHECK(group, detail::kFsdpWho, "the process group is null");
   TORCH_CHECK(factory, detail::kFsdpWho, "the optimizer factory is empty");
   TORCH_CHECK(!options.offload_state_to_cpu(), detail::kFsdpWho,
@@ -56,7 +65,6 @@ void FullyShardedDataParallel::init(
               "split_across_replicas needs a replica_group (hybrid sharding)");
   TORCH_CHECK(!options.split_across_replicas() || options.step_mode() == ShardedStepMode::kLossless,
               detail::kFsdpWho, "split_across_replicas needs step_mode kLossless");
-  auto& s = *state_;
   auto& mesh = s.mesh;
   mesh.group = std::move(group);
   mesh.rank = mesh.group->getRank();
@@ -71,8 +79,29 @@ void FullyShardedDataParallel::init(
   s.options = options;
   s.factory = std::move(factory);
   s.pass.set_accumulation_steps(options.accumulation_steps());
-  s.setup(*this, std::move(units), std::move(param_groups));
-  checkpoint_ = std::make_unique<detail::FsdpCheckpoint>(s);
+  s.setup(fsdp, std::move(units), std::move(param_groups));
+}
+
+}  // namespace
+
+FullyShardedDataParallel::FullyShardedDataParallel(std::vector<ShardedUnit> units,
+                                                   GroupOptimizerFactory factory,
+                                                   c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                   FullyShardedOptions options)
+    : state_(std::make_shared<detail::FsdpState>()), scaling_(std::make_unique<Scaling>(*this)) {
+  initialize(*this, *state_, std::move(units), std::nullopt, std::move(factory), std::move(group),
+             options);
+  checkpoint_ = std::make_unique<detail::FsdpCheckpoint>(*state_);
+}
+
+FullyShardedDataParallel::FullyShardedDataParallel(
+    std::vector<ShardedUnit> units, std::vector<torch::optim::OptimizerParamGroup> param_groups,
+    GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
+    FullyShardedOptions options)
+    : state_(std::make_shared<detail::FsdpState>()), scaling_(std::make_unique<Scaling>(*this)) {
+  initialize(*this, *state_, std::move(units), std::move(param_groups), std::move(factory),
+             std::move(group), options);
+  checkpoint_ = std::make_unique<detail::FsdpCheckpoint>(*state_);
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -101,14 +130,9 @@ size_t FullyShardedDataParallel::unit_index(const std::string& name) const {
   return it->second;
 }
 
-const std::string& FullyShardedDataParallel::unit_name(size_t unit) const {
+at::Tensor FullyShardedDataParallel::forward(size_t unit, const std::function<at::Tensor()>& fn) {
   TORCH_CHECK(unit < state_->units.size(), detail::kFsdpWho, "unit ", unit, " does not exist (",
               state_->units.size(), " units)");
-  return state_->units[unit]->name;
-}
-
-at::Tensor FullyShardedDataParallel::forward(size_t unit, const std::function<at::Tensor()>& fn) {
-  unit_name(unit);  // checks the index
   return state_->forward(unit, fn);
 }
 
@@ -122,47 +146,14 @@ std::vector<at::Tensor> FullyShardedDataParallel::reduced_gradients() {
 
 void FullyShardedDataParallel::skip_step() { state_->skip_all(); }
 
-std::vector<at::Tensor> FullyShardedDataParallel::gradients_to_unscale(const char* caller) {
-  TORCH_CHECK(!state_->options.overlap_step(), caller,
-              ": this FullyShardedDataParallel steps each unit during backward (overlap_step, the "
-              "default), before every gradient is known to be finite, so the scaler cannot skip "
-              "a step; construct it with FullyShardedOptions().overlap_step(false)");
-  return reduced_gradients();
-}
-
-void FullyShardedDataParallel::unscaled_step() {
-  if (!state_->options.overlap_step()) step();  // with overlap it ran in backward
-}
+ScaledStepping& FullyShardedDataParallel::scaling_target() { return *scaling_; }
 
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type) {
   std::vector<at::Tensor> all;
   for (const auto& unit : state_->units) {
     for (const auto& slot : unit->params) all.push_back(slot.param);
   }
-  return clip_grad_norm_of(all, max_norm, norm_type, "clip_grad_norm_");
-}
-
-double FullyShardedDataParallel::clip_grad_norm_of(const std::vector<at::Tensor>& params,
-                                                   double max_norm, double norm_type,
-                                                   const char* function) {
-  auto& s = *state_;
-  s.reduced_gradients(function);  // for its check: an error with overlap_step
-  TORCH_CHECK(s.lossless(), detail::kFsdpWho, function,
-              ": needs step_mode kLossless (local shards hold row chunks, whose norms do not add "
-              "up to a whole parameter's bit for bit)");
-  TORCH_CHECK(!s.mesh.split, detail::kFsdpWho, function,
-              ": with split_across_replicas each replica holds the averaged gradients of the "
-              "parameters it steps only, and clipping by their norm across the replicas is not "
-              "supported yet; clip with the state replicated (split_across_replicas(false))");
-  std::vector<detail::SpreadGradient> spread;
-  for (const auto& p : params) {
-    const auto [u, i] = s.position_of(p);
-    const auto& slot = s.unit(u).params[i];
-    // The owner holds the parameter's whole averaged gradient; nobody else holds any of it.
-    spread.push_back({slot.reduced, slot.reduced, s.unit(u).options});
-  }
-  const auto who = std::string(detail::kFsdpWho) + function;
-  return detail::clip_spread_grad_norm_(*s.mesh.group, spread, max_norm, norm_type, who.c_str());
+  return state_->clip_grad_norm(all, max_norm, norm_type, "clip_grad_norm_");
 }
 
 void FullyShardedDataParallel::gather_all() {
@@ -222,41 +213,21 @@ at::Tensor FullyShardedDataParallel::full_value(const at::Tensor& param) {
   return gathered.narrow(0, 0, slot.numel()).view(slot.sizes).clone();
 }
 
-std::optional<at::ScalarType> FullyShardedDataParallel::param_dtype() const {
-  return state_->options.param_dtype();
-}
-
 const FullyShardedOptions& FullyShardedDataParallel::options() const { return state_->options; }
 
-int64_t FullyShardedDataParallel::backward_passes() const { return state_->pass.passes(); }
-int64_t FullyShardedDataParallel::steps_taken() const { return state_->steps; }
-
-int64_t FullyShardedDataParallel::shard_bytes() const {
-  int64_t bytes = 0;
-  for (const auto& unit : state_->units) {
-    for (const auto& slot : unit->params) bytes += static_cast<int64_t>(slot.shard.nbytes());
-  }
-  return bytes;
-}
-
-int64_t FullyShardedDataParallel::gradient_bytes() const {
-  int64_t bytes = 0;
+FullyShardedStats FullyShardedDataParallel::stats() const {
+  FullyShardedStats out;
+  out.backward_passes = state_->pass.passes();
+  out.steps_taken = state_->steps;
   for (const auto& unit : state_->units) {
     for (const auto& slot : unit->params) {
-      if (slot.reduced.defined()) bytes += static_cast<int64_t>(slot.reduced.nbytes());
+      out.shard_bytes += static_cast<int64_t>(slot.shard.nbytes());
+      if (slot.reduced.defined()) out.gradient_bytes += static_cast<int64_t>(slot.reduced.nbytes());
+      out.gathered_bytes +=
+          static_cast<int64_t>(slot.param.unsafeGetTensorImpl()->storage().nbytes());
     }
   }
-  return bytes;
-}
-
-int64_t FullyShardedDataParallel::gathered_bytes() const {
-  int64_t bytes = 0;
-  for (const auto& unit : state_->units) {
-    for (const auto& slot : unit->params) {
-      bytes += static_cast<int64_t>(slot.param.unsafeGetTensorImpl()->storage().nbytes());
-    }
-  }
-  return bytes;
+  return out;
 }
 
 const c10::intrusive_ptr<c10d::ProcessGroup>& FullyShardedDataParallel::process_group() const {
@@ -327,7 +298,8 @@ at::Tensor forward_sequential(FullyShardedDataParallel& fsdp, torch::nn::Sequent
       x = module.forward(x);
     } else {
       // Mixed precision: the unit computes in the gathered parameters' dtype.
-      if (fsdp.param_dtype() && x.is_floating_point()) x = x.to(*fsdp.param_dtype());
+      const auto dtype = fsdp.options().param_dtype();
+      if (dtype && x.is_floating_point()) x = x.to(*dtype);
       x = fsdp.forward(fsdp.unit_index(std::to_string(index)), [&] { return module.forward(x); });
     }
     ++index;

@@ -131,6 +131,16 @@ struct FullyShardedOptions {
   bool operator==(const FullyShardedOptions&) const = default;
 };
 
+/// FullyShardedDataParallel::stats(): passes and steps so far, and the bytes this rank holds now.
+struct FullyShardedStats {
+  int64_t backward_passes = 0;  ///< backward passes seen
+  int64_t steps_taken = 0;      ///< steps taken (overlapped or step())
+  int64_t shard_bytes = 0;      ///< this rank's parameter shards
+  /// reduced gradients kept for the step (between backward and step(), or during accumulation)
+  int64_t gradient_bytes = 0;
+  int64_t gathered_bytes = 0;  ///< full parameters gathered right now
+};
+
 class FullyShardedDataParallel;
 namespace detail {
 struct FsdpState;
@@ -166,6 +176,10 @@ class FullyShardedOptimizer final : public torch::optim::Optimizer,
   FullyShardedDataParallel& wrapper() { return owner_; }
   /// A GradScaler given this optimizer unscales and steps the model (its reduced gradients).
   ScaledStepping& scaling_target() override;
+  /// shampoo::clip_grad_norm_ on this optimizer: FullyShardedDataParallel::clip_grad_norm_ over
+  /// its param groups' parameters, whose norms are combined in that order (as LibTorch combines
+  /// those of the parameters it is given).
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0);
 
  protected:
   /// Checkpoints (and whole-run checkpoints) save and load the whole wrapper.
@@ -218,7 +232,6 @@ class FullyShardedDataParallel : public DelegatingCheckpointable,
   size_t num_units() const;
   /// The index of the unit named `name`; an error naming the units when there is none.
   size_t unit_index(const std::string& name) const;
-  const std::string& unit_name(size_t unit) const;
 
   /// Runs the unit's forward: waits for the unit's pending step, gathers its parameters, calls
   /// fn (which uses the module's parameters as usual), arranges the gathering before the unit's
@@ -239,23 +252,16 @@ class FullyShardedDataParallel : public DelegatingCheckpointable,
   /// skipped step; every rank must do the same). The same errors as step().
   void skip_step();
 
-  /// ScaledStepping (GradScaler::unscale_(fsdp), step(fsdp), or on optimizer()): without
-  /// overlap_step the reduced gradients, step() and skip_step(); with overlap_step unscaling is
-  /// an error naming `caller` (the steps ran in backward, before every gradient was known to be
-  /// finite), and a disabled scaler's step does nothing.
-  std::vector<at::Tensor> gradients_to_unscale(const char* caller) override;
-  void scaled_step() override { step(); }
-  void skip_scaled_step() override { skip_step(); }
-  void unscaled_step() override;
+  /// GradScaler::unscale_(fsdp) and step(fsdp), or on optimizer(), reach an internal object
+  /// (ScaledStepping): without overlap_step it unscales the reduced gradients and calls step() or
+  /// skip_step(); with overlap_step unscaling is an error naming the scaler's call (the steps ran
+  /// in backward, before every gradient was known to be finite), and a disabled scaler's step
+  /// does nothing.
+  ScaledStepping& scaling_target() override;
   /// Without overlap_step, lossless, between backward and step(): clips the reduced gradients by
   /// their global norm, as torch::nn::utils::clip_grad_norm_ on the full averaged gradients (bit
   /// for bit): one all-reduce of the per-parameter norms. Returns the total norm. Collective.
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
-  /// The same over `params` (unit parameters), whose norms are combined in this order, as
-  /// LibTorch combines those of the parameters it is given: shampoo::clip_grad_norm_ on
-  /// optimizer() passes its param groups' parameters. `function` names the caller in errors.
-  double clip_grad_norm_of(const std::vector<at::Tensor>& params, double max_norm, double norm_type,
-                           const char* function);
 
   /// Gathers every unit's full parameters and keeps them until release_all(), e.g. to evaluate:
   /// forwards in between (without gradients) neither gather nor release. Waits for the steps in
@@ -287,19 +293,12 @@ class FullyShardedDataParallel : public DelegatingCheckpointable,
   /// The full value of `param` in its own dtype (a new tensor, gathered from every rank).
   /// Collective.
   at::Tensor full_value(const at::Tensor& param);
-  /// FullyShardedOptions::param_dtype: the dtype units compute in (unset: the parameters' own).
-  std::optional<at::ScalarType> param_dtype() const;
-  /// The options it was built with.
+  /// The options it was built with (options().param_dtype(): the dtype units compute in, unset:
+  /// the parameters' own).
   const FullyShardedOptions& options() const;
 
-  /// Backward passes seen, and steps taken.
-  int64_t backward_passes() const;
-  int64_t steps_taken() const;
-  /// Bytes this rank holds between steps: parameter shards, reduced gradients kept for the step
-  /// (accumulation), and full parameters gathered right now.
-  int64_t shard_bytes() const;
-  int64_t gradient_bytes() const;
-  int64_t gathered_bytes() const;
+  /// Passes and steps so far, and the bytes this rank holds now.
+  FullyShardedStats stats() const;
 
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
 
@@ -327,12 +326,10 @@ class FullyShardedDataParallel : public DelegatingCheckpointable,
   friend class FullyShardedOptimizer;
   friend void save_full_model(FullyShardedDataParallel& fsdp, const torch::nn::Module& model,
                               const std::filesystem::path& path);
-  void init(std::vector<ShardedUnit> units,
-            std::optional<std::vector<torch::optim::OptimizerParamGroup>> param_groups,
-            GroupOptimizerFactory factory, c10::intrusive_ptr<c10d::ProcessGroup> group,
-            FullyShardedOptions options);
+  class Scaling;  // its ScaledStepping, fully_sharded.cpp
   std::shared_ptr<detail::FsdpState> state_;
   std::unique_ptr<detail::FsdpCheckpoint> checkpoint_;
+  std::unique_ptr<Scaling> scaling_;
 };
 
 /// Saves the whole model as the same model without sharding saves it (torch::save(model, path)),

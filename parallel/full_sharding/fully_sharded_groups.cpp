@@ -206,7 +206,15 @@ FullyShardedOptimizer::FullyShardedOptimizer(
     std::unique_ptr<torch::optim::OptimizerOptions> defaults)
     : torch::optim::Optimizer(std::move(groups), std::move(defaults)), owner_(owner) {}
 
-ScaledStepping& FullyShardedOptimizer::scaling_target() { return owner_; }
+ScaledStepping& FullyShardedOptimizer::scaling_target() { return owner_.scaling_target(); }
+
+double FullyShardedOptimizer::clip_grad_norm_(double max_norm, double norm_type) {
+  std::vector<at::Tensor> params;
+  for (const auto& group : param_groups()) {
+    params.insert(params.end(), group.params().begin(), group.params().end());
+  }
+  return owner_.state_->clip_grad_norm(params, max_norm, norm_type, "clip_grad_norm_");
+}
 
 torch::Tensor FullyShardedOptimizer::step(LossClosure closure) {
   torch::Tensor loss;

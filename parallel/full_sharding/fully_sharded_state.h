@@ -89,6 +89,10 @@ struct FsdpState : std::enable_shared_from_this<FsdpState> {
   void check_finite_before_steps();
   void skip_all();
   std::vector<at::Tensor> reduced_gradients(const char* function);
+  /// clip_grad_norm_ over `params` (unit parameters), whose norms are combined in this order;
+  /// `function` names the caller in errors.
+  double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, double norm_type,
+                        const char* function);
   void finish_step();
   void wait_all();
 };

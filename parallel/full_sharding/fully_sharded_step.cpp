@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "parallel/communication/collectives.h"
+#include "parallel/data_parallel/spread_grad_norm.h"
 #include "parallel/full_sharding/fully_sharded_state.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
 #include "parallel/optimizers/optimizer_step.h"
@@ -281,6 +282,27 @@ std::vector<at::Tensor> FsdpState::reduced_gradients(const char* function) {
     }
   }
   return out;
+}
+
+double FsdpState::clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
+                                 double norm_type, const char* function) {
+  reduced_gradients(function);  // for its check: an error with overlap_step
+  TORCH_CHECK(lossless(), kFsdpWho, function,
+              ": needs step_mode kLossless (local shards hold row chunks, whose norms do not add "
+              "up to a whole parameter's bit for bit)");
+  TORCH_CHECK(!mesh.split, kFsdpWho, function,
+              ": with split_across_replicas each replica holds the averaged gradients of the "
+              "parameters it steps only, and clipping by their norm across the replicas is not "
+              "supported yet; clip with the state replicated (split_across_replicas(false))");
+  std::vector<SpreadGradient> spread;
+  for (const auto& p : params) {
+    const auto [u, i] = position_of(p);
+    const auto& slot = unit(u).params[i];
+    // The owner holds the parameter's whole averaged gradient; nobody else holds any of it.
+    spread.push_back({slot.reduced, slot.reduced, unit(u).options});
+  }
+  const auto who = std::string(kFsdpWho) + function;
+  return clip_spread_grad_norm_(*mesh.group, spread, max_norm, norm_type, who.c_str());
 }
 
 void FsdpState::finish_step() {

@@ -462,6 +462,14 @@ TEST(FullyShardedOptimizer, ErrorsNameWhatTheUserCalledAndWhatToDo) {
         shampoo::GradScaler scaler(shampoo::GradScalerOptions().process_group(group));
         shampoo::testing::expect_error([&] { scaler.unscale_(fsdp.optimizer()); },
                                        {"GradScaler::unscale_", "overlap_step(false)"});
+        shampoo::testing::expect_error([&] { scaler.unscale_(fsdp); },
+                                       {"GradScaler::unscale_", "overlap_step(false)"});
+        // The scaler's hooks are an internal object's, the same through the model and its
+        // optimizer(); called on the model itself they are an error, not a step.
+        auto& through_optimizer = dynamic_cast<shampoo::ScaledStepping&>(fsdp.optimizer());
+        EXPECT_EQ(&through_optimizer.scaling_target(), &fsdp.scaling_target());
+        EXPECT_NE(&fsdp.scaling_target(), static_cast<shampoo::ScaledStepping*>(&fsdp));
+        shampoo::testing::expect_error([&] { fsdp.scaled_step(); }, {"GradScaler::step"});
         shampoo::testing::expect_error(
             [&] { torch::save(fsdp.optimizer(), shampoo::testing::temp_path("x.pt")); },
             {"torch::save(optimizer)", "save_distributed_checkpoint"});
@@ -531,7 +539,7 @@ TEST(FullyShardedMidAccumulation, ACheckpointResumesAsUninterrupted) {
           FullyShardedDataParallel fsdp(shampoo::sequential_units(model), shampoo_factory(), group,
                                         FullyShardedOptions().accumulation_steps(2));
           if (load) shampoo::load_distributed_checkpoint(fsdp.optimizer(), dir);
-          for (int pass = fsdp.backward_passes(); pass < passes; ++pass) {
+          for (int pass = fsdp.stats().backward_passes; pass < passes; ++pass) {
             // The same micro-batches whatever the world: pass p's 24 points, split by rank.
             const int per_rank = 24 / world;
             const auto begin = (pass % 4) * 24 + rank * per_rank;

@@ -135,8 +135,8 @@ TEST_P(FullySharded, EqualsDataParallelismBitForBitAtWorld2) {
           ASSERT_EQ(actual, expected) << "rank " << rank << " step " << step;
         }
         EXPECT_TRUE(bit_equal(sharded.full_values(), plain.model->parameters())) << "rank " << rank;
-        EXPECT_EQ(sharded.fsdp->steps_taken(), 20);
-        EXPECT_EQ(sharded.fsdp->backward_passes(), 20);
+        EXPECT_EQ(sharded.fsdp->stats().steps_taken, 20);
+        EXPECT_EQ(sharded.fsdp->stats().backward_passes, 20);
       },
       kTimeout);
 }
@@ -453,13 +453,13 @@ TEST(FullyShardedAccumulation, TwoMicroBatchesFollowDataParallelism) {
             plain.optimizer->step();
 
             sharded.step(first);
-            EXPECT_EQ(sharded.fsdp->steps_taken(), step);
+            EXPECT_EQ(sharded.fsdp->stats().steps_taken, step);
             if (!overlap) {
               expect_error([&] { sharded.fsdp->step(); },
                            {"accumulation_steps is 2", "1 backward pass(es)"});
             }
             sharded_step(sharded, second, overlap);
-            EXPECT_EQ(sharded.fsdp->steps_taken(), step + 1);
+            EXPECT_EQ(sharded.fsdp->stats().steps_taken, step + 1);
           }
           const auto values = sharded.full_values();
           const auto params = plain.model->parameters();
@@ -679,7 +679,7 @@ TEST(FullyShardedGradScaler, EqualsDataParallelismWithTheScaler) {
         }
         EXPECT_EQ(plain_scaler.skipped_steps(), 1);
         EXPECT_EQ(sharded_scaler.skipped_steps(), 1);
-        EXPECT_EQ(sharded.fsdp->steps_taken(), 9);
+        EXPECT_EQ(sharded.fsdp->stats().steps_taken, 9);
         EXPECT_NE(sharded_scaler.get_scale(), 1024.0);  // backed off, grown
         EXPECT_TRUE(bit_equal(sharded.full_values(), plain.model->parameters())) << "rank " << rank;
         ShardedRun overlapped(Optim::kAdam, group, FullyShardedOptions());
@@ -732,17 +732,17 @@ TEST(FullyShardedMemory, RanksHoldTheirChunksOnly) {
         const int64_t full = (60 + 10 + 100 + 10 + 30 + 3) * 4;
         const int64_t expected =
             rank == 0 ? (30 + 5 + 50 + 5 + 20 + 2) * 4 : (30 + 5 + 50 + 5 + 10 + 1) * 4;
-        EXPECT_EQ(run.fsdp->shard_bytes(), expected);
-        EXPECT_LT(run.fsdp->shard_bytes(), full);
-        EXPECT_EQ(run.fsdp->gathered_bytes(), 0);
+        EXPECT_EQ(run.fsdp->stats().shard_bytes, expected);
+        EXPECT_LT(run.fsdp->stats().shard_bytes, full);
+        EXPECT_EQ(run.fsdp->stats().gathered_bytes, 0);
         for (const auto& p : run.model->parameters()) {
           EXPECT_EQ(p.numel(), 0);
           EXPECT_EQ(p.storage().nbytes(), 0u);
         }
         run.step(data);
         run.fsdp->wait();
-        EXPECT_EQ(run.fsdp->gathered_bytes(), 0);
-        EXPECT_EQ(run.fsdp->gradient_bytes(), 0);
+        EXPECT_EQ(run.fsdp->stats().gathered_bytes, 0);
+        EXPECT_EQ(run.fsdp->stats().gradient_bytes, 0);
         for (const auto& p : run.model->parameters()) EXPECT_FALSE(p.grad().defined());
         int owned_here = 0;
         for (const auto& p : run.model->parameters()) owned_here += run.fsdp->owner_of(p) == rank;
@@ -750,10 +750,10 @@ TEST(FullyShardedMemory, RanksHoldTheirChunksOnly) {
         // Without resharding after forward the units stay gathered until their backward.
         ShardedRun kept(Optim::kAdam, group, FullyShardedOptions().reshard_after_forward(false));
         auto logits = shampoo::forward_sequential(*kept.fsdp, kept.model, data.inputs);
-        EXPECT_EQ(kept.fsdp->gathered_bytes(), full);
+        EXPECT_EQ(kept.fsdp->stats().gathered_bytes, full);
         loss_of(logits, data).backward();
         kept.fsdp->wait();
-        EXPECT_EQ(kept.fsdp->gathered_bytes(), 0);
+        EXPECT_EQ(kept.fsdp->stats().gathered_bytes, 0);
       },
       kTimeout);
 }

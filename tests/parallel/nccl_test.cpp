@@ -289,7 +289,7 @@ void expect_fully_sharded_equals_one_process(ShardedOptimizer which, int world,
           << what << " rank " << rank << " step " << step + 1;
     }
     EXPECT_TRUE(run.shards_on(device)) << what << " rank " << rank;
-    EXPECT_EQ(run.fsdp->steps_taken(), kShardedSteps) << what;
+    EXPECT_EQ(run.fsdp->stats().steps_taken, kShardedSteps) << what;
     if (which == ShardedOptimizer::kShampoo && world == 1) {
       // The roots were computed, as many as in one process: the comparison covers them.
       EXPECT_GT(expected.roots, 0);
@@ -343,7 +343,7 @@ TEST(NcclFullySharded, CheckpointResumesBitForBit) {
         }
         FullyShardedRun resumed(which, group, device, FullyShardedOptions());
         shampoo::load_distributed_state(*resumed.fsdp, dir);
-        EXPECT_EQ(resumed.fsdp->steps_taken(), kShardedSteps / 2) << what;
+        EXPECT_EQ(resumed.fsdp->stats().steps_taken, kShardedSteps / 2) << what;
         EXPECT_TRUE(resumed.shards_on(device)) << what << " rank " << rank;
         for (int step = kShardedSteps / 2; step < kShardedSteps; ++step) resumed.step(data);
         EXPECT_TRUE(bit_equal(resumed.full_values(), uninterrupted)) << what << " rank " << rank;

@@ -91,10 +91,6 @@ struct ShampooParamState : torch::optim::OptimizerCloneableParamState<ShampooPar
   }
 };
 
-namespace detail {
-struct Capabilities;  // parallel/optimizers/capabilities.h
-}  // namespace detail
-
 class DistributedShampoo : public torch::optim::Optimizer,
                            public DelegatingCheckpointable,
                            public DelegatingPortable {

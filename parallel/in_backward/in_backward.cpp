@@ -12,10 +12,13 @@
 namespace shampoo {
 
 struct InBackwardOptimizer::Interfaces
-    : detail::AdaptersOf<InBackwardOptimizer, detail::ParameterOwnersOf> {};
+    : detail::AdaptersOf<InBackwardOptimizer, detail::ParameterOwnersOf> {
+  /// The lookup registered with capabilities_of: a InBackwardOptimizer's internal objects.
+  static bool lookup(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
+};
 
-bool InBackwardOptimizer::internal_interfaces(torch::optim::Optimizer& optimizer,
-                                              detail::Capabilities& found) {
+bool InBackwardOptimizer::Interfaces::lookup(torch::optim::Optimizer& optimizer,
+                                             detail::Capabilities& found) {
   auto* in_backward = dynamic_cast<InBackwardOptimizer*>(&optimizer);
   if (in_backward != nullptr && in_backward->interfaces_) {  // null once moved from
     in_backward->interfaces_->bind(in_backward, found);
@@ -29,7 +32,7 @@ InBackwardOptimizer::InBackwardOptimizer()
       state_(std::make_shared<State>()),
       interfaces_(std::make_unique<Interfaces>()),
       checkpoint_(std::make_unique<Checkpoint>(state_)) {
-  detail::register_internal_interfaces(&InBackwardOptimizer::internal_interfaces);
+  detail::register_internal_interfaces(&Interfaces::lookup);
   state_->state_entries = &torch::optim::Optimizer::state();
 }
 

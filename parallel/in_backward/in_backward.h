@@ -27,10 +27,6 @@
 #include "parallel/optimizers/portable_checkpoint.h"
 
 namespace shampoo {
-namespace detail {
-struct Capabilities;  // parallel/optimizers/capabilities.h
-}  // namespace detail
-
 class InBackwardOptimizer : public torch::optim::Optimizer,
                             public DelegatingCheckpointable,
                             public ScaledStepping,
@@ -120,9 +116,8 @@ class InBackwardOptimizer : public torch::optim::Optimizer,
 
  private:
   struct State;
-  struct Interfaces;  // the internal interfaces' adapters (parallel/optimizers/capabilities.h)
+  struct Interfaces;  // the adapters and the lookup it registers (capabilities.h)
   class Checkpoint;   // its checkpoints (in_backward_checkpoint.h)
-  static bool internal_interfaces(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
   std::shared_ptr<State> state_;
   std::unique_ptr<Interfaces> interfaces_;
   std::unique_ptr<Checkpoint> checkpoint_;

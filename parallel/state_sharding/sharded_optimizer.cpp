@@ -76,10 +76,13 @@ class ShardedOptimizer::Phased final : public PhasedStep {
 };
 
 struct ShardedOptimizer::Interfaces
-    : detail::AdaptersOf<ShardedOptimizer, detail::ParameterOwnersOf> {};
+    : detail::AdaptersOf<ShardedOptimizer, detail::ParameterOwnersOf> {
+  /// The lookup registered with capabilities_of: a ShardedOptimizer's internal objects.
+  static bool lookup(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
+};
 
-bool ShardedOptimizer::internal_interfaces(torch::optim::Optimizer& optimizer,
-                                           detail::Capabilities& found) {
+bool ShardedOptimizer::Interfaces::lookup(torch::optim::Optimizer& optimizer,
+                                          detail::Capabilities& found) {
   auto* sharded = dynamic_cast<ShardedOptimizer*>(&optimizer);
   if (sharded != nullptr && sharded->interfaces_) {
     sharded->interfaces_->bind(sharded, found);
@@ -107,7 +110,7 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
       interfaces_(std::make_unique<Interfaces>()),
       phased_(std::make_unique<Phased>(*this)),
       checkpoint_(std::make_unique<Checkpoint>(*this)) {
-  detail::register_internal_interfaces(&ShardedOptimizer::internal_interfaces);
+  detail::register_internal_interfaces(&Interfaces::lookup);
   TORCH_CHECK(group_, "ShardedOptimizer: process group is null");
   TORCH_CHECK(factory, "ShardedOptimizer: the optimizer factory is empty");
   TORCH_CHECK(!param_groups.empty(),

@@ -31,7 +31,6 @@ namespace detail {
 class OwnerMajorLayout;  // parallel/communication/ownership_plan.h
 class OwnershipPlan;
 class LocalOptimizer;  // parallel/optimizers/local_optimizer.h
-struct Capabilities;   // parallel/optimizers/capabilities.h
 }  // namespace detail
 
 /// The entry of a parameter in ShardedOptimizer::state() (LibTorch's per-parameter state map,
@@ -137,10 +136,9 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   // The wrappers reach its phased step (Phased) and its owners (an adapter forwarding to
   // owners_group and owner_of) through the internal interfaces (parallel/optimizers/
   // capabilities.h).
-  struct Interfaces;  // the adapters, sharded_optimizer.cpp
+  struct Interfaces;  // the adapters and the lookup it registers, sharded_optimizer.cpp
   class Phased;       // its PhasedStep (optimizer-in-backward), sharded_optimizer.cpp
   class Checkpoint;   // its checkpoints, sharded_optimizer_checkpoint.h
-  static bool internal_interfaces(torch::optim::Optimizer& optimizer, detail::Capabilities& found);
 
   std::vector<torch::Tensor> params_;  // every registered parameter, in registration order
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

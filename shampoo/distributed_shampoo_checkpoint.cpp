@@ -20,9 +20,9 @@ int64_t DistributedShampoo::Checkpoint::portable_param_step(const at::Tensor& pa
   auto& o = *owner_;
   const auto index = o.engine_->groups().param_index(param);
   if (index < 0) return -1;
-  const auto summaries = o.engine_->groups().param_summaries();
-  return o.engine_->groups().group_steps.at(
-      static_cast<size_t>(summaries.at(static_cast<size_t>(index)).group));
+  const auto& front = o.engine_->groups();
+  return front.group_steps.at(
+      static_cast<size_t>(front.registry.params.at(static_cast<size_t>(index)).group));
 }
 
 void DistributedShampoo::Checkpoint::save_portable_pieces(PieceWriter& pieces,
@@ -84,9 +84,9 @@ std::function<void()> DistributedShampoo::Checkpoint::prepare_load(
 void DistributedShampoo::Checkpoint::save_block_pieces(PieceWriter& pieces,
                                                        const BlockPieceName& name_of) const {
   auto& engine = *owner_->engine_;
-  const auto summaries = engine.groups().param_summaries();
+  const auto& params = engine.groups().registry.params;
   detail::EngineCheckpoint(engine).save_block_pieces(pieces, [&](const BlockId& id) {
-    return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
+    return name_of(params.at(static_cast<size_t>(id.param)).param, id.block);
   });
 }
 
@@ -95,13 +95,13 @@ std::function<void()> DistributedShampoo::Checkpoint::prepare_block_load(
     std::vector<double> group_lr_sums, std::optional<bool> eval_mode) {
   auto& o = *owner_;
   o.sync_groups_and_state();
-  const auto summaries = o.engine_->groups().param_summaries();
+  const auto& params = o.engine_->groups().registry.params;
   auto install =
       detail::EngineCheckpoint(*o.engine_)
           .prepare_block_load(
               pieces,
               [&](const BlockId& id) {
-                return name_of(summaries.at(static_cast<size_t>(id.param)).param, id.block);
+                return name_of(params.at(static_cast<size_t>(id.param)).param, id.block);
               },
               std::move(group_steps), std::move(group_lr_sums), eval_mode, o.param_groups_);
   return [self = owner_, install] {

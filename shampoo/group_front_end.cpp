@@ -296,15 +296,6 @@ std::optional<int> GroupFrontEnd::param_owner(const at::Tensor& param) const {
   return owner;
 }
 
-std::vector<GroupFrontEnd::ParamSummary> GroupFrontEnd::param_summaries() const {
-  std::vector<ParamSummary> out;
-  out.reserve(registry.params.size());
-  for (const auto& entry : registry.params) {
-    out.push_back({entry.param, entry.group, static_cast<int64_t>(entry.plan.blocks.size())});
-  }
-  return out;
-}
-
 void GroupFrontEnd::merge_groups(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                                  std::vector<ShampooOptions>& structures,
                                  std::vector<std::vector<int64_t>>& members) {

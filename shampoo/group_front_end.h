@@ -56,14 +56,6 @@ class GroupFrontEnd {
   /// The rank (of the whole process group) owning every block of `param`; nullopt when it is
   /// not registered; an error when its blocks have several owners or with trainer subgroups.
   std::optional<int> param_owner(const at::Tensor& param) const;
-  /// Per registered parameter, in registration order: (the parameter, its param group, its
-  /// number of blocks).
-  struct ParamSummary {
-    at::Tensor param;
-    int64_t group = 0;
-    int64_t num_blocks = 0;
-  };
-  std::vector<ParamSummary> param_summaries() const;
   /// Each registered parameter's entry in the optimizer's state(): a ShampooParamState with its
   /// group's step count, its group and its number of blocks (made where missing).
   void write_state_entries(

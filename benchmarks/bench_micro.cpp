@@ -17,6 +17,11 @@
 ///                           gradients copied in and updates staged (set_chain_views(false), the
 ///                           CUDA route); fused 1 = the fused pass, 0 = Adam grafting (three
 ///                           passes)
+///   OptionsPush/shampoo/changed  the per-step options push of one param group into the optimizer
+///                           a wrapper drives (ShardedOptimizer's, full sharding's;
+///                           parallel/optimizers/options_push.h) over one 64×64 parameter:
+///                           shampoo 0 = torch::optim::Adam, 1 = DistributedShampoo; changed 1 =
+///                           the lr changed since the last push (a per-step schedule), 0 = not
 /// Each runs --repetitions (5) repetitions and reports mean, median, stddev and cv (Google
 /// Benchmark's aggregates); --json PATH writes Google Benchmark's JSON (it becomes
 /// --benchmark_out=PATH
@@ -32,6 +37,7 @@
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 #include <shampoo/shampoo.h>
+#include <torch/optim/adam.h>
 
 #include <cstdint>
 #include <string>
@@ -39,6 +45,8 @@
 #include <vector>
 
 #include "benchmarks/bench_support.h"
+#include "parallel/optimizers/local_optimizer.h"
+#include "parallel/optimizers/options_push.h"
 #include "preconditioners/kronecker_contractions.h"
 #include "preconditioners/matrix_functions.h"
 #include "preconditioners/symmetric_matrices.h"
@@ -207,6 +215,34 @@ BENCHMARK(MultiplyAlongDim)->Apply(contraction_shapes);
 BENCHMARK(UnpackSymmetric)
     ->ArgNames({"n", "d", "into"})
     ->ArgsProduct({{4}, {128, 512, 1024}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->ReportAggregatesOnly(true);
+
+void OptionsPush(benchmark::State& state) {
+  const bool shampoo_optimizer = state.range(0) == 1, changed = state.range(1) == 1;
+  const auto factory =
+      shampoo_optimizer
+          ? shampoo::group_optimizer_factory<shampoo::DistributedShampoo>(
+                shampoo::ShampooOptions(0.01))
+          : shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01));
+  shampoo::detail::LocalOptimizer driven(factory, "bench: ");
+  const auto param = at::zeros({64, 64}).requires_grad_(true);
+  driven.make(torch::optim::OptimizerParamGroup({param}));
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{param},
+                      driven.get()->param_groups()[0].options().clone());
+  shampoo::detail::OptionsPush push("bench: ", "param_groups()", "local_optimizer()");
+  push.add_group(groups[0].options());
+  int64_t step = 0;
+  for (auto _ : state) {
+    if (changed) groups[0].options().set_lr(0.01 * (1.0 + 1e-3 * static_cast<double>(++step % 7)));
+    push.push(groups, {&driven});
+  }
+}
+
+BENCHMARK(OptionsPush)
+    ->ArgNames({"shampoo", "changed"})
+    ->ArgsProduct({{0, 1}, {0, 1}})
     ->Unit(benchmark::kMicrosecond)
     ->ReportAggregatesOnly(true);
 

@@ -275,9 +275,11 @@ class FullyShardedDataParallel : public DelegatingCheckpointable,
   /// this rank's rows of its parameters), null when the rank holds none of them.
   torch::optim::Optimizer* optimizer_of(const at::Tensor& param);
   /// Every optimizer on this rank: lossless, the one optimizer (none while the rank owns no
-  /// parameter of a group); local shards, one per unit it holds rows of. Options set on one of
-  /// them directly stay until its group's options in optimizer() change; schedulers and generic
-  /// code act on optimizer().
+  /// parameter of a group); local shards, one per unit it holds rows of. Schedulers and generic
+  /// code act on optimizer(). An lr set on these directly (one value on every one holding the
+  /// group) is taken over into optimizer()'s groups at the next defined point; set on both
+  /// sides, it is an error. Other options set here directly stay until their group's options in
+  /// optimizer() change.
   std::vector<torch::optim::Optimizer*> optimizers();
   /// The model's optimizer as LibTorch code holds one (FullyShardedOptimizer): its param groups'
   /// options (lr, weight decay, ...) are copied into the rank's optimizer when they changed,

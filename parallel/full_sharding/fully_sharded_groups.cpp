@@ -4,25 +4,14 @@
 
 #include <ATen/core/grad_mode.h>
 
-#include <sstream>
 #include <typeinfo>
 
 #include "parallel/communication/collectives.h"
 #include "parallel/full_sharding/fully_sharded_state.h"
 
 namespace shampoo::detail {
-namespace {
-
-/// The options as bytes, to notice a change (OptimizerOptions has no operator==).
-std::string options_bytes(const torch::optim::OptimizerOptions& options) {
-  torch::serialize::OutputArchive archive;
-  options.serialize(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
-}
-
-}  // namespace
+FsdpGroups::FsdpGroups(FsdpState& state)
+    : state_(state), push_(kFsdpWho, "optimizer()", "optimizers()") {}
 
 LocalOptimizer::GroupOptions FsdpGroups::options_of() {
   return [this](size_t g) -> const torch::optim::OptimizerOptions& {
@@ -31,16 +20,13 @@ LocalOptimizer::GroupOptions FsdpGroups::options_of() {
 }
 
 void FsdpGroups::push_options() {
-  auto& groups = facade_->param_groups();
-  for (size_t g = 0; g < sizes_.size(); ++g) {
-    auto bytes = options_bytes(groups[g].options());
-    if (bytes == pushed_[g]) continue;
-    if (state_.rank_optimizer) state_.rank_optimizer->set_options(g, groups[g].options());
-    for (auto& unit : state_.units) {
-      if (unit->optimizer) unit->optimizer->set_options(0, groups[g].options());
-    }
-    pushed_[g] = std::move(bytes);
+  std::vector<LocalOptimizer*> driven;
+  if (state_.rank_optimizer) driven.push_back(state_.rank_optimizer.get());
+  for (auto& unit : state_.units) {
+    if (unit->optimizer) driven.push_back(unit->optimizer.get());
   }
+  // Local shards: one param group, group 0 of every unit's optimizer.
+  push_.push(facade_->param_groups(), driven, /*single_group=*/!state_.lossless());
 }
 
 void FsdpGroups::add_group(size_t g) {
@@ -50,7 +36,7 @@ void FsdpGroups::add_group(size_t g) {
               ", but the factory's optimizers take ",
               c10::demangle(typeid(facade_->defaults()).name()));
   sizes_.push_back(0);
-  pushed_.push_back(options_bytes(options));
+  push_.add_group(options);
 }
 
 std::vector<at::Tensor> FsdpGroups::register_params(size_t g, size_t first) {
@@ -129,7 +115,7 @@ void FsdpGroups::sync() {
 void FsdpGroups::forget_after(size_t before) {
   if (sizes_.size() > before && sizes_.back() == 0) {
     sizes_.pop_back();
-    pushed_.pop_back();
+    push_.pop_group();
   }
 }
 
@@ -138,7 +124,7 @@ void FsdpGroups::install_options(
   auto& groups = facade_->param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
     groups[g].set_options(std::move(options[g]));
-    pushed_[g].clear();  // copied into the optimizers at the next defined point
+    push_.replaced(g);  // copied into the optimizers at the next defined point
   }
 }
 

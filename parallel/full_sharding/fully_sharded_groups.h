@@ -12,6 +12,7 @@
 
 #include "parallel/full_sharding/fully_sharded.h"
 #include "parallel/optimizers/local_optimizer.h"
+#include "parallel/optimizers/options_push.h"
 
 namespace shampoo::detail {
 
@@ -19,7 +20,7 @@ struct FsdpState;
 
 class FsdpGroups {
  public:
-  explicit FsdpGroups(FsdpState& state) : state_(state) {}
+  explicit FsdpGroups(FsdpState& state);
 
   /// Builds optimizer(): its defaults and, without the user's groups (`given` empty), its one
   /// group's options are the factory's, read off an optimizer the factory makes over the
@@ -31,9 +32,9 @@ class FsdpGroups {
   /// The options of optimizer()'s param groups, as the rank optimizer asks for them.
   LocalOptimizer::GroupOptions options_of();
   /// Copies each group's options into the optimizers of its parameters where they changed since
-  /// the last copy: the one point per iteration where options take effect (the start of backward
-  /// with overlap, of step() without). Options set on one of optimizers() directly stay until
-  /// then.
+  /// the last copy, taking over an lr set on optimizers() alone (options_push.h's rule): the one
+  /// point per iteration where options take effect (the start of backward with overlap, of
+  /// step() without).
   void push_options();
   /// Registers what was appended to optimizer()'s param groups since the last call (through its
   /// add_param_group, or the base class's add_param_group or add_parameters). Collective when
@@ -60,10 +61,8 @@ class FsdpGroups {
 
   FsdpState& state_;
   std::unique_ptr<FullyShardedOptimizer> facade_;
-  // Per group: the parameters registered, and the serialized options last copied into their
-  // optimizers.
-  std::vector<size_t> sizes_;
-  std::vector<std::string> pushed_;
+  std::vector<size_t> sizes_;  // per group: the parameters registered
+  OptionsPush push_;           // the groups' options into the optimizers
 };
 
 }  // namespace shampoo::detail

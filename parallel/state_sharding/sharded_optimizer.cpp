@@ -13,9 +13,10 @@
 #include "parallel/communication/ownership_plan.h"
 #include "parallel/communication/process_group.h"
 #include "parallel/optimizers/internal_interfaces.h"
-#include "parallel/optimizers/phased_step.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
 #include "parallel/optimizers/local_optimizer.h"
+#include "parallel/optimizers/options_push.h"
+#include "parallel/optimizers/phased_step.h"
 #include "parallel/optimizers/undo_record.h"
 #include "parallel/state_sharding/sharded_optimizer_checkpoint.h"
 
@@ -24,15 +25,6 @@ namespace {
 
 /// A placeholder for the base class's defaults until the local optimizer's are known.
 struct WrapperOptions : torch::optim::OptimizerCloneableOptions<WrapperOptions> {};
-
-std::optional<double> lr_of(const torch::optim::OptimizerOptions& options) {
-  // OptimizerOptions::get_lr throws unless the options type overrides it (LibTorch's do).
-  try {
-    return options.get_lr();
-  } catch (const c10::Error&) {
-    return std::nullopt;
-  }
-}
 
 /// The options of `groups`[k], as the local optimizer asks for them.
 detail::LocalOptimizer::GroupOptions options_of(
@@ -124,10 +116,12 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
   auto first = torch::optim::OptimizerParamGroup(register_params(0, 0));
   if (param_groups[0].has_options()) first.set_options(param_groups[0].options().clone());
   local_ = std::make_unique<detail::LocalOptimizer>(factory, "ShardedOptimizer: ");
+  push_ = std::make_unique<detail::OptionsPush>("ShardedOptimizer: ", "param_groups()",
+                                                "local_optimizer()");
   local_->make(std::move(first));
   defaults_ = local_optimizer().defaults().clone();
   param_groups_[0].set_options(local_optimizer().param_groups()[0].options().clone());
-  pushed_lrs_.push_back(lr_of(param_groups_[0].options()).value_or(0.0));
+  push_->add_group(param_groups_[0].options());
   for (size_t g = 1; g < param_groups.size(); ++g) add_param_group(param_groups[g]);
   write_state_entries();
 }
@@ -261,7 +255,7 @@ void ShardedOptimizer::register_group(size_t g) {
   group_sizes_.push_back(0);
   auto own = register_params(g, 0);
   local_->add(g, own, options_of(param_groups_));
-  pushed_lrs_.push_back(lr_of(param_groups_[g].options()).value_or(0.0));
+  push_->add_group(param_groups_[g].options());
 }
 
 void ShardedOptimizer::register_added_params() {
@@ -283,30 +277,13 @@ void ShardedOptimizer::register_added_params() {
   if (added) write_state_entries();
 }
 
-void ShardedOptimizer::push_options_to_local() {
-  auto& local_groups = local_optimizer().param_groups();
-  TORCH_INTERNAL_ASSERT(local_groups.size() == param_groups_.size());
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const auto local_lr = lr_of(local_groups[g].options());
-    const auto lr = lr_of(param_groups_[g].options());
-    if (local_lr && lr && *local_lr != pushed_lrs_[g]) {
-      // Set on the local optimizer since the last step (the way before param_groups() were the
-      // user's groups): taken over, unless param_groups() changed too.
-      TORCH_CHECK(*lr == pushed_lrs_[g], "ShardedOptimizer: the lr of param group ", g,
-                  " was set both on param_groups() (", *lr, ") and on local_optimizer() (",
-                  *local_lr, ") since the last step; set it on param_groups() alone");
-      param_groups_[g].options().set_lr(*local_lr);
-    }
-    local_->set_options(g, param_groups_[g].options());
-    pushed_lrs_[g] = lr_of(param_groups_[g].options()).value_or(0.0);
-  }
-}
+void ShardedOptimizer::push_options_to_local() { push_->push(param_groups_, {local_.get()}); }
 
 void ShardedOptimizer::pull_options_from_local() {
   const auto& local_groups = local_optimizer().param_groups();
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     param_groups_[g].set_options(local_groups[g].options().clone());
-    pushed_lrs_[g] = lr_of(param_groups_[g].options()).value_or(0.0);
+    push_->settled(g, param_groups_[g].options());
   }
 }
 

@@ -31,6 +31,7 @@ namespace detail {
 class OwnerMajorLayout;  // parallel/communication/ownership_plan.h
 class OwnershipPlan;
 class LocalOptimizer;  // parallel/optimizers/local_optimizer.h
+class OptionsPush;     // parallel/optimizers/options_push.h
 }  // namespace detail
 
 /// The entry of a parameter in ShardedOptimizer::state() (LibTorch's per-parameter state map,
@@ -68,7 +69,8 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   /// none (the factory's defaults). The local optimizer gets the same groups, each with the
   /// parameters of it this rank owns (a group may be empty on a rank). param_groups() are these
   /// groups: their options (lr, weight decay, betas, ...) are copied into the local optimizer's
-  /// groups before each step, so LibTorch's schedulers and generic code act on this optimizer.
+  /// groups at each step where they changed, so LibTorch's schedulers and generic code act on
+  /// this optimizer.
   ///
   ///   std::vector<torch::optim::OptimizerParamGroup> groups;
   ///   groups.emplace_back(weights, std::make_unique<torch::optim::AdamOptions>(1e-3));
@@ -97,10 +99,11 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
 
   /// This rank's optimizer (over its own parameters, in groups that mirror param_groups()). Set
-  /// options on this optimizer's param_groups() (schedulers too): they are copied into the local
-  /// optimizer before each step, so other changes made here are overwritten then. A learning rate
-  /// set here alone (the way before param_groups() mirrored the user's groups) is taken over
-  /// into param_groups(); set on both, it is an error.
+  /// options on this optimizer's param_groups() (schedulers too): at each step they are copied
+  /// into the local optimizer where they changed since the last step. A learning rate set here
+  /// alone (the way before param_groups() mirrored the user's groups) is taken over into
+  /// param_groups(); set on both, it is an error. Other options set here directly stay until
+  /// their group's options change (as on full sharding's optimizers()).
   torch::optim::Optimizer& local_optimizer();
   const torch::optim::Optimizer& local_optimizer() const;
   /// Owner rank of each parameter (in the order given, parameters added later after them).
@@ -151,8 +154,7 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   at::Tensor send_;
   at::Tensor receive_;
   std::unique_ptr<detail::LocalOptimizer> local_;  // always made (over none, possibly)
-  // Per param group: the lr last copied into the local optimizer (to notice one set there).
-  std::vector<double> pushed_lrs_;
+  std::unique_ptr<detail::OptionsPush> push_;      // param_groups()' options into local_
 
   /// Registers the parameters of param_groups()[group] from position `first` on (checked first:
   /// dtype, device, leaves, no duplicates, the same on every rank): owners, segments, buffers.
@@ -167,8 +169,8 @@ class ShardedOptimizer : public torch::optim::Optimizer,
   /// Registers what the base class appended to param_groups() since the last call (new groups to
   /// the local optimizer too). Collective when something was.
   void register_added_params();
-  /// Copies each group's options into the local optimizer's group (taking over an lr that was
-  /// set on the local optimizer alone).
+  /// Copies each group's options into the local optimizer's group where they changed (taking
+  /// over an lr that was set on the local optimizer alone): options_push.h's rule.
   void push_options_to_local();
   /// After a load into the local optimizer: its options back into param_groups().
   void pull_options_from_local();

@@ -19,6 +19,7 @@
 #include "parallel/communication/process_group.h"
 #include "parallel/optimizers/libtorch_optimizers.h"
 #include "parallel/optimizers/local_optimizer.h"
+#include "parallel/optimizers/options_push.h"
 
 namespace shampoo {
 namespace {
@@ -256,6 +257,7 @@ std::function<void()> ShardedOptimizer::Checkpoint::prepare_portable_load(
   return [this, options, install_states, steps, added_at] {
     for (size_t g = 0; g < owner_.param_groups_.size(); ++g) {
       owner_.param_groups_[g].set_options(std::move((*options)[g]));
+      owner_.push_->replaced(g);
     }
     install_states();
     owner_.push_options_to_local();

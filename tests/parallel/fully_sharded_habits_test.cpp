@@ -1,6 +1,7 @@
 // Full sharding used with a LibTorch user's habits: a learning rate changed every iteration with
 // the step overlapped in backward equals the same run without overlap bit for bit; zero_grad()
-// at the top of the loop works; parameters of any row count train at any world size.
+// at the top of the loop works; parameters of any row count train at any world size; an lr set on
+// the rank's optimizers directly is taken over into optimizer() (and so into checkpoints).
 #include <ATen/CPUGeneratorImpl.h>
 #include <shampoo/shampoo.h>
 #include <torch/nn/functional/loss.h>
@@ -524,6 +525,15 @@ TEST(FullyShardedOptimizer, ADisabledGradScalerIsANoOp) {
   }
 }
 
+/// The full values of `model`'s parameters (every rank gathers them), kept in `out` by rank 0.
+void keep_rank0_values(FullyShardedDataParallel& fsdp, torch::nn::Module& model, int rank,
+                       std::mutex& mutex, std::vector<at::Tensor>& out) {
+  std::vector<at::Tensor> values;
+  for (const auto& p : model.parameters()) values.push_back(fsdp.full_value(p));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (rank == 0) out = values;
+}
+
 // A checkpoint saved in the middle of a gradient accumulation (after an odd number of backward
 // passes with accumulation_steps 2) resumes to the uninterrupted run, at the same and at another
 // world size.
@@ -548,10 +558,7 @@ TEST(FullyShardedMidAccumulation, ACheckpointResumesAsUninterrupted) {
             loss_of(shampoo::forward_sequential(fsdp, model, micro.inputs), micro).backward();
           }
           if (save) shampoo::save_distributed_checkpoint(fsdp.optimizer(), dir);
-          std::vector<at::Tensor> values;
-          for (const auto& p : model->parameters()) values.push_back(fsdp.full_value(p));
-          std::lock_guard<std::mutex> lock(mutex);
-          if (rank == 0) out = values;
+          keep_rank0_values(fsdp, *model, rank, mutex, out);
         },
         kTimeout);
   };
@@ -565,6 +572,90 @@ TEST(FullyShardedMidAccumulation, ACheckpointResumesAsUninterrupted) {
     EXPECT_TRUE(all_close(resumed[i], uninterrupted[i], {1e-3, 1e-4})) << "world 1, " << i;
   }
   shampoo::testing::remove_tree(dir);
+}
+
+// An lr set on the rank's optimizers directly (optimizers(), as a scheduler attached to them sets
+// it) is taken over into optimizer()'s groups, so that a checkpoint saves the lr that steps (as
+// LibTorch's optimizer saves the lr set on it): the resumed run equals the uninterrupted one.
+// Before, optimizer() kept the old lr and the resumed run stepped with it.
+TEST(FullyShardedOptions, AnLrSetOnTheOptimizersDirectlyIsWhatACheckpointSaves) {
+  const auto dir = shampoo::testing::temp_path("fsdp_direct_lr");
+  const auto run = [&](bool load, bool save, std::vector<at::Tensor>& out) {
+    std::mutex mutex;
+    run_ranks(
+        2,
+        [&](int rank, const Group& group) {
+          const auto data = wide_batch(rank);
+          auto model = make_mlp(128, 32, 3, /*seed=*/5);
+          FullyShardedDataParallel fsdp(shampoo::sequential_units(model), adam_factory(), group);
+          if (load) shampoo::load_distributed_checkpoint(fsdp.optimizer(), dir);
+          for (int step = load ? 2 : 0; step < 4; ++step) {
+            if (step == 2 && !load) {
+              for (auto* optimizer : fsdp.optimizers()) {
+                optimizer->param_groups()[0].options().set_lr(0.001);
+              }
+              if (save) {
+                shampoo::save_distributed_checkpoint(fsdp.optimizer(), dir);
+                EXPECT_EQ(fsdp.optimizer().param_groups()[0].options().get_lr(), 0.001);
+                break;
+              }
+            }
+            fsdp.optimizer().zero_grad();
+            loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data).backward();
+            fsdp.optimizer().step();
+          }
+          keep_rank0_values(fsdp, *model, rank, mutex, out);
+        },
+        kTimeout);
+  };
+  std::vector<at::Tensor> uninterrupted, saved, resumed;
+  run(false, false, uninterrupted);
+  run(false, true, saved);
+  run(true, false, resumed);
+  EXPECT_TRUE(bit_equal(resumed, uninterrupted));
+  shampoo::testing::remove_tree(dir);
+}
+
+// The lr set on optimizers() must be one lr for the whole group: set on some of the units'
+// optimizers and not others, to different values, or on both optimizer() and optimizers(), it is
+// an error naming both sides, and nothing changed.
+TEST(FullyShardedOptions, AnLrSetOnSomeOptimizersOrOnBothSidesIsAClearError) {
+  run_ranks(
+      1,
+      [&](int rank, const Group& group) {
+        const auto data = wide_batch(rank);
+        auto model = make_mlp(128, 32, 3, /*seed=*/5);
+        FullyShardedDataParallel fsdp(
+            shampoo::sequential_units(model), adam_factory(), group,
+            FullyShardedOptions().step_mode(ShardedStepMode::kLocalShard).overlap_step(false));
+        const auto iteration = [&] {
+          loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data).backward();
+          fsdp.step();
+        };
+        iteration();
+        auto optimizers = fsdp.optimizers();
+        ASSERT_GE(optimizers.size(), 2u);
+        const auto lr_of = [](torch::optim::Optimizer* optimizer) {
+          return optimizer->param_groups()[0].options().get_lr();
+        };
+        optimizers[0]->param_groups()[0].options().set_lr(0.5);
+        shampoo::testing::expect_error(iteration, {"param group 0", "was set on 1 of the",
+                                                   "optimizers()", "set it on optimizer()"});
+        optimizers[1]->param_groups()[0].options().set_lr(0.25);
+        for (size_t i = 2; i < optimizers.size(); ++i) {
+          optimizers[i]->param_groups()[0].options().set_lr(0.5);
+        }
+        shampoo::testing::expect_error(iteration, {"different values", "0.5", "0.25"});
+        for (auto* optimizer : optimizers) optimizer->param_groups()[0].options().set_lr(0.5);
+        fsdp.optimizer().param_groups()[0].options().set_lr(0.125);
+        shampoo::testing::expect_error(iteration, {"both on optimizer()", "0.125", "0.5"});
+        EXPECT_EQ(lr_of(optimizers[0]), 0.5) << "nothing changed";
+        fsdp.optimizer().param_groups()[0].options().set_lr(0.01);  // as pushed last
+        iteration();
+        EXPECT_EQ(fsdp.optimizer().param_groups()[0].options().get_lr(), 0.5) << "taken over";
+        for (auto* optimizer : optimizers) EXPECT_EQ(lr_of(optimizer), 0.5);
+      },
+      kTimeout);
 }
 
 /// LibTorch's Adam whose step throws while `fail` is set (one rank's optimizer error).

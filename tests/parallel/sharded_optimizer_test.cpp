@@ -424,6 +424,36 @@ TEST(ShardedGroups, AnLrSetOnTheLocalOptimizerIsTakenOverOrAClearError) {
   });
 }
 
+// Options are copied into the local optimizer where they changed since the last step (the rule of
+// full sharding's optimizer() too): another option set on local_optimizer() directly stays until
+// its group's options change, then the group's options replace it. (Before 2026-12-03 every step
+// copied them, so that such an option never took effect.)
+TEST(ShardedGroups, AnOptionSetOnTheLocalOptimizerStaysUntilItsGroupChanges) {
+  run_ranks(2, [&](int, const Group& group) {
+    auto params = make_params();
+    ShardedOptimizer sharded(user_groups(params), adam_factory(), group);
+    const auto local_decay = [&] {
+      return static_cast<torch::optim::AdamOptions&>(
+                 sharded.local_optimizer().param_groups()[1].options())
+          .weight_decay();
+    };
+    const auto user_decay =
+        static_cast<torch::optim::AdamOptions&>(sharded.param_groups()[1].options()).weight_decay();
+    static_cast<torch::optim::AdamOptions&>(sharded.local_optimizer().param_groups()[1].options())
+        .weight_decay(0.25);
+    for (int step = 1; step <= 2; ++step) {
+      set_grads(params, step);
+      sharded.step();
+      EXPECT_EQ(local_decay(), 0.25) << "step " << step;
+    }
+    sharded.param_groups()[1].options().set_lr(0.125);
+    set_grads(params, 3);
+    sharded.step();
+    EXPECT_EQ(local_decay(), user_decay);
+    EXPECT_EQ(sharded.local_optimizer().param_groups()[1].options().get_lr(), 0.125);
+  });
+}
+
 TEST(ShardedGroups, StepWithoutParametersAndOptionsOfAnotherTypeAreClearErrors) {
   run_ranks(1, [&](int, const Group& group) {
     ShardedOptimizer empty(std::vector<at::Tensor>{}, adam_factory(), group);

@@ -274,8 +274,8 @@ class FullyShardedDataParallel : public DelegatingCheckpointable,
   /// rank owns `param` and it is in a param group, else null; local shards, the unit's (over
   /// this rank's rows of its parameters), null when the rank holds none of them.
   torch::optim::Optimizer* optimizer_of(const at::Tensor& param);
-  /// Every optimizer on this rank: lossless, the one optimizer (none while the rank owns no
-  /// parameter of a group); local shards, one per unit it holds rows of. Schedulers and generic
+  /// Every optimizer on this rank: lossless, the one optimizer (over no parameters on a rank
+  /// that owns none); local shards, one per unit it holds rows of. Schedulers and generic
   /// code act on optimizer(). An lr set on these directly (one value on every one holding the
   /// group) is taken over into optimizer()'s groups at the next defined point; set on both
   /// sides, it is an error. Other options set here directly stay until their group's options in

@@ -46,6 +46,13 @@ void LocalOptimizer::add(size_t group, const std::vector<at::Tensor>& params,
   if (capabilities_.blocks != nullptr) capabilities_.blocks->register_appended();
 }
 
+void LocalOptimizer::make_empty(size_t groups, const GroupOptions& options_of) {
+  if (optimizer_ || groups == 0) return;
+  make(torch::optim::OptimizerParamGroup(std::vector<at::Tensor>{}, options_of(0).clone()));
+  set_options(0, options_of(0));
+  if (groups > 1) add(groups - 1, {}, options_of);
+}
+
 void LocalOptimizer::set_options(size_t group, const torch::optim::OptimizerOptions& options) {
   if (!optimizer_ || group >= optimizer_->param_groups().size()) return;
   auto& target = optimizer_->param_groups()[group];

@@ -658,6 +658,38 @@ TEST(FullyShardedOptions, AnLrSetOnSomeOptimizersOrOnBothSidesIsAClearError) {
       kTimeout);
 }
 
+// With more ranks than parameters, a rank that owns none holds an optimizer over no parameters
+// too, so that an lr set through optimizers() on every rank reaches optimizer() on every rank
+// (before, that rank had no optimizer to set, and its optimizer() kept the old lr).
+TEST(FullyShardedOptions, ARankThatOwnsNoParameterTakesOverTheLrToo) {
+  run_ranks(
+      3,
+      [&](int rank, const Group& group) {
+        const auto data = wide_batch(rank % 2);
+        torch::nn::Sequential model(torch::nn::Linear(128, 3));  // two parameters, three ranks
+        FullyShardedDataParallel fsdp(shampoo::sequential_units(model), adam_factory(), group);
+        const auto iteration = [&] {
+          fsdp.optimizer().zero_grad();
+          loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data).backward();
+          fsdp.optimizer().step();
+        };
+        iteration();
+        int owned = 0;
+        for (const auto& p : model->parameters()) owned += fsdp.owner_of(p) == rank ? 1 : 0;
+        const auto counts = shampoo::detail::gather_int64(*group, {owned});
+        EXPECT_TRUE(counts[0][0] == 0 || counts[1][0] == 0 || counts[2][0] == 0)
+            << "one rank owns no parameter";
+        ASSERT_EQ(fsdp.optimizers().size(), 1u) << "rank " << rank << " owns " << owned;
+        for (auto* optimizer : fsdp.optimizers()) {
+          optimizer->param_groups()[0].options().set_lr(0.002);
+        }
+        iteration();
+        EXPECT_EQ(fsdp.optimizer().param_groups()[0].options().get_lr(), 0.002)
+            << "rank " << rank << " owns " << owned;
+      },
+      kTimeout);
+}
+
 /// LibTorch's Adam whose step throws while `fail` is set (one rank's optimizer error).
 class FailingAdam : public torch::optim::Adam {
  public:

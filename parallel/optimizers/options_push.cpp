@@ -20,8 +20,8 @@ std::string options_bytes(const torch::optim::OptimizerOptions& options) {
   return out.str();
 }
 
-}  // namespace
-
+/// The options' lr; nullopt for an options type without one (OptimizerOptions::get_lr throws
+/// unless the type overrides it; LibTorch's and ShampooOptions do).
 std::optional<double> lr_of(const torch::optim::OptimizerOptions& options) {
   try {
     return options.get_lr();
@@ -29,6 +29,8 @@ std::optional<double> lr_of(const torch::optim::OptimizerOptions& options) {
     return std::nullopt;
   }
 }
+
+}  // namespace
 
 OptionsPush::OptionsPush(std::string who, std::string user, std::string driven)
     : who_(std::move(who)), user_(std::move(user)), driven_(std::move(driven)) {}

@@ -22,10 +22,6 @@ namespace shampoo::detail {
 
 class LocalOptimizer;
 
-/// The options' lr; nullopt for an options type without one (OptimizerOptions::get_lr throws
-/// unless the type overrides it; LibTorch's and ShampooOptions do).
-std::optional<double> lr_of(const torch::optim::OptimizerOptions& options);
-
 class OptionsPush {
  public:
   /// `who` starts the errors ("ShardedOptimizer: "); `user` and `driven` name the two sides as

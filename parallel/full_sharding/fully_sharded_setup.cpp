@@ -184,6 +184,8 @@ void make_shards_and_optimizers(FsdpState& s) {
     }
     s.rank_optimizer->add(g, owned, s.groups.options_of());
   }
+  // A rank that owns no parameter (more ranks than parameters to spread) holds one too.
+  s.rank_optimizer->make_empty(groups.size(), s.groups.options_of());
 }
 
 void add_hooks(FsdpState& s) {

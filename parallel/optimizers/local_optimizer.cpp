@@ -26,8 +26,7 @@ void LocalOptimizer::make(torch::optim::OptimizerParamGroup first) {
 void LocalOptimizer::add(size_t group, const std::vector<at::Tensor>& params,
                          const GroupOptions& options_of) {
   if (!optimizer_) {
-    // Made at the first call, over no parameters possibly: a rank that steps none still holds
-    // one, so that options set on it reach the wrapper's groups there as on the other ranks.
+    if (params.empty()) return;
     make(torch::optim::OptimizerParamGroup(group == 0 ? params : std::vector<at::Tensor>{},
                                            options_of(0).clone()));
     set_options(0, options_of(0));
@@ -45,6 +44,13 @@ void LocalOptimizer::add(size_t group, const std::vector<at::Tensor>& params,
         k == group ? params : std::vector<at::Tensor>{}, options_of(k).clone()));
   }
   if (capabilities_.blocks != nullptr) capabilities_.blocks->register_appended();
+}
+
+void LocalOptimizer::make_empty(size_t groups, const GroupOptions& options_of) {
+  if (optimizer_ || groups == 0) return;
+  make(torch::optim::OptimizerParamGroup(std::vector<at::Tensor>{}, options_of(0).clone()));
+  set_options(0, options_of(0));
+  if (groups > 1) add(groups - 1, {}, options_of);
 }
 
 void LocalOptimizer::set_options(size_t group, const torch::optim::OptimizerOptions& options) {

@@ -39,10 +39,13 @@ class LocalOptimizer {
   using GroupOptions = std::function<const torch::optim::OptimizerOptions&(size_t)>;
   /// Adds `params` (this rank's, holding their full values now) to param group `group`; the
   /// groups before it that the optimizer lacks are made first (empty), group k with
-  /// options_of(k). Not made yet, it is made at the first call, over group 0 (this rank's
-  /// parameters of it, possibly none, with options_of(0)): a rank that steps no parameter still
-  /// holds an optimizer (over none).
+  /// options_of(k). Not made yet, it is made at the first parameter, over group 0 (this rank's
+  /// parameters of it, possibly none, with options_of(0)).
   void add(size_t group, const std::vector<at::Tensor>& params, const GroupOptions& options_of);
+  /// Makes the optimizer over no parameters, in `groups` empty groups (group k with
+  /// options_of(k)), unless it is made: a rank that steps no parameter still holds one, so that
+  /// options set on it reach the wrapper's groups on every rank as on the others.
+  void make_empty(size_t groups, const GroupOptions& options_of);
   /// The optimizer; null until it is made.
   torch::optim::Optimizer* get() const { return optimizer_.get(); }
   /// Copies `options` into param group `group` (nothing when the optimizer lacks it). An error

@@ -11,6 +11,19 @@
 
 namespace shampoo::detail {
 
+void check_distributed_options_agree(const DistributedOptions& d) {
+  if (!d.process_group()) return;
+  using Setting = SharedSetting;
+  check_settings_agree(
+      *d.process_group(), "DistributedShampoo: ",
+      {Setting::dtype("DistributedOptions.communication_dtype", d.communication_dtype()),
+       Setting::number("DistributedOptions.num_trainers_per_group", d.num_trainers_per_group()),
+       Setting::flag("DistributedOptions.communicate_params", d.communicate_params()),
+       Setting::flag("DistributedOptions.merge_param_groups", d.merge_param_groups()),
+       Setting::flag("DistributedOptions.shard_by_parameter", d.shard_by_parameter()),
+       Setting::flag("DistributedOptions.agree_before_update", d.agree_before_update())});
+}
+
 void check_ranks_agree(Distributor& distributor,
                        const std::vector<torch::optim::OptimizerParamGroup>& groups,
                        const ParamRegistry& registry) {

@@ -1,8 +1,9 @@
 #pragma once
 /// Distributed DistributedShampoo: every rank must register the same parameters with the same
-/// structural options, or the ranks' AllGathers would not match. One small AllGather of a
-/// fingerprint at registration checks it; a mismatch is an error on every rank (never a hang
-/// later), saying what differs.
+/// structural options, and construct the optimizer with the same DistributedOptions where they
+/// decide what a rank sends, or the ranks' collectives would not match. One small AllGather at
+/// construction and one at registration check it; a mismatch is an error on every rank (never a
+/// hang, a crash inside Gloo or wrong owners later), saying what differs.
 
 #include <torch/optim/optimizer.h>
 
@@ -10,8 +11,15 @@
 
 #include "distributor/distributor.h"
 #include "shampoo/param_registry.h"
+#include "shampoo/shampoo_options.h"
 
 namespace shampoo::detail {
+
+/// Every rank of `distributed.process_group()` has the same communication dtype, trainer group
+/// size, communicate_params, merge_param_groups, shard_by_parameter and agree_before_update; an
+/// error naming the field and the ranks' values otherwise. Nothing without a process group.
+/// Collective over the whole process group: call it before anything else communicates.
+void check_distributed_options_agree(const DistributedOptions& distributed);
 
 /// Nothing without a process group. Collective otherwise.
 void check_ranks_agree(Distributor& distributor,

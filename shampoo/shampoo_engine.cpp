@@ -13,6 +13,7 @@
 
 #include "shampoo/option_fields.h"
 #include "shampoo/param_updates.h"
+#include "shampoo/rank_agreement.h"
 #include "shampoo/step_scalars.h"
 
 namespace shampoo::detail {
@@ -27,6 +28,7 @@ DistributedOptions validated(const ShampooOptions& defaults, DistributedOptions 
 }
 
 std::unique_ptr<Distributor> make_distributor(const DistributedOptions& distributed) {
+  check_distributed_options_agree(distributed);  // before the Distributor's own collectives
   DistributorConfig config;
   config.process_group = distributed.process_group();
   config.communication_dtype = distributed.communication_dtype();

@@ -88,6 +88,53 @@ std::optional<int> first_differing_rank(const std::vector<std::vector<int64_t>>&
   return std::nullopt;
 }
 
+namespace {
+
+std::string shown_flag(int64_t value) { return value != 0 ? "true" : "false"; }
+std::string shown_number(int64_t value) { return std::to_string(value); }
+std::string shown_dtype(int64_t value) {
+  return value < 0 ? "unset" : c10::toString(static_cast<at::ScalarType>(value));
+}
+
+}  // namespace
+
+SharedSetting SharedSetting::flag(std::string name, bool value) {
+  return {std::move(name), value ? 1 : 0, shown_flag};
+}
+
+SharedSetting SharedSetting::number(std::string name, int64_t value) {
+  return {std::move(name), value, shown_number};
+}
+
+SharedSetting SharedSetting::dtype(std::string name, std::optional<at::ScalarType> value) {
+  return {std::move(name), value ? static_cast<int64_t>(*value) : -1, shown_dtype};
+}
+
+void check_settings_agree(c10d::ProcessGroup& group, const std::string& who,
+                          const std::vector<SharedSetting>& settings) {
+  std::vector<int64_t> mine;
+  for (const auto& setting : settings) mine.push_back(setting.value);
+  const auto all = gather_int64(group, mine);
+  std::string differing;
+  for (size_t s = 0; s < settings.size(); ++s) {
+    std::string ranks;  // the first three ranks that differ
+    int count = 0;
+    for (size_t r = 1; r < all.size() && count <= 3; ++r) {
+      if (all[r][s] == all[0][s]) continue;
+      ranks +=
+          count == 3 ? "..., " : c10::str("rank ", r, " has ", settings[s].shown(all[r][s]), ", ");
+      ++count;
+    }
+    if (count == 0) continue;
+    differing += c10::str(" ", settings[s].name, " differs between the ranks: ", ranks,
+                          "rank 0 has ", settings[s].shown(all[0][s]), ";");
+  }
+  TORCH_CHECK(differing.empty(), who,
+              "every rank must be constructed with the same options where they decide what a "
+              "rank sends:",
+              differing, " the ranks' collectives would not match");
+}
+
 void wait_collectives(std::vector<c10::intrusive_ptr<c10d::Work>>& works, const std::string& who,
                       const std::string& what, int rank) {
   std::string failure;

@@ -74,6 +74,26 @@ std::vector<std::vector<int64_t>> gather_int64(c10d::ProcessGroup& group,
 /// The first rank whose gathered values differ from rank 0's, or none.
 std::optional<int> first_differing_rank(const std::vector<std::vector<int64_t>>& all);
 
+/// An option every rank must set alike because it decides what a rank sends (a dtype, a group
+/// size, whether a collective happens), as one integer and how to print it.
+struct SharedSetting {
+  std::string name;  ///< as the user spells it: "DistributedOptions.merge_param_groups"
+  int64_t value = 0;
+  std::string (*shown)(int64_t) = nullptr;
+
+  static SharedSetting flag(std::string name, bool value);
+  static SharedSetting number(std::string name, int64_t value);
+  /// An optional dtype ("unset" when none).
+  static SharedSetting dtype(std::string name, std::optional<at::ScalarType> value);
+};
+
+/// One small AllGather over `group`: an error on every rank naming each setting that differs and
+/// the ranks' values ("<who>every rank must be constructed with the same options: <name> differs
+/// between the ranks: rank 1 has false, rank 0 has true; ..."). Call it before any other
+/// collective of the construction, whose shapes those settings decide.
+void check_settings_agree(c10d::ProcessGroup& group, const std::string& who,
+                          const std::vector<SharedSetting>& settings);
+
 /// Waits for collectives (all of them, also after a failure); a failure (a rank that died, a
 /// timeout) becomes one error: "<who><what> failed on rank <rank> (...): <c10d's message>".
 void wait_collectives(std::vector<c10::intrusive_ptr<c10d::Work>>& works, const std::string& who,

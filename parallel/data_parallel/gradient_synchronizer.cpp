@@ -102,6 +102,12 @@ GradientSynchronizer::GradientSynchronizer(std::vector<at::Tensor> params,
                                            GradientSynchronizerOptions options)
     : group_(std::move(group)), options_(options) {
   TORCH_CHECK(group_, "GradientSynchronizer: process group is null");
+  detail::check_settings_agree(
+      *group_, "GradientSynchronizer: ",
+      {detail::SharedSetting::number("GradientSynchronizerOptions.bucket_cap_bytes",
+                                     options_.bucket_cap_bytes()),
+       detail::SharedSetting::flag("GradientSynchronizerOptions.broadcast_parameters",
+                                   options_.broadcast_parameters())});
   TORCH_CHECK(options_.bucket_cap_bytes() > 0, "GradientSynchronizerOptions.bucket_cap_bytes: got ",
               options_.bucket_cap_bytes(), ", expected > 0");
   check_params(params);

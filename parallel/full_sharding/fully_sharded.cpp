@@ -39,6 +39,31 @@ class FullyShardedDataParallel::Scaling final : public ScaledStepping {
 
 namespace {
 
+/// The ranks were given the same options where they decide the collectives (before any other
+/// collective, so that a rank set otherwise is an error on every rank, not a crash or a hang).
+void check_options_agree(c10d::ProcessGroup& group, const FullyShardedOptions& options,
+                         bool param_groups) {
+  using Setting = detail::SharedSetting;
+  detail::check_settings_agree(
+      group, detail::kFsdpWho,
+      {Setting{"FullyShardedOptions.step_mode", static_cast<int64_t>(options.step_mode()),
+               [](int64_t mode) -> std::string {
+                 return mode == static_cast<int64_t>(ShardedStepMode::kLossless) ? "kLossless"
+                                                                                 : "kLocalShard";
+               }},
+       Setting::flag("FullyShardedOptions.reshard_after_forward", options.reshard_after_forward()),
+       Setting::flag("FullyShardedOptions.overlap_step", options.overlap_step()),
+       Setting::number("FullyShardedOptions.accumulation_steps", options.accumulation_steps()),
+       Setting::flag("FullyShardedOptions.broadcast_parameters", options.broadcast_parameters()),
+       Setting::dtype("FullyShardedOptions.param_dtype", options.param_dtype()),
+       Setting::dtype("FullyShardedOptions.reduce_dtype", options.reduce_dtype()),
+       Setting::flag("FullyShardedOptions.undo_failed_steps", options.undo_failed_steps()),
+       Setting::flag("FullyShardedOptions.replica_group (set)",
+                     static_cast<bool>(options.replica_group())),
+       Setting::flag("FullyShardedOptions.split_across_replicas", options.split_across_replicas()),
+       Setting::flag("param groups (given to the constructor)", param_groups)});
+}
+
 /// Checks the options and arguments, then sets up `s` (the wrapper's state): its mesh, units,
 /// optimizers and hooks.
 void initialize(FullyShardedDataParallel& fsdp, detail::FsdpState& s,
@@ -51,6 +76,7 @@ void initialize(FullyShardedDataParallel& fsdp, detail::FsdpState& s,
               "optimizer)");
   TORCH_CHECK(group, detail::kFsdpWho, "the process group is null");
   TORCH_CHECK(factory, detail::kFsdpWho, "the optimizer factory is empty");
+  check_options_agree(*group, options, param_groups.has_value());
   TORCH_CHECK(!options.offload_state_to_cpu(), detail::kFsdpWho,
               "offload_state_to_cpu: a CPU-resident optimizer state (the state and the step on "
               "the CPU while the model trains on a GPU) is not supported yet; leave it false");

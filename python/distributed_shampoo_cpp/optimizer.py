@@ -325,7 +325,9 @@ def _engine_call(fn: Callable[[], Any], what: str) -> Any:
     try:
         return fn()
     except RuntimeError as error:
-        raise ValueError(f"{what}: {error}") from None
+        message = str(error)  # the engine's messages mostly name the class already
+        raise ValueError(message if message.startswith(f"{what}: ") else f"{what}: {message}") \
+            from None
 
 
 def _floats_of(group: dict) -> tuple:

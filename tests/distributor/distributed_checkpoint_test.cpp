@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <vector>
 
@@ -80,9 +81,14 @@ struct Trainer {
                                                  .num_trainers_per_group(group ? trainers : -1)
                                                  .merge_param_groups(merge));
   }
+  /// Parameters without a gradient at a step (a frozen or unused layer): none unless set.
+  std::function<bool(int step, size_t param)> no_gradient = [](int, size_t) { return false; };
   void steps(int from, int to) {
     for (int step = from; step <= to; ++step) {
       shampoo::testing::set_random_grads(params, 500 + step);
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (no_gradient(step, i)) params[i].mutable_grad() = at::Tensor();
+      }
       optimizer->step();
     }
   }
@@ -189,6 +195,46 @@ TEST(DistributedCheckpoint, WithoutTheLoadTheResumedRunDiffers) {
   fresh.set_params(snapshot(first.params));
   fresh.steps(kSaveStep + 1, kSteps);
   EXPECT_FALSE(bit_equal(snapshot(fresh.params), expected));
+}
+
+TEST(DistributedCheckpoint, ParametersWithoutGradientsResumeAtAnyWorldSize) {
+  // A frozen parameter (no gradient ever) and one that first gets a gradient after the save: the
+  // checkpoint holds their blocks as every other, and the resumed run at another world size is
+  // the uninterrupted one bit for bit.
+  const auto options = options_for(false);
+  const auto no_gradient = [](int step, size_t param) {
+    return param == 4 || (param == 1 && step <= kSaveStep + 1);
+  };
+  Trainer single(options, {}, -1, true);
+  single.no_gradient = no_gradient;
+  const auto initial = snapshot(single.params);
+  single.steps(1, kSteps);
+  const auto expected = snapshot(single.params);
+  EXPECT_TRUE(at::equal(expected[4], initial[4]));
+  EXPECT_FALSE(at::equal(expected[1], initial[1]));
+  const fs::path dir = shampoo::testing::temp_path("ckpt");
+  std::vector<at::Tensor> saved;
+  std::mutex mutex;
+  run_ranks(2, [&](int, const Group& group) {
+    Trainer trainer(options, group, -1, true);
+    trainer.no_gradient = no_gradient;
+    trainer.steps(1, kSaveStep);
+    shampoo::save_distributed_checkpoint(*trainer.optimizer, dir);
+    std::lock_guard<std::mutex> lock(mutex);
+    saved = snapshot(trainer.params);
+  });
+  for (const int world : {1, 3}) {
+    run_ranks(world, [&](int rank, const Group& group) {
+      Trainer trainer(options, group, -1, world == 1 ? false : true);
+      trainer.no_gradient = no_gradient;
+      trainer.set_params(saved);
+      shampoo::load_distributed_checkpoint(*trainer.optimizer, dir);
+      trainer.steps(kSaveStep + 1, kSteps);
+      EXPECT_TRUE(bit_equal(snapshot(trainer.params), expected))
+          << "world " << world << " rank " << rank;
+    });
+  }
+  shampoo::testing::remove_tree(dir);
 }
 
 TEST(DistributedCheckpoint, LayoutIsAManifestAndOneGenerationDirectory) {

@@ -376,6 +376,66 @@ TEST(Distributed, EveryStructuralOptionIsInTheRanksFingerprint) {
   }
 }
 
+TEST(Distributed, EveryDistributedOptionThatShapesTheCollectivesMustAgree) {
+  // A rank whose DistributedOptions differ in a field that changes what it sends (the buffer's
+  // dtype, the trainer groups, updates or parameters, merged units, owners, the agreement before
+  // the update) would send collectives the others do not expect: Gloo then ends the process, or
+  // the ranks wait forever, or the owners differ and parameters go wrong silently. It is an error
+  // at construction on every rank instead, naming the field and both values.
+  struct Change {
+    std::string field;
+    std::function<DistributedOptions(DistributedOptions)> change;
+    std::string values;
+  };
+  const std::vector<Change> changes{
+      {"communication_dtype",
+       [](DistributedOptions o) { return o.communication_dtype(at::kBFloat16); },
+       "rank 1 has BFloat16, rank 0 has Float"},
+      {"num_trainers_per_group", [](DistributedOptions o) { return o.num_trainers_per_group(1); },
+       "rank 1 has 1, rank 0 has -1"},
+      {"communicate_params", [](DistributedOptions o) { return o.communicate_params(true); },
+       "rank 1 has true, rank 0 has false"},
+      {"merge_param_groups", [](DistributedOptions o) { return o.merge_param_groups(false); },
+       "rank 1 has false, rank 0 has true"},
+      {"shard_by_parameter", [](DistributedOptions o) { return o.shard_by_parameter(true); },
+       "rank 1 has true, rank 0 has false"},
+      {"agree_before_update", [](DistributedOptions o) { return o.agree_before_update(false); },
+       "rank 1 has false, rank 0 has true"},
+  };
+  for (const auto& c : changes) {
+    SCOPED_TRACE(c.field);
+    std::mutex mutex;
+    std::vector<std::string> messages(2);
+    run_ranks(2, [&](int rank, const Group& group) {
+      auto params = make_params(1);
+      const auto base = DistributedOptions().process_group(group);
+      try {
+        DistributedShampoo opt(make_groups(params, ShampooOptions::reference_defaults()),
+                               ShampooOptions::reference_defaults(),
+                               rank == 0 ? base : c.change(base));
+        set_grads(params, 1);
+        opt.step();
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        messages[rank] = e.what_without_backtrace();
+      }
+    });
+    for (const auto& m : messages) {
+      EXPECT_NE(m.find("DistributedOptions." + c.field + " differs between the ranks: " + c.values),
+                std::string::npos)
+          << m;
+    }
+  }
+  // Options that change nothing in the collectives may differ (the undo copy in backward).
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params(1);
+    DistributedShampoo opt(params, ShampooOptions::reference_defaults(),
+                           DistributedOptions().process_group(group).undo_in_backward(rank == 0));
+    set_grads(params, 1);
+    EXPECT_NO_THROW(opt.step());
+  });
+}
+
 /// Rank 1 stops taking part after construction: it exits (its sockets close) or hangs (alive,
 /// never calling step(), until rank 0 has its answer). Rank 0's step must fail with a clear error
 /// naming the cause, never wait forever. The property is the error, not a race: the bound on the

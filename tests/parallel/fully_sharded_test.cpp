@@ -9,6 +9,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -852,6 +853,50 @@ TEST(FullyShardedErrors, UnitsThatDifferAcrossRanksFailOnEveryRank) {
                                                        "rank 0 has 3 units, rank 1 has 2"}
                             : std::vector<std::string>{"units differ across ranks", "unit 0 ('0')",
                                                        "on rank 1 than on rank 0"});
+        },
+        kTimeout);
+  }
+}
+
+// Options that decide the collectives, set otherwise on one rank: before, Gloo ended the process
+// ("collective mismatch") or the ranks waited on each other; now an error on every rank at
+// construction naming the option and both values.
+TEST(FullyShardedErrors, OptionsThatDecideTheCollectivesMustAgreeAcrossRanks) {
+  struct Change {
+    std::function<FullyShardedOptions(FullyShardedOptions)> change;
+    std::string says;
+  };
+  const std::vector<Change> changes{
+      {[](FullyShardedOptions o) { return o.step_mode(shampoo::ShardedStepMode::kLocalShard); },
+       "FullyShardedOptions.step_mode differs between the ranks: rank 1 has kLocalShard, rank 0 "
+       "has kLossless"},
+      {[](FullyShardedOptions o) { return o.reshard_after_forward(false); },
+       "FullyShardedOptions.reshard_after_forward differs between the ranks: rank 1 has false"},
+      {[](FullyShardedOptions o) { return o.overlap_step(false); },
+       "FullyShardedOptions.overlap_step differs between the ranks: rank 1 has false"},
+      {[](FullyShardedOptions o) { return o.accumulation_steps(2); },
+       "FullyShardedOptions.accumulation_steps differs between the ranks: rank 1 has 2, rank 0 "
+       "has 1"},
+      {[](FullyShardedOptions o) { return o.reduce_dtype(at::kBFloat16); },
+       "FullyShardedOptions.reduce_dtype differs between the ranks: rank 1 has BFloat16, rank 0 "
+       "has unset"},
+      {[](FullyShardedOptions o) { return o.broadcast_parameters(false).undo_failed_steps(false); },
+       "FullyShardedOptions.broadcast_parameters differs between the ranks: rank 1 has false, "
+       "rank 0 has true; FullyShardedOptions.undo_failed_steps differs"},
+  };
+  for (const auto& c : changes) {
+    SCOPED_TRACE(c.says);
+    run_ranks(
+        2,
+        [&](int rank, const Group& group) {
+          auto model = make_mlp(6, 10, 3, 5);
+          const auto options = rank == 0 ? FullyShardedOptions() : c.change(FullyShardedOptions());
+          expect_error(
+              [&] {
+                FullyShardedDataParallel fsdp(shampoo::sequential_units(model),
+                                              factory_of(Optim::kAdam), group, options);
+              },
+              {"every rank must be constructed with the same options", c.says});
         },
         kTimeout);
   }

@@ -92,6 +92,24 @@ TEST(GradientSynchronizer, ParametersWithoutGradients) {
   });
 }
 
+TEST(GradientSynchronizer, OptionsThatDecideTheBucketsMustAgreeAcrossRanks) {
+  // Other bucket sizes on one rank made other all-reduces (Gloo ended the process, or buckets of
+  // equal size averaged other parameters' gradients); an error on every rank now.
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto a = at::ones({300}).requires_grad_();
+    auto b = at::ones({300}).requires_grad_();
+    shampoo::testing::expect_error(
+        [&] {
+          GradientSynchronizer sync(
+              {a, b}, group,
+              shampoo::GradientSynchronizerOptions().bucket_cap_bytes(rank == 0 ? 1200 : 2400));
+        },
+        {"GradientSynchronizer: every rank must be constructed with the same options",
+         "GradientSynchronizerOptions.bucket_cap_bytes differs between the ranks: rank 1 has "
+         "2400, rank 0 has 1200"});
+  });
+}
+
 TEST(GradientSynchronizer, NoSyncAccumulatesMicroBatches) {
   run_ranks(2, [&](int rank, const Group& group) {
     auto w = at::ones({5}).requires_grad_();

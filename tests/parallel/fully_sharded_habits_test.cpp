@@ -574,6 +574,59 @@ TEST(FullyShardedMidAccumulation, ACheckpointResumesAsUninterrupted) {
   shampoo::testing::remove_tree(dir);
 }
 
+// A parameter that never has a gradient (registered on a unit, unused by its forward) and one that
+// first has a gradient after the save, with lossless full sharding: the checkpoint holds their
+// optimizer state as every other's, and the run resumed at world 2 equals the uninterrupted one
+// bit for bit (at world 3 within rounding: the gradients are averaged over other splits).
+TEST(FullyShardedCheckpoints, ParametersWithoutGradientsResume) {
+  const auto dir = shampoo::testing::temp_path("fsdp_gradient_free");
+  constexpr int kSave = 3;
+  const auto run = [&](int world, int from, int to, bool load, bool save,
+                       std::vector<at::Tensor>& out) {
+    std::mutex mutex;
+    run_ranks(
+        world,
+        [&](int rank, const Group& group) {
+          auto model = make_mlp(6, 10, 3, /*seed=*/5);
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+          model[0]->register_parameter("never", at::randn({4, 5}, gen));
+          model[2]->register_parameter("later", at::randn({3}, gen));
+          auto later = model[2]->named_parameters(false)["later"];
+          FullyShardedDataParallel fsdp(
+              shampoo::sequential_units(model), shampoo_factory(), group,
+              FullyShardedOptions().overlap_step(false).reshard_after_forward(false));
+          if (load) shampoo::load_distributed_checkpoint(fsdp.optimizer(), dir);
+          for (int step = from; step < to; ++step) {
+            const auto data = sharding_batch(rank, world);
+            fsdp.optimizer().zero_grad();
+            auto loss = loss_of(shampoo::forward_sequential(fsdp, model, data.inputs), data);
+            // "later" enters the loss from step kSave + 1 on (its unit's forward ran and kept
+            // the gathered value: reshard_after_forward off); no gradient before.
+            if (step > kSave) loss = loss + later.square().sum() * 0.01;
+            loss.backward();
+            fsdp.optimizer().step();
+          }
+          if (save) shampoo::save_distributed_checkpoint(fsdp.optimizer(), dir);
+          keep_rank0_values(fsdp, *model, rank, mutex, out);
+        },
+        kTimeout);
+  };
+  std::vector<at::Tensor> initial, uninterrupted, saved, resumed;
+  run(2, 0, 0, false, false, initial);
+  run(2, 0, 6, false, false, uninterrupted);
+  run(2, 0, kSave, false, true, saved);
+  run(2, kSave, 6, true, false, resumed);
+  ASSERT_EQ(uninterrupted.size(), 8u);  // [0] weight, bias, never; [2] weight, bias, later; [4] ..
+  EXPECT_TRUE(at::equal(uninterrupted[2], initial[2]));   // "never" never moved
+  EXPECT_FALSE(at::equal(uninterrupted[5], initial[5]));  // "later" did, after the save
+  EXPECT_TRUE(bit_equal(resumed, uninterrupted)) << "resumed at world 2";
+  run(3, kSave, 6, true, false, resumed);
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    EXPECT_TRUE(all_close(resumed[i], uninterrupted[i], {1e-3, 1e-4})) << "world 3, " << i;
+  }
+  shampoo::testing::remove_tree(dir);
+}
+
 // An lr set on the rank's optimizers directly (optimizers(), as a scheduler attached to them sets
 // it) is taken over into optimizer()'s groups, so that a checkpoint saves the lr that steps (as
 // LibTorch's optimizer saves the lr set on it): the resumed run equals the uninterrupted one.

@@ -164,8 +164,8 @@ int64_t Distributor::exchange(bool failed) {
   return collectives;
 }
 
-std::vector<Distributor::Readiness> Distributor::agree(Readiness mine) {
-  if (!distributed()) return {mine};
+Distributor::Agreement Distributor::agree(Readiness mine, const std::vector<int64_t>& values) {
+  if (!distributed()) return {{mine}, {values}};
   // The device of the AllGather buffers (NCCL takes CUDA tensors), else the CPU.
   at::Device device = at::kCPU;
   for (const auto& unit : units_) {
@@ -174,8 +174,13 @@ std::vector<Distributor::Readiness> Distributor::agree(Readiness mine) {
       break;
     }
   }
-  auto words = at::zeros({world_size_}, at::TensorOptions().dtype(at::kLong).device(device));
-  words[rank_].fill_(static_cast<int64_t>(mine));
+  // Rank r's words: its readiness, then its values; each rank fills its own, the sum is all.
+  const auto width = static_cast<int64_t>(values.size()) + 1;
+  auto mine_words = at::empty({width}, at::kLong);
+  mine_words[0] = static_cast<int64_t>(mine);
+  for (size_t i = 0; i < values.size(); ++i) mine_words[static_cast<int64_t>(i) + 1] = values[i];
+  auto words = at::zeros({world_size_, width}, at::TensorOptions().dtype(at::kLong).device(device));
+  words[rank_].copy_(mine_words);
   std::vector<at::Tensor> tensors{words};
   try {
     detail::start_all_reduce(*group_, tensors)->wait();
@@ -184,10 +189,12 @@ std::vector<Distributor::Readiness> Distributor::agree(Readiness mine) {
   }
   const auto host = words.to(at::kCPU).contiguous();
   const int64_t* data = host.data_ptr<int64_t>();
-  std::vector<Readiness> all(static_cast<size_t>(world_size_));
+  Agreement all;
   for (int r = 0; r < world_size_; ++r) {
-    TORCH_INTERNAL_ASSERT(data[r] >= 0 && data[r] <= 2, "agreement word ", data[r]);
-    all[r] = static_cast<Readiness>(data[r]);
+    const int64_t* row = data + r * width;
+    TORCH_INTERNAL_ASSERT(row[0] >= 0 && row[0] <= 2, "agreement word ", row[0]);
+    all.readiness.push_back(static_cast<Readiness>(row[0]));
+    all.values.emplace_back(row + 1, row + width);
   }
   return all;
 }

@@ -76,10 +76,16 @@ class Distributor {
   int64_t exchange(bool failed = false);
   /// What a rank tells the others before its step changes any state (agree()).
   enum class Readiness : int64_t { kReady = 0, kNeedsJournal = 1, kFailed = 2 };
-  /// One all-reduce over the trainer group, before any state changes: every rank's readiness
-  /// ([world_size]). Every rank calls it once in a step that agrees, also a rank whose step
-  /// already failed, and then no exchange() follows. No collective in a single process.
-  std::vector<Readiness> agree(Readiness mine);
+  /// What agree() learned: per trainer-group rank, its readiness and the values it passed.
+  struct Agreement {
+    std::vector<Readiness> readiness;
+    std::vector<std::vector<int64_t>> values;
+  };
+  /// One all-reduce over the trainer group, before any state changes: every rank's readiness and
+  /// a few `values` (every rank passes as many: fingerprints of what must be equal at this
+  /// step). Every rank calls it once in a step that agrees, also a rank whose step already
+  /// failed, and then no exchange() follows. No collective in a single process.
+  Agreement agree(Readiness mine, const std::vector<int64_t>& values);
   /// After exchange(): the trainer-group ranks whose step failed (ascending; empty when none).
   const std::vector<int>& failed_ranks() const { return failed_ranks_; }
   /// After exchange(): whether the owner of `block` updated it, and its values ([numel]).

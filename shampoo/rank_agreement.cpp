@@ -2,7 +2,9 @@
 
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <string>
 
 #include "parallel/communication/collectives.h"
@@ -22,6 +24,44 @@ void check_distributed_options_agree(const DistributedOptions& d) {
        Setting::flag("DistributedOptions.merge_param_groups", d.merge_param_groups()),
        Setting::flag("DistributedOptions.shard_by_parameter", d.shard_by_parameter()),
        Setting::flag("DistributedOptions.agree_before_update", d.agree_before_update())});
+}
+
+std::vector<int64_t> float_option_prints(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  Fingerprint lrs;
+  Fingerprint others;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& options = options_of(groups[g], g);
+    for (const auto& field : option_fields()) {
+      if (field.kind != OptionKind::kFloat) continue;
+      (field.name == "lr" ? lrs : others).add_list(field.code(options));
+    }
+  }
+  return {lrs.value(), others.value()};
+}
+
+std::string float_options_disagreement(const std::vector<std::vector<int64_t>>& all,
+                                       const std::vector<int64_t>& mine,
+                                       const std::vector<double>& lrs) {
+  std::string which;
+  std::vector<size_t> ranks;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    for (size_t r = 1; r < all.size(); ++r) {
+      if (all[r][i] == all[0][i]) continue;
+      if (which.empty()) which = i == 0 ? "lrs" : "float options other than the lr";
+      if (std::find(ranks.begin(), ranks.end(), r) == ranks.end()) ranks.push_back(r);
+    }
+    if (!which.empty()) break;
+  }
+  if (which.empty()) return {};
+  return fmt::format(
+      "DistributedShampoo: the param groups' {} differ between the ranks of the trainer group at "
+      "this step: rank(s) {} differ from rank 0 (this rank's lr per group: {}). Every rank must "
+      "set the same options: a scheduler stepped on some ranks only, or driven by a rank's own "
+      "metric (ReduceLROnPlateau on a local loss), sets them apart. Nothing changed: the ranks "
+      "agreed on it before any state changed, so parameters, state and step counts are as "
+      "before it",
+      which, fmt::join(ranks, ", "), fmt::join(lrs, ", "));
 }
 
 void check_ranks_agree(Distributor& distributor,

@@ -21,6 +21,19 @@ namespace shampoo::detail {
 /// Collective over the whole process group: call it before anything else communicates.
 void check_distributed_options_agree(const DistributedOptions& distributed);
 
+/// What must be equal on every rank of the trainer group at each step, as fingerprints for the
+/// agreement before the update (Distributor::agree): the groups' lrs, then their other float
+/// options (betas, epsilon, weight decay, momentum, ...): kFloatOptionPrints values.
+constexpr size_t kFloatOptionPrints = 2;
+std::vector<int64_t> float_option_prints(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups);
+
+/// Empty when every rank passed `mine` (float_option_prints) to the agreement; otherwise the
+/// error: which of the two differs, on which ranks, and this rank's lrs (`lrs`, per group).
+std::string float_options_disagreement(const std::vector<std::vector<int64_t>>& all,
+                                       const std::vector<int64_t>& mine,
+                                       const std::vector<double>& lrs);
+
 /// Nothing without a process group. Collective otherwise.
 void check_ranks_agree(Distributor& distributor,
                        const std::vector<torch::optim::OptimizerParamGroup>& groups,

@@ -159,6 +159,11 @@ void ShampooEngine::begin_step(std::vector<torch::optim::OptimizerParamGroup>& g
     abort_step();
     throw;
   }
+  if (agree) {
+    step_prints_ = float_option_prints(groups);
+    step_lrs_.clear();
+    for (size_t g = 0; g < groups.size(); ++g) step_lrs_.push_back(options_of(groups[g], g).lr());
+  }
   // Read once per step: in backward, compute calls come later, and close_step commits these.
   step_lr_sums_ = front_.group_lr_sums;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -290,23 +295,29 @@ void ShampooEngine::close_step(bool completed) {
 bool ShampooEngine::agree_before_update(bool needs_journal) {
   using Readiness = Distributor::Readiness;
   transaction_.set_agreed();
-  std::vector<Readiness> all;
+  Distributor::Agreement all;
   try {
-    all = distributor_->agree(needs_journal ? Readiness::kNeedsJournal : Readiness::kReady);
+    all = distributor_->agree(needs_journal ? Readiness::kNeedsJournal : Readiness::kReady,
+                              step_prints_);
   } catch (...) {
     transaction_.set_exchange_attempted();  // the peers are unreachable: no AllGather after it
     throw;
   }
   std::vector<int> failed;
   bool journal = false;
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r] == Readiness::kFailed) failed.push_back(static_cast<int>(r));
-    journal = journal || all[r] == Readiness::kNeedsJournal;
+  for (size_t r = 0; r < all.readiness.size(); ++r) {
+    if (all.readiness[r] == Readiness::kFailed) failed.push_back(static_cast<int>(r));
+    journal = journal || all.readiness[r] == Readiness::kNeedsJournal;
   }
   if (!failed.empty()) {
     close_step(/*completed=*/false);
     TORCH_CHECK(false,
                 failed_ranks_message(failed, "the ranks agreed on it before any state changed"));
+  }
+  const auto disagreement = float_options_disagreement(all.values, step_prints_, step_lrs_);
+  if (!disagreement.empty()) {
+    close_step(/*completed=*/false);
+    TORCH_CHECK(false, disagreement);
   }
   return journal;
 }
@@ -318,7 +329,9 @@ void ShampooEngine::abort_step() {
     transaction_.set_agreed();
     transaction_.set_exchange_attempted();
     try {
-      distributor_->agree(Distributor::Readiness::kFailed);
+      // As many values as the others pass (this rank's are not compared: its step failed).
+      distributor_->agree(Distributor::Readiness::kFailed,
+                          std::vector<int64_t>(kFloatOptionPrints, 0));
     } catch (const std::exception&) {
       // The agreement failed as well; this rank's own error is the one rethrown.
     }

@@ -104,6 +104,10 @@ class ShampooEngine {
   // Schedule-Free: the open step's Σ lr^p per param group including its terms (committed to the
   // front end's group_lr_sums for the groups that advance).
   std::vector<double> step_lr_sums_;
+  // An agreeing step: what every rank must have set alike (float_option_prints) and the groups'
+  // lrs for its message.
+  std::vector<int64_t> step_prints_;
+  std::vector<double> step_lrs_;
   bool eval_mode_ = false;  // iterate averaging: parameters hold the evaluation sequence x
   StepFaultInjector fault_;
   bool fault_journals_ = true;  // the fault injector makes every step keep its journal

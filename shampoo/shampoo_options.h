@@ -248,12 +248,16 @@ struct DistributedOptions {
   /// the balance is coarser. Not with num_trainers_per_group.
   TORCH_ARG(bool, shard_by_parameter) = false;
   /// Before an ordinary distributed step changes any state, the ranks of the trainer group agree
-  /// that every one of them can take it (one all-reduce of one int per rank, besides the
+  /// that every one of them can take it (one all-reduce of three ints per rank, besides the
   /// AllGather): a step that fails on one rank then changes nothing on any rank without a copy of
   /// the state. A step keeps its undo journal (the state it changes) only where some rank
   /// foresees that it may raise after changing state (an amortized computation past its tolerated
-  /// failures, DistributedShampoo::stats().rollback_bytes_last_step). false: no agreement; every
-  /// distributed step journals what it changes, as a step in backward always does.
+  /// failures, DistributedShampoo::stats().rollback_bytes_last_step). The agreement also carries
+  /// fingerprints of the param groups' float options (lr, betas, epsilon, weight decay, ...): set
+  /// apart on some ranks (a scheduler stepped on one rank, ReduceLROnPlateau on a local loss), the
+  /// step is an error on every rank that changes nothing. false: no agreement and no such check;
+  /// every distributed step journals what it changes, as a step in backward always does (steps
+  /// in backward do not agree and are not checked either).
   TORCH_ARG(bool, agree_before_update) = true;
   /// A step in backward (apply_optimizer_in_backward) saves the state of the blocks it steps
   /// before changing it, so that an error later in the same backward pass (another parameter's

@@ -376,6 +376,47 @@ TEST(Distributed, EveryStructuralOptionIsInTheRanksFingerprint) {
   }
 }
 
+TEST(Distributed, FloatOptionsThatDifferBetweenRanksAreAnErrorThatChangesNothing) {
+  // An lr scheduled on one rank only (or from a rank's own metric) set the ranks apart silently:
+  // each owner stepped its blocks with its own lr. The agreement before the update now carries
+  // fingerprints of the float options, so the step is an error on every rank and changes nothing;
+  // set alike again, the run goes on as if it had never happened.
+  const auto options = cases()[0].options;
+  const auto expected = single_process(options, 3);
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto params = make_params(1);
+    DistributedShampoo opt(make_groups(params, options), options,
+                           DistributedOptions().process_group(group));
+    set_grads(params, 1);
+    opt.step();
+    const auto after_first = snapshot(params);
+    auto& lr_group = opt.param_groups()[0].options();
+    auto& wd_group = static_cast<ShampooOptions&>(opt.param_groups()[1].options());
+    const double lr = lr_group.get_lr();
+    const double wd = wd_group.weight_decay();
+    const std::vector<std::pair<std::function<void()>, std::string>> apart{
+        {[&] { lr_group.set_lr(lr * 0.5); }, "the param groups' lrs differ between the ranks"},
+        {[&] { wd_group.weight_decay(wd + 1e-3); },
+         "the param groups' float options other than the lr differ between the ranks"},
+    };
+    for (const auto& [set_apart, says] : apart) {
+      if (rank == 1) set_apart();
+      set_grads(params, 2);
+      shampoo::testing::expect_error([&] { opt.step(); },
+                                     {says, "rank(s) 1 differ from rank 0", "Nothing changed"});
+      EXPECT_TRUE(bit_equal(snapshot(params), after_first)) << "rank " << rank;
+      EXPECT_EQ(opt.group_step(0), 1);
+      lr_group.set_lr(lr);
+      wd_group.weight_decay(wd);
+    }
+    for (int step = 2; step <= 3; ++step) {
+      set_grads(params, step);
+      opt.step();
+    }
+    EXPECT_TRUE(bit_equal(snapshot(params), expected.back())) << "rank " << rank;
+  });
+}
+
 TEST(Distributed, EveryDistributedOptionThatShapesTheCollectivesMustAgree) {
   // A rank whose DistributedOptions differ in a field that changes what it sends (the buffer's
   // dtype, the trainer groups, updates or parameters, merged units, owners, the agreement before

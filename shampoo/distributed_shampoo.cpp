@@ -5,6 +5,7 @@
 #include <c10/core/GradMode.h>
 
 #include "parallel/optimizers/internal_interfaces.h"
+#include "parallel/optimizers/options_push.h"
 #include "parallel/optimizers/phased_step.h"
 #include "shampoo/distributed_shampoo_checkpoint.h"
 #include "shampoo/engine_checkpoint.h"
@@ -73,6 +74,9 @@ DistributedShampoo::DistributedShampoo(std::vector<torch::optim::OptimizerParamG
       phased_(std::make_unique<Phased>(*this)),
       checkpoint_(std::make_unique<Checkpoint>(*this)) {
   detail::register_internal_interfaces(&Interfaces::lookup);
+  // The options push of the wrappers that drive it (ZeRO-1, full sharding) compares by type.
+  detail::register_options_equality(typeid(ShampooOptions),
+                                    &detail::options_equal_as<ShampooOptions>);
   // Once per optimizer, over all groups (a group of biases alone has a large ratio), before the
   // groups are registered and their state allocated.
   detail::warn_if_state_is_large(param_groups, defaults);

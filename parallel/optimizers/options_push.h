@@ -14,13 +14,33 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <memory>
 #include <optional>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 namespace shampoo::detail {
 
 class LocalOptimizer;
+
+/// Whether two options of one type are equal (both are of the type it was registered for).
+using OptionsEqual = bool (*)(const torch::optim::OptimizerOptions&,
+                              const torch::optim::OptimizerOptions&);
+
+/// Equality by the type's own operator==.
+template <typename Options>
+bool options_equal_as(const torch::optim::OptimizerOptions& a,
+                      const torch::optim::OptimizerOptions& b) {
+  return static_cast<const Options&>(a) == static_cast<const Options&>(b);
+}
+
+/// How the push notices a change in options of `type`: LibTorch's options types (Adam, AdamW,
+/// SGD, Adagrad, RMSprop, LBFGS) are known; an optimizer class of the library registers its own
+/// from its constructors (DistributedShampoo: ShampooOptions); any other type is compared by its
+/// serialized bytes (slower: 10 to 70 µs per group, benchmarks/RESULTS.md). Thread-safe; a second
+/// registration of a type does nothing.
+void register_options_equality(const std::type_info& type, OptionsEqual equal);
 
 class OptionsPush {
  public:
@@ -45,9 +65,15 @@ class OptionsPush {
 
  private:
   struct Pushed {
-    std::string bytes;         // the user's options as last copied (empty: copy at the next push)
+    // The user's options as last copied (null: copy at the next push); of a type without a
+    // registered equality, also their serialized bytes.
+    std::unique_ptr<torch::optim::OptimizerOptions> options;
+    std::string bytes;
     std::optional<double> lr;  // their lr (nullopt: no lr, or nothing to take over)
   };
+  static Pushed pushed_as(const torch::optim::OptimizerOptions& options);
+  /// Whether `options` equal those last copied.
+  static bool unchanged(const Pushed& pushed, const torch::optim::OptimizerOptions& options);
   /// The lr set on the driven optimizers' copy of group `g` since the last push, if one was.
   std::optional<double> lr_set_on_driven(size_t g, const std::vector<LocalOptimizer*>& driven,
                                          bool single_group) const;

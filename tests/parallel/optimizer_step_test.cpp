@@ -8,13 +8,16 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include <functional>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "parallel/optimizers/block_states.h"
 #include "parallel/optimizers/capabilities.h"
 #include "parallel/optimizers/local_optimizer.h"
+#include "parallel/optimizers/options_push.h"
 #include "parallel/optimizers/parameter_owners.h"
 #include "parallel/optimizers/phased_step.h"
 #include "parallel/optimizers/undo_record.h"
@@ -313,6 +316,96 @@ TEST(LocalOptimizer, StepsTheGivenParametersAndRefusesANullFactory) {
       [&] { null_factory.make(torch::optim::OptimizerParamGroup({weight})); },
       {"Wrapper: ", "factory returned null"});
   EXPECT_EQ(null_factory.get(), nullptr);
+}
+
+/// Options of a type the library does not know (a user's optimizer): the push compares them by
+/// their serialized bytes.
+struct PlainOptions : torch::optim::OptimizerCloneableOptions<PlainOptions> {
+  explicit PlainOptions(double lr) : lr_(lr) {}
+  TORCH_ARG(double, lr);
+  TORCH_ARG(double, decay) = 0.0;
+
+ public:
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  void serialize(torch::serialize::OutputArchive& archive) const override {
+    archive.write("lr", c10::IValue(lr()));
+    archive.write("decay", c10::IValue(decay()));
+  }
+  void serialize(torch::serialize::InputArchive& archive) override {
+    c10::IValue value;
+    archive.read("lr", value);
+    lr(value.toDouble());
+    archive.read("decay", value);
+    decay(value.toDouble());
+  }
+};
+
+class PlainOptimizer : public torch::optim::Optimizer {
+ public:
+  PlainOptimizer(torch::optim::OptimizerParamGroup group, const PlainOptions& defaults)
+      : Optimizer({std::move(group)}, std::make_unique<PlainOptions>(defaults)) {}
+  torch::Tensor step(LossClosure /*closure*/) override { return {}; }
+};
+
+/// One options type's push: an option set on the driven optimizer stays while the user's group
+/// is unchanged, and the user's options are copied when any of them changed (not only the lr).
+void expect_push_notices_changes(
+    const shampoo::GroupOptimizerFactory& factory, const torch::optim::OptimizerOptions& base,
+    const std::function<double&(torch::optim::OptimizerOptions&)>& other) {
+  const auto param = at::randn({4, 3}).requires_grad_();
+  shampoo::detail::LocalOptimizer local(factory, "Test: ");
+  local.make(torch::optim::OptimizerParamGroup({param}, base.clone()));
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{param}, base.clone());
+  shampoo::detail::OptionsPush push("Test: ", "param_groups()", "local_optimizer()");
+  push.add_group(groups[0].options());
+  auto& driven = local.get()->param_groups()[0].options();
+  auto& user = groups[0].options();
+  other(driven) = 0.25;
+  push.push(groups, {&local});
+  EXPECT_EQ(other(driven), 0.25) << "the user's options did not change: nothing copied";
+  other(user) = 0.5;
+  push.push(groups, {&local});
+  EXPECT_EQ(other(local.get()->param_groups()[0].options()), 0.5) << "changed: copied";
+  other(local.get()->param_groups()[0].options()) = 0.125;
+  push.push(groups, {&local});
+  EXPECT_EQ(other(local.get()->param_groups()[0].options()), 0.125);
+  user.set_lr(user.get_lr() * 2);
+  push.push(groups, {&local});
+  EXPECT_EQ(local.get()->param_groups()[0].options().get_lr(), user.get_lr());
+  EXPECT_EQ(other(local.get()->param_groups()[0].options()), 0.5);
+}
+
+TEST(OptionsPush, NoticesAChangeOfAnyOptionOfLibTorchsShampoosAndOtherTypes) {
+  {
+    SCOPED_TRACE("torch::optim::Adam");
+    expect_push_notices_changes(
+        shampoo::group_optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.1)),
+        torch::optim::AdamOptions(0.1), [](torch::optim::OptimizerOptions& o) -> double& {
+          auto& adam = static_cast<torch::optim::AdamOptions&>(o);
+          return adam.weight_decay();
+        });
+  }
+  {
+    SCOPED_TRACE("DistributedShampoo");
+    expect_push_notices_changes(
+        shampoo::group_optimizer_factory<DistributedShampoo>(ShampooOptions(0.1)),
+        ShampooOptions(0.1), [](torch::optim::OptimizerOptions& o) -> double& {
+          return static_cast<ShampooOptions&>(o).weight_decay();
+        });
+  }
+  {
+    SCOPED_TRACE("a user's options type");
+    expect_push_notices_changes(
+        [](torch::optim::OptimizerParamGroup group) -> std::unique_ptr<torch::optim::Optimizer> {
+          return std::make_unique<PlainOptimizer>(std::move(group), PlainOptions(0.1));
+        },
+        PlainOptions(0.1),
+        [](torch::optim::OptimizerOptions& o) -> double& {
+          return static_cast<PlainOptions&>(o).decay();
+        });
+  }
 }
 
 }  // namespace

@@ -41,11 +41,10 @@ std::vector<int64_t> float_option_prints(
 }
 
 std::string float_options_disagreement(const std::vector<std::vector<int64_t>>& all,
-                                       const std::vector<int64_t>& mine,
                                        const std::vector<double>& lrs) {
   std::string which;
   std::vector<size_t> ranks;
-  for (size_t i = 0; i < mine.size(); ++i) {
+  for (size_t i = 0; i < all[0].size(); ++i) {
     for (size_t r = 1; r < all.size(); ++r) {
       if (all[r][i] == all[0][i]) continue;
       if (which.empty()) which = i == 0 ? "lrs" : "float options other than the lr";

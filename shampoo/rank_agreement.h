@@ -28,10 +28,10 @@ constexpr size_t kFloatOptionPrints = 2;
 std::vector<int64_t> float_option_prints(
     const std::vector<torch::optim::OptimizerParamGroup>& groups);
 
-/// Empty when every rank passed `mine` (float_option_prints) to the agreement; otherwise the
-/// error: which of the two differs, on which ranks, and this rank's lrs (`lrs`, per group).
+/// Empty when every rank passed the same float_option_prints to the agreement (`all`, per rank);
+/// otherwise the error: which of the two differs, on which ranks, and this rank's lrs (`lrs`,
+/// per group).
 std::string float_options_disagreement(const std::vector<std::vector<int64_t>>& all,
-                                       const std::vector<int64_t>& mine,
                                        const std::vector<double>& lrs);
 
 /// Nothing without a process group. Collective otherwise.

@@ -314,7 +314,7 @@ bool ShampooEngine::agree_before_update(bool needs_journal) {
     TORCH_CHECK(false,
                 failed_ranks_message(failed, "the ranks agreed on it before any state changed"));
   }
-  const auto disagreement = float_options_disagreement(all.values, step_prints_, step_lrs_);
+  const auto disagreement = float_options_disagreement(all.values, step_lrs_);
   if (!disagreement.empty()) {
     close_step(/*completed=*/false);
     TORCH_CHECK(false, disagreement);

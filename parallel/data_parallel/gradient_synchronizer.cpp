@@ -45,13 +45,16 @@ void check_params(const std::vector<at::Tensor>& params) {
 void check_ranks_agree(const std::vector<at::Tensor>& params, c10d::ProcessGroup& group) {
   int64_t numel = 0;
   std::vector<int64_t> frozen;
+  detail::Fingerprint shapes;  // the buckets follow the list
   for (size_t i = 0; i < params.size(); ++i) {
     numel += params[i].numel();
     if (!params[i].requires_grad()) frozen.push_back(static_cast<int64_t>(i));
+    shapes.add(static_cast<int64_t>(params[i].scalar_type())).add_list(params[i].sizes());
   }
   const std::vector<int64_t> mine{
-      static_cast<int64_t>(params.size()), numel, static_cast<int64_t>(frozen.size()),
-      frozen.empty() ? -1 : frozen.front(), detail::fingerprint(frozen)};
+      static_cast<int64_t>(params.size()), numel,
+      static_cast<int64_t>(frozen.size()), frozen.empty() ? -1 : frozen.front(),
+      detail::fingerprint(frozen),         shapes.value()};
   const auto all = detail::gather_int64(group, mine);
   const int rank = group.getRank();
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
@@ -67,6 +70,11 @@ void check_ranks_agree(const std::vector<at::Tensor>& params, c10d::ProcessGroup
                 mine[3] >= 0 ? std::to_string(mine[3]) + ")" : std::string(),
                 "; every rank must freeze the same parameters, or gradients would be averaged "
                 "(or reduced to their owner) over different sets");
+    TORCH_CHECK(all[r][5] == mine[5], "GradientSynchronizer: rank ", r,
+                " passes as many parameters with as many elements as rank ", rank,
+                ", but in other shapes or dtypes, or in another order; every rank must pass the "
+                "same parameters in the same order, or gradients would be averaged with other "
+                "parameters' gradients");
   }
 }
 

@@ -190,8 +190,13 @@ std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_
   // Checked here first, then agreed on: a mistake on one rank is an error on every rank.
   int64_t numel = 0;
   const auto error = check_added(group, first, numel);
-  const std::vector<int64_t> mine{error.empty() ? 0 : 1,
-                                  static_cast<int64_t>(params.size() - first), numel};
+  detail::Fingerprint shapes;  // the owners and the AllGather's layout follow the list
+  for (size_t i = first; i < params.size(); ++i) {
+    shapes.add(params[i].defined() ? static_cast<int64_t>(params[i].scalar_type()) : -1);
+    if (params[i].defined()) shapes.add_list(params[i].sizes());
+  }
+  const std::vector<int64_t> mine{
+      error.empty() ? 0 : 1, static_cast<int64_t>(params.size() - first), numel, shapes.value()};
   const auto all = detail::gather_int64(*group_, mine);
   TORCH_CHECK(error.empty(), "ShardedOptimizer: ", error);
   for (int r = 0; r < world; ++r) {
@@ -201,6 +206,10 @@ std::vector<torch::Tensor> ShardedOptimizer::register_params(size_t group, size_
                 group, ": rank ", r, " adds ", all[r][1], " parameters with ", all[r][2],
                 " elements, rank ", rank, " adds ", mine[1], " with ", mine[2],
                 "; every rank must pass the same parameters");
+    TORCH_CHECK(all[r][3] == mine[3], "ShardedOptimizer: param group ", group, ": rank ", r,
+                " adds as many parameters with as many elements as rank ", rank,
+                ", but in other shapes or dtypes, or in another order; every rank must pass the "
+                "same parameters in the same order");
   }
   // Whole parameters, balanced by size (the same on every rank, going on from the loads of the
   // parameters registered before).

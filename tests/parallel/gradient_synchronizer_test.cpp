@@ -110,6 +110,21 @@ TEST(GradientSynchronizer, OptionsThatDecideTheBucketsMustAgreeAcrossRanks) {
   });
 }
 
+TEST(GradientSynchronizer, TheSameElementsInAnotherOrderAreAnError) {
+  // Rank 1 lists the two parameters the other way round: the buckets followed each rank's list,
+  // so a's gradient was averaged with b's. An error on every rank at construction now.
+  run_ranks(2, [&](int rank, const Group& group) {
+    auto a = at::ones({4, 3}).requires_grad_();
+    auto b = at::ones({3, 4}).requires_grad_();
+    shampoo::testing::expect_error(
+        [&] {
+          GradientSynchronizer sync(
+              rank == 0 ? std::vector<at::Tensor>{a, b} : std::vector<at::Tensor>{b, a}, group);
+        },
+        {"in other shapes or dtypes, or in another order", "same parameters in the same order"});
+  });
+}
+
 TEST(GradientSynchronizer, NoSyncAccumulatesMicroBatches) {
   run_ranks(2, [&](int rank, const Group& group) {
     auto w = at::ones({5}).requires_grad_();

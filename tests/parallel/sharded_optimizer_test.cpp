@@ -244,6 +244,22 @@ TEST(ShardedErrors, DifferentParametersOnRanks) {
     EXPECT_NE(m.find("every rank must pass the same"), std::string::npos) << m;
 }
 
+TEST(ShardedErrors, TheSameElementsInOtherShapesOrOrderOnRanks) {
+  // As many parameters with as many elements, in another order on rank 1: the ranks planned the
+  // owners over other lists, both stepped a, nobody b, and every rank then copied a's values into
+  // b (seen before this check: b's first entry 100 became 0 on both ranks after a step with zero
+  // gradients). An error on every rank at construction now.
+  run_ranks(2, [&](int rank, const Group& group) {
+    const auto a = at::randn({4, 3}).requires_grad_();
+    const auto b = at::randn({3, 4}).requires_grad_();
+    std::vector<at::Tensor> params =
+        rank == 0 ? std::vector<at::Tensor>{a, b} : std::vector<at::Tensor>{b, a};
+    shampoo::testing::expect_error(
+        [&] { ShardedOptimizer opt(params, cases()[0].factory, group); },
+        {"other shapes or dtypes", "every rank must pass the same parameters"});
+  });
+}
+
 // ----- the user's param groups, through the base class (LibTorch habits) -----
 
 GroupOptimizerFactory adam_factory() {

@@ -45,4 +45,7 @@ for _name, _value in vars(_configs).items():
     if _is_config(_name, _value):
         globals()[_name] = _value
         __all__.append(_name)
+# The reference exports it for its FSDP (version 1) configs; here it says they are not supported.
+compile_fsdp_parameter_metadata = _configs.compile_fsdp_parameter_metadata
+__all__.append("compile_fsdp_parameter_metadata")
 __version__ = "0.1.0"

@@ -18,8 +18,8 @@ import torch
 
 
 class WeightDecayType(enum.Enum):
-    """L2: wd·W is added to the gradient; DECOUPLED: W shrinks by lr·wd after the step (AdamW).
-    CORRECTED and INDEPENDENT are the reference's newer kinds, not yet supported (a clear error)."""
+    """L2: wd·W is added to the gradient; DECOUPLED: W shrinks by lr·wd after the step (AdamW);
+    CORRECTED: by lr²·wd/peak_lr; INDEPENDENT: by lr·wd/peak_lr (docs/math.md, step 6)."""
 
     L2 = enum.auto()
     DECOUPLED = enum.auto()
@@ -315,6 +315,76 @@ class FullyShardDistributedConfig(DistributedConfig):
     param_assignment_strategy: FSDPParamAssignmentStrategy = FSDPParamAssignmentStrategy.DEFAULT
     num_sub_groups: int = 1
     load_balancing_config: Any = None
+
+
+# ---- the reference's other distributed configs: importable, refused by the optimizer --------------
+# A script written for the reference imports them by name; DistributedShampoo refuses them with an
+# error naming the config (docs/python.md, "Not supported yet"), as it does the reference's objects.
+@dataclass(kw_only=True)
+class FSDPDistributedConfig(DistributedConfig):
+    """FSDP version 1 (the reference's FSDPDistributor): not supported by this package."""
+
+    target_parameter_dimensionality: int | float = 1
+    param_to_metadata: dict
+
+
+@dataclass(kw_only=True)
+class HSDPDistributedConfig(FSDPDistributedConfig):
+    """HSDP over FSDP version 1: not supported by this package."""
+
+    communication_dtype: torch.dtype = torch.float32
+    num_trainers_per_group: int = -1
+    communicate_params: bool = False
+    load_balancing_config: Any = None
+    device_mesh: Any
+
+
+@dataclass(kw_only=True)
+class HybridShardDistributedConfig(FullyShardDistributedConfig):
+    """Hybrid sharding over FSDP2: not supported by this package (the engine's own hybrid
+    sharding is in C++)."""
+
+    communication_dtype: torch.dtype = torch.float32
+    num_trainers_per_group: int = -1
+    communicate_params: bool = False
+    device_mesh: Any
+
+
+def compile_fsdp_parameter_metadata(module: Any) -> dict:
+    """The reference builds FSDPDistributedConfig's param_to_metadata with it; that config is not
+    supported here, so this is an error that says so."""
+    raise NotImplementedError(
+        "compile_fsdp_parameter_metadata: FSDPDistributedConfig and HSDPDistributedConfig (FSDP "
+        "version 1) are not supported by distributed_shampoo_cpp; wrap the model in DDP and use "
+        "DDPDistributedConfig, or in FSDP2 (fully_shard) and use FullyShardDistributedConfig")
+
+
+def _torch_compile_fields() -> list[tuple[str, Any, Any]]:
+    """torch.compile's keyword parameters but the model (the reference's ShampooPT2CompileConfig
+    has exactly these fields)."""
+    import inspect
+
+    out = []
+    for name, parameter in inspect.signature(torch.compile).parameters.items():
+        if name != "model":
+            default = parameter.default
+            out.append((name, Any, field(default_factory=lambda d=default: d)
+                        if isinstance(default, (dict, list)) else default))
+    return out
+
+
+def _make_pt2_compile_config() -> type:
+    from dataclasses import make_dataclass
+
+    cls = make_dataclass("ShampooPT2CompileConfig", _torch_compile_fields(), kw_only=True)
+    cls.__module__ = __name__
+    cls.__doc__ = (
+        "The reference's settings for torch.compile of its step. Accepted and without effect "
+        "here: the step is C++ already, nothing is traced or compiled.")
+    return cls
+
+
+ShampooPT2CompileConfig = _make_pt2_compile_config()
 
 
 @dataclass

@@ -80,12 +80,14 @@ class DistributedShampoo(torch.optim.Optimizer):
         compact_state: str = "none",
         merge_param_groups: bool = True,
     ) -> None:
-        if shampoo_pt2_compile_config is not None:
+        if shampoo_pt2_compile_config is not None and \
+                _translate.kind(shampoo_pt2_compile_config) != "ShampooPT2CompileConfig":
             raise _translate.unsupported("shampoo_pt2_compile_config", shampoo_pt2_compile_config,
-                                         "the step is compiled C++ already; pass None")
-        # use_pin_memory, shampoo_runtime_config (eager_nan_check) and concurrency_config are
-        # accepted for compatibility: the engine always checks gradients for non-finite values,
-        # keeps its state where the parameters are, and steps all groups in one pass.
+                                         "pass None or a ShampooPT2CompileConfig")
+        # use_pin_memory, shampoo_pt2_compile_config, shampoo_runtime_config (eager_nan_check)
+        # and concurrency_config are accepted for compatibility: the step is C++ (nothing to
+        # compile), the engine always checks gradients for non-finite values, keeps its state
+        # where the parameters are, and steps all groups in one pass.
         self._engine = None
         defaults = dict(
             lr=lr, betas=tuple(betas), beta3=beta3, epsilon=epsilon, weight_decay=weight_decay,
@@ -106,6 +108,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         if mode == "ddp":
             group = self._checked_process_group(group)
         self._distributed_config = distributed_config
+        # Each rank of a DDP or FSDP2 run keeps other state: its state_dict() keys carry the
+        # rank, so that torch.distributed.checkpoint (which keeps one value per key) saves every
+        # rank's and loads each its own.
+        self._rank_key = _rank_key(mode)
         # FullyShardDistributedConfig: the engine steps each rank's local shards (DTensor
         # parameters' local tensors); their gradients are handed over at each step.
         self._shards: list[tuple[torch.Tensor, torch.Tensor]] | None = (
@@ -152,10 +158,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                                  "torch.distributed.fsdp.fully_shard to the model first")
             with torch.no_grad():
                 local = p.to_local()
-            if local.numel() == 0:
-                raise ValueError(f"FullyShardDistributedConfig: parameter {j} of param group "
-                                 f"{index} (shape {tuple(p.shape)}) has no rows on this rank; "
-                                 "not supported yet (put it in a module that is not sharded)")
+            # A parameter with fewer rows than ranks leaves some ranks an empty shard: the
+            # engine keeps no blocks for it there, as the reference's FullyShardDistributor.
             self._shards.append((p, local))
             locals_.append(local)
         return locals_
@@ -248,9 +252,10 @@ class DistributedShampoo(torch.optim.Optimizer):
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """PyTorch's layout: {"state": {index: {...}}, "param_groups": [...]}. A parameter's
-        entry holds its group's "step" and the pieces of its state this rank keeps, each a uint8
-        tensor ("optimizer", "block_<k>"). Config objects are stored as plain values
-        ("engine_options"), so that torch.load(weights_only=True) reads the file."""
+        entry holds its group's "step" and the pieces of its state this rank keeps, each as bytes
+        ("optimizer", "block_<k>"; under DDP or FSDP2 at world > 1 "rank<r>of<w>/block_<k>").
+        Config objects are stored as plain values ("engine_options"), so that
+        torch.load(weights_only=True) reads the file."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         pieces = self._engine.state_pieces()
@@ -260,7 +265,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             packed["engine_options"] = self._options_of(group, g)
             packed["params"] = list(range(index, index + len(group["params"])))
             for i in packed["params"]:
-                state[i] = {"step": self._step_tensors[g].clone(), **pieces[i]}
+                state[i] = {"step": self._step_tensors[g].clone(),
+                            **{self._rank_key + k: v for k, v in pieces[i].items()}}
             index += len(group["params"])
             groups.append(packed)
         result = {"state": state, "param_groups": groups}
@@ -289,7 +295,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         # layout, names after torch.distributed.checkpoint's get/set_optimizer_state_dict.
         keys = [key for saved in saved_groups for key in saved["params"]]
         state = state_dict["state"]
-        pieces = [{k: v for k, v in state.get(key, {}).items() if k != "step"} for key in keys]
+        pieces = [_engine_pieces(_entry_of(state, key), self._rank_key) for key in keys]
         _engine_call(lambda: self._engine.load_state_pieces(pieces), "load_state_dict")
         for saved, group in zip(saved_groups, self.param_groups):
             for key, value in saved.items():
@@ -318,6 +324,48 @@ class DistributedShampoo(torch.optim.Optimizer):
     def memory_summary(self) -> dict:
         """Bytes of optimizer state on this rank, by kind."""
         return self._engine.memory_summary()
+
+
+def _rank_key(mode: str) -> str:
+    """The prefix of this rank's state pieces: none for one process or a replicated optimizer."""
+    if mode == "single" or not (dist.is_available() and dist.is_initialized()):
+        return ""
+    world = dist.get_world_size()
+    return f"rank{dist.get_rank()}of{world}/" if world > 1 else ""
+
+
+def _entry_of(state: dict, key: Any) -> dict:
+    """A parameter's saved state. torch.distributed.checkpoint.load fills tensors in place but
+    sets other values (our pieces) under the key's text: after dcp.load into a state_dict() with
+    PyTorch's integer keys, parameter 0's pieces are under "0" and its step under 0."""
+    entry = dict(state.get(key, {}))
+    if isinstance(key, int) and str(key) in state:
+        entry.update(state[str(key)])
+    return entry
+
+
+def _engine_pieces(entry: dict, rank_key: str) -> dict[str, torch.Tensor]:
+    """A parameter's saved pieces as the engine reads them (uint8 tensors under their own
+    names). Takes bytes (this version's state_dict) or uint8 tensors (earlier versions'); a piece
+    saved by another rank or world size is an error."""
+    out = {}
+    for key, value in entry.items():
+        if key == "step":
+            continue
+        name = key
+        if key.startswith("rank") and "/" in key:
+            prefix, name = key.split("/", 1)
+            if prefix + "/" != rank_key:
+                here = rank_key[:-1] if rank_key else "one process (or a replicated optimizer)"
+                raise ValueError(
+                    f"load_state_dict: the state_dict holds the state of {prefix}; this optimizer "
+                    f"is {here}. Each rank loads the state_dict it saved, at the same world size "
+                    "(save_distributed_checkpoint loads at any)")
+        if isinstance(value, (bytes, bytearray)):
+            value = (torch.frombuffer(bytearray(value), dtype=torch.uint8) if value
+                     else torch.empty(0, dtype=torch.uint8))
+        out[name] = value
+    return out
 
 
 def _engine_call(fn: Callable[[], Any], what: str) -> Any:

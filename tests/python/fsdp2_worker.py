@@ -1,7 +1,7 @@
 """One rank of test_distributed.py's FSDP2 case, launched by torchrun: a model wrapped in
 torch.distributed.fsdp.fully_shard, stepped with FullyShardDistributedConfig (each rank its own
 shards, no communication in the optimizer), equals one process stepping every row chunk of every
-parameter as a parameter of its own. Prints "fsdp2 rank R ok"; raises otherwise."""
+parameter as a parameter of its own; one parameter has fewer rows than ranks (empty shards). Prints "fsdp2 rank R ok"; raises otherwise."""
 
 import os
 import sys
@@ -19,9 +19,27 @@ from worker_settings import ROBUST, SHAMPOO, exact_average, same  # noqa: E402
 STEPS = range(1, 10)
 
 
+class Gain(torch.nn.Module):
+    """A [1, 3] scale of the outputs: fewer rows than ranks, so FSDP2 leaves every rank but the
+    first an empty shard of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((1, 3), 1.1))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def make_sharded_model():
+    model = make_model()
+    model.append(Gain())
+    return model
+
+
 def one_process(world, settings):
     """Every parameter's row chunks (as FSDP2 shards them) stepped as parameters of their own."""
-    model = make_model()
+    model = make_sharded_model()
     chunks = [[c.clone() for c in p.detach().chunk(world, dim=0)] for p in model.parameters()]
     optimizer = ds.DistributedShampoo([c for cs in chunks for c in cs], **settings)
     for t in STEPS:
@@ -45,7 +63,7 @@ def main():
     settings = SHAMPOO if exact else ROBUST
     expected = one_process(world, settings)
 
-    model = make_model()
+    model = make_sharded_model()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     optimizer = ds.DistributedShampoo(model.parameters(),
                                       distributed_config=ds.FullyShardDistributedConfig(),
@@ -58,7 +76,7 @@ def main():
                                  f"{(full - e).abs().max().item():.3e}")
     # Whole parameters give another run (Shampoo's factors span the rows): the comparison above
     # sees the chunking.
-    whole = make_model()
+    whole = make_sharded_model()
     train(whole, ds.DistributedShampoo(whole.parameters(), **settings), STEPS)
     if same(next(whole.parameters()).detach(), expected[0], exact):
         raise AssertionError(f"rank {rank}: chunked and whole runs agree; the test sees nothing")

@@ -1,10 +1,12 @@
 """Distributed from Python under torchrun (Gloo), at world 2 and 3: DDPDistributedConfig
-(tests/python/ddp_worker.py) and FSDP2 with FullyShardDistributedConfig (fsdp2_worker.py); the
-errors a user meets without a process group. SHAMPOO_TORCHRUN names the launcher."""
+(tests/python/ddp_worker.py), FSDP2 with FullyShardDistributedConfig (fsdp2_worker.py),
+torch.distributed.checkpoint save and resume under both (dcp_worker.py); the errors a user meets
+without a process group. SHAMPOO_TORCHRUN names the launcher."""
 
 import os
 import subprocess
 import sys
+import tempfile
 import unittest
 
 import torch
@@ -16,12 +18,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class DistributedFromPython(unittest.TestCase):
-    def _launch(self, worker, world):
+    def _launch(self, worker, world, *args):
         torchrun = env("SHAMPOO_TORCHRUN")
         launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
         result = subprocess.run(
             launcher + ["--standalone", "--nproc-per-node", str(world),
-                        os.path.join(HERE, worker)],
+                        os.path.join(HERE, worker), *args],
             capture_output=True, text=True, timeout=300)
         return result.returncode, result.stdout + result.stderr
 
@@ -40,6 +42,16 @@ class DistributedFromPython(unittest.TestCase):
                 self.assertEqual(code, 0, output[-4000:])
                 for rank in range(world):
                     self.assertIn(f"fsdp2 rank {rank} of {world} ok", output)
+
+    def test_dcp_save_and_resume_under_ddp_and_fsdp2(self):
+        for mode in ("ddp", "fsdp2"):
+            for world in (2, 3):
+                with self.subTest(mode=mode, world=world), \
+                        tempfile.TemporaryDirectory() as directory:
+                    code, output = self._launch("dcp_worker.py", world, mode, directory)
+                    self.assertEqual(code, 0, output[-4000:])
+                    for rank in range(world):
+                        self.assertIn(f"dcp {mode} rank {rank} of {world} ok", output)
 
     def test_without_torch_distributed_the_error_says_what_to_do(self):
         with self.assertRaisesRegex(ValueError, "init_process_group"):

@@ -168,6 +168,50 @@ class StateDict(unittest.TestCase):
         train(other, two_groups(other, **SHAMPOO), range(7, 13))
         self.assertFalse(torch.equal(params_of(other)[0], params_of(uninterrupted)[0]))
 
+    def test_the_references_dcp_flow_resumes_in_one_process(self):
+        # The reference README's checkpointing: dcp.save({"model", "optim"}), and to resume
+        # dcp.load into a new optimizer's state_dict(), then load_state_dict. The state grows as
+        # it fills, so its pieces are bytes (DCP loads a tensor only into one of its size).
+        import torch.distributed.checkpoint as dcp
+
+        model = make_model()
+        optimizer = two_groups(model, **SHAMPOO)
+        train(model, optimizer, range(1, 7))
+        entry = optimizer.state_dict()["state"][0]
+        self.assertEqual(sorted(k for k, v in entry.items() if isinstance(v, bytes)),
+                         ["block_0", "optimizer"])
+        with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP: "no process group, loading in one process"
+            dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
+                     checkpoint_id=directory)
+            train(model, optimizer, range(7, 10))
+            resumed = make_model()
+            resumed_optimizer = two_groups(resumed, **SHAMPOO)
+            state = {"model": resumed.state_dict(), "optim": resumed_optimizer.state_dict()}
+            dcp.load(state, checkpoint_id=directory)
+        resumed.load_state_dict(state["model"])
+        resumed_optimizer.load_state_dict(state["optim"])
+        train(resumed, resumed_optimizer, range(7, 10))
+        assert_bit_equal(self, params_of(resumed), params_of(model), "resumed through DCP")
+
+    def test_a_state_dict_of_the_earlier_layout_loads(self):
+        # Before 2026-12-03 the pieces were 1-D uint8 tensors; such files still load.
+        model = make_model()
+        optimizer = two_groups(model, **SHAMPOO)
+        train(model, optimizer, range(1, 7))
+        saved = optimizer.state_dict()
+        for entry in saved["state"].values():
+            for key, value in entry.items():
+                if isinstance(value, bytes):
+                    entry[key] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
+        copy = make_model()
+        copy.load_state_dict(model.state_dict())
+        resumed = two_groups(copy, **SHAMPOO)
+        resumed.load_state_dict(saved)
+        train(model, optimizer, range(7, 10))
+        train(copy, resumed, range(7, 10))
+        assert_bit_equal(self, params_of(copy), params_of(model), "uint8 pieces")
+
     def test_loaded_floats_come_from_the_state_dict(self):
         model = make_model()
         optimizer = two_groups(model, **SHAMPOO)
@@ -313,6 +357,61 @@ class ReferenceConfigs(unittest.TestCase):
             with self.subTest(fragment):
                 with self.assertRaisesRegex(ValueError, fragment):
                     ds.DistributedShampoo(make_model().parameters(), **kwargs)
+
+
+# The names the reference's package exports (distributed_shampoo/__init__.py's __all__ at
+# facebookresearch/optimizers f606606): a script that imports any of them must still import after
+# its import line names this package.
+REFERENCE_EXPORTS = """
+    AdaGradPreconditionerConfig AdamPreconditionerConfig BaseShampooPreconditionerConfig
+    ClassicShampooPreconditionerConfig CoupledHigherOrderConfig CoupledNewtonConfig
+    DDPDistributedConfig DefaultEigenConfig DefaultEigendecompositionConfig
+    DefaultEigenvalueCorrectedShampooConfig DefaultNewtonSchulzOrthogonalizationConfig
+    DefaultPerturbationConfig DefaultSOAPConfig DefaultShampooConfig
+    DefaultSignDescentPreconditionerConfig DefaultSingleDeviceDistributedConfig
+    DefaultSpectralDescentPreconditionerConfig DistributedConfig DistributedShampoo EigenConfig
+    EigendecomposedKLShampooPreconditionerConfig EigendecomposedShampooPreconditionerConfig
+    EigendecompositionConfig EigenvalueCorrectedShampooPreconditionerConfig
+    EighEigendecompositionConfig FSDPDistributedConfig FSDPParamAssignmentStrategy
+    FullyShardDistributedConfig GeneralizedPrimalAveragingConfig HSDPDistributedConfig
+    HybridShardDistributedConfig IterateAveragingConfig MatrixFunctionConfig
+    NewtonSchulzOrthogonalizationConfig OrthogonalizationConfig PerturbationConfig
+    PreconditionerConfig PseudoInverseConfig QREigendecompositionConfig
+    RMSpropPreconditionerConfig RankDeficientStabilityConfig RootInvConfig
+    RootInvKLShampooPreconditionerConfig RootInvShampooPreconditionerConfig
+    SGDPreconditionerConfig SVDOrthogonalizationConfig ScheduleFreeConfig
+    ShampooPT2CompileConfig SignDescentPreconditionerConfig SingleDeviceDistributedConfig
+    SpectralDescentPreconditionerConfig WeightDecayType compile_fsdp_parameter_metadata
+""".split()
+
+
+class ReferenceImports(unittest.TestCase):
+    def test_every_name_the_reference_exports_imports(self):
+        missing = [name for name in REFERENCE_EXPORTS
+                   if name not in ds.__all__ or not hasattr(ds, name)]
+        self.assertEqual(missing, [])
+
+    def test_a_pt2_compile_config_is_accepted_and_changes_nothing(self):
+        plain, compiled = make_model(), make_model()
+        train(plain, two_groups(plain, **SHAMPOO), range(1, 9))
+        config = ds.ShampooPT2CompileConfig(backend="eager", fullgraph=False)
+        self.assertEqual(config.backend, "eager")
+        train(compiled, two_groups(compiled, shampoo_pt2_compile_config=config, **SHAMPOO),
+              range(1, 9))
+        assert_bit_equal(self, params_of(compiled), params_of(plain), "with a PT2 config")
+        with self.assertRaisesRegex(ValueError, "shampoo_pt2_compile_config='eager'"):
+            ds.DistributedShampoo(make_model().parameters(), shampoo_pt2_compile_config="eager")
+
+    def test_the_fsdp1_and_hybrid_configs_import_and_are_refused_by_name(self):
+        model = make_model()
+        for config in (ds.FSDPDistributedConfig(param_to_metadata={}),
+                       ds.HSDPDistributedConfig(param_to_metadata={}, device_mesh=None),
+                       ds.HybridShardDistributedConfig(device_mesh=None)):
+            with self.subTest(type(config).__name__):
+                with self.assertRaisesRegex(ValueError, type(config).__name__):
+                    ds.DistributedShampoo(model.parameters(), distributed_config=config)
+        with self.assertRaisesRegex(NotImplementedError, "FSDPDistributedConfig"):
+            ds.compile_fsdp_parameter_metadata(model)
 
 
 class WeightDecayTypes(unittest.TestCase):

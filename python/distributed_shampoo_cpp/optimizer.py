@@ -7,6 +7,7 @@ the GIL. docs/python.md says what maps to what.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any, Callable, Iterable
 
@@ -252,8 +253,9 @@ class DistributedShampoo(torch.optim.Optimizer):
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """PyTorch's layout: {"state": {index: {...}}, "param_groups": [...]}. A parameter's
-        entry holds its group's "step" and the pieces of its state this rank keeps, each as bytes
-        ("optimizer", "block_<k>"; under DDP or FSDP2 at world > 1 "rank<r>of<w>/block_<k>").
+        entry holds its group's "step" and the pieces of its state this rank keeps, each a
+        StatePiece (a uint8 tensor; "optimizer", "block_<k>"; under DDP or FSDP2 at world > 1
+        "rank<r>of<w>/block_<k>").
         Config objects are stored as plain values ("engine_options"), so that
         torch.load(weights_only=True) reads the file."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
@@ -261,12 +263,20 @@ class DistributedShampoo(torch.optim.Optimizer):
         pieces = self._engine.state_pieces()
         state, groups, index = {}, [], 0
         for g, group in enumerate(self.param_groups):
-            packed = {k: v for k, v in group.items() if k not in ("params",) + _CONFIG_KEYS}
+            # Config objects as text: torch.load(weights_only=True) reads plain values only, and
+            # flatten_optimizer_state_dict asks for every key of the live groups.
+            packed = {k: (_config_text(v) if k in _CONFIG_KEYS else v)
+                      for k, v in group.items() if k != "params"}
             packed["engine_options"] = self._options_of(group, g)
             packed["params"] = list(range(index, index + len(group["params"])))
-            for i in packed["params"]:
+            for i, p in zip(packed["params"], group["params"]):
                 state[i] = {"step": self._step_tensors[g].clone(),
-                            **{self._rank_key + k: v for k, v in pieces[i].items()}}
+                            **{self._rank_key + k: v.as_subclass(StatePiece)
+                               for k, v in pieces[i].items()}}
+                # The names of the pieces, in self.state too: flatten_optimizer_state_dict
+                # rebuilds a loaded entry from the names there (the values stay empty).
+                self.state[p] = {"step": self._step_tensors[g],
+                                 **{k: _EMPTY_PIECE for k in state[i] if k != "step"}}
             index += len(group["params"])
             groups.append(packed)
         result = {"state": state, "param_groups": groups}
@@ -326,6 +336,38 @@ class DistributedShampoo(torch.optim.Optimizer):
         return self._engine.memory_summary()
 
 
+class StatePiece(torch.Tensor):
+    """A piece of the engine's serialized state in state_dict(): a 1-D uint8 tensor (torch.save,
+    torch.equal, flatten_optimizer_state_dict and the like take it as one) that
+    torch.distributed.checkpoint saves as one object, not as a tensor. Its length changes as the
+    state fills, and DCP loads a tensor only into one of the same size: a new optimizer's
+    state_dict() could not take a checkpoint's. A checkpoint of it loads into any template."""
+
+    def __deepcopy__(self, memo: dict) -> "StatePiece":
+        copy = self.as_subclass(torch.Tensor).clone().as_subclass(StatePiece)
+        memo[id(self)] = copy
+        return copy
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        # The protocol DCP's planner asks a value for its write items (DTensor implements it).
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+        return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]
+
+
+torch.serialization.add_safe_globals([StatePiece])  # torch.load(weights_only=True) reads it
+_EMPTY_PIECE = torch.empty(0, dtype=torch.uint8).as_subclass(StatePiece)
+
+
+def _config_text(value: Any) -> Any:
+    """A config in state_dict()'s param groups: plain values as they are, others as text (a
+    loaded state_dict's configs are checked through engine_options, not these)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return getattr(value, "name", None) if isinstance(value, enum.Enum) else repr(value)
+
+
 def _rank_key(mode: str) -> str:
     """The prefix of this rank's state pieces: none for one process or a replicated optimizer."""
     if mode == "single" or not (dist.is_available() and dist.is_initialized()):
@@ -346,8 +388,8 @@ def _entry_of(state: dict, key: Any) -> dict:
 
 def _engine_pieces(entry: dict, rank_key: str) -> dict[str, torch.Tensor]:
     """A parameter's saved pieces as the engine reads them (uint8 tensors under their own
-    names). Takes bytes (this version's state_dict) or uint8 tensors (earlier versions'); a piece
-    saved by another rank or world size is an error."""
+    names). Takes StatePiece or plain uint8 tensors (earlier versions'), or bytes; a piece saved
+    by another rank or world size is an error."""
     out = {}
     for key, value in entry.items():
         if key == "step":
@@ -364,6 +406,8 @@ def _engine_pieces(entry: dict, rank_key: str) -> dict[str, torch.Tensor]:
         if isinstance(value, (bytes, bytearray)):
             value = (torch.frombuffer(bytearray(value), dtype=torch.uint8) if value
                      else torch.empty(0, dtype=torch.uint8))
+        elif isinstance(value, torch.Tensor):
+            value = value.as_subclass(torch.Tensor)
         out[name] = value
     return out
 
@@ -416,6 +460,14 @@ def _check_saved_group(index: int, saved: dict, group: dict, options: dict) -> N
         raise ValueError(f"load_state_dict: param group {index} has {len(saved['params'])} "
                          f"parameters in the state_dict, {len(group['params'])} here")
     saved_options = saved.get("engine_options")
+    if saved_options is None and all(k in saved for k in _STRUCTURAL_KEYS):
+        # flatten_optimizer_state_dict keeps the live groups' keys only: check those.
+        for key in _STRUCTURAL_KEYS:
+            here = _config_text(group[key]) if key in _CONFIG_KEYS else group[key]
+            if saved[key] != here:
+                raise ValueError(f"load_state_dict: param group {index}: {key} is "
+                                 f"{saved[key]!r} in the state_dict, {here!r} here")
+        return
     if saved_options is None:
         raise ValueError(f"load_state_dict: param group {index} has no engine_options (a "
                          "state_dict of another optimizer?)")

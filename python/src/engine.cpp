@@ -18,6 +18,12 @@ torch::optim::OptimizerParamGroup group_of(const GroupSpec& spec) {
       spec.params, std::make_unique<ShampooOptions>(shampoo_options_from(spec.options)));
 }
 
+at::Tensor bytes_tensor(const std::string& bytes) {
+  auto tensor = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(tensor.data_ptr(), bytes.data(), bytes.size());
+  return tensor;
+}
+
 std::string tensor_bytes(const at::Tensor& tensor, const std::string& key) {
   TORCH_CHECK(tensor.scalar_type() == at::kByte && tensor.dim() == 1,
               "load_state_dict: state entry '", key,
@@ -73,18 +79,18 @@ std::vector<at::Tensor> Engine::all_params() const {
   return params;
 }
 
-std::vector<std::map<std::string, py::bytes>> Engine::state_pieces() const {
+std::vector<std::map<std::string, at::Tensor>> Engine::state_pieces() const {
   const auto params = all_params();
   std::map<const c10::TensorImpl*, size_t> index;
   for (size_t i = 0; i < params.size(); ++i) index[params[i].unsafeGetTensorImpl()] = i;
-  std::vector<std::map<std::string, py::bytes>> out(params.size());
+  std::vector<std::map<std::string, at::Tensor>> out(params.size());
   PieceWriter pieces([&](const std::string& key, torch::serialize::OutputArchive piece) {
     torch::serialize::OutputArchive holder;
     holder.write("piece_0", piece);
     std::ostringstream stream;
     holder.save_to(stream);
     const auto [i, rest] = split_key(key);
-    out.at(i).insert_or_assign(rest, py::bytes(stream.str()));
+    out.at(i)[rest] = bytes_tensor(stream.str());
   });
   const ParamNames names = [&](const at::Tensor& p) {
     return "p" + std::to_string(index.at(p.unsafeGetTensorImpl()));

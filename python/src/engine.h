@@ -38,12 +38,11 @@ class Engine {
   size_t num_groups() const;
 
   /// Per parameter (index over the groups' parameters, in order), the pieces of its state that
-  /// this rank holds, each serialized into bytes: "optimizer" (its group's step count and mode)
-  /// and "block_<k>" per block this rank owns. Bytes, not tensors: their length changes as the
-  /// state fills, and torch.distributed.checkpoint loads a tensor only into one of its size.
-  std::vector<std::map<std::string, pybind11::bytes>> state_pieces() const;
-  /// Loads what state_pieces() returned, each piece as a 1-D uint8 tensor (the same parameters,
-  /// in the same order); nothing changes unless every piece reads and checks.
+  /// this rank holds, each serialized into a uint8 tensor: "optimizer" (its group's step count
+  /// and mode) and "block_<k>" per block this rank owns.
+  std::vector<std::map<std::string, at::Tensor>> state_pieces() const;
+  /// Loads what state_pieces() returned (the same parameters, in the same order); nothing changes
+  /// unless every piece reads and checks.
   void load_state_pieces(const std::vector<std::map<std::string, at::Tensor>>& pieces);
 
   void train();

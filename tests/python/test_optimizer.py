@@ -4,6 +4,7 @@ torch.optim's own optimizers, the C++ class, schedulers, GradScaler and state_di
 Run by CTest (python_tests, label python) with PYTHONPATH holding the built package and torch,
 and SHAMPOO_CPP_TRAJECTORY naming tests/python/cpp_trajectory's binary."""
 
+import copy
 import io
 import math
 import os
@@ -171,15 +172,21 @@ class StateDict(unittest.TestCase):
     def test_the_references_dcp_flow_resumes_in_one_process(self):
         # The reference README's checkpointing: dcp.save({"model", "optim"}), and to resume
         # dcp.load into a new optimizer's state_dict(), then load_state_dict. The state grows as
-        # it fills, so its pieces are bytes (DCP loads a tensor only into one of its size).
+        # it fills (DCP loads a tensor only into one of its size): the pieces are StatePiece
+        # tensors, which DCP saves as objects.
         import torch.distributed.checkpoint as dcp
 
         model = make_model()
         optimizer = two_groups(model, **SHAMPOO)
+        fresh_size = optimizer.state_dict()["state"][0]["block_0"].numel()
         train(model, optimizer, range(1, 7))
         entry = optimizer.state_dict()["state"][0]
-        self.assertEqual(sorted(k for k, v in entry.items() if isinstance(v, bytes)),
+        self.assertEqual(sorted(k for k, v in entry.items() if type(v).__name__ == "StatePiece"),
                          ["block_0", "optimizer"])
+        self.assertNotEqual(entry["block_0"].numel(), fresh_size)  # what DCP could not load
+        copied = copy.deepcopy(entry)  # as the reference's checkpoint test does
+        self.assertEqual(type(copied["block_0"]), type(entry["block_0"]))
+        self.assertTrue(torch.equal(copied["block_0"], entry["block_0"]))
         with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP: "no process group, loading in one process"
             dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
@@ -195,15 +202,15 @@ class StateDict(unittest.TestCase):
         assert_bit_equal(self, params_of(resumed), params_of(model), "resumed through DCP")
 
     def test_a_state_dict_of_the_earlier_layout_loads(self):
-        # Before 2026-12-03 the pieces were 1-D uint8 tensors; such files still load.
+        # Before 2026-12-03 the pieces were plain 1-D uint8 tensors; such files still load.
         model = make_model()
         optimizer = two_groups(model, **SHAMPOO)
         train(model, optimizer, range(1, 7))
         saved = optimizer.state_dict()
         for entry in saved["state"].values():
             for key, value in entry.items():
-                if isinstance(value, bytes):
-                    entry[key] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
+                if key != "step":
+                    entry[key] = value.as_subclass(torch.Tensor).clone()
         copy = make_model()
         copy.load_state_dict(model.state_dict())
         resumed = two_groups(copy, **SHAMPOO)

@@ -306,6 +306,13 @@ class DistributedShampoo(torch.optim.Optimizer):
         keys = [key for saved in saved_groups for key in saved["params"]]
         state = state_dict["state"]
         pieces = [_engine_pieces(_entry_of(state, key), self._rank_key) for key in keys]
+        if keys and not any(pieces):
+            raise ValueError(
+                "load_state_dict: the state_dict holds no state pieces (every parameter has "
+                "one). A flattened state_dict (flatten_optimizer_state_dict=True) is rebuilt from "
+                "the names in optimizer.state, which state_dict() puts there: call "
+                "get_optimizer_state_dict (or state_dict()) on this optimizer first, as DCP "
+                "recipes do to make the state_dict to load into")
         _engine_call(lambda: self._engine.load_state_pieces(pieces), "load_state_dict")
         for saved, group in zip(saved_groups, self.param_groups):
             for key, value in saved.items():

@@ -201,6 +201,26 @@ class StateDict(unittest.TestCase):
         train(resumed, resumed_optimizer, range(7, 10))
         assert_bit_equal(self, params_of(resumed), params_of(model), "resumed through DCP")
 
+    def test_flattened_state_dicts_load_and_say_what_they_need(self):
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict,
+                                                             set_optimizer_state_dict)
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        model = make_model()
+        optimizer = two_groups(model, **SHAMPOO)
+        train(model, optimizer, range(1, 6))
+        saved = get_optimizer_state_dict(model, optimizer, options=flat)
+        copy_ = make_model()
+        copy_.load_state_dict(model.state_dict())
+        resumed = two_groups(copy_, **SHAMPOO)
+        with self.assertRaisesRegex(ValueError, "get_optimizer_state_dict"):
+            set_optimizer_state_dict(copy_, resumed, saved, options=flat)
+        get_optimizer_state_dict(copy_, resumed, options=flat)  # as a DCP recipe does
+        set_optimizer_state_dict(copy_, resumed, saved, options=flat)
+        train(model, optimizer, range(6, 9))
+        train(copy_, resumed, range(6, 9))
+        assert_bit_equal(self, params_of(copy_), params_of(model), "flattened round trip")
+
     def test_a_state_dict_of_the_earlier_layout_loads(self):
         # Before 2026-12-03 the pieces were plain 1-D uint8 tensors; such files still load.
         model = make_model()

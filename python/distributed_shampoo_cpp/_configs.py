@@ -364,13 +364,9 @@ def _torch_compile_fields() -> list[tuple[str, Any, Any]]:
     has exactly these fields)."""
     import inspect
 
-    out = []
-    for name, parameter in inspect.signature(torch.compile).parameters.items():
-        if name != "model":
-            default = parameter.default
-            out.append((name, Any, field(default_factory=lambda d=default: d)
-                        if isinstance(default, (dict, list)) else default))
-    return out
+    return [(name, Any, parameter.default)
+            for name, parameter in inspect.signature(torch.compile).parameters.items()
+            if name != "model"]
 
 
 def _make_pt2_compile_config() -> type:

@@ -66,6 +66,20 @@ def two_groups(model, **kwargs):
                                   {"params": [params[1], params[3]], "lr": 0.02}], **kwargs)
 
 
+def twin_of(model):
+    """A model with `model`'s weights and a new optimizer over it (two_groups, SHAMPOO)."""
+    copy = make_model()
+    copy.load_state_dict(model.state_dict())
+    return copy, two_groups(copy, **SHAMPOO)
+
+
+def assert_continue_alike(test, original, resumed, steps, what):
+    """Both (model, optimizer) runs take the same steps and end equal, bit for bit."""
+    for model, optimizer in (original, resumed):
+        train(model, optimizer, steps)
+    assert_bit_equal(test, params_of(resumed[0]), params_of(original[0]), what)
+
+
 class GraftingMatchesTorchOptim(unittest.TestCase):
     def test_each_grafting_config_is_its_torch_optimizer(self):
         for name, reference_of, kwargs in GRAFTING_CASES:
@@ -210,16 +224,13 @@ class StateDict(unittest.TestCase):
         optimizer = two_groups(model, **SHAMPOO)
         train(model, optimizer, range(1, 6))
         saved = get_optimizer_state_dict(model, optimizer, options=flat)
-        copy_ = make_model()
-        copy_.load_state_dict(model.state_dict())
-        resumed = two_groups(copy_, **SHAMPOO)
+        copy_, resumed = twin_of(model)
         with self.assertRaisesRegex(ValueError, "get_optimizer_state_dict"):
             set_optimizer_state_dict(copy_, resumed, saved, options=flat)
         get_optimizer_state_dict(copy_, resumed, options=flat)  # as a DCP recipe does
         set_optimizer_state_dict(copy_, resumed, saved, options=flat)
-        train(model, optimizer, range(6, 9))
-        train(copy_, resumed, range(6, 9))
-        assert_bit_equal(self, params_of(copy_), params_of(model), "flattened round trip")
+        assert_continue_alike(self, (model, optimizer), (copy_, resumed), range(6, 9),
+                              "flattened round trip")
 
     def test_a_state_dict_of_the_earlier_layout_loads(self):
         # Before 2026-12-03 the pieces were plain 1-D uint8 tensors; such files still load.
@@ -231,13 +242,10 @@ class StateDict(unittest.TestCase):
             for key, value in entry.items():
                 if key != "step":
                     entry[key] = value.as_subclass(torch.Tensor).clone()
-        copy = make_model()
-        copy.load_state_dict(model.state_dict())
-        resumed = two_groups(copy, **SHAMPOO)
+        copy, resumed = twin_of(model)
         resumed.load_state_dict(saved)
-        train(model, optimizer, range(7, 10))
-        train(copy, resumed, range(7, 10))
-        assert_bit_equal(self, params_of(copy), params_of(model), "uint8 pieces")
+        assert_continue_alike(self, (model, optimizer), (copy, resumed), range(7, 10),
+                              "uint8 pieces")
 
     def test_loaded_floats_come_from_the_state_dict(self):
         model = make_model()
@@ -269,13 +277,10 @@ class StateDict(unittest.TestCase):
 
         train(model, optimizer, range(1, 7))
         saved = get_optimizer_state_dict(model, optimizer)
-        copy = make_model()
-        copy.load_state_dict(model.state_dict())
-        resumed = two_groups(copy, **SHAMPOO)
+        copy, resumed = twin_of(model)
         set_optimizer_state_dict(copy, resumed, saved)
-        train(model, optimizer, range(7, 10))
-        train(copy, resumed, range(7, 10))
-        assert_bit_equal(self, params_of(copy), params_of(model), "DCP state dict round trip")
+        assert_continue_alike(self, (model, optimizer), (copy, resumed), range(7, 10),
+                              "DCP state dict round trip")
 
 
 class GradScalerSkipsOverflow(unittest.TestCase):
